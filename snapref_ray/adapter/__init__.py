@@ -1,0 +1,21 @@
+"""SnapRef: the `anima_ref_kv/1` adapter file, synthetic adapters, inspection and reference images."""
+
+from snapref_ray.adapter.file import (
+    FORMAT, REF_LINEARS, TARGET_LINEARS, WEIGHT_FORMATS, AdapterError, AdapterLayout, AdapterMeta, SnapRefAdapter,
+    adapter_identity, check_adapter_file, estimate_file_size, load_adapter, save_adapter,
+)
+from snapref_ray.adapter.generate import char_mode_weights, make_adapter
+from snapref_ray.adapter.images import (
+    MAX_REFERENCE_PIXELS, ReferenceImageError, content_hash, fit_megapixels, image_to_pixels, open_reference,
+    prepare_reference, stitch_side_by_side,
+)
+from snapref_ray.adapter.inspect import format_inspection, inspect_adapter
+
+__all__ = [
+    "FORMAT", "REF_LINEARS", "TARGET_LINEARS", "WEIGHT_FORMATS", "AdapterError", "AdapterLayout", "AdapterMeta",
+    "SnapRefAdapter", "adapter_identity", "check_adapter_file", "estimate_file_size", "load_adapter", "save_adapter",
+    "char_mode_weights", "make_adapter",
+    "MAX_REFERENCE_PIXELS", "ReferenceImageError", "content_hash", "fit_megapixels", "image_to_pixels",
+    "open_reference", "prepare_reference", "stitch_side_by_side",
+    "format_inspection", "inspect_adapter",
+]

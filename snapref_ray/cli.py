@@ -1,0 +1,230 @@
+"""`snapref-ray ...`: the command line. Each subcommand maps its flags onto the shared models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from snapref_ray.requests import RenderSettings
+
+log = logging.getLogger("snapref_ray")
+
+
+def _settings_flags(p: argparse.ArgumentParser) -> None:
+    """Flags for every RenderSettings field, named like the field (--ref-weight for ref_weight)."""
+    for name, info in RenderSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if info.annotation is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=info.description)
+        else:
+            kind = info.annotation if info.annotation in (int, float) else str
+            p.add_argument(flag, dest=name, type=kind, default=None, help=info.description)
+
+
+def _settings_from(args: argparse.Namespace) -> RenderSettings:
+    given = {name: getattr(args, name) for name in RenderSettings.model_fields if getattr(args, name, None) is not None}
+    return RenderSettings(**given)
+
+
+def _progress(total_label: str):
+    from tqdm import tqdm
+
+    bar = tqdm(total=None, desc=total_label, unit="step")
+
+    def update(step: int, total: int) -> None:
+        bar.total = total
+        bar.update(1)
+
+    return bar, update
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from snapref_ray.tiny import TinyConfig, make_tiny
+
+    out = make_tiny(args.dir, TinyConfig(num_blocks=args.blocks, seed=args.seed))
+    print(f"wrote a tiny model set to {out} (dit, text_encoder, vae, adapter, tokenizers, reference.png)")
+    return 0
+
+
+def cmd_txt2img(args: argparse.Namespace) -> int:
+    from snapref_ray.engine import Renderer
+    from snapref_ray.requests import RenderRequest
+
+    settings = _settings_from(args)
+    renderer = Renderer.from_folder(args.models, adapter=args.adapter,
+                                    loras=[(p, s) for p, s in (_parse_lora(x) for x in args.lora)],
+                                    device=args.device)
+    references = None
+    layout = "single"
+    if args.reference:
+        references = [Path(p).read_bytes() for p in args.reference]
+        layout = "multi" if len(references) > 1 else "single"
+        if args.reference2:
+            if len(args.reference) != 1:
+                raise SystemExit("--reference2 (a second character) goes with exactly one --reference")
+            references.append(Path(args.reference2).read_bytes())
+            layout = "pair"
+    init = None
+    if args.init_image:
+        from PIL import Image
+
+        init = Image.open(args.init_image)
+    requests = [RenderRequest(prompt=args.prompt, seed=args.seed + i, settings=settings) for i in range(args.n)]
+    bar, update = _progress("sampling")
+    with bar:
+        results = renderer.render(requests, references=references, layout=layout, init_image=init, progress=update)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for i, result in enumerate(results):
+        path = out if len(results) == 1 else out.with_name(f"{out.stem}_{i:03d}{out.suffix}")
+        result.image.save(path)
+        t = result.timings
+        print(f"{path}  seed {result.request.seed}  sample {t['sample_s']:.2f} s  decode {t['decode_s']:.2f} s"
+              + (f"  reference encode {t['encode_s']:.2f} s" if references else ""))
+    return 0
+
+
+def _parse_lora(text: str) -> tuple[str, float]:
+    path, _, strength = text.partition(":") if not Path(text).exists() else (text, "", "")
+    return path, float(strength) if strength else 1.0
+
+
+def cmd_adapter_inspect(args: argparse.Namespace) -> int:
+    from snapref_ray.adapter.inspect import format_inspection, inspect_adapter
+
+    print(format_inspection(inspect_adapter(args.file)))
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from pipelines.generate_dataset import run_job
+    from snapref_ray.storage.jobspec import load_job_spec, quick_spec
+
+    target = args.spec_or_manifest
+    if target.endswith((".yaml", ".yml")):
+        spec = load_job_spec(target)
+        if args.out:
+            spec = spec.model_copy(update={"output": spec.output.model_copy(update={"uri": args.out})})
+    else:
+        if not args.models or not args.out:
+            raise SystemExit("the quick form needs --models DIR and --out DIR_OR_S3_URI")
+        overrides = {name: getattr(args, name) for name in RenderSettings.model_fields
+                     if getattr(args, name, None) is not None}
+        spec = quick_spec(target, args.models, args.adapter, args.out, workers=args.workers, **overrides)
+    summary = run_job(spec, progress=not args.no_progress)
+    _print_summary(summary)
+    return 1 if summary["failed_items"] else 0
+
+
+def _print_summary(summary: dict) -> None:
+    print(f"{summary['images_total']} images in {summary['output']} ({summary['images_this_run']} this run, "
+          f"{summary['skipped_already_done']} already there, {summary['failed_items']} failed, "
+          f"{summary['invalid_rows']} invalid rows); {summary['images_per_hour']:.0f} images/hour, "
+          f"{summary['encodes_per_reference']:.2f} encodes per reference")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pipelines.generate_dataset import run_job
+    from snapref_ray.storage.jobspec import load_job_spec
+    from snapref_ray.tiny import make_tiny
+
+    import jobs
+
+    out = Path(args.out).resolve()
+    models = out / "tiny-models"
+    if not (models / "dit.safetensors").exists():
+        make_tiny(models)
+    spec = load_job_spec(str(Path(jobs.__file__).parent / "example_spec.yaml"))
+    spec = spec.model_copy(update={
+        "models": spec.models.model_copy(update={"models_dir": str(models)}),
+        "output": spec.output.model_copy(update={"uri": str(out)})})
+    summary = run_job(spec, progress=not args.no_progress)
+    _print_summary(summary)
+    print(f"open {out / 'gallery.html'} to look at the results")
+    return 1 if summary["failed_items"] else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from snapref_ray.report import write_report
+
+    result = write_report(args.output)
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="snapref-ray", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny", help="write a tiny random-weight model set (real file layouts) for tests and demos")
+    p.add_argument("dir")
+    p.add_argument("--blocks", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny)
+
+    p = sub.add_parser("txt2img", help="render images from a prompt (optionally with a SnapRef reference)")
+    p.add_argument("--models", required=True, help="model folder (tiny or real)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--out", required=True, help="output PNG path (numbered when --n > 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=1, help="images, consecutive seeds, one batch")
+    p.add_argument("--adapter", help="SnapRef anima_ref_kv/1 file (default: adapter.safetensors in --models if present)")
+    p.add_argument("--reference", action="append", default=[], help="reference image; repeat for several of one character")
+    p.add_argument("--reference2", help="second character's reference, stitched to the right of --reference")
+    p.add_argument("--lora", action="append", default=[], help="standard LoRA to merge, PATH[:STRENGTH]; repeatable")
+    p.add_argument("--init-image", help="input image for img2img (use with --denoise < 1)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    _settings_flags(p)
+    p.set_defaults(func=cmd_txt2img)
+
+    p = sub.add_parser("adapter", help="SnapRef adapter files")
+    adapter_sub = p.add_subparsers(dest="adapter_command", required=True)
+    q = adapter_sub.add_parser("inspect", help="print format, base model, blocks, ranks, modes, parameters, size")
+    q.add_argument("file")
+    q.set_defaults(func=cmd_adapter_inspect)
+
+    p = sub.add_parser("render", help="run a batch job: SPEC.yaml, or MANIFEST --models DIR --adapter FILE --out DIR")
+    p.add_argument("spec_or_manifest", help="job spec (.yaml) or manifest (.csv/.jsonl/.parquet; columns reference, prompt)")
+    p.add_argument("--models", help="model folder (quick form)")
+    p.add_argument("--adapter", help="SnapRef adapter (quick form; default: adapter.safetensors in --models)")
+    p.add_argument("--out", help="output folder or s3://bucket/prefix")
+    p.add_argument("--workers", type=int, help="render workers (default: one per GPU, else 2 CPU workers)")
+    p.add_argument("--no-progress", action="store_true")
+    _settings_flags(p)
+    p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser("demo", help="make the tiny models and render the bundled example on a local Ray")
+    p.add_argument("--out", default="demo-output", help="output folder (default ./demo-output)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("report", help="regenerate gallery.html and the throughput plots of a job's output")
+    p.add_argument("output", help="the job's output folder or s3://bucket/prefix")
+    p.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValidationError as e:
+        for err in e.errors():
+            field = ".".join(str(x) for x in err["loc"]) or "settings"
+            print(f"error: {field}: {err['msg']}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Small typed messages between the driver and the workers (they cross process boundaries)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from snapref_ray.storage.work_items import WorkItem
+
+
+@dataclass(frozen=True)
+class ReferenceTask:
+    """One reference to encode: its images and everything the reference stream depends on."""
+
+    reference_hash: str
+    uris: tuple[str, ...]
+    layout: str  # "single" | "pair" | "multi"
+    ref_caption: str
+    ref_megapixels: float
+    width: int
+    height: int
+
+    @property
+    def key(self) -> tuple:
+        """What a cached RefKV is valid for: the same images, caption, size and target grid."""
+        return (self.reference_hash, self.ref_caption, self.ref_megapixels, self.width // 16, self.height // 16)
+
+    @staticmethod
+    def for_item(item: WorkItem) -> "ReferenceTask":
+        s = item.settings
+        return ReferenceTask(item.reference_hash, tuple(item.reference.uris), item.reference.layout,
+                             s.ref_caption, s.ref_megapixels, s.width, s.height)
+
+
+@dataclass(frozen=True)
+class RenderTask:
+    """A batch of items that share a reference and batch-compatible settings."""
+
+    task_id: int
+    reference: ReferenceTask
+    items: tuple[WorkItem, ...]
+    attempts: dict[str, int] = field(default_factory=dict)  # item_id -> attempt number (1-based)
+
+
+@dataclass(frozen=True)
+class ItemOutcome:
+    """What happened to one item: a metadata row when its image is stored, else the error."""
+
+    item_id: str
+    row: dict | None = None
+    error: str | None = None
+    stage: str = "sample"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    node_id: str
+    device: str
+    pid: int
+    load_seconds: float

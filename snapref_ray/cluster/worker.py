@@ -1,0 +1,249 @@
+"""The batch worker: a Ray actor per GPU that owns one resident Renderer.
+
+It encodes references (the RefKV it returns is owned by the driver, so it outlives the
+worker), renders batches with reference affinity through an on-device LRU of RefKVs, and
+stores images itself so that PNG encoding and uploads overlap the next batch's sampling: the
+actor runs two calls at once (`max_concurrency=2`) and a lock keeps the device to one of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from snapref_ray.adapter.refkv import RefKV
+from snapref_ray.adapter.refkv_cache import RefKVCache
+from snapref_ray.cluster.metrics import job_metrics
+from snapref_ray.cluster.tasks import ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
+from snapref_ray.requests import RenderRequest
+from snapref_ray.storage.backends import S3Options, open_storage, read_uri
+from snapref_ray.storage.image_files import a1111_parameters, encode_image, make_thumbnail
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "the RefKV object is gone from the object store" (its node died): the worker
+# re-encodes the reference itself instead of failing the items.
+_LOST_OBJECT_ERRORS = ("ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError", "ReferenceCountingAssertionError")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs to build its Renderer and write outputs (picklable)."""
+
+    models: dict  # ModelPaths fields (models_dir and/or explicit files; local paths or s3:// URIs)
+    adapter: str | None
+    loras: tuple[tuple[str, float], ...] = ()
+    device: str = "auto"
+    dtype: str = "auto"
+    refkv_cache_bytes: int = 8 * 2**30
+    output_uri: str = "./output"
+    s3: S3Options | None = None
+    image_format: str = "png"
+    warmup: bool = True
+    model_cache_dir: str | None = None
+
+
+
+def build_renderer(config: WorkerConfig):
+    """The worker's Renderer, with s3:// model files fetched once per node into the local cache."""
+    import torch
+
+    from snapref_ray.engine import Renderer
+    from snapref_ray.storage.jobspec import ModelPaths
+    from snapref_ray.storage.model_cache import ensure_local, ensure_local_folder
+
+    def local(uri: str | None) -> str | None:
+        return None if uri is None else str(ensure_local(uri, config.model_cache_dir, config.s3))
+
+    paths = ModelPaths(**config.models)
+    folder = None
+    if paths.models_dir is not None:
+        folder = ensure_local_folder(paths.models_dir, config.model_cache_dir, config.s3)
+    explicit = {name: local(getattr(paths, name)) for name in ("dit", "text_encoder", "vae")}
+    for name in ("qwen_tokenizer", "t5_tokenizer"):
+        value = getattr(paths, name)
+        explicit[name] = None if value is None else str(ensure_local_folder(value, config.model_cache_dir, config.s3))
+    files = paths.model_copy(update={k: v for k, v in explicit.items() if v is not None}).resolve(folder)
+    adapter = local(config.adapter) if config.adapter else (str(files.adapter) if files.adapter else None)
+    device = None if config.device == "auto" else config.device
+    dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
+    return Renderer(files, adapter=adapter, loras=[(local(p), s) for p, s in config.loras], device=device, dtype=dtype)
+
+
+class RenderWorker:
+    """Owns a Renderer on one device; see the module docstring."""
+
+    def __init__(self, config: WorkerConfig, renderer_factory: Callable[[WorkerConfig], object] | None = None) -> None:
+        import ray
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.config = config
+        ctx = ray.get_runtime_context()
+        self.node_id = ctx.get_node_id()
+        self.worker_id = f"{self.node_id[:8]}-{os.getpid()}"
+        self.renderer = (renderer_factory or build_renderer)(config)
+        self.storage = open_storage(config.output_uri, config.s3)
+        self.cache = RefKVCache(config.refkv_cache_bytes)
+        self._device_lock = threading.Lock()
+        self._stored_references: set[str] = set()
+        self.metrics = job_metrics()
+        self.tags = {"worker": self.worker_id}
+        if config.warmup:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One small step so that the first real batch does not pay for kernel selection and allocation."""
+        from snapref_ray.requests import RenderSettings
+
+        t0 = time.perf_counter()
+        with self._device_lock:
+            self.renderer.render([RenderRequest(prompt="warm-up", settings=RenderSettings(
+                width=256, height=256, steps=1, cfg=1.0, sampler="euler"))])
+        log.info("worker %s warmed up in %.2f s", self.worker_id, time.perf_counter() - t0)
+
+    # -- called by the driver ------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, self.node_id, str(getattr(self.renderer, "device", "cpu")), os.getpid(),
+                          float(getattr(self.renderer, "load_seconds", 0.0)))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def cached_references(self) -> list[tuple]:
+        return self.cache.keys()
+
+    def encode(self, task: ReferenceTask) -> RefKV:
+        """Encode a reference; the returned RefKV goes to the object store, owned by the caller."""
+        kv, _ = self.cache.get_or_create(task.key, lambda: self._encode(task))
+        return kv
+
+    def render(self, task: RenderTask, refkv_handle: list | None = None) -> list[ItemOutcome]:
+        """Render a batch and store its images; returns one outcome per item.
+
+        `refkv_handle` is `[ObjectRef]` (wrapped so Ray does not fetch it eagerly): it is only
+        read when the RefKV is not already in this worker's device cache.
+        """
+        started = time.time()
+        try:
+            kv, hit = self._refkv_for(task.reference, refkv_handle)
+        except Exception as e:  # an unreadable reference fails its items, not the worker
+            return self._failed(task, e, "encode")
+        (self.metrics.cache_hits if hit else self.metrics.cache_misses).inc(1, self.tags)
+        requests = [RenderRequest(prompt=i.prompt, seed=i.seed, settings=i.settings) for i in task.items]
+        try:
+            t0 = time.perf_counter()
+            with self._device_lock:
+                results = self.renderer.render(requests, refkv=kv)
+            sample_wall = time.perf_counter() - t0
+        except Exception as e:
+            return self._failed(task, e, "sample")
+        steps = max(1, task.items[0].settings.steps)
+        self.metrics.step_latency.observe(results[0].timings.get("sample_s", sample_wall) / steps, self.tags)
+        outcomes = []
+        for item, result in zip(task.items, results):
+            try:
+                outcomes.append(self._store(task, item, result, kv, started))
+                self.metrics.images.inc(1, self.tags)
+                self.metrics.image_latency.observe(time.time() - started, self.tags)
+            except Exception as e:
+                outcomes.append(ItemOutcome(item.item_id, error=_describe(e), stage="write"))
+        return outcomes
+
+    # -- internals -------------------------------------------------------------------------------
+    def _encode(self, task: ReferenceTask) -> RefKV:
+        images = [read_uri(uri, self.config.s3) for uri in task.uris]
+        with self._device_lock:
+            kv = self.renderer.encode_reference(images, layout=task.layout, ref_caption=task.ref_caption,
+                                                ref_megapixels=task.ref_megapixels, width=task.width,
+                                                height=task.height, sources=list(task.uris))
+        self.metrics.encodes.inc(1, self.tags)
+        log.info("worker %s encoded reference %s (%d tokens, %.1f MB) in %.2f s", self.worker_id,
+                 task.reference_hash[:12], kv.num_tokens, kv.nbytes / 1e6, kv.encode_seconds)
+        return kv
+
+    def _refkv_for(self, ref: ReferenceTask, handle: list | None) -> tuple[RefKV, bool]:
+        cached = self.cache.get(ref.key)
+        if cached is not None:
+            return cached, True
+
+        def fetch_or_encode() -> RefKV:
+            if handle:
+                import ray
+
+                try:
+                    kv = ray.get(handle[0], timeout=600)
+                    return kv.to(getattr(self.renderer, "device", None))
+                except Exception as e:
+                    if type(e).__name__ not in _LOST_OBJECT_ERRORS:
+                        raise
+                    log.warning("worker %s: RefKV of %s lost from the object store (%s); re-encoding",
+                                self.worker_id, ref.reference_hash[:12], type(e).__name__)
+            return self._encode(ref)
+
+        kv, hit = self.cache.get_or_create(ref.key, fetch_or_encode)
+        self.metrics.cache_bytes.set(self.cache.nbytes, self.tags)
+        return kv, hit
+
+    def _store(self, task: RenderTask, item, result, kv: RefKV, started: float) -> ItemOutcome:
+        t0 = time.perf_counter()
+        s = item.settings
+        fmt = self.config.image_format
+        info = {"item_id": item.item_id, "reference_hash": item.reference_hash, "adapter": kv.adapter_id,
+                "model": getattr(self.renderer, "model_id", ""), "seed": item.seed, "prompt": item.prompt,
+                "settings": s.model_dump()}
+        parameters = a1111_parameters(item.prompt, s.negative_prompt, s.model_dump(), item.seed,
+                                      {"SnapRef reference": item.reference_hash[:12], "SnapRef mode": s.mode})
+        image_key = f"images/{item.item_id}.{'jpg' if fmt == 'jpeg' else fmt}"
+        thumb_key = f"thumbs/{item.item_id}.jpg"
+        self.storage.put_bytes(image_key, encode_image(result.image, fmt, parameters=parameters, info=info))
+        self.storage.put_bytes(thumb_key, make_thumbnail(result.image))
+        reference_key = self._store_reference(task.reference)
+        upload_s = time.perf_counter() - t0
+        t = result.timings
+        row = {
+            "item_id": item.item_id, "manifest_row": item.manifest_row, "reference_uris": list(item.reference.uris),
+            "reference_hash": item.reference_hash, "reference_image_key": reference_key,
+            "prompt": item.prompt, "negative_prompt": s.negative_prompt, "seed": item.seed,
+            "width": s.width, "height": s.height, "steps": s.steps, "cfg": s.cfg, "sampler": s.sampler,
+            "scheduler": s.scheduler, "mode": s.mode, "ref_weight": s.ref_weight, "ref_guidance": s.ref_guidance,
+            "ref_in_uncond": s.ref_in_uncond, "correction": s.correction, "ref_start": s.ref_start,
+            "ref_end": s.ref_end, "ref_caption": s.ref_caption, "settings_json": s.model_dump_json(),
+            "image_key": image_key, "image_uri": self.storage.uri_for(image_key), "thumb_key": thumb_key,
+            "image_format": fmt, "adapter": kv.adapter_id, "model": getattr(self.renderer, "model_id", ""),
+            "worker_id": self.worker_id, "node_id": self.node_id, "encode_s": kv.encode_seconds,
+            "sample_s": t.get("sample_s", 0.0), "decode_s": t.get("decode_s", 0.0), "upload_s": upload_s,
+            "attempt": task.attempts.get(item.item_id, 1), "started_at": started, "finished_at": time.time(),
+        }
+        return ItemOutcome(item.item_id, row=row)
+
+    def _store_reference(self, ref: ReferenceTask) -> str:
+        """A small copy of the reference for the gallery, written once per worker and reference."""
+        key = f"references/{ref.reference_hash}.jpg"
+        if ref.reference_hash in self._stored_references:
+            return key
+        from snapref_ray.adapter.images import open_reference, stitch_side_by_side
+
+        images = [open_reference(read_uri(u, self.config.s3), u) for u in ref.uris]
+        image = stitch_side_by_side(*images) if ref.layout == "pair" else images[0]
+        if not self.storage.exists(key):
+            self.storage.put_bytes(key, make_thumbnail(image, max_side=512))
+        self._stored_references.add(ref.reference_hash)
+        return key
+
+    def _failed(self, task: RenderTask, error: Exception, stage: str) -> list[ItemOutcome]:
+        message = _describe(error)
+        log.error("worker %s: %s failed for %d item(s) (%s): %s", self.worker_id, stage, len(task.items),
+                  ", ".join(i.item_id for i in task.items[:4]), message)
+        self.metrics.errors.inc(len(task.items), {"stage": stage})
+        return [ItemOutcome(i.item_id, error=message, stage=stage) for i in task.items]
+
+
+def _describe(error: BaseException) -> str:
+    last = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
+    where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
+    return f"{type(error).__name__}: {error}{where}"

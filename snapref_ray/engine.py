@@ -1,0 +1,291 @@
+"""The Renderer: one device, models loaded once; encode_reference() and render().
+
+It knows nothing of Ray: the batch worker and the Serve replica are thin wrappers that own one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from snapref_ray.adapter.binding import BoundAdapter
+from snapref_ray.adapter.file import load_adapter
+from snapref_ray.adapter.images import content_hash, image_to_pixels, prepare_reference
+from snapref_ray.adapter.refkv import RefKV
+from snapref_ray.models.bundle import ModelFiles, resolve_model_files
+from snapref_ray.models.conditioning import PromptEncoder
+from snapref_ray.models.dit import load_dit
+from snapref_ray.models.latent_format import process_in, process_out
+from snapref_ray.models.lora import merge_loras, read_lora
+from snapref_ray.models.qwen3 import load_text_encoder
+from snapref_ray.models.tokenizer import AnimaTokenizer
+from snapref_ray.models.vae import load_vae
+from snapref_ray.requests import RenderRequest, RenderSettings
+from snapref_ray.sampling.noise import initial_noise, noise_scaling
+from snapref_ray.sampling.ref_guidance import Combiner, Row, StepPlan, plan_step
+from snapref_ray.sampling.samplers import sample
+from snapref_ray.sampling.schedules import get_sigmas
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, int], None]
+ReferenceLayout = str  # "single" | "pair" | "multi"
+
+
+class RenderError(ValueError):
+    """A render request that cannot be carried out; the message names the field."""
+
+
+def default_device_and_dtype() -> tuple[torch.device, torch.dtype]:
+    """CUDA bf16 when a GPU is there (as ComfyUI runs Anima), else CPU fp32."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+@dataclass
+class RenderResult:
+    image: Image.Image
+    request: RenderRequest
+    timings: dict[str, float] = field(default_factory=dict)
+    reference_id: str | None = None
+
+
+@dataclass(frozen=True)
+class _PreparedReference:
+    """A reference after preprocessing, VAE and text encoding: all the stream needs."""
+
+    latents: tuple[torch.Tensor, ...]  # normalised, [1, 16, h, w] fp32 each
+    context: torch.Tensor  # [1, L, C] fp32, the ref_caption through the text path
+    reference_id: str
+
+
+class Renderer:
+    """Anima (+ optional SnapRef adapter and merged LoRAs) on one device."""
+
+    def __init__(self, files: ModelFiles, *, adapter: str | Path | None = None,
+                 loras: Sequence[tuple[str | Path, float]] = (), device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        auto_device, auto_dtype = default_device_and_dtype()
+        self.device = torch.device(device) if device is not None else auto_device
+        self.dtype = dtype or (auto_dtype if self.device.type == "cuda" else torch.float32)
+        self.files = files
+        t0 = time.perf_counter()
+        self.dit = load_dit(files.dit, dtype=self.dtype, device=self.device)
+        if loras:
+            merge_loras(self.dit, [(read_lora(path), strength) for path, strength in loras])
+        text_encoder = load_text_encoder(files.text_encoder, device=self.device)
+        self.prompts = PromptEncoder(AnimaTokenizer(files.qwen_tokenizer, files.t5_tokenizer), text_encoder,
+                                     self.dit.llm_adapter)
+        self.vae = load_vae(files.vae, device=self.device, dtype=self.dtype)
+        adapter_path = adapter if adapter is not None else files.adapter
+        self.adapter: BoundAdapter | None = None
+        if adapter_path is not None:
+            self.adapter = BoundAdapter.bind(load_adapter(adapter_path), self.dit.config.num_blocks,
+                                             self.device, self.dtype)
+        self.model_id = f"{Path(files.dit).name}" + (f"+{len(loras)} LoRA" if loras else "")
+        self.load_seconds = time.perf_counter() - t0
+        log.info("loaded %s on %s (%s) in %.1f s%s", files.dit, self.device, self.dtype, self.load_seconds,
+                 f" with adapter {adapter_path}" if adapter_path else "")
+
+    @classmethod
+    def from_folder(cls, models_dir: str | Path, **kwargs) -> "Renderer":
+        """Load the model set in `models_dir` (tiny or real; see models/bundle.py for file names)."""
+        return cls(resolve_model_files(models_dir), **kwargs)
+
+    # -- references -----------------------------------------------------------------------
+    def target_grid(self, width: int, height: int) -> tuple[int, int, int]:
+        return self.dit.token_grid(height // 8, width // 8)
+
+    def _require_adapter(self) -> BoundAdapter:
+        if self.adapter is None:
+            raise RenderError("reference given but no SnapRef adapter is loaded (pass --adapter / adapter=)")
+        return self.adapter
+
+    @torch.inference_mode()
+    def _prepare_reference(self, images: Sequence[bytes], layout: ReferenceLayout, ref_caption: str,
+                           ref_megapixels: float, sources: Sequence[str] | None) -> _PreparedReference:
+        pixel_list = prepare_reference(images, layout=layout, megapixels=ref_megapixels,
+                                       sources=sources or [f"reference {i + 1}" for i in range(len(images))])
+        latents = []
+        for pixels in pixel_list:
+            mu = self.vae.encode(pixels.to(self.device, self.dtype))
+            latents.append(process_in(mu.float()))
+        context = self.prompts.encode(ref_caption, device=self.device).float()
+        digest = hashlib.sha256(f"{layout}|{ref_megapixels}|{ref_caption}|".encode())
+        for data in images:
+            digest.update(content_hash(data).encode())
+        return _PreparedReference(tuple(latents), context, digest.hexdigest()[:32])
+
+    @torch.inference_mode()
+    def _run_reference_stream(self, prepared: _PreparedReference, target_grid: tuple[int, int, int]) -> RefKV:
+        """The reference stream, in fp32 whatever the model dtype; RefKV stored in the sampling dtype."""
+        bound = self._require_adapter()
+        t0 = time.perf_counter()
+        loras = bound.reference_loras()
+        dt, dh, dw = bound.rope_offset(target_grid)
+        parts, grids, offsets = [], [], []
+        for latent in prepared.latents:
+            offset = (dt, dh, dw)
+            kv_list = self.dit.reference_kv(latent, prepared.context, loras=loras, rope_offset=offset)
+            kv = torch.stack([torch.stack([k, v]) for k, v in kv_list])  # [N, 2, H, L, D]
+            if not torch.isfinite(kv).all():
+                raise RenderError(f"reference {prepared.reference_id}: the reference stream produced non-finite K/V")
+            grid = self.dit.token_grid(latent.shape[-2], latent.shape[-1])
+            parts.append(kv.to(self.dtype))
+            grids.append(grid)
+            offsets.append(offset)
+            dw += grid[2]  # several references of one character sit side by side along w
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return RefKV(torch.cat(parts, dim=3), tuple(grids), tuple(offsets), target_grid, bound.identity,
+                     prepared.reference_id, time.perf_counter() - t0)
+
+    def encode_reference(self, images: Sequence[bytes] | bytes, *, layout: ReferenceLayout = "single",
+                         ref_caption: str = "", ref_megapixels: float = 1.0, width: int = 1024, height: int = 1024,
+                         sources: Sequence[str] | None = None) -> RefKV:
+        """Encode a reference once into RefKV for targets of `width` x `height`.
+
+        layout: "single" (one image), "pair" (two characters, stitched left/right) or "multi"
+        (several images of one character, read together).
+        """
+        images = [images] if isinstance(images, (bytes, bytearray)) else list(images)
+        prepared = self._prepare_reference(images, layout, ref_caption, ref_megapixels, sources)
+        return self._run_reference_stream(prepared, self.target_grid(width, height))
+
+    # -- rendering ------------------------------------------------------------------------
+    def render(self, requests: Sequence[RenderRequest] | RenderRequest, *, refkv: RefKV | None = None,
+               references: Sequence[bytes] | None = None, layout: ReferenceLayout = "single",
+               init_image: Image.Image | None = None, progress: ProgressCallback | None = None) -> list[RenderResult]:
+        """Render requests that share settings (one batched forward per step).
+
+        With `references`, they are encoded once for this call and released afterwards (also
+        when the render fails); pass a `refkv` you hold to reuse one across calls.
+        """
+        requests = [requests] if isinstance(requests, RenderRequest) else list(requests)
+        if not requests:
+            return []
+        settings = requests[0].settings
+        for i, r in enumerate(requests[1:], start=1):
+            if r.settings.batch_key() != settings.batch_key():
+                raise RenderError(f"requests[{i}].settings differ from requests[0]; render them in separate batches")
+        prepared = None
+        encode_s = 0.0
+        try:
+            if references is not None:
+                t0 = time.perf_counter()
+                prepared = self._prepare_reference(list(references), layout, settings.ref_caption,
+                                                   settings.ref_megapixels, None)
+                if not settings.recompute_reference_every_step:
+                    refkv = self._run_reference_stream(prepared, self.target_grid(settings.width, settings.height))
+                encode_s = time.perf_counter() - t0
+            elif refkv is not None and settings.recompute_reference_every_step:
+                raise RenderError("recompute_reference_every_step needs the reference images, not a RefKV")
+            results = self._render_batch(requests, refkv, prepared, init_image, progress)
+        except BaseException as e:
+            # The traceback keeps the inner frames (and the RefKV in their locals) alive; clear them.
+            traceback.clear_frames(e.__traceback__)
+            raise
+        finally:
+            refkv = None  # noqa: F841 -- drop our reference so an encoded-here RefKV is freed even on failure
+            prepared = None  # noqa: F841
+        for r in results:
+            r.timings["encode_s"] = encode_s
+        return results
+
+    @torch.inference_mode()
+    def _render_batch(self, requests: list[RenderRequest], refkv: RefKV | None, prepared: _PreparedReference | None,
+                      init_image: Image.Image | None, progress: ProgressCallback | None) -> list[RenderResult]:
+        s: RenderSettings = requests[0].settings
+        n = len(requests)
+        has_reference = refkv is not None or prepared is not None
+        bound = self._require_adapter() if has_reference else None
+        grid = self.target_grid(s.width, s.height)
+        if refkv is not None:
+            if refkv.adapter_id != bound.identity:
+                raise RenderError("refkv was encoded with a different adapter than the one loaded")
+            if refkv.target_grid != grid:
+                raise RenderError(f"refkv was encoded for a {refkv.target_grid} token grid, this render needs {grid};"
+                                  " encode the reference for this width/height")
+            refkv = refkv.to(self.device, self.dtype)
+
+        t0 = time.perf_counter()
+        prompts = [r.prompt for r in requests]
+        negatives = [s.negative_prompt] * n
+        contexts = self.prompts.encode_batch(prompts + negatives, device=self.device).to(self.dtype)
+        ctx_for = {Row.COND: contexts[:n], Row.UNCOND: contexts[n:], Row.COND_NOREF: contexts[:n]}
+        text_s = time.perf_counter() - t0
+
+        latent_shape = (16, 1, s.height // 8, s.width // 8)
+        seeds = [r.seed for r in requests]
+        sigmas = get_sigmas(s.scheduler, s.steps, denoise=s.denoise)
+        noise = initial_noise(seeds, latent_shape, self.device)
+        if s.denoise < 1.0:
+            if init_image is None:
+                raise RenderError("settings.denoise < 1 needs an init image (img2img)")
+            pixels = image_to_pixels(init_image.convert("RGB").resize((s.width, s.height), Image.LANCZOS))
+            latent = process_in(self.vae.encode(pixels.to(self.device, self.dtype)).float()).unsqueeze(2)
+            x = noise_scaling(sigmas[0], noise, latent.expand_as(noise))
+        else:
+            x = noise
+
+        combine = Combiner(s)
+        target_loras = bound.target_loras() if bound is not None else None
+        weights = bound.read_weights(s.mode, s.ref_weight) if bound is not None else None
+
+        def denoise(x_B: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+            plan = plan_step(s, float(sigma), has_reference)
+            step_kv = refkv
+            if prepared is not None and (step_kv is None or s.recompute_reference_every_step):
+                step_kv = self._run_reference_stream(prepared, grid)  # the pilot-style baseline
+            denoised = self.denoise_rows(x_B, sigma, plan, ctx_for, step_kv, weights, target_loras)
+            return combine(x_B, sigma, plan, denoised)
+
+        t1 = time.perf_counter()
+        x = sample(denoise, x, sigmas.to(self.device), sampler=s.sampler, seed=seeds, callback=progress)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        sample_s = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        images = self.decode(x)
+        decode_s = time.perf_counter() - t2
+        timings = {"text_s": text_s, "sample_s": sample_s, "decode_s": decode_s, "steps": float(s.steps)}
+        ref_id = (refkv.reference_id if refkv is not None else prepared.reference_id if prepared else None)
+        return [RenderResult(img, req, dict(timings), ref_id) for img, req in zip(images, requests)]
+
+    def denoise_rows(self, x_B: torch.Tensor, sigma: torch.Tensor, plan: StepPlan,
+                     ctx_for: dict[Row, torch.Tensor], refkv: RefKV | None, weights: list[float] | None,
+                     target_loras: list | None) -> dict[Row, torch.Tensor]:
+        """One batched DiT forward over every row kind of the step; denoised estimate per kind.
+
+        x_B: [n, 16, 1, h, w] fp32. Rows are stacked kind by kind ([COND x n, UNCOND x n, ...]);
+        only the attention seam sees which of them read the reference.
+        """
+        n = x_B.shape[0]
+        rows_x = x_B.repeat(len(plan.rows), 1, 1, 1, 1)
+        rows_ctx = torch.cat([ctx_for[row] for row in plan.rows])
+        rows_sigma = sigma.to(self.device, torch.float32).expand(rows_x.shape[0])
+        refs = None
+        if refkv is not None and any(plan.reads):
+            reads = torch.tensor([read for read in plan.reads for _ in range(n)], device=self.device)
+            refs = refkv.reads(reads, weights)
+        v = self.dit(rows_x.to(self.dtype), rows_sigma, rows_ctx, loras=target_loras, refs=refs).float()
+        d_rows = rows_x - sigma * v  # flow matching, CONST: D = x - sigma * v
+        return dict(zip(plan.rows, d_rows.split(n)))
+
+    @torch.inference_mode()
+    def decode(self, latent_B_C_T_H_W: torch.Tensor) -> list[Image.Image]:
+        """Model-space latents -> PIL images (ComfyUI: process_out, VAE decode, (x+1)/2 clamped)."""
+        z = process_out(latent_B_C_T_H_W.float()).to(self.dtype)
+        pixels = self.vae.decode(z[:, :, 0] if z.ndim == 5 else z).float()
+        rgb = ((pixels + 1.0) / 2.0).clamp(0, 1).mul(255).round().to(torch.uint8)
+        return [Image.fromarray(img.permute(1, 2, 0).cpu().numpy()) for img in rgb]

@@ -1,0 +1,155 @@
+"""Reading safetensors checkpoints safely and loading them into modules with clear errors.
+
+Everything here is memory-mapped safetensors: no pickle, ever. A file is checked before torch
+touches it (header length, JSON header, tensor byte ranges inside the file), so a truncated
+download or a `.ckpt` renamed to `.safetensors` gives a message naming the file, not a
+traceback from deep inside a C++ reader.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from snapref_ray.models.ops import FLOAT8_DTYPES, Linear
+
+log = logging.getLogger(__name__)
+
+# Key prefixes a diffusion-model file may carry (diffusion-pipe `net.`, full ComfyUI checkpoints
+# `model.diffusion_model.`, ComfyUI LoRA-style `diffusion_model.`).
+DIT_PREFIXES = ("net.", "model.diffusion_model.", "diffusion_model.")
+# Names used next to a float8 weight for its dequantisation scale.
+SCALE_SUFFIXES = ("weight_scale", "scale_weight")
+
+StateDict = dict[str, torch.Tensor]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict, dict[str, str]]:
+    """Validate a safetensors file's framing; return (tensor entries, __metadata__)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    size = path.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, too short for a header)")
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > min(size - 8, 100 * 2**20):
+            raise CheckpointError(
+                f"{path}: not a safetensors file (header length {header_len} does not fit a {size}-byte file;"
+                " a pickle .ckpt/.pt file, or a truncated download?)")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (header is not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    data_len = size - 8 - header_len
+    for key, entry in header.items():
+        try:
+            start, end = entry["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{path}: malformed header entry for tensor {key!r}") from None
+        if end > data_len or start > end:
+            raise CheckpointError(
+                f"{path}: file is truncated: tensor {key!r} ends at byte {end} of the data section,"
+                f" which holds only {data_len} bytes")
+    return header, metadata
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file (empty when absent)."""
+    return read_header(path)[1]
+
+
+def load_state_dict(path: str | os.PathLike, device: str | torch.device = "cpu") -> StateDict:
+    """All tensors of a safetensors file, memory-mapped (CPU) or loaded onto `device`."""
+    read_header(path)
+    out: StateDict = {}
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                out[key] = f.get_tensor(key)
+    except Exception as e:  # safetensors raises its own error types; re-raise with the file name
+        raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from None
+    return out
+
+
+def strip_prefix(sd: StateDict, prefixes: tuple[str, ...] = DIT_PREFIXES) -> StateDict:
+    """Remove the first known prefix that at least half the keys carry; other keys are kept as they are."""
+    for prefix in prefixes:
+        n = sum(1 for k in sd if k.startswith(prefix))
+        if n and n >= len(sd) // 2:
+            return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in sd.items()}
+    return dict(sd)
+
+
+def split_scales(sd: StateDict) -> tuple[StateDict, dict[str, torch.Tensor]]:
+    """Separate float8 scale tensors: returns (weights, {weight key: scale})."""
+    weights: StateDict = {}
+    scales: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        base, _, leaf = key.rpartition(".")
+        if leaf in SCALE_SUFFIXES:
+            scales[f"{base}.weight"] = value
+        else:
+            weights[key] = value
+    return weights, scales
+
+
+def load_into_module(module: nn.Module, sd: StateDict, *, source: str, dtype: torch.dtype | None,
+                     device: torch.device | str | None = None, keep_fp8: bool = True) -> None:
+    """Assign every parameter of `module` from `sd`, checking names and shapes.
+
+    Float8 weights of `Linear` layers stay float8 (with their scale) when `keep_fp8`, and are
+    dequantised per call; everything else is cast to `dtype`. Missing or mis-shaped tensors raise
+    a `CheckpointError` naming the file, key, expected and found shape; unknown extra keys are
+    ignored with one log line.
+    """
+    weights, scales = split_scales(sd)
+    expected = dict(module.named_parameters())
+    problems = []
+    for key, param in expected.items():
+        if key not in weights:
+            problems.append(f"missing tensor {key!r} (expected shape {list(param.shape)})")
+        elif tuple(weights[key].shape) != tuple(param.shape):
+            problems.append(f"tensor {key!r} has shape {list(weights[key].shape)}, expected {list(param.shape)}")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(f"{source}: {shown}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        log.info("%s: ignoring %d tensor(s) the model does not use (e.g. %s)", source, len(extra), extra[0])
+
+    modules = dict(module.named_modules())
+    for key, param in expected.items():
+        tensor = weights[key]
+        owner_name, _, leaf = key.rpartition(".")
+        owner = modules[owner_name]
+        is_fp8 = tensor.dtype in FLOAT8_DTYPES
+        if is_fp8 and isinstance(owner, Linear) and leaf == "weight" and keep_fp8:
+            value = tensor.to(device=device)
+            scale = scales.get(key)
+            owner.weight_scale = scale.to(device=device, dtype=torch.float32) if scale is not None else None
+        else:
+            if is_fp8:
+                tensor = tensor.to(torch.float32)
+                scale = scales.get(key)
+                if scale is not None:
+                    scale = scale.float()
+                    tensor = tensor * (scale.reshape(-1, *[1] * (tensor.ndim - 1)) if scale.ndim == 1 else scale)
+            value = tensor.to(device=device, dtype=dtype or tensor.dtype)
+        setattr(owner, leaf, nn.Parameter(value, requires_grad=False))

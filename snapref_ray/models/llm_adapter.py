@@ -1,0 +1,135 @@
+"""Anima's LLM adapter: Qwen3 hidden states -> the T5-like context the Cosmos DiT was trained on.
+
+Its queries are learned embeddings of the prompt's T5 token ids; they self-attend, then
+cross-attend to the Qwen3 states (anima-model.md §3). ComfyUI runs it without attention masks,
+and so does this module; zero-padding the result to 512 rows is the caller's job (it also
+applies the per-token prompt weights first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from snapref_ray.models.checkpoint import CheckpointError
+from snapref_ray.models.ops import Linear, RMSNorm
+from snapref_ray.models.rope import apply_rope, sequence_rope
+
+PREFIX = "llm_adapter."
+
+
+@dataclass(frozen=True)
+class LLMAdapterConfig:
+    """Shape of the adapter; Anima: 1024-d Qwen3 states in, 6 blocks of 16 x 64 heads, 1024-d out."""
+
+    source_dim: int = 1024  # Qwen3-0.6B hidden size
+    model_dim: int = 1024  # = output dim (Anima has no in_proj: target_dim == model_dim)
+    num_blocks: int = 6
+    num_heads: int = 16
+    mlp_hidden: int = 4096
+    vocab_size: int = 32128  # T5 v1.1 vocabulary (32100 pieces padded to 32128)
+
+    @property
+    def head_dim(self) -> int:
+        return self.model_dim // self.num_heads
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, torch.Tensor], *, source: str = "state dict",
+                        prefix: str = PREFIX) -> "LLMAdapterConfig":
+        """Infer the config from tensor shapes (keys with `prefix`, default `llm_adapter.`)."""
+
+        def shape(key: str) -> tuple[int, ...]:
+            if prefix + key not in sd:
+                raise _missing(source, prefix + key)
+            return tuple(sd[prefix + key].shape)
+
+        vocab_size, model_dim = shape("embed.weight")
+        head_dim = shape("blocks.0.self_attn.q_norm.weight")[0]
+        num_blocks = 1 + max(int(k[len(prefix):].split(".")[1]) for k in sd
+                             if k.startswith(prefix + "blocks."))
+        return cls(source_dim=shape("blocks.0.cross_attn.k_proj.weight")[1], model_dim=model_dim,
+                   num_blocks=num_blocks, num_heads=model_dim // head_dim,
+                   mlp_hidden=shape("blocks.0.mlp.0.weight")[0], vocab_size=vocab_size)
+
+
+def _missing(source: str, key: str) -> CheckpointError:
+    return CheckpointError(f"{source}: missing tensor {key!r}, needed to infer the model's shape"
+                           " (is this an Anima DiT file?)")
+
+
+class AdapterAttention(nn.Module):
+    """Multi-head attention with per-head q/k RMSNorm and RoPE on both sides (positions of each side)."""
+
+    def __init__(self, model_dim: int, context_dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        head_dim = model_dim // num_heads
+        self.q_proj = Linear(model_dim, model_dim)
+        self.q_norm = RMSNorm(head_dim)
+        self.k_proj = Linear(context_dim, model_dim)
+        self.k_norm = RMSNorm(head_dim)
+        self.v_proj = Linear(context_dim, model_dim)
+        self.o_proj = Linear(model_dim, model_dim)
+
+    def forward(self, x_BLD: torch.Tensor, ctx_BSC: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_k: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, L, _ = x_BLD.shape
+        S = ctx_BSC.shape[1]
+        q_BHLD = self.q_norm(self.q_proj(x_BLD).view(B, L, self.num_heads, -1)).transpose(1, 2)
+        k_BHSD = self.k_norm(self.k_proj(ctx_BSC).view(B, S, self.num_heads, -1)).transpose(1, 2)
+        v_BHSD = self.v_proj(ctx_BSC).view(B, S, self.num_heads, -1).transpose(1, 2)
+        q_BHLD = apply_rope(q_BHLD, *rope_q)
+        k_BHSD = apply_rope(k_BHSD, *rope_k)
+        out_BHLD = F.scaled_dot_product_attention(q_BHLD, k_BHSD, v_BHSD)
+        return self.o_proj(out_BHLD.transpose(1, 2).reshape(B, L, -1))
+
+
+class AdapterBlock(nn.Module):
+    """Pre-norm block: self-attention over the T5 queries, cross-attention to Qwen3, GELU MLP."""
+
+    def __init__(self, config: LLMAdapterConfig) -> None:
+        super().__init__()
+        D = config.model_dim
+        self.norm_self_attn = RMSNorm(D)
+        self.self_attn = AdapterAttention(D, D, config.num_heads)
+        self.norm_cross_attn = RMSNorm(D)
+        self.cross_attn = AdapterAttention(D, config.source_dim, config.num_heads)
+        self.norm_mlp = RMSNorm(D)
+        self.mlp = nn.Sequential(Linear(D, config.mlp_hidden, bias=True), nn.GELU(),
+                                 Linear(config.mlp_hidden, D, bias=True))
+
+    def forward(self, x_BLD: torch.Tensor, source_BSC: torch.Tensor, rope_target, rope_source) -> torch.Tensor:
+        h = self.norm_self_attn(x_BLD)
+        x_BLD = x_BLD + self.self_attn(h, h, rope_target, rope_target)
+        x_BLD = x_BLD + self.cross_attn(self.norm_cross_attn(x_BLD), source_BSC, rope_target, rope_source)
+        return x_BLD + self.mlp(self.norm_mlp(x_BLD))
+
+
+class LLMAdapter(nn.Module):
+    """The `llm_adapter.*` part of an Anima DiT file (anima-model.md §3)."""
+
+    def __init__(self, config: LLMAdapterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.model_dim)
+        self.blocks = nn.ModuleList(AdapterBlock(config) for _ in range(config.num_blocks))
+        self.out_proj = Linear(config.model_dim, config.model_dim, bias=True)
+        self.norm = RMSNorm(config.model_dim)
+
+    def forward(self, source_hidden: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+        """Qwen3 states [B, Lq, source_dim] and T5 ids [B, Lt] -> context rows [B, Lt, model_dim].
+
+        Computes in `source_hidden`'s dtype (ComfyUI casts the Qwen states to the DiT's dtype first).
+        """
+        dtype, device = source_hidden.dtype, source_hidden.device
+        x_BLD = self.embed(target_ids.to(device)).to(dtype)
+        # RoPE angles in fp32, applied in the activation dtype (as ComfyUI/HF do for this adapter).
+        rope_target = tuple(t.to(dtype) for t in sequence_rope(x_BLD.shape[1], self.config.head_dim, device=device))
+        rope_source = tuple(t.to(dtype) for t in sequence_rope(source_hidden.shape[1], self.config.head_dim,
+                                                               device=device))
+        for block in self.blocks:
+            x_BLD = block(x_BLD, source_hidden, rope_target, rope_source)
+        return self.norm(self.out_proj(x_BLD))

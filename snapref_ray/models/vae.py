@@ -1,0 +1,356 @@
+"""The Anima VAE (Qwen-Image VAE = Wan 2.1 VAE architecture), run on single images in 2-D.
+
+The released file is a video VAE: every convolution is a causal 3-D convolution and two of the
+down/up-sampling stages also resample time. An image is one frame, and for one frame (no cache,
+two zero frames padded in front) a causal 3×3×3 convolution equals a 3×3 Conv2d with the last
+temporal tap `weight[:, :, -1]`; the temporal resamplers (`time_conv`) are skipped for the first
+frame. So this module keeps the file's 5-D weights (state dicts round-trip unchanged) and runs
+2-D convolutions on [B, C, H, W] activations only; there is never a time axis to allocate.
+
+Structure and key names follow ComfyUI's `comfy/ldm/wan/vae.py` (design notes §5); numbers
+match diffusers' `AutoencoderKLQwenImage` (tests/models/test_vae.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from snapref_ray.models.checkpoint import CheckpointError, StateDict, load_into_module, load_state_dict, strip_prefix
+from snapref_ray.models.ops import FLOAT8_DTYPES
+
+# Prefixes a VAE may carry when extracted from a full checkpoint.
+VAE_PREFIXES = ("first_stage_model.", "vae.")
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    """Wan 2.1 VAE hyper-parameters; `infer_vae_config` reads them from tensor shapes.
+
+    The defaults are the Qwen-Image / Wan 2.1 VAE that Anima uses (126,892,531 parameters).
+    """
+
+    base_dim: int = 96              # channels of the full-resolution stage
+    z_dim: int = 16                 # latent channels (the encoder head emits 2·z_dim: mean and log-variance)
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)  # channel multiplier per stage; len-1 stages halve H and W
+    num_res_blocks: int = 2         # residual blocks per encoder stage (the decoder has one more)
+    # Which down stages also halve time. Irrelevant for images, but it decides which `time_conv`
+    # tensors the file holds, so the key layout needs it.
+    temporal_downsample: tuple[bool, ...] = (False, True, True)
+
+    def __post_init__(self) -> None:
+        if len(self.temporal_downsample) != len(self.dim_mult) - 1:
+            raise ValueError(f"temporal_downsample needs {len(self.dim_mult) - 1} entries (one per down stage),"
+                             f" got {len(self.temporal_downsample)}")
+
+    @property
+    def spatial_factor(self) -> int:
+        """Pixels per latent cell along H and W (8 for the real VAE)."""
+        return 2 ** (len(self.dim_mult) - 1)
+
+
+class CausalConv3d(nn.Module):
+    """A causal 3-D convolution stored with its real 5-D weight [out, in, kt, kh, kw], applied to one frame.
+
+    With kt-1 zero frames padded in front, only the last temporal tap meets the frame, so the
+    single-frame output is a Conv2d with `weight[:, :, -1]` and spatial padding kh//2.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, kernel: tuple[int, int, int] = (3, 3, 3),
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_dim, in_dim, *kernel, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_dim, device=device, dtype=dtype))
+        self.padding = kernel[1] // 2
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Conv3d's default initialisation, so a model built off `meta` is usable before loading.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        bound = 1 / math.sqrt(self.weight[0].numel())
+        nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x_BCHW, self.weight[:, :, -1], self.bias, padding=self.padding)
+
+    def extra_repr(self) -> str:
+        return f"weight={list(self.weight.shape)} (run as 2-D on one frame)"
+
+
+class RMSNorm(nn.Module):
+    """Wan's RMS_norm: F.normalize over channels · √C · γ (no bias); γ is [C,1,1,1] (or [C,1,1] in attention)."""
+
+    def __init__(self, dim: int, gamma_rank: int = 4, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(dim, *[1] * (gamma_rank - 1), device=device, dtype=dtype))
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        # The norm accumulates in fp32 so bf16/fp16 activations are normalised as precisely as fp32 ones.
+        norm_B1HW = torch.linalg.vector_norm(x_BCHW, dim=1, keepdim=True, dtype=torch.float32).clamp_min_(1e-12)
+        gain_1C11 = (self.gamma.reshape(1, -1, 1, 1) * self.scale).to(x_BCHW.dtype)
+        return (x_BCHW / norm_B1HW.to(x_BCHW.dtype)).mul_(gain_1C11)
+
+
+class ResidualBlock(nn.Module):
+    """y = conv(SiLU(norm(conv(SiLU(norm(x)))))) + shortcut(x); shortcut is a 1×1 conv when channels change."""
+
+    def __init__(self, in_dim: int, out_dim: int, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        # Keys keep the indices of the original nn.Sequential (1, 4: SiLU; 5: Dropout) so files load as they are.
+        self.residual = nn.ModuleDict({
+            "0": RMSNorm(in_dim, **kw), "2": CausalConv3d(in_dim, out_dim, **kw),
+            "3": RMSNorm(out_dim, **kw), "6": CausalConv3d(out_dim, out_dim, **kw),
+        })
+        self.shortcut = CausalConv3d(in_dim, out_dim, (1, 1, 1), **kw) if in_dim != out_dim else None
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        r = self.residual
+        h = r["2"](F.silu(r["0"](x_BCHW), inplace=True))
+        h = r["6"](F.silu(r["3"](h), inplace=True))
+        return h.add_(self.shortcut(x_BCHW) if self.shortcut is not None else x_BCHW)
+
+
+class AttentionBlock(nn.Module):
+    """Single-head self-attention over the H·W positions of a frame (middle blocks only), residual."""
+
+    def __init__(self, dim: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.norm = RMSNorm(dim, gamma_rank=3, **kw)
+        self.to_qkv = nn.Conv2d(dim, dim * 3, 1, **kw)
+        self.proj = nn.Conv2d(dim, dim, 1, **kw)
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x_BCHW.shape
+        qkv_B3CL = self.to_qkv(self.norm(x_BCHW)).reshape(B, 3, C, H * W)
+        q_B1LC, k_B1LC, v_B1LC = (qkv_B3CL[:, i].transpose(1, 2).unsqueeze(1) for i in range(3))
+        out_B1LC = F.scaled_dot_product_attention(q_B1LC, k_B1LC, v_B1LC)  # scale 1/√C: one head of width C
+        out_BCHW = out_B1LC.squeeze(1).transpose(1, 2).reshape(B, C, H, W)
+        return self.proj(out_BCHW).add_(x_BCHW)
+
+
+class Resample(nn.Module):
+    """Halve H, W (ZeroPad2d right/bottom + stride-2 3×3 conv) or double them (nearest-exact ×2 + 3×3 conv to C/2).
+
+    A temporal stage also holds `time_conv`, which is loaded but never run: Wan skips it for the
+    first frame of a clip, and an image is only a first frame.
+    """
+
+    def __init__(self, dim: int, up: bool, temporal: bool, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.up = up
+        # Key "resample.1": index 0 of the original nn.Sequential is the parameter-free pad / upsample.
+        conv = nn.Conv2d(dim, dim // 2, 3, padding=1, **kw) if up else nn.Conv2d(dim, dim, 3, stride=2, **kw)
+        self.resample = nn.ModuleDict({"1": conv})
+        if temporal:
+            self.time_conv = CausalConv3d(dim, dim * 2 if up else dim, (3, 1, 1), **kw)
+        else:
+            self.time_conv = None
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        if self.up:
+            x_BCHW = F.interpolate(x_BCHW, scale_factor=2.0, mode="nearest-exact")
+        else:
+            x_BCHW = F.pad(x_BCHW, (0, 1, 0, 1))
+        return self.resample["1"](x_BCHW)
+
+
+def _head(in_dim: int, out_dim: int, **kw) -> nn.ModuleDict:
+    # RMS_norm, SiLU (index 1), causal 3×3×3 conv: original nn.Sequential indices.
+    return nn.ModuleDict({"0": RMSNorm(in_dim, **kw), "2": CausalConv3d(in_dim, out_dim, **kw)})
+
+
+def _run_head(head: nn.ModuleDict, x_BCHW: torch.Tensor) -> torch.Tensor:
+    return head["2"](F.silu(head["0"](x_BCHW), inplace=True))
+
+
+def _middle(dim: int, **kw) -> nn.ModuleList:
+    return nn.ModuleList([ResidualBlock(dim, dim, **kw), AttentionBlock(dim, **kw), ResidualBlock(dim, dim, **kw)])
+
+
+class Encoder(nn.Module):
+    """Pixels [B,3,H,W] → [B, 2·z_dim, H/f, W/f] (mean and log-variance, before the top-level `conv1`)."""
+
+    def __init__(self, cfg: VAEConfig, **kw) -> None:
+        super().__init__()
+        dims = [cfg.base_dim * m for m in (1, *cfg.dim_mult)]
+        self.conv1 = CausalConv3d(3, dims[0], **kw)
+        blocks: list[nn.Module] = []
+        for stage, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+            for _ in range(cfg.num_res_blocks):
+                blocks.append(ResidualBlock(in_dim, out_dim, **kw))
+                in_dim = out_dim
+            if stage < len(cfg.dim_mult) - 1:
+                blocks.append(Resample(out_dim, up=False, temporal=cfg.temporal_downsample[stage], **kw))
+        self.downsamples = nn.ModuleList(blocks)
+        self.middle = _middle(dims[-1], **kw)
+        self.head = _head(dims[-1], 2 * cfg.z_dim, **kw)
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        x_BCHW = self.conv1(x_BCHW)
+        for block in (*self.downsamples, *self.middle):
+            x_BCHW = block(x_BCHW)
+        return _run_head(self.head, x_BCHW)
+
+
+class Decoder(nn.Module):
+    """Latent [B, z_dim, h, w] (after the top-level `conv2`) → pixels [B,3,f·h,f·w], unclamped."""
+
+    def __init__(self, cfg: VAEConfig, **kw) -> None:
+        super().__init__()
+        top = cfg.base_dim * cfg.dim_mult[-1]
+        dims = [top] + [cfg.base_dim * m for m in reversed(cfg.dim_mult)]
+        self.conv1 = CausalConv3d(cfg.z_dim, top, **kw)
+        self.middle = _middle(top, **kw)
+        temporal_upsample = cfg.temporal_downsample[::-1]
+        blocks: list[nn.Module] = []
+        for stage, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+            if stage > 0:
+                in_dim //= 2  # the previous stage's upsampling conv halved the channels
+            for _ in range(cfg.num_res_blocks + 1):
+                blocks.append(ResidualBlock(in_dim, out_dim, **kw))
+                in_dim = out_dim
+            if stage < len(cfg.dim_mult) - 1:
+                blocks.append(Resample(out_dim, up=True, temporal=temporal_upsample[stage], **kw))
+        self.upsamples = nn.ModuleList(blocks)
+        self.head = _head(dims[-1], 3, **kw)
+
+    def forward(self, z_BCHW: torch.Tensor) -> torch.Tensor:
+        x_BCHW = self.conv1(z_BCHW)
+        for block in (*self.middle, *self.upsamples):
+            x_BCHW = block(x_BCHW)
+        return _run_head(self.head, x_BCHW)
+
+
+class WanVAE(nn.Module):
+    """The Wan 2.1 / Qwen-Image VAE for single images: `encode` pixels to μ, `decode` latents to pixels.
+
+    Latents are in VAE space (not normalised; see `latent_format.process_in/process_out`).
+    Computation runs in the dtype and on the device of the weights; results come back in the
+    input's dtype.
+    """
+
+    def __init__(self, config: VAEConfig = VAEConfig(), device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.config = config
+        # Registration order = the file's key order: encoder, conv1, conv2, decoder.
+        self.encoder = Encoder(config, **kw)
+        self.conv1 = CausalConv3d(2 * config.z_dim, 2 * config.z_dim, (1, 1, 1), **kw)  # after the encoder
+        self.conv2 = CausalConv3d(config.z_dim, config.z_dim, (1, 1, 1), **kw)  # before the decoder
+        self.decoder = Decoder(config, **kw)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (inputs are moved here)."""
+        return self.conv2.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype, which is also the compute dtype."""
+        return self.conv2.weight.dtype
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1], [B,3,H,W] (or [B,3,1,H,W]), H and W multiples of 8 → latent μ [B,16,H/8,W/8].
+
+        Like ComfyUI, the posterior mean is returned (no sampling); it is not normalised.
+        """
+        x_BCHW = _single_frame(pixels, 3, "pixels")
+        f = self.config.spatial_factor
+        if x_BCHW.shape[-2] % f or x_BCHW.shape[-1] % f:
+            raise ValueError(f"pixels: height and width must be multiples of {f}, got {list(x_BCHW.shape[-2:])}"
+                             " (crop or resize the image first)")
+        h_BCHW = self.encoder(x_BCHW.to(device=self.device, dtype=self.dtype))
+        # Channels z_dim.. of conv1 are the log-variance, which nothing uses.
+        mu_BCHW = self.conv1(h_BCHW)[:, : self.config.z_dim]
+        return mu_BCHW.to(_out_dtype(pixels, self.dtype))
+
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        """Latent [B,16,h,w] (or [B,16,1,h,w]) in VAE space → pixels [B,3,8h,8w] clamped to [-1, 1]."""
+        z_BCHW = _single_frame(latent, self.config.z_dim, "latent")
+        x_BCHW = self.decoder(self.conv2(z_BCHW.to(device=self.device, dtype=self.dtype)))
+        return x_BCHW.clamp_(-1.0, 1.0).to(_out_dtype(latent, self.dtype))
+
+
+def _single_frame(x: torch.Tensor, channels: int, what: str) -> torch.Tensor:
+    if x.ndim == 5:
+        if x.shape[2] != 1:
+            raise ValueError(f"{what}: this VAE handles single images only, got {x.shape[2]} frames"
+                             f" (shape {list(x.shape)})")
+        x = x[:, :, 0]
+    if x.ndim != 4 or x.shape[1] != channels:
+        raise ValueError(f"{what}: expected shape [B, {channels}, H, W] or [B, {channels}, 1, H, W],"
+                         f" got {list(x.shape)}")
+    return x
+
+
+def _out_dtype(x: torch.Tensor, fallback: torch.dtype) -> torch.dtype:
+    return x.dtype if x.is_floating_point() else fallback
+
+
+def _require(sd: StateDict, key: str, source: str, rank: int) -> torch.Tensor:
+    if key not in sd:
+        raise CheckpointError(
+            f"{source}: missing tensor {key!r} (not a Wan 2.1 / Qwen-Image VAE in original key names?)")
+    t = sd[key]
+    if t.ndim != rank:
+        raise CheckpointError(f"{source}: tensor {key!r} has shape {list(t.shape)}, expected a {rank}-D tensor")
+    return t
+
+
+def infer_vae_config(sd: StateDict, source: str = "VAE state dict") -> VAEConfig:
+    """Read the VAE hyper-parameters from the tensor shapes of a state dict in original Wan key names."""
+    if "encoder.conv1.weight" not in sd and "encoder.conv_in.weight" in sd:
+        raise CheckpointError(
+            f"{source}: this is a diffusers-format VAE (it has 'encoder.conv_in.weight'); load the original"
+            " Wan / ComfyUI file (keys 'encoder.conv1.weight', 'decoder.upsamples.N...') instead")
+    base_dim = _require(sd, "encoder.conv1.weight", source, 5).shape[0]
+    z_dim = _require(sd, "conv2.weight", source, 5).shape[0]
+    indices = sorted({int(m.group(1)) for k in sd if (m := re.match(r"encoder\.downsamples\.(\d+)\.", k))})
+    if not indices:
+        raise CheckpointError(f"{source}: no 'encoder.downsamples.N.*' tensors (not a Wan 2.1 / Qwen-Image VAE?)")
+    resamples = [i for i in indices if f"encoder.downsamples.{i}.resample.1.weight" in sd]
+    num_res_blocks = resamples[0] if resamples else len(indices)
+    dim_mult = []
+    for stage in range(len(resamples) + 1):
+        last_block = stage * (num_res_blocks + 1) + num_res_blocks - 1
+        width = _require(sd, f"encoder.downsamples.{last_block}.residual.6.weight", source, 5).shape[0]
+        dim_mult.append(width // base_dim)
+    temporal = tuple(f"encoder.downsamples.{i}.time_conv.weight" in sd for i in resamples)
+    return VAEConfig(base_dim=base_dim, z_dim=z_dim, dim_mult=tuple(dim_mult), num_res_blocks=num_res_blocks,
+                     temporal_downsample=temporal)
+
+
+def load_vae(path_or_state_dict: str | os.PathLike | StateDict, device: torch.device | str | None = None,
+             dtype: torch.dtype | None = None) -> WanVAE:
+    """Build a `WanVAE` from a safetensors file or state dict in original Wan key names (194 tensors at real size).
+
+    The config is inferred from shapes, the module is built on `meta` and every tensor is checked
+    by name and shape (`CheckpointError` names the key). `dtype` defaults to the file's dtype.
+    """
+    if isinstance(path_or_state_dict, (str, os.PathLike)):
+        source = str(path_or_state_dict)
+        sd = load_state_dict(path_or_state_dict)
+    else:
+        source, sd = "VAE state dict", path_or_state_dict
+    sd = strip_prefix(sd, VAE_PREFIXES)
+    config = infer_vae_config(sd, source)
+    if dtype is None:
+        file_dtype = sd["encoder.conv1.weight"].dtype
+        dtype = torch.float32 if file_dtype in FLOAT8_DTYPES or not file_dtype.is_floating_point else file_dtype
+    vae = WanVAE(config, device="meta")
+    load_into_module(vae, sd, source=source, dtype=dtype, device=device, keep_fp8=False)
+    return vae.eval()

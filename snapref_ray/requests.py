@@ -1,0 +1,86 @@
+"""The one request model: what a render is asked to do.
+
+Job specs (and their manifest rows), the command line and the HTTP API all map onto
+`RenderSettings`, so a parameter means the same thing everywhere. Field descriptions say why a
+default is what it is.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Sampler = Literal["euler", "er_sde"]
+Scheduler = Literal["simple"]
+Correction = Literal["apg", "rescale", "none"]
+Mode = Literal["cs", "char"]
+
+MIN_SIDE, MAX_SIDE = 256, 4096
+
+
+class RenderSettings(BaseModel):
+    """Everything about one render except the prompt text, the seed and the reference itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    negative_prompt: str = Field("", description="Negative prompt; empty is the ComfyUI default for Anima.")
+    width: int = Field(1024, description="Image width in pixels, a multiple of 16 (the VAE's 8 times the DiT's patch 2).")
+    height: int = Field(1024, description="Image height in pixels, a multiple of 16.")
+    steps: int = Field(30, ge=1, le=1000, description="Sampling steps; Anima's card recommends 28-50.")
+    cfg: float = Field(4.0, ge=0.0, le=100.0, description="Text CFG scale; 4-5 is Anima's recommended range. 1 skips the uncond pass.")
+    sampler: Sampler = Field("er_sde", description="er_sde is Anima's recommended sampler; euler is deterministic.")
+    scheduler: Scheduler = Field("simple", description="ComfyUI's `simple` schedule over the shift-3 flow sigmas.")
+    denoise: float = Field(1.0, gt=0.0, le=1.0, description="1 = text-to-image; < 1 starts from an input image (img2img).")
+    cfg_correction: Correction = Field(
+        "none", description="Correction of the text CFG delta: none (plain ComfyUI CFG), apg or rescale (RescaleCFG 0.7).")
+
+    mode: Mode = Field("cs", description="cs copies character and style; char copies only the character so artist tags set the style.")
+    ref_weight: float = Field(1.0, ge=0.0, le=10.0, description="Multiplier on the reference's attention mass; 1 as trained, 0 bypasses the read.")
+    ref_guidance: float = Field(
+        1.0, ge=0.0, le=20.0,
+        description="Extra guidance towards the reference; != 1 runs a third row (positive prompt without reference), ~1.4x the time.")
+    ref_in_uncond: bool = Field(False, description="Let the uncond CFG row read the reference too; off by default as trained.")
+    correction: Correction = Field("apg", description="Correction of the reference-guidance delta, against colour over-saturation.")
+    ref_start: float = Field(0.0, ge=0.0, le=1.0, description="Fraction of the schedule where reference guidance starts.")
+    ref_end: float = Field(1.0, ge=0.0, le=1.0, description="Fraction of the schedule where reference guidance stops; ~0.6 saves time with nearly the same image.")
+    ref_caption: str = Field("", description="Caption of the reference image for its own cross-attention; empty is allowed.")
+    ref_megapixels: float = Field(1.0, gt=0.0, le=16.0, description="Reference resized to at most this area, never enlarged; 1 MP as trained.")
+    recompute_reference_every_step: bool = Field(
+        False, description="Run the reference stream again at every step instead of the cache: the baseline the cache is measured against.")
+
+    @field_validator("width", "height")
+    @classmethod
+    def _side(cls, v: int, info) -> int:
+        if v % 16 or not MIN_SIDE <= v <= MAX_SIDE:
+            raise ValueError(f"{info.field_name} must be a multiple of 16 between {MIN_SIDE} and {MAX_SIDE}, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _window(self) -> "RenderSettings":
+        if self.ref_start > self.ref_end:
+            raise ValueError(f"ref_start ({self.ref_start}) must not exceed ref_end ({self.ref_end})")
+        return self
+
+    def batch_key(self) -> tuple:
+        """Settings that must agree for requests to share one batched forward.
+
+        Everything but the prompts and the seed: the schedule, guidance rows and reference reads
+        are per batch.
+        """
+        return tuple(sorted(self.model_dump(exclude={"negative_prompt", "ref_caption"}).items()))
+
+    @classmethod
+    def from_simple(cls, strength: float = 1.0, fidelity: float = 1.0, **others) -> "RenderSettings":
+        """The SnapRef simple node's controls: strength -> ref_weight, fidelity -> ref_guidance."""
+        return cls(ref_weight=strength, ref_guidance=fidelity, **others)
+
+
+class RenderRequest(BaseModel):
+    """One image (or `n` with consecutive seeds): prompt + seed + settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str = Field(..., description="The scene prompt (Anima is tag-prompted); the reference says who is drawn.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Noise seed; ComfyUI-compatible for a single image.")
+    settings: RenderSettings = Field(default_factory=RenderSettings)

@@ -1,0 +1,136 @@
+"""The samplers: plain functions of (denoise, x, sigmas, seed), k-diffusion style.
+
+`denoise(x, σ)` returns the model's denoised estimate D (guidance already applied: it is built by
+composition in the caller). Both samplers reproduce ComfyUI's `sample_euler` (s_churn 0) and
+`sample_er_sde` (s_noise 1, max_stage 3, default noise scaler) for a flow (CONST) model, see
+anima-model.md §6.5/§6.6.
+
+Seeds of er_sde. ComfyUI seeds one generator with the KSampler seed (seed + 1 when x is on the CPU)
+and draws one randn of the whole batch per stochastic step. Here every batch row has its own
+generator (seeded the same way from that row's seed) and draws its own row, so a row does not depend
+on its batch neighbours. For one row both are the same stream. With a single int seed every row uses
+that seed (identical noise in every row), which differs from ComfyUI for B > 1; pass one seed per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from snapref_ray.sampling.schedules import DEFAULT_SHIFT, percent_to_sigma
+
+Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Callback = Callable[[int, int], None]
+
+ER_SDE_POINTS = 200  # integration points of the stage-2/3 integrals
+ER_SDE_FIRST_SIGMA_PERCENT = 1e-4  # σ0 = 1 has an infinite λ; ComfyUI starts from percent_to_sigma(1e-4)
+
+
+class RowNoise:
+    """Per-row standard-normal draws: row b comes from its own generator seeded with seeds[b]."""
+
+    def __init__(self, x: torch.Tensor, seeds: Sequence[int]) -> None:
+        if len(seeds) != x.shape[0]:
+            raise ValueError(f"got {len(seeds)} seeds for a batch of {x.shape[0]} rows")
+        # ComfyUI's default_noise_sampler adds 1 on the CPU so the step noise is not the initial noise.
+        offset = 1 if x.device.type == "cpu" else 0
+        self.generators = [torch.Generator(device=x.device).manual_seed(int(s) + offset) for s in seeds]
+        self.row_shape = tuple(x.shape[1:])
+        self.device, self.dtype = x.device, x.dtype
+
+    def draw(self) -> torch.Tensor:
+        return torch.stack([torch.randn(self.row_shape, generator=g, device=self.device, dtype=self.dtype)
+                            for g in self.generators])
+
+
+def _row_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
+    if isinstance(seed, int):
+        return [seed] * batch
+    return [int(s) for s in seed]
+
+
+def sample_euler(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor,
+                 callback: Callback | None = None) -> torch.Tensor:
+    """Euler steps on the probability-flow ODE: x ← x + (x − D)/σ_i · (σ_{i+1} − σ_i)."""
+    sigmas = sigmas.to(device=x.device, dtype=torch.float32)
+    steps = len(sigmas) - 1
+    for i in range(steps):
+        denoised = denoise(x, sigmas[i])
+        d = (x - denoised) / sigmas[i]
+        x = x + d * (sigmas[i + 1] - sigmas[i])
+        if callback is not None:
+            callback(i, steps)
+    return x
+
+
+def _er_sde_noise_scaler(lam: torch.Tensor) -> torch.Tensor:
+    return lam * ((lam ** 0.3).exp() + 10.0)
+
+
+def sample_er_sde(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int | Sequence[int] = 0,
+                  callback: Callback | None = None, *, s_noise: float = 1.0, max_stage: int = 3,
+                  shift: float = DEFAULT_SHIFT) -> torch.Tensor:
+    """Extended reverse-time SDE solver (ER-SDE-Solver-3), ComfyUI's `sample_er_sde` for a flow model.
+
+    `shift` only sets the replacement first σ (percent_to_sigma(1e-4)) when the schedule starts at σ = 1.
+    """
+    sigmas = sigmas.to(device=x.device, dtype=torch.float32)
+    if len(sigmas) > 1 and sigmas[0] >= 1:
+        # The first model call runs at this σ, while x was initialised for σ = 1.
+        sigmas = sigmas.clone()
+        sigmas[0] = percent_to_sigma(ER_SDE_FIRST_SIGMA_PERCENT, shift)
+    lambdas = torch.logit(sigmas).exp()  # λ = σ/(1−σ) = σ/α; λ_N = 0 at σ = 0
+    noise = RowNoise(x, _row_seeds(seed, x.shape[0]))
+    point_index = torch.arange(0, ER_SDE_POINTS, dtype=torch.float32, device=x.device)
+
+    steps = len(sigmas) - 1
+    old_denoised = old_denoised_d = None
+    for i in range(steps):
+        denoised = denoise(x, sigmas[i])
+        stage = min(max_stage, i + 1)
+        if sigmas[i + 1] == 0:
+            x = denoised
+        else:
+            lam_s, lam_t = lambdas[i], lambdas[i + 1]
+            alpha_s, alpha_t = sigmas[i] / lam_s, sigmas[i + 1] / lam_t
+            r = _er_sde_noise_scaler(lam_t) / _er_sde_noise_scaler(lam_s)
+            x = (alpha_t / alpha_s) * r * x + alpha_t * (1 - r) * denoised  # stage 1
+            if stage >= 2:
+                dt = lam_t - lam_s
+                h = -dt / ER_SDE_POINTS
+                points = lam_t + point_index * h
+                scaled_points = _er_sde_noise_scaler(points)
+                s1 = torch.sum(1 / scaled_points) * h
+                denoised_d = (denoised - old_denoised) / (lam_s - lambdas[i - 1])
+                x = x + alpha_t * (dt + s1 * _er_sde_noise_scaler(lam_t)) * denoised_d
+                if stage >= 3:
+                    s2 = torch.sum((points - lam_s) / scaled_points) * h
+                    denoised_u = (denoised_d - old_denoised_d) / ((lam_s - lambdas[i - 2]) / 2)
+                    x = x + alpha_t * (dt ** 2 / 2 + s2 * _er_sde_noise_scaler(lam_t)) * denoised_u
+                old_denoised_d = denoised_d
+            if s_noise > 0:
+                spread = (lam_t ** 2 - lam_s ** 2 * r ** 2).sqrt().nan_to_num(nan=0.0)
+                x = x + alpha_t * noise.draw() * s_noise * spread
+        old_denoised = denoised
+        if callback is not None:
+            callback(i, steps)
+    return x
+
+
+SAMPLERS = ("euler", "er_sde")
+
+
+def sample(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, sampler: str = "euler",
+           seed: int | Sequence[int] = 0, callback: Callback | None = None, *,
+           shift: float = DEFAULT_SHIFT) -> torch.Tensor:
+    """Run `sampler` from x (already noised for sigmas[0]) down the schedule; returns the final x.
+
+    `seed` (one int, or one per batch row) drives the stochastic samplers only; euler ignores it.
+    `callback(step_index, total_steps)` is called after each step.
+    """
+    if sampler == "euler":
+        return sample_euler(denoise, x, sigmas, callback)
+    if sampler == "er_sde":
+        return sample_er_sde(denoise, x, sigmas, seed, callback, shift=shift)
+    raise ValueError(f"unknown sampler {sampler!r}; known samplers: {', '.join(SAMPLERS)}")

@@ -1,0 +1,193 @@
+"""ServeConfig: everything the HTTP endpoint needs, one typed object.
+
+The CLI (`snapref-ray serve`), `pipelines/serve_app.py` (`serve run` / `serve deploy`) and the
+tests all build one of these; each field says why its default is what it is. Defaults are for a
+GPU replica rendering ~1 MP images in a few seconds; the tests shrink them for a CPU.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+TOKEN_ENV = "SNAPREF_API_TOKEN"
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback IP literal (127.0.0.0/8, ::1). A name such as "localhost" is not trusted:
+    what it resolves to is outside this process's control."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ServeLimits(BaseModel):
+    """Bounds on what one HTTP request may ask for; anything beyond is a 400 (or 413) naming the field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_upload_bytes: int = Field(
+        20 * 2**20, gt=0,
+        description="Largest reference image file accepted (bytes). 20 MiB holds any PNG of a 64 MP"
+                    " reference (the decoder's own bomb limit) that is not padded; a character sheet is"
+                    " usually < 5 MiB.")
+    max_megapixels: float = Field(
+        2.1, gt=0,
+        description="Largest output area (width*height/1e6) and largest ref_megapixels. 2.1 MP admits"
+                    " Anima's ~1 MP training buckets up to 1536x1344; more multiplies memory and time"
+                    " per request, so a larger value is a deliberate operator choice.")
+    max_prompt_chars: int = Field(
+        4000, gt=0,
+        description="Longest prompt, negative prompt or ref_caption (characters). Anima's text path"
+                    " truncates far below this; the bound only stops abusive bodies.")
+    max_steps: int = Field(
+        100, gt=0,
+        description="Most sampling steps per request. Anima's card recommends 28-50; 100 leaves room"
+                    " for experiments while capping one request's device time.")
+    max_n: int = Field(
+        4, gt=0,
+        description="Most images per request (consecutive seeds, one batch). Also capped by"
+                    " max_batch_size, since one request must fit in one batched forward.")
+    max_side: int = Field(
+        2048, gt=0,
+        description="Longest image side in pixels. 2048 covers Anima's tall/wide buckets; the request"
+                    " model itself allows 4096, which a shared endpoint should not.")
+
+
+class ServeConfig(BaseModel):
+    """The endpoint: models, network, auth, limits, autoscaling, backpressure, batching, caching."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # -- models ------------------------------------------------------------------------------
+    models_dir: str = Field(..., description="Model folder (tiny or real), as for `snapref-ray txt2img --models`.")
+    adapter: str | None = Field(
+        None, description="SnapRef adapter file; None takes adapter.safetensors from models_dir if there.")
+    device: str | None = Field(
+        None, description="Torch device inside a replica; None picks cuda when the replica sees a GPU, else cpu.")
+
+    # -- network and auth --------------------------------------------------------------------
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the HTTP proxy binds. Loopback by default so that nothing is exposed by"
+                    " accident; any other address requires a token.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port; 8000 is Ray Serve's own default.")
+    token: SecretStr | None = Field(
+        None,
+        description=f"Bearer token clients must send. None reads ${TOKEN_ENV}; required whenever host is"
+                    " not loopback. A SecretStr, so it never shows in reprs or logs.")
+    limits: ServeLimits = Field(default_factory=ServeLimits, description="Per-request bounds.")
+
+    # -- replicas and autoscaling ------------------------------------------------------------
+    gpus_per_replica: float | None = Field(
+        None, ge=0,
+        description="GPUs per renderer replica. None: 1 when the cluster has GPUs (one resident model"
+                    " per GPU, as the batch workers), else 0 (CPU replicas).")
+    cpus_per_replica: float = Field(
+        1.0, gt=0,
+        description="CPUs per renderer replica: PNG encoding and the event loop need one; a CPU-only"
+                    " replica's torch uses as many threads as this allows.")
+    min_replicas: int = Field(
+        1, ge=0,
+        description="Renderer replicas kept warm. 1: loading Anima takes ~20-60 s, far longer than a"
+                    " client waits, so scaling to zero costs the first request a timeout.")
+    max_replicas: int = Field(4, ge=1, description="Upper bound on renderer replicas (= GPUs the endpoint may hold).")
+    target_ongoing_requests: float = Field(
+        2.0, gt=0,
+        description="Autoscaling target per replica. 2: one batch rendering and one forming; higher"
+                    " values batch more but add a render's worth of queueing to the latency.")
+    upscale_delay_s: float = Field(
+        30.0, ge=0,
+        description="Load must stay above target this long before a replica is added. A new GPU replica"
+                    " needs a model load (and maybe a node), so reacting to a 5 s burst only wastes it.")
+    downscale_delay_s: float = Field(
+        600.0, ge=0,
+        description="Load must stay below target this long before a replica is removed. Long, because"
+                    " a removed replica drops its cached references and its model load.")
+
+    # -- backpressure and timeouts -----------------------------------------------------------
+    max_ongoing_requests: int = Field(
+        8, ge=1,
+        description="Requests a renderer replica holds at once (rendering, waiting for the device, or"
+                    " forming a batch). At least max_batch_size so a full batch can form; Serve's"
+                    " default (5) would cap batches below that.")
+    max_queued_requests: int = Field(
+        16, ge=1,
+        description="Requests the ingress may hold for the renderers when every replica is full; past"
+                    " it clients get 503 + Retry-After at once. Serve's default (-1) queues without"
+                    " bound, which turns a burst into timeouts for everyone. ~2 batches per replica.")
+    ingress_max_ongoing_requests: int = Field(
+        256, ge=1,
+        description="Concurrent HTTP requests per ingress replica. The ingress only parses and awaits,"
+                    " so it holds many; the renderer queue above is the real bound.")
+    ingress_max_queued_requests: int = Field(
+        256, ge=1,
+        description="HTTP requests the proxy queues for the ingress; past it the proxy answers 503 with"
+                    " Retry-After itself (Serve's backpressure).")
+    ingress_replicas: int = Field(1, ge=1, description="Ingress replicas; one handles thousands of requests/s of parsing.")
+    request_timeout_s: float = Field(
+        300.0, gt=0,
+        description="A render that has not answered by then gets 504. 300 s is ~10 batched 1 MP renders"
+                    " on one GPU; the HTTP proxy's own timeout is set a little above so the JSON 504"
+                    " wins over its bare 408.")
+    retry_after_s: float = Field(
+        5.0, ge=0,
+        description="Retry-After on 503s: about one batched render, when a queue slot is likely free.")
+    stall_timeout_s: float = Field(
+        300.0, gt=0,
+        description="check_health fails (and Serve restarts the replica) when the device has been busy"
+                    " this long without finishing a sampling step or an encode: a hung CUDA call or"
+                    " deadlock, since a real step takes well under a second.")
+    health_check_period_s: float = Field(10.0, gt=0, description="Serve's health-check period (its default).")
+
+    # -- batching and caching ----------------------------------------------------------------
+    max_batch_size: int = Field(
+        4, ge=1,
+        description="Images per batched forward. 4 fills an H100 at 1 MP with CFG's two rows without"
+                    " running out of memory; more gives little throughput for a lot of latency.")
+    batch_wait_timeout_s: float = Field(
+        0.01, ge=0,
+        description="How long an idle replica waits for more compatible requests before rendering."
+                    " 10 ms is noise next to a render but catches requests sent together; while the"
+                    " device is busy, waiting requests are merged anyway.")
+    refkv_cache_bytes: int = Field(
+        8 * 2**30, gt=0,
+        description="RefKV cache per replica (bytes on its device). A 1 MP reference is ~0.94 GB of"
+                    " bf16 K/V, so 8 GiB keeps ~8 references next to Anima's ~5 GB on a 24 GB GPU.")
+    max_references_per_replica: int = Field(
+        64, ge=1,
+        description="Reference ids a replica advertises for routing (Serve multiplexing). The bytes"
+                    " bound above decides what is really kept; this only sizes the routing table.")
+    reference_store_bytes: int = Field(
+        1 * 2**30, gt=0,
+        description="Uploaded reference files kept for the replicas to encode from (LRU, bytes). 1 GiB"
+                    " is ~500 typical 2 MB uploads; an evicted reference answers 404 and is uploaded again.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ServeConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
+        if self.limits.max_n > self.max_batch_size:
+            raise ValueError(f"limits.max_n ({self.limits.max_n}) must not exceed max_batch_size"
+                             f" ({self.max_batch_size}): one request's images render in one batch")
+        return self
+
+    def resolved_token(self) -> str | None:
+        """The token from the config, else from $SNAPREF_API_TOKEN; None when neither is set."""
+        if self.token is not None and self.token.get_secret_value():
+            return self.token.get_secret_value()
+        return os.environ.get(TOKEN_ENV) or None
+
+    def check_security(self, host: str | None = None) -> None:
+        """Refuse a server reachable from other machines without a token (raises ValueError)."""
+        host = self.host if host is None else host
+        if not is_loopback(host) and self.resolved_token() is None:
+            raise ValueError(f"host {host!r} is not loopback: set a bearer token (--token or ${TOKEN_ENV})"
+                             " before exposing the endpoint")
+
+    def proxy_timeout_s(self) -> float:
+        """The HTTP proxy's request timeout: above ours, so that clients see our JSON 504."""
+        return self.request_timeout_s + 10.0

@@ -1,0 +1,459 @@
+"""Where outputs go: one small key/value interface over a local folder and S3.
+
+Keys are POSIX-style paths relative to the storage root (``images/abc.png``). Both backends make
+every write atomic — a reader sees the old object or the whole new one, never a torn file — because
+exactly-once output rests on it: a retried item rewrites the same key, and a metadata part is either
+committed or absent.
+
+S3 calls survive short outages: botocore retries each request (``retry_mode``/``max_attempts``), and
+on top of that connection errors and 5xx answers are retried with backoff for up to
+``outage_tolerance_s``, so that an object store restarting for a few seconds does not fail a job
+that has run for hours.
+"""
+
+from __future__ import annotations
+
+import logging
+import mimetypes
+import os
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Protocol, TypeVar, runtime_checkable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class StorageError(IOError):
+    """A storage operation failed; the message names the storage root and the key."""
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """How to reach an S3-compatible store. Fields left as None fall back to the standard AWS settings.
+
+    Credentials left as None go through boto3's own chain (environment ``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, config files, instance profiles), which is what a
+    cluster node with an instance profile needs. ``endpoint_url`` falls back to ``AWS_ENDPOINT_URL_S3``
+    then ``AWS_ENDPOINT_URL`` (MinIO, SeaweedFS, R2); ``region`` to ``AWS_REGION`` then
+    ``AWS_DEFAULT_REGION``.
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    access_key: str | None = None
+    secret_key: str | None = None
+    # adaptive = standard retries plus client-side rate limiting when the store answers SlowDown.
+    retry_mode: str = "adaptive"
+    max_attempts: int = 10
+    # Seconds of connection errors / 5xx answers tolerated per call before giving up: a store that
+    # restarts (or a node whose network blips) must not fail a long job.
+    outage_tolerance_s: float = 120.0
+
+    def resolved(self) -> "S3Options":
+        """The options with endpoint and region filled from the environment where they were None."""
+        env = os.environ
+        return replace(
+            self,
+            endpoint_url=self.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None,
+            region=self.region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+        )
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A flat key space under a root (a local folder or ``s3://bucket/prefix``)."""
+
+    uri: str
+
+    def put_bytes(self, key: str, data: bytes, content_type: str | None = None) -> None:
+        """Store `data` under `key`, replacing any old object atomically."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Store `data` only if `key` does not exist yet; False (and nothing written) if it did."""
+
+    def get_bytes(self, key: str) -> bytes:
+        """The object's bytes; StorageError naming the root and key when it is missing."""
+
+    def exists(self, key: str) -> bool:
+        """Whether an object is stored under `key`."""
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys (relative to the root) that start with `prefix`, sorted."""
+
+    def delete(self, key: str) -> None:
+        """Remove `key`; a missing key is not an error."""
+
+    def uri_for(self, key: str) -> str:
+        """The absolute location of `key`: a filesystem path or ``s3://bucket/prefix/key``."""
+
+
+def _check_key(key: str) -> str:
+    if not key or key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in key.split("/")):
+        raise StorageError(f"invalid storage key {key!r}: expected a relative path like 'images/x.png' without '.', '..' or empty parts")
+    return key
+
+
+# ----------------------------------------------------------------------------------------------
+# Local folder
+
+
+_TMP_MARK = ".tmp-"
+
+
+class LocalStorage:
+    """A folder on a filesystem. Writes go to a temporary file beside the target, then os.replace."""
+
+    def __init__(self, root: str | os.PathLike):
+        path = Path(os.fspath(root).removeprefix("file://")).expanduser().resolve()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create output folder {path}: {e}") from e
+        self.root = path
+        self.uri = str(path)
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.uri!r})"
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def _write_tmp(self, path: Path, data: bytes) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}{_TMP_MARK}{uuid.uuid4().hex}")
+        # No fsync: the guarantee needed is against a crashed *process* (the page cache survives it);
+        # syncing every image would cost more than re-rendering after a rare machine crash.
+        with open(tmp, "wb") as f:
+            f.write(data)
+        return tmp
+
+    def put_bytes(self, key: str, data: bytes, content_type: str | None = None) -> None:
+        path = self._path(key)
+        try:
+            tmp = self._write_tmp(path, data)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise StorageError(f"cannot write {path} (storage {self.uri}, key {key!r}): {e}") from e
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        try:
+            tmp = self._write_tmp(path, data)
+        except OSError as e:
+            raise StorageError(f"cannot write {path} (storage {self.uri}, key {key!r}): {e}") from e
+        try:
+            # link() fails if the target exists and publishes the complete file in one step, which
+            # O_EXCL + write cannot (a reader could see it half written).
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            # Filesystems without hard links: O_EXCL still decides the race.
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def get_bytes(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise StorageError(f"no object {key!r} in storage {self.uri} (file {path} does not exist)") from None
+        except OSError as e:
+            raise StorageError(f"cannot read {path} (storage {self.uri}, key {key!r}): {e}") from e
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        # Prefix semantics as in S3 (a string prefix, not a folder): walk the deepest folder the
+        # prefix names, then filter.
+        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        keys = []
+        for dirpath, _dirs, files in os.walk(base):
+            rel_dir = Path(dirpath).relative_to(self.root).as_posix()
+            for name in files:
+                if name.startswith(".") and _TMP_MARK in name:
+                    continue  # an in-flight write
+                key = name if rel_dir == "." else f"{rel_dir}/{name}"
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot delete {path} (storage {self.uri}, key {key!r}): {e}") from e
+
+    def uri_for(self, key: str) -> str:
+        return str(self._path(key))
+
+
+# ----------------------------------------------------------------------------------------------
+# S3
+
+
+_clients: dict[tuple[int, S3Options], object] = {}
+_clients_lock = threading.Lock()
+
+
+def s3_client(opts: S3Options | None = None):
+    """The process's boto3 S3 client for these options, created on first use.
+
+    Keyed by pid too, so a forked child (Ray worker, multiprocessing) never reuses its parent's
+    connection pool. boto3 clients are thread-safe, so one per process is enough.
+    """
+    opts = (opts or S3Options()).resolved()
+    key = (os.getpid(), opts)
+    client = _clients.get(key)
+    if client is None:
+        with _clients_lock:
+            client = _clients.get(key)
+            if client is None:
+                import boto3
+                from botocore.config import Config
+
+                config = Config(
+                    retries={"mode": opts.retry_mode, "max_attempts": opts.max_attempts},
+                    connect_timeout=10,
+                    read_timeout=60,
+                    # SeaweedFS/MinIO are addressed by path; AWS accepts it too.
+                    s3={"addressing_style": "path"} if opts.endpoint_url else None,
+                )
+                # A Session per client: the default session is not thread-safe.
+                client = boto3.session.Session().client(
+                    "s3",
+                    endpoint_url=opts.endpoint_url,
+                    region_name=opts.region or ("us-east-1" if opts.endpoint_url else None),
+                    aws_access_key_id=opts.access_key,
+                    aws_secret_access_key=opts.secret_key,
+                    config=config,
+                )
+                _clients[key] = client
+    return client
+
+
+_RETRYABLE_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "Throttling", "ThrottlingException",
+                    "RequestTimeout", "RequestTimeTooSkewed", "503", "500", "502", "504"}
+
+
+def _status(err) -> int:
+    return int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+
+
+def _code(err) -> str:
+    return str(err.response.get("Error", {}).get("Code", ""))
+
+
+def _is_transient(err: BaseException) -> bool:
+    from boto3.exceptions import RetriesExceededError as Boto3RetriesExceeded
+    from botocore.exceptions import ClientError, ConnectionError as BotoConnectionError, HTTPClientError
+    from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceeded
+
+    # The RetriesExceeded errors are what download_file raises after its own retries of a broken stream.
+    if isinstance(err, (BotoConnectionError, HTTPClientError, Boto3RetriesExceeded, TransferRetriesExceeded)):
+        return True
+    if isinstance(err, ClientError):
+        return _status(err) >= 500 or _code(err) in _RETRYABLE_CODES
+    return False
+
+
+class S3Storage:
+    """``s3://bucket/prefix`` through boto3 (any S3-compatible endpoint).
+
+    Picklable: it holds only the bucket, prefix and options; the client is looked up per process
+    (`s3_client`), so an instance sent to a Ray worker works there.
+    """
+
+    def __init__(self, uri: str, s3: S3Options | None = None):
+        if not uri.startswith("s3://"):
+            raise StorageError(f"not an s3:// URI: {uri!r}")
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        if not bucket:
+            raise StorageError(f"no bucket in {uri!r}: expected s3://bucket[/prefix]")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.options = s3 or S3Options()
+        self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+
+    def __repr__(self) -> str:
+        return f"S3Storage({self.uri!r})"
+
+    @property
+    def client(self):
+        return s3_client(self.options)
+
+    def _key(self, key: str) -> str:
+        _check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, what: str, where: str, fn: Callable[[], T]) -> T:
+        """Run `fn`, retrying transient failures (outages, 5xx) for up to outage_tolerance_s; `where` is the URI for messages."""
+        deadline = None
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 — classified below, re-raised when not transient
+                if not _is_transient(e):
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + self.options.outage_tolerance_s
+                if now >= deadline:
+                    raise StorageError(
+                        f"{what} {where} failed for {self.options.outage_tolerance_s:g} s "
+                        f"(endpoint {self.options.resolved().endpoint_url or 'AWS'}): {e}") from e
+                delay = min(0.25 * 2 ** attempt, 5.0) * (0.5 + random.random() / 2)
+                attempt += 1
+                log.warning("S3 %s %s: %s; retrying in %.1f s", what, where, e, delay)
+                time.sleep(min(delay, max(deadline - now, 0.0)))
+
+    def _client_error(self, what: str, key: str, e: Exception) -> StorageError:
+        return StorageError(f"{what} {self.uri_for(key)} failed (storage {self.uri}, key {key!r}): {e}")
+
+    def put_bytes(self, key: str, data: bytes, content_type: str | None = None) -> None:
+        from botocore.exceptions import ClientError
+
+        content_type = content_type or mimetypes.guess_type(key)[0] or "application/octet-stream"
+        try:
+            self._call("PUT", self.uri_for(key), lambda: self.client.put_object(
+                Bucket=self.bucket, Key=self._key(key), Body=data, ContentType=content_type))
+        except ClientError as e:
+            raise self._client_error("PUT", key, e) from e
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Conditional PUT (``If-None-Match: *``): the store decides the race, 412 means it existed.
+
+        If a request was retried, the first attempt may have landed before its answer was lost; a 412
+        then is our own write, which shows as identical bytes, and counts as written.
+        """
+        from botocore.exceptions import ClientError
+
+        retried = False
+
+        def put():
+            nonlocal retried
+            try:
+                return self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+            except ClientError as e:
+                retried = retried or e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) > 0
+                raise
+            except Exception:
+                retried = True
+                raise
+
+        try:
+            self._call("conditional PUT", self.uri_for(key), put)
+            return True
+        except ClientError as e:
+            if _status(e) == 412 or _code(e) == "PreconditionFailed":
+                return retried and self.get_bytes(key) == data
+            raise self._client_error("conditional PUT", key, e) from e
+
+    def get_bytes(self, key: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self._call("GET", self.uri_for(key), lambda: self.client.get_object(
+                Bucket=self.bucket, Key=self._key(key))["Body"].read())
+        except ClientError as e:
+            if _code(e) in ("NoSuchKey", "404") or _status(e) == 404:
+                raise StorageError(f"no object {key!r} in storage {self.uri} ({self.uri_for(key)} does not exist)") from None
+            raise self._client_error("GET", key, e) from e
+
+    def head(self, key: str) -> dict | None:
+        """The object's HEAD answer (ContentLength, ETag, ...), or None when it does not exist."""
+        from botocore.exceptions import ClientError
+
+        try:
+            return self._call("HEAD", self.uri_for(key), lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(key)))
+        except ClientError as e:
+            if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise self._client_error("HEAD", key, e) from e
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def download_file(self, key: str, dest: str | os.PathLike) -> None:
+        """Stream the object into `dest` (parallel ranged GETs for large files; nothing held in memory)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._call("download", self.uri_for(key), lambda: self.client.download_file(self.bucket, self._key(key), os.fspath(dest)))
+        except ClientError as e:
+            raise self._client_error("download", key, e) from e
+
+    def list(self, prefix: str) -> list[str]:
+        from botocore.exceptions import ClientError
+
+        root = f"{self.prefix}/" if self.prefix else ""
+
+        def list_all() -> list[str]:
+            keys = []
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root + prefix):
+                keys.extend(obj["Key"][len(root):] for obj in page.get("Contents", ()))
+            return keys
+
+        try:
+            return sorted(self._call("LIST", f"s3://{self.bucket}/{root}{prefix}", list_all))
+        except ClientError as e:
+            raise StorageError(f"LIST s3://{self.bucket}/{root}{prefix} failed (storage {self.uri}): {e}") from e
+
+    def delete(self, key: str) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._call("DELETE", self.uri_for(key), lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key)))
+        except ClientError as e:
+            raise self._client_error("DELETE", key, e) from e
+
+    def uri_for(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def open_storage(uri: str, s3: S3Options | None = None) -> Storage:
+    """``s3://bucket/prefix`` -> S3Storage; anything else is a local folder, created if missing."""
+    if uri.startswith("s3://"):
+        return S3Storage(uri, s3)
+    return LocalStorage(uri)
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/a/b.bin`` -> ("bucket", "a/b.bin"); StorageError if there is no key."""
+    bucket, _, key = uri[len("s3://"):].partition("/") if uri.startswith("s3://") else ("", "", "")
+    if not bucket or not key or key.endswith("/"):
+        raise StorageError(f"expected an object URI s3://bucket/key, got {uri!r}")
+    return bucket, key
+
+
+def read_uri(uri: str, s3: S3Options | None = None) -> bytes:
+    """One file by its full location: a local path (or file://) or ``s3://bucket/key``."""
+    if uri.startswith("s3://"):
+        bucket, key = split_s3_uri(uri)
+        return S3Storage(f"s3://{bucket}", s3).get_bytes(key)
+    path = Path(uri.removeprefix("file://")).expanduser()
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise StorageError(f"file {path} does not exist") from None
+    except OSError as e:
+        raise StorageError(f"cannot read {path}: {e}") from e

@@ -1,0 +1,373 @@
+"""The output layout, and the Parquet tables that describe it.
+
+Under the output root::
+
+    images/{item_id}.{png|webp|jpg}     the renders (see image_files)
+    thumbs/{item_id}.jpg                256 px previews
+    references/{reference_hash}.jpg     each reference, <= 512 px, for the gallery
+    metadata/part-*.parquet             one row per image (METADATA_SCHEMA)
+    errors/part-*.parquet               one row per failure (ERRORS_SCHEMA)
+    summary.json                        counts, throughput, config hash (written at the end)
+    job.json                            the job fingerprint (ledger)
+
+A metadata row is the commit of its item: the caller adds it only after the image (and thumbnail)
+are stored, so every listed image exists. A part is written in one atomic PUT under a unique name, so
+a crash loses at most the rows not yet flushed (those items are rendered again on resume, to the same
+keys). Readers de-duplicate by item_id, keeping the first committed row.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .backends import Storage
+
+log = logging.getLogger(__name__)
+
+METADATA_PREFIX = "metadata"
+ERRORS_PREFIX = "errors"
+SUMMARY_KEY = "summary.json"
+ERROR_STAGES = ("validate", "encode", "sample", "write")
+
+
+def image_key(item_id: str, ext: str = "png") -> str:
+    """Where an item's image goes (deterministic: a retried item rewrites the same key)."""
+    return f"images/{item_id}.{ext}"
+
+
+def thumb_key(item_id: str) -> str:
+    """Where an item's thumbnail goes."""
+    return f"thumbs/{item_id}.jpg"
+
+
+def reference_image_key(reference_hash: str) -> str:
+    """Where the gallery copy of a reference goes."""
+    return f"references/{reference_hash}.jpg"
+
+
+METADATA_SCHEMA = pa.schema([
+    ("item_id", pa.string()),
+    ("manifest_row", pa.int64()),
+    ("reference_uris", pa.list_(pa.string())),
+    ("reference_hash", pa.string()),
+    ("reference_image_key", pa.string()),
+    ("prompt", pa.string()),
+    ("negative_prompt", pa.string()),
+    ("seed", pa.int64()),
+    ("width", pa.int32()),
+    ("height", pa.int32()),
+    ("steps", pa.int32()),
+    ("cfg", pa.float32()),
+    ("sampler", pa.string()),
+    ("scheduler", pa.string()),
+    ("mode", pa.string()),
+    ("ref_weight", pa.float32()),
+    ("ref_guidance", pa.float32()),
+    ("ref_in_uncond", pa.bool_()),
+    ("correction", pa.string()),
+    ("ref_start", pa.float32()),
+    ("ref_end", pa.float32()),
+    ("ref_caption", pa.string()),
+    ("settings_json", pa.string()),
+    ("image_key", pa.string()),
+    ("image_uri", pa.string()),
+    ("thumb_key", pa.string()),
+    ("image_format", pa.string()),
+    ("adapter", pa.string()),
+    ("model", pa.string()),
+    ("worker_id", pa.string()),
+    ("node_id", pa.string()),
+    ("encode_s", pa.float32()),
+    ("sample_s", pa.float32()),
+    ("decode_s", pa.float32()),
+    ("upload_s", pa.float32()),
+    ("attempt", pa.int32()),
+    ("started_at", pa.float64()),
+    ("finished_at", pa.float64()),
+])
+
+ERRORS_SCHEMA = pa.schema([
+    pa.field("item_id", pa.string(), nullable=True),  # null where the row was too broken to get an id
+    pa.field("manifest_row", pa.int64(), nullable=True),
+    ("error", pa.string()),
+    ("stage", pa.string()),  # one of ERROR_STAGES
+    ("attempt", pa.int32()),
+    ("at", pa.float64()),
+])
+
+IMAGE_COLUMN = "image"
+IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+# Hugging Face `datasets` dtype names of the plain Arrow types used here; list columns are left out
+# of the features entry (datasets infers them from Arrow, and their feature spelling differs by version).
+_HF_DTYPES = {pa.string(): "string", pa.int64(): "int64", pa.int32(): "int32", pa.float32(): "float32",
+              pa.float64(): "float64", pa.bool_(): "bool", pa.binary(): "binary"}
+
+
+def with_image_column(schema: pa.Schema) -> pa.Schema:
+    """`schema` plus the ``image`` struct<bytes, path> column and the ``huggingface`` features entry
+    that makes ``datasets.load_dataset("parquet", ...)`` decode it to PIL images."""
+    schema = schema.append(pa.field(IMAGE_COLUMN, IMAGE_TYPE))
+    features = {f.name: {"dtype": _HF_DTYPES[f.type], "_type": "Value"} for f in schema if f.type in _HF_DTYPES}
+    features[IMAGE_COLUMN] = {"_type": "Image"}
+    meta = dict(schema.metadata or {})
+    meta[b"huggingface"] = json.dumps({"info": {"features": features}}).encode()
+    return schema.with_metadata(meta)
+
+
+def _part_key(prefix: str) -> str:
+    # UTC time first: names sort in commit order (what "keep the first committed row" relies on);
+    # the uuid keeps concurrent writers (several drivers, append mode) from colliding.
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    return f"{prefix}/part-{stamp}-{uuid.uuid4().hex}.parquet"
+
+
+class _PartWriter:
+    """Buffer rows; write them as a Parquet part every `flush_rows` rows, every `flush_seconds`, and on close.
+
+    Thread-safe: a background uploader calls add() while a timer flushes. A failed write keeps its
+    rows buffered (and re-raises), so the next flush retries them.
+    """
+
+    def __init__(self, storage: Storage, *, prefix: str, schema: pa.Schema, flush_rows: int, flush_seconds: float):
+        if flush_rows < 1:
+            raise ValueError(f"flush_rows must be >= 1, got {flush_rows}")
+        self.storage = storage
+        self.prefix = prefix.strip("/")
+        self.schema = schema
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
+        self.parts_written: list[str] = []
+        self.rows_written = 0
+        self._rows: list[pa.Table] = []  # one single-row table per added row
+        self._lock = threading.Lock()  # guards _rows
+        self._flush_lock = threading.Lock()  # one part upload at a time, so parts keep row order
+        self._closed = False
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_row(self, row: dict) -> None:
+        names = set(self.schema.names)
+        missing, unknown = names - row.keys(), row.keys() - names
+        if missing or unknown:
+            raise ValueError(
+                f"{self.prefix} row {row.get('item_id')!r}: missing columns {sorted(missing)}, unknown columns {sorted(unknown)}")
+
+    def _append(self, row: dict) -> bool:
+        """Buffer `row`; True when the buffer is full and should be flushed."""
+        # Converting here, one row at a time, makes a bad value fail in add() with its item id
+        # (and not, later, the whole part inside a flush).
+        try:
+            one = pa.Table.from_pylist([row], schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
+            raise ValueError(f"{self.prefix} row {row.get('item_id')!r} does not fit the schema: {e}") from e
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{type(self).__name__} for {self.storage.uri_for(self.prefix)} is closed")
+            self._rows.append(one)
+            full = len(self._rows) >= self.flush_rows
+            if self._timer is None and self.flush_seconds > 0:
+                self._timer = threading.Thread(target=self._tick, name=f"{self.prefix}-flush", daemon=True)
+                self._timer.start()
+        return full
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.flush_seconds):
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 — rows stay buffered; the next tick or close() retries
+                log.exception("periodic flush of %s failed; will retry", self.storage.uri_for(self.prefix))
+
+    def flush(self) -> None:
+        """Write the buffered rows as one part now (nothing if the buffer is empty)."""
+        with self._flush_lock:
+            with self._lock:
+                rows, self._rows = self._rows, []
+            if not rows:
+                return
+            buf = io.BytesIO()
+            pq.write_table(pa.concat_tables(rows).combine_chunks(), buf, compression="zstd")
+            key = _part_key(self.prefix)
+            try:
+                self.storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
+            except Exception:
+                with self._lock:
+                    self._rows[:0] = rows
+                raise
+            self.parts_written.append(key)
+            self.rows_written += len(rows)
+
+    @property
+    def pending(self) -> int:
+        """Rows added but not yet in a written part."""
+        with self._lock:
+            return len(self._rows)
+
+    def close(self) -> None:
+        """Flush what is buffered and stop the timer. Idempotent."""
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join()
+        self.flush()
+
+
+class MetadataWriter(_PartWriter):
+    """Commits metadata rows (METADATA_SCHEMA) to ``metadata/part-*.parquet``.
+
+    Call `add` only after the row's image (and thumbnail) are stored: a row in a written part is what
+    marks the item done, for resume and for readers. A row whose item_id this writer already took is
+    ignored (returns False), so a retried item is committed once per run; across runs, resume skips
+    committed ids (ledger.committed_item_ids).
+
+    With ``embed_images=True`` each row also carries the image bytes in an ``image`` column
+    (struct<bytes, path>, Hugging Face features metadata), so ``datasets.load_dataset("parquet", ...)``
+    yields PIL images; parts then hold flush_rows images in memory, so lower flush_rows for large images.
+    """
+
+    def __init__(self, storage: Storage, *, prefix: str = METADATA_PREFIX, schema: pa.Schema = METADATA_SCHEMA,
+                 flush_rows: int = 256, flush_seconds: float = 30.0, embed_images: bool = False):
+        self.embed_images = embed_images
+        super().__init__(storage, prefix=prefix, schema=with_image_column(schema) if embed_images else schema,
+                         flush_rows=flush_rows, flush_seconds=flush_seconds)
+        self._seen: set[str] = set()
+
+    def add(self, row: dict, image_bytes: bytes | None = None) -> bool:
+        """Queue one committed image's row; False if this writer already has a row for its item_id."""
+        row = dict(row)
+        if self.embed_images:
+            if image_bytes is None:
+                raise ValueError(f"metadata row {row.get('item_id')!r}: embed_images is on but no image bytes were given")
+            row[IMAGE_COLUMN] = {"bytes": image_bytes, "path": str(row.get("image_key", "")).rsplit("/", 1)[-1]}
+        self._check_row(row)
+        with self._lock:
+            if row["item_id"] in self._seen:
+                return False
+            self._seen.add(row["item_id"])
+        try:
+            full = self._append(row)
+        except Exception:
+            with self._lock:
+                self._seen.discard(row["item_id"])
+            raise
+        if full:
+            self.flush()  # a failure here leaves the row buffered (accepted); it raises to say storage is failing
+        return True
+
+
+class ErrorWriter(_PartWriter):
+    """Records failures (ERRORS_SCHEMA) in ``errors/part-*.parquet``; same buffering as MetadataWriter."""
+
+    def __init__(self, storage: Storage, *, prefix: str = ERRORS_PREFIX, schema: pa.Schema = ERRORS_SCHEMA,
+                 flush_rows: int = 256, flush_seconds: float = 30.0):
+        super().__init__(storage, prefix=prefix, schema=schema, flush_rows=flush_rows, flush_seconds=flush_seconds)
+
+    def add(self, row: dict) -> None:
+        """Queue one error row (all ERRORS_SCHEMA columns)."""
+        if row.get("stage") not in ERROR_STAGES:
+            raise ValueError(f"error row {row.get('item_id')!r}: stage must be one of {ERROR_STAGES}, got {row.get('stage')!r}")
+        self._check_row(row)
+        if self._append(dict(row)):
+            self.flush()
+
+    def record(self, error: str | BaseException, stage: str, *, item_id: str | None = None,
+               manifest_row: int | None = None, attempt: int = 1) -> None:
+        """Shorthand for add(): an exception is recorded as ``TypeName: message``."""
+        if isinstance(error, BaseException):
+            error = f"{type(error).__name__}: {error}"
+        self.add({"item_id": item_id, "manifest_row": manifest_row, "error": error, "stage": stage,
+                  "attempt": attempt, "at": time.time()})
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+def _read_parts(storage: Storage, prefix: str, columns: list[str] | None = None) -> list[pa.Table]:
+    keys = [k for k in storage.list(prefix + "/") if k.endswith(".parquet")]
+
+    def read(key: str) -> pa.Table:
+        return pq.read_table(io.BytesIO(storage.get_bytes(key)), columns=columns)
+
+    # Parts are small and many on S3: fetch them in parallel, keep them in name (= commit) order.
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(read, keys))
+
+
+def _concat(tables: Iterable[pa.Table], empty: pa.Schema) -> pa.Table:
+    tables = [t for t in tables if t.num_rows]
+    if not tables:
+        return empty.empty_table()
+    # Parts with and without the image column (an appended job) line up, the missing one as nulls.
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def _first_per_id(table: pa.Table) -> pa.Table:
+    seen: set = set()
+    keep = []
+    for i, item_id in enumerate(table.column("item_id").to_pylist()):
+        if item_id not in seen:
+            seen.add(item_id)
+            keep.append(i)
+    return table if len(keep) == table.num_rows else table.take(keep)
+
+
+def read_item_ids(storage: Storage, prefix: str = METADATA_PREFIX) -> list[str]:
+    """item_id of every committed row, in commit order, duplicates included (reads only that column)."""
+    ids: list[str] = []
+    for t in _read_parts(storage, prefix, columns=["item_id"]):
+        ids.extend(t.column("item_id").to_pylist())
+    return ids
+
+
+def read_metadata_table(storage: Storage) -> pa.Table:
+    """Every committed metadata row, de-duplicated by item_id (the first committed row wins).
+
+    An empty METADATA_SCHEMA table if nothing is committed.
+    """
+    return _first_per_id(_concat(_read_parts(storage, METADATA_PREFIX), METADATA_SCHEMA))
+
+
+def read_errors_table(storage: Storage, exclude_ids: set[str] | None = None) -> pa.Table:
+    """The error rows, without those whose item is in `exclude_ids`.
+
+    By default `exclude_ids` is the set of committed item ids: an item that failed once and then
+    succeeded is not an error of the job. Pass an empty set to see every recorded failure.
+    """
+    table = _concat(_read_parts(storage, ERRORS_PREFIX), ERRORS_SCHEMA)
+    if exclude_ids is None:
+        exclude_ids = set(read_item_ids(storage))
+    if not exclude_ids or not table.num_rows:
+        return table
+    keep = [item_id is None or item_id not in exclude_ids for item_id in table.column("item_id").to_pylist()]
+    return table.filter(pa.array(keep))
+
+
+def write_summary(storage: Storage, summary: dict) -> None:
+    """Write ``summary.json`` (replacing any earlier one: a resumed job rewrites it at its end)."""
+    storage.put_bytes(SUMMARY_KEY, json.dumps(summary, indent=2, sort_keys=True).encode(), content_type="application/json")
+
+
+def read_summary(storage: Storage) -> dict | None:
+    """The parsed ``summary.json``, or None before a job has finished once."""
+    if not storage.exists(SUMMARY_KEY):
+        return None
+    return json.loads(storage.get_bytes(SUMMARY_KEY))

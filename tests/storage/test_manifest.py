@@ -1,0 +1,150 @@
+"""Manifests: CSV / JSONL / Parquet, local and s3://, row numbers, relative paths, clear errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from snapref_ray.storage.manifest import (ROW_KEY, ManifestError, manifest_base, manifest_format, read_manifest,
+                                          resolve_relative)
+
+ROWS = [
+    {"reference": "refs/a.png", "prompt": "1girl, solo, beach", "seed": 3, "steps": 8},
+    {"reference": "refs/b.png", "prompt": "1boy, solo, rain, night", "seed": None, "steps": None},
+    {"reference": "refs/a.png", "prompt": "1girl, cafe, smile", "seed": 5, "steps": 12},
+]
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+    return path
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_three_formats_give_the_same_rows(tmp_path):
+    csv_rows = read_manifest(str(write_csv(tmp_path / "m.csv", ROWS)))
+    jsonl_rows = read_manifest(str(write_jsonl(tmp_path / "m.jsonl", ROWS)))
+    ndjson_rows = read_manifest(str(write_jsonl(tmp_path / "m.NDJSON", ROWS)))
+    parquet_rows = read_manifest(str(write_parquet(tmp_path / "m.parquet", ROWS)))
+
+    # Typed formats keep their types; CSV cells are text (the request model converts them later).
+    expected = [
+        {"reference": "refs/a.png", "prompt": "1girl, solo, beach", "seed": 3, "steps": 8, ROW_KEY: 1},
+        {"reference": "refs/b.png", "prompt": "1boy, solo, rain, night", ROW_KEY: 2},  # nulls / empty cells left out
+        {"reference": "refs/a.png", "prompt": "1girl, cafe, smile", "seed": 5, "steps": 12, ROW_KEY: 3},
+    ]
+    assert jsonl_rows == expected
+    assert ndjson_rows == expected
+    assert parquet_rows == expected
+    assert csv_rows == [{k: (str(v) if k not in ("prompt", ROW_KEY) else v) for k, v in row.items()} for row in expected]
+
+
+def test_csv_row_numbers_count_records_not_lines(tmp_path):
+    path = tmp_path / "m.csv"
+    path.write_bytes("\ufeffreference , prompt\n\na.png,\"1girl, solo\"\n  ,  \nb.png,\"multi\nline\"\nc.png,x\n"
+                     .encode("utf-8"))
+    rows = read_manifest(str(path))
+    # BOM and padded header names are tolerated; blank lines are neither records nor counted.
+    assert rows == [
+        {"reference": "a.png", "prompt": "1girl, solo", ROW_KEY: 1},
+        {"reference": "b.png", "prompt": "multi\nline", ROW_KEY: 2},
+        {"reference": "c.png", "prompt": "x", ROW_KEY: 3},
+    ]
+
+
+def test_parquet_nan_and_list_cells(tmp_path):
+    table = pa.table({"references": [["a.png", "b.png"], None], "prompt": ["p1", "p2"], "cfg": [float("nan"), 5.0]})
+    path = tmp_path / "m.parquet"
+    pq.write_table(table, path)
+    assert read_manifest(str(path)) == [
+        {"references": ["a.png", "b.png"], "prompt": "p1", ROW_KEY: 1},
+        {"prompt": "p2", "cfg": 5.0, ROW_KEY: 2},
+    ]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("m.txt", b"x", "manifest {path}: unknown extension '.txt'; expected one of .csv, .jsonl, .ndjson, .parquet"),
+    ("m.csv", b"reference,prompt\n", "manifest {path} has no rows"),
+    ("m.csv", b"", "manifest {path} has no rows"),
+    ("m.csv", b"reference,prompt,reference\na,b,c\n", "manifest {path}: header repeats column(s) reference"),
+    ("m.csv", b"reference,,prompt\na,b,c\n", "manifest {path}: header has an empty column name (column 2)"),
+    ("m.csv", b"reference,prompt\na.png,p\nb.png,p,extra\n",
+     "manifest {path}: row 2 (line 3) has 3 cells, the header has 2 columns"),
+    ("m.csv", b"reference,__row__\na,1\n", "manifest {path}: column name '__row__' is reserved for the row number"),
+    ("m.csv", b"reference\n\xff\xfe\n", "manifest {path}: not UTF-8 text"),
+    ("m.jsonl", b'{"reference": "a"}\n\n{"reference": \n', "manifest {path}: line 3 is not valid JSON (Expecting value)"),
+    ("m.jsonl", b'["a", "b"]\n', "manifest {path}: line 1 is a JSON list, expected an object"),
+    ("m.parquet", b"PAR1 not really", "manifest {path}: not a readable Parquet file"),
+])
+def test_unreadable_manifests_name_file_and_place(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ManifestError) as info:
+        read_manifest(str(path))
+    assert str(info.value).startswith(message.format(path=path))
+
+
+def test_missing_manifest(tmp_path):
+    with pytest.raises(ManifestError, match=r"^manifest .*nope\.csv not found$"):
+        read_manifest(str(tmp_path / "nope.csv"))
+
+
+def test_manifest_format_by_extension():
+    assert [manifest_format(u) for u in ("a.CSV", "s3://b/x/m.jsonl", "m.ndjson", "/d/m.parquet")] == [
+        "csv", "jsonl", "jsonl", "parquet"]
+
+
+def test_relative_paths_resolve_against_the_manifest_folder(tmp_path):
+    base = manifest_base(str(tmp_path / "jobs" / "m.csv"))
+    assert base == str(tmp_path / "jobs")
+    assert resolve_relative("refs/a.png", base) == str(tmp_path / "jobs" / "refs" / "a.png")
+    assert resolve_relative("./refs/../b.png", base) == str(tmp_path / "jobs" / "b.png")
+    assert resolve_relative("../shared/c.png", base) == str(tmp_path / "shared" / "c.png")
+    assert resolve_relative("/abs/d.png", base) == "/abs/d.png"
+    assert resolve_relative("s3://other/e.png", base) == "s3://other/e.png"
+    # A manifest given relative to the current directory still resolves to absolute paths.
+    assert Path(manifest_base("m.csv")).is_absolute()
+
+
+def test_relative_paths_resolve_against_the_s3_prefix():
+    base = manifest_base("s3://bucket/jobs/2024/m.csv")
+    assert base == "s3://bucket/jobs/2024/"
+    assert resolve_relative("refs/a.png", base) == "s3://bucket/jobs/2024/refs/a.png"
+    assert resolve_relative("../refs/a.png", base) == "s3://bucket/jobs/refs/a.png"
+    assert resolve_relative("/local/a.png", base) == "/local/a.png"
+    assert resolve_relative("a.png", manifest_base("s3://bucket/m.csv")) == "s3://bucket/a.png"
+    with pytest.raises(ValueError, match=r"relative path '../../../a.png' climbs above the bucket root"):
+        resolve_relative("../../../a.png", base)
+
+
+def test_s3_manifest_reads_like_a_local_one(tmp_path, s3_server):
+    local = write_csv(tmp_path / "m.csv", ROWS)
+    bucket, prefix, client = s3_server.bucket, "test_manifest", s3_server.client()
+    client.put_object(Bucket=bucket, Key=f"{prefix}/m.csv", Body=local.read_bytes())
+    client.put_object(Bucket=bucket, Key=f"{prefix}/m.parquet", Body=write_parquet(tmp_path / "m.parquet", ROWS).read_bytes())
+    options = s3_server.s3_options()
+
+    assert read_manifest(f"s3://{bucket}/{prefix}/m.csv", options) == read_manifest(str(local))
+    assert read_manifest(f"s3://{bucket}/{prefix}/m.parquet", options) == read_manifest(str(tmp_path / "m.parquet"))
+    with pytest.raises(ManifestError) as info:
+        read_manifest(f"s3://{bucket}/{prefix}/missing.csv", options)
+    assert str(info.value) == (f"cannot read manifest s3://{bucket}/{prefix}/missing.csv: no object "
+                               f"'{prefix}/missing.csv' in storage s3://{bucket} "
+                               f"(s3://{bucket}/{prefix}/missing.csv does not exist)")
