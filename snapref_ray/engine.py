@@ -220,7 +220,9 @@ class Renderer:
         t0 = time.perf_counter()
         prompts = [r.prompt for r in requests]
         negatives = [s.negative_prompt] * n
-        contexts = self.prompts.encode_batch(prompts + negatives, device=self.device).to(self.dtype)
+        # One context per prompt: ComfyUI never pads a context past 512 rows (its zero rows are not
+        # inert in the unmasked cross-attention), so rows of other lengths run as separate forwards.
+        contexts = [self.prompts.encode(p, device=self.device).to(self.dtype) for p in prompts + negatives]
         ctx_for = {Row.COND: contexts[:n], Row.UNCOND: contexts[n:], Row.COND_NOREF: contexts[:n]}
         text_s = time.perf_counter() - t0
 
@@ -263,22 +265,27 @@ class Renderer:
         return [RenderResult(img, req, dict(timings), ref_id) for img, req in zip(images, requests)]
 
     def denoise_rows(self, x_B: torch.Tensor, sigma: torch.Tensor, plan: StepPlan,
-                     ctx_for: dict[Row, torch.Tensor], refkv: RefKV | None, weights: list[float] | None,
+                     ctx_for: dict[Row, list[torch.Tensor]], refkv: RefKV | None, weights: list[float] | None,
                      target_loras: list | None) -> dict[Row, torch.Tensor]:
         """One batched DiT forward over every row kind of the step; denoised estimate per kind.
 
-        x_B: [n, 16, 1, h, w] fp32. Rows are stacked kind by kind ([COND x n, UNCOND x n, ...]);
-        only the attention seam sees which of them read the reference.
+        x_B: [n, 16, 1, h, w] fp32; ctx_for: per row kind, one [1, L, C] context per request.
+        Rows are stacked kind by kind ([COND x n, UNCOND x n, ...]); only the attention seam sees
+        which of them read the reference. Contexts of different lengths (prompts over 512 T5
+        tokens) run as one forward per length.
         """
         n = x_B.shape[0]
         rows_x = x_B.repeat(len(plan.rows), 1, 1, 1, 1)
-        rows_ctx = torch.cat([ctx_for[row] for row in plan.rows])
-        rows_sigma = sigma.to(self.device, torch.float32).expand(rows_x.shape[0])
-        refs = None
-        if refkv is not None and any(plan.reads):
-            reads = torch.tensor([read for read in plan.reads for _ in range(n)], device=self.device)
-            refs = refkv.reads(reads, weights)
-        v = self.dit(rows_x.to(self.dtype), rows_sigma, rows_ctx, loras=target_loras, refs=refs).float()
+        contexts = [ctx for row in plan.rows for ctx in ctx_for[row]]
+        reads = torch.tensor([read for read in plan.reads for _ in range(n)], device=self.device)
+        v = torch.empty_like(rows_x)
+        for length in sorted({c.shape[1] for c in contexts}):
+            idx = [i for i, c in enumerate(contexts) if c.shape[1] == length]
+            refs = None
+            if refkv is not None and bool(reads[idx].any()):
+                refs = refkv.reads(reads[idx], weights)
+            v[idx] = self.dit(rows_x[idx].to(self.dtype), sigma.to(self.device, torch.float32).expand(len(idx)),
+                              torch.cat([contexts[i] for i in idx]), loras=target_loras, refs=refs).float()
         d_rows = rows_x - sigma * v  # flow matching, CONST: D = x - sigma * v
         return dict(zip(plan.rows, d_rows.split(n)))
 

@@ -102,8 +102,8 @@ def test_ref_weight_zero_reads_nothing_but_keeps_the_target_lora(renderer, ref_b
 def _rows(renderer, settings, refkv, sigma=0.8):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 16, 1, 32, 32, generator=g)
-    ctx = renderer.prompts.encode_batch(["1girl, smile", ""])
-    ctx_for = {Row.COND: ctx[:1], Row.UNCOND: ctx[1:], Row.COND_NOREF: ctx[:1]}
+    cond, uncond = renderer.prompts.encode("1girl, smile"), renderer.prompts.encode("")
+    ctx_for = {Row.COND: [cond], Row.UNCOND: [uncond], Row.COND_NOREF: [cond]}
     plan = plan_step(settings, sigma, True)
     bound = renderer.adapter
     return renderer.denoise_rows(x, torch.tensor(sigma), plan, ctx_for, refkv,
@@ -147,6 +147,15 @@ def test_reading_and_non_reading_rows_batched_match_separate_forwards(renderer, 
     second = dit(x[1:], sigma[1:], ctx[1:], loras=loras, refs=None)
     torch.testing.assert_close(together[:1], first, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(together[1:], second, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompt_longer_than_512_tokens_renders_beside_a_short_negative(renderer):
+    long_prompt = ", ".join(["1girl, smile, blue hair, long hair"] * 160)
+    assert len(renderer.prompts.tokenizer.tokenize(long_prompt).t5_ids) > 512
+    s = RenderSettings(**SMALL)
+    result = renderer.render([RenderRequest(prompt=long_prompt, seed=1, settings=s),
+                              RenderRequest(prompt="1boy", seed=2, settings=s)])
+    assert len(result) == 2
 
 
 def test_several_references_of_one_character_concatenate(renderer, ref_bytes, other_ref_bytes):

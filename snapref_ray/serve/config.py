@@ -157,10 +157,6 @@ class ServeConfig(BaseModel):
         8 * 2**30, gt=0,
         description="RefKV cache per replica (bytes on its device). A 1 MP reference is ~0.94 GB of"
                     " bf16 K/V, so 8 GiB keeps ~8 references next to Anima's ~5 GB on a 24 GB GPU.")
-    max_references_per_replica: int = Field(
-        64, ge=1,
-        description="Reference ids a replica advertises for routing (Serve multiplexing). The bytes"
-                    " bound above decides what is really kept; this only sizes the routing table.")
     reference_store_bytes: int = Field(
         1 * 2**30, gt=0,
         description="Uploaded reference files kept for the replicas to encode from (LRU, bytes). 1 GiB"
@@ -170,6 +166,9 @@ class ServeConfig(BaseModel):
     def _consistent(self) -> "ServeConfig":
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
+        if self.limits.max_upload_bytes > self.reference_store_bytes:
+            raise ValueError(f"limits.max_upload_bytes ({self.limits.max_upload_bytes}) must not exceed"
+                             f" reference_store_bytes ({self.reference_store_bytes}): the store must hold an upload")
         if self.limits.max_n > self.max_batch_size:
             raise ValueError(f"limits.max_n ({self.limits.max_n}) must not exceed max_batch_size"
                              f" ({self.max_batch_size}): one request's images render in one batch")

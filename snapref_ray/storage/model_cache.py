@@ -113,3 +113,36 @@ def ensure_local(uri: str, cache_dir: str | Path | None = None, s3: S3Options | 
             return dest
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def ensure_local_folder(uri: str, cache_dir: str | Path | None = None, s3: S3Options | None = None) -> Path:
+    """A local folder for `uri`: local folders as they are; an s3:// prefix mirrored on this node.
+
+    Each object is fetched once per node through `ensure_local` (same locking and reuse), and the
+    folder is a tree of symlinks to those cached files, so a models folder keeps its layout
+    (tokenizers/qwen/vocab.json, ...) for the loaders.
+    """
+    if not uri.startswith("s3://"):
+        path = Path(uri.removeprefix("file://")).expanduser()
+        if not path.is_dir():
+            raise StorageError(f"model folder {path} does not exist")
+        return path
+    root = uri.rstrip("/")
+    if "/" not in root.removeprefix("s3://"):
+        raise StorageError(f"model folder {uri}: give a prefix inside the bucket (s3://bucket/models/anima)")
+    store = S3Storage(root, s3)
+    keys = store.list("")
+    if not keys:
+        raise StorageError(f"model folder {uri} is empty or does not exist")
+    folder = cache_path(root, cache_dir).parent / "tree"
+    for key in keys:
+        cached = ensure_local(f"{root}/{key}", cache_dir, s3)
+        link = folder / key
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() and Path(os.readlink(link)) == cached:
+            continue
+        tmp = link.with_name(f".{link.name}.link-{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        os.symlink(cached, tmp)
+        os.replace(tmp, link)
+    return folder

@@ -1,0 +1,262 @@
+"""The HTTP API's models and its error shape.
+
+Request bodies derive from `RenderSettings` (the one request model), so a field over HTTP has
+the name, default, bounds and validation it has in a job spec or on the command line. Every
+error answers `{"error": {"field": ..., "message": ...}}` with the status that fits; `ApiError`
+carries it from wherever it is raised (ingress, renderer replica) to the response.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+from email.message import Message
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from snapref_ray.requests import RenderRequest, RenderSettings
+from snapref_ray.serve.config import ServeLimits
+
+ResponseFormat = Literal["png", "json"]
+
+
+class ApiError(Exception):
+    """An HTTP error answer: status, the field at fault (None if no single one), a message, extra headers."""
+
+    def __init__(self, status: int, field: str | None, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(status, field, message, headers)  # all in args, so it pickles across replicas
+        self.status, self.field, self.message, self.headers = status, field, message, dict(headers or {})
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.field}: {self.message}" if self.field else f"{self.status}: {self.message}"
+
+    def body(self) -> dict:
+        return {"error": {"field": self.field, "message": self.message}}
+
+
+def as_api_error(exc: BaseException) -> ApiError | None:
+    """The ApiError in `exc`, also when Ray wrapped it (a RayTaskError keeps the original as `.cause`)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ApiError):
+        return cause
+    return exc if isinstance(exc, ApiError) else None
+
+
+# -- requests ---------------------------------------------------------------------------------
+class ReferenceOptions(BaseModel):
+    """What a reference's K/V depends on besides its pixels; the same fields as in RenderSettings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ref_caption: str = RenderSettings.model_fields["ref_caption"]
+    ref_megapixels: float = RenderSettings.model_fields["ref_megapixels"]
+
+
+class UploadJSON(ReferenceOptions):
+    """POST /v1/references as JSON: the image base64-encoded (a data: URL works too)."""
+
+    image: str = Field(..., description="The reference image file, base64 (standard alphabet) or a data: URL.")
+
+
+REFERENCE_FIELDS = ("reference_id", "left_reference_id", "right_reference_id", "reference_image")
+
+
+class RenderBody(RenderSettings):
+    """POST /v1/render: RenderSettings + prompt, seed, n, the reference and the response format.
+
+    Reference: `reference_id` (one character), `left_reference_id` + `right_reference_id` (two
+    characters, stitched side by side), `reference_image` (base64, uploaded on the fly), or none
+    (plain text-to-image). `ref_caption` / `ref_megapixels` default to what the reference was
+    uploaded with; set them here to override.
+    """
+
+    prompt: str = RenderRequest.model_fields["prompt"]
+    seed: int = RenderRequest.model_fields["seed"]
+    n: int = Field(1, ge=1, description="Images to render with seeds seed, seed+1, ... in one batch.")
+    reference_id: str | None = Field(None, description="A reference_id from POST /v1/references.")
+    left_reference_id: str | None = Field(None, description="Two characters: the one drawn on the left.")
+    right_reference_id: str | None = Field(None, description="Two characters: the one drawn on the right.")
+    reference_image: str | None = Field(
+        None, description="An inline reference, base64; stored like an upload, so repeating it hits the cache.")
+    response_format: ResponseFormat | None = Field(
+        None, description="png (one image, image/png) or json (base64 images + metadata). Default: the Accept"
+                          " header, else png for n = 1 and json for n > 1.")
+
+    def settings(self, **overrides) -> RenderSettings:
+        """The RenderSettings part of the body (with `overrides` applied)."""
+        values = self.model_dump(include=set(RenderSettings.model_fields))
+        values.update(overrides)
+        return RenderSettings(**values)
+
+
+# -- responses --------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    field: str | None = Field(None, description="The request field (or header) at fault; null if none in particular.")
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ReferenceInfo(BaseModel):
+    """An uploaded reference: its id and the size it is encoded at."""
+
+    reference_id: str = Field(..., description="Content hash of the image bytes and the options below: same upload, same id.")
+    content_hash: str = Field(..., description="sha256 of the image file (the reference hash of batch-job metadata).")
+    width: int = Field(..., description="Width after fitting to ref_megapixels (sides multiples of 16).")
+    height: int
+    ref_megapixels: float
+    ref_caption: str
+    bytes: int = Field(..., description="Size of the uploaded file.")
+
+
+class ImageOut(BaseModel):
+    seed: int
+    width: int
+    height: int
+    png_base64: str = Field(..., description="The PNG file (with A1111 `parameters` and `snapref` JSON chunks), base64.")
+
+
+class RenderResponse(BaseModel):
+    """POST /v1/render answered as JSON."""
+
+    images: list[ImageOut]
+    prompt: str
+    seeds: list[int]
+    settings: RenderSettings = Field(..., description="The settings rendered with, defaults filled in.")
+    reference_ids: list[str] = Field(default_factory=list, description="The references drawn (left first for two).")
+    timings: dict[str, float] = Field(
+        ..., description="Seconds: encode_s (0 on a cache hit), text_s, sample_s, decode_s, png_s, queue_s"
+                         " (waiting for the device), replica_s, total_s (in the ingress).")
+    batch_size: int = Field(..., description="Images in the batched forward this request rode in.")
+    batched_requests: int = Field(..., description="Requests in that forward.")
+    batch_id: str
+    cache_hit: bool | None = Field(..., description="The reference's K/V was already on the replica; null without a reference.")
+    replica: str
+    cache: dict[str, int] = Field(default_factory=dict, description="The replica's RefKV cache counters after this request.")
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class ModelsResponse(BaseModel):
+    model: str
+    adapter: dict | None
+    modes: list[str]
+    device: str
+    limits: ServeLimits
+    max_batch_size: int
+
+
+# -- identity ---------------------------------------------------------------------------------
+def reference_id_for(content_hash: str, options: ReferenceOptions) -> str:
+    """The public id of an upload: a hash of the file's hash and the options its K/V depends on."""
+    text = f"{content_hash}\n{options.ref_megapixels!r}\n{options.ref_caption}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+# -- parsing helpers --------------------------------------------------------------------------
+def validation_error(exc: ValidationError, known_fields: set[str] | None = None) -> ApiError:
+    """A pydantic error as a 400 naming the first field at fault (all of them in the message)."""
+    errors = exc.errors()
+    messages, first_field = [], None
+    for err in errors:
+        field = ".".join(str(p) for p in err["loc"]) or _field_in_message(err["msg"], known_fields)
+        msg = err["msg"].removeprefix("Value error, ")
+        messages.append(f"{field}: {msg}" if field else msg)
+        first_field = first_field or field
+    return ApiError(400, first_field, "; ".join(messages))
+
+
+def _field_in_message(msg: str, known: set[str] | None) -> str | None:
+    """Model-level checks (ref_start vs ref_end) have no location; their message starts with the field."""
+    word = msg.removeprefix("Value error, ").split(" ", 1)[0]
+    return word if known and word in known else None
+
+
+def decode_base64(text: str, field: str) -> bytes:
+    if text.startswith("data:"):
+        text = text.partition(",")[2]
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ApiError(400, field, f"not valid base64 ({e})") from None
+
+
+def _header_params(name: str, value: str) -> Message:
+    msg = Message()
+    msg[name] = value
+    return msg
+
+
+def parse_multipart(body: bytes, content_type: str) -> dict[str, tuple[bytes, str | None]]:
+    """multipart/form-data -> {name: (content, filename)}. Our own few lines instead of a dependency:
+    uploads are read whole (they are size-bounded) and only form-data names and filenames matter."""
+    boundary = _header_params("content-type", content_type).get_param("boundary", header="content-type")
+    if not boundary:
+        raise ApiError(400, "Content-Type", "multipart/form-data without a boundary parameter")
+    delimiter = b"--" + str(boundary).encode("latin-1")
+    chunks = body.split(delimiter)
+    if len(chunks) < 3:
+        raise ApiError(400, "body", "malformed multipart body: no complete part found")
+    parts: dict[str, tuple[bytes, str | None]] = {}
+    for chunk in chunks[1:]:
+        if chunk.startswith(b"--"):  # the closing delimiter
+            break
+        chunk = chunk.removeprefix(b"\r\n")
+        head, sep, content = chunk.partition(b"\r\n\r\n")
+        if not sep:
+            raise ApiError(400, "body", "malformed multipart part: no blank line after its headers")
+        disposition = ""
+        for line in head.decode("latin-1").split("\r\n"):
+            key, _, value = line.partition(":")
+            if key.strip().lower() == "content-disposition":
+                disposition = value.strip()
+        params = _header_params("content-disposition", disposition)
+        name = params.get_param("name", header="content-disposition")
+        if not name:
+            raise ApiError(400, "body", "multipart part without a form-data name")
+        parts[str(name)] = (content.removesuffix(b"\r\n"), params.get_filename())
+    return parts
+
+
+def check_limits(body: RenderBody, limits: ServeLimits) -> None:
+    """The server's bounds (tighter than the request model's); a 400 naming the field otherwise."""
+    for field in ("prompt", "negative_prompt", "ref_caption"):
+        length = len(getattr(body, field))
+        if length > limits.max_prompt_chars:
+            raise ApiError(400, field, f"{length} characters, more than the {limits.max_prompt_chars} allowed")
+    if body.steps > limits.max_steps:
+        raise ApiError(400, "steps", f"{body.steps} steps, more than the {limits.max_steps} allowed on this server")
+    if body.n > limits.max_n:
+        raise ApiError(400, "n", f"{body.n} images, more than the {limits.max_n} allowed per request")
+    for field in ("width", "height"):
+        if getattr(body, field) > limits.max_side:
+            raise ApiError(400, field, f"{getattr(body, field)} px, more than the {limits.max_side} allowed on this server")
+    megapixels = body.width * body.height / 1e6
+    if megapixels > limits.max_megapixels:
+        raise ApiError(400, "width", f"{body.width}x{body.height} is {megapixels:.2f} MP, more than the"
+                                     f" {limits.max_megapixels} MP allowed")
+    if body.ref_megapixels > limits.max_megapixels:
+        raise ApiError(400, "ref_megapixels", f"{body.ref_megapixels} MP, more than the {limits.max_megapixels} allowed")
+    if body.recompute_reference_every_step:
+        raise ApiError(400, "recompute_reference_every_step", "is a benchmark baseline and is not served; leave it false")
+    if body.denoise < 1.0:
+        raise ApiError(400, "denoise", "img2img (denoise < 1) is not served over HTTP; use 1")
+
+
+def check_reference_fields(body: RenderBody) -> None:
+    """At most one way of naming the reference; left and right come together."""
+    given = [f for f in REFERENCE_FIELDS if getattr(body, f) is not None]
+    pair = {"left_reference_id", "right_reference_id"}
+    if len(pair & set(given)) == 1:
+        missing = (pair - set(given)).pop()
+        raise ApiError(400, missing, "two characters need both left_reference_id and right_reference_id")
+    kinds = {"pair" if f in pair else f for f in given}
+    if len(kinds) > 1:
+        raise ApiError(400, given[-1], f"give only one of reference_id, left/right_reference_id, reference_image"
+                                       f" (got {', '.join(given)})")

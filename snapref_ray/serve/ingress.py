@@ -1,0 +1,315 @@
+"""The HTTP ingress: FastAPI on Ray Serve. Auth, body limits, validation, references, rendering.
+
+Every answer that is not a success is `{"error": {"field": ..., "message": ...}}`: 400 bad input,
+401 no valid token, 404 unknown reference, 413 body or file too large, 503 (+ Retry-After) when
+the renderers' queue is full, 504 when a render outlives `request_timeout_s`. The ingress does
+only cheap work (parsing, one decode of an uploaded image to validate it); images are rendered
+and PNG-encoded on the renderer replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import math
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError, RayServeException
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from snapref_ray.requests import RenderSettings
+from snapref_ray.serve.api import (
+    ApiError, ErrorResponse, HealthResponse, ImageOut, ModelsResponse, ReferenceInfo, ReferenceOptions, RenderBody,
+    RenderResponse, UploadJSON, as_api_error, check_limits, check_reference_fields, decode_base64, parse_multipart,
+    reference_id_for, validation_error,
+)
+from snapref_ray.serve.auth import BearerAuth
+from snapref_ray.serve.config import ServeConfig
+from snapref_ray.serve.renderer import ReferenceSpec, RenderJob, RenderReply
+
+log = logging.getLogger(__name__)
+
+_FORM_OVERHEAD = 64 * 1024  # multipart headers and the small text fields next to the file
+_SETTINGS_FIELDS = set(RenderBody.model_fields)
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503, 504)}
+
+app = FastAPI(
+    title="snapref-ray",
+    version="1",
+    description="SnapRef on Anima: upload a character reference once, then render scenes with it.",
+    docs_url="/docs",
+    openapi_url="/openapi.json",
+)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    field = ".".join(str(p) for p in first["loc"] if p != "body") or None
+    return JSONResponse(ApiError(400, field, first["msg"]).body(), status_code=400)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(ApiError(exc.status_code, None, str(exc.detail)).body(), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+def _proxy_host() -> str | None:
+    """The address Serve's HTTP proxy really binds (the config may not say, e.g. under `serve deploy`)."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().http_config.host
+    except Exception:  # not in a Serve cluster (unit use) or the controller is unreachable: fall back to the config
+        return None
+
+
+async def read_body(request: Request, limit: int, field: str) -> bytes:
+    """The request body, refusing with 413 what exceeds `limit`: from Content-Length before reading a
+    byte, then from the bytes actually received (a missing or lying Content-Length changes nothing)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise ApiError(400, "Content-Length", f"not an integer: {declared!r}") from None
+        if size > limit:
+            raise ApiError(413, field, f"the body is {size} bytes, more than the {limit} accepted")
+    chunks, received = [], 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:
+            raise ApiError(413, field, f"the body exceeds the {limit} bytes accepted")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_limit(file_limit: int) -> int:
+    return 4 * math.ceil(file_limit / 3) + _FORM_OVERHEAD  # base64 is 4 characters per 3 bytes
+
+
+def _upload_openapi() -> dict:
+    multipart = {"type": "object", "required": ["file"], "properties": {
+        "file": {"type": "string", "format": "binary", "description": "The reference image file."},
+        **ReferenceOptions.model_json_schema()["properties"]}}
+    return {"requestBody": {"required": True, "content": {
+        "multipart/form-data": {"schema": multipart},
+        "application/json": {"schema": UploadJSON.model_json_schema()}}}}
+
+
+def _render_openapi() -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": RenderBody.model_json_schema()}}}}
+
+
+@serve.deployment(name="SnapRefIngress")
+@serve.ingress(app)
+class Ingress:
+    """One ingress replica; the renderer and store handles come from `build_app`."""
+
+    def __init__(self, config: ServeConfig, renderer, store) -> None:
+        config.check_security(_proxy_host() or config.host)  # refuse to start exposed without a token
+        self._config = config
+        self._limits = config.limits
+        self._renderer = renderer
+        self._store = store
+        self._auth = BearerAuth(config.resolved_token())
+        self._models: dict | None = None
+
+    # -- endpoints --------------------------------------------------------------------------
+    @app.get("/v1/health", response_model=HealthResponse, summary="Liveness of the ingress (no token needed)")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models", response_model=ModelsResponse, responses=_ERRORS,
+             summary="The loaded model and adapter, the modes and this server's limits")
+    async def models(self, request: Request) -> dict:
+        self._auth.check(request.headers.get("authorization"))
+        if self._models is None:
+            self._models = await self._call(self._renderer.info.remote())
+        return {**self._models, "limits": self._limits, "max_batch_size": self._config.max_batch_size}
+
+    @app.post("/v1/references", response_model=ReferenceInfo, responses=_ERRORS, openapi_extra=_upload_openapi(),
+              summary="Upload a reference image (multipart field `file`, or JSON with base64 `image`)")
+    async def upload_reference(self, request: Request) -> ReferenceInfo:
+        self._auth.check(request.headers.get("authorization"))
+        content_type = request.headers.get("content-type", "")
+        file_limit = self._limits.max_upload_bytes
+        if content_type.startswith("multipart/form-data"):
+            field = "file"
+            parts = parse_multipart(await read_body(request, file_limit + _FORM_OVERHEAD, field), content_type)
+            if "file" not in parts:
+                raise ApiError(400, "file", f"multipart body without a 'file' part (parts: {sorted(parts)})")
+            data = parts.pop("file")[0]
+            try:
+                options = ReferenceOptions(**{k: v.decode("utf-8") for k, (v, _) in parts.items()})
+            except UnicodeDecodeError as e:
+                raise ApiError(400, None, f"form fields must be UTF-8 text ({e})") from None
+            except ValidationError as e:
+                raise validation_error(e) from None
+        elif content_type.startswith("application/json"):
+            field = "image"
+            raw = await read_body(request, _json_limit(file_limit), field)
+            try:
+                upload = UploadJSON.model_validate_json(raw)
+            except ValidationError as e:
+                raise validation_error(e) from None
+            data = decode_base64(upload.image, field)
+            options = ReferenceOptions(ref_caption=upload.ref_caption, ref_megapixels=upload.ref_megapixels)
+        else:
+            raise ApiError(400, "Content-Type", f"expected multipart/form-data or application/json, got {content_type!r}")
+        return await self._store_reference(data, options, field)
+
+    @app.post("/v1/render", responses={**_ERRORS, 200: {"content": {
+                  "image/png": {}, "application/json": {"schema": RenderResponse.model_json_schema()}}}},
+              openapi_extra=_render_openapi(), response_class=Response,
+              summary="Render a scene with a reference: image/png, or JSON with base64 images and metadata")
+    async def render(self, request: Request) -> Response:
+        started = time.perf_counter()
+        self._auth.check(request.headers.get("authorization"))
+        raw = await read_body(request, _json_limit(self._limits.max_upload_bytes), "body")
+        try:
+            body = RenderBody.model_validate_json(raw)
+        except ValidationError as e:
+            raise validation_error(e, _SETTINGS_FIELDS) from None
+        check_reference_fields(body)
+        check_limits(body, self._limits)
+        if body.seed + body.n > 2**63:
+            raise ApiError(400, "seed", f"seed + n must stay below 2**63 (consecutive seeds), got {body.seed} + {body.n}")
+        fmt = self._response_format(body, request.headers.get("accept", ""))
+        reference = await self._reference_spec(body)
+        settings = body.settings(ref_caption=reference.ref_caption, ref_megapixels=reference.ref_megapixels) \
+            if reference else body.settings()
+        job = RenderJob(body.prompt, tuple(range(body.seed, body.seed + body.n)), settings, reference)
+        handle = self._renderer.options(multiplexed_model_id=reference.key if reference else "")
+        reply: RenderReply = await self._call(handle.render.remote(job))
+        reply.timings["total_s"] = time.perf_counter() - started
+        if fmt == "png":
+            return Response(reply.pngs[0], media_type="image/png", headers=self._metadata_headers(reply, reference))
+        return JSONResponse(self._json_reply(body, settings, reference, reply).model_dump(mode="json"))
+
+    # -- references -------------------------------------------------------------------------
+    async def _store_reference(self, data: bytes, options: ReferenceOptions, field: str) -> ReferenceInfo:
+        limit = self._limits.max_upload_bytes
+        if len(data) > limit:
+            raise ApiError(413, field, f"the image is {len(data)} bytes, more than the {limit} accepted")
+        if options.ref_megapixels > self._limits.max_megapixels:
+            raise ApiError(400, "ref_megapixels", f"{options.ref_megapixels} MP, more than the"
+                                                  f" {self._limits.max_megapixels} allowed")
+        if len(options.ref_caption) > self._limits.max_prompt_chars:
+            raise ApiError(400, "ref_caption", f"{len(options.ref_caption)} characters, more than the"
+                                               f" {self._limits.max_prompt_chars} allowed")
+        # Decoding validates the file (corrupt, empty, bomb) and gives the encoded size; off the event loop.
+        width, height, content_hash = await asyncio.to_thread(_inspect_image, data, options.ref_megapixels, field)
+        info = ReferenceInfo(reference_id=reference_id_for(content_hash, options), content_hash=content_hash,
+                             width=width, height=height, ref_megapixels=options.ref_megapixels,
+                             ref_caption=options.ref_caption, bytes=len(data))
+        return await self._call(self._store.put.remote(info, data))
+
+    async def _reference_spec(self, body: RenderBody) -> ReferenceSpec | None:
+        if body.reference_image is not None:
+            data = decode_base64(body.reference_image, "reference_image")
+            options = ReferenceOptions(ref_caption=body.ref_caption, ref_megapixels=body.ref_megapixels)
+            infos = [await self._store_reference(data, options, "reference_image")]
+            fields = ["reference_image"]
+        elif body.left_reference_id is not None:
+            fields = ["left_reference_id", "right_reference_id"]
+            infos = await self._describe([body.left_reference_id, body.right_reference_id], fields)
+        elif body.reference_id is not None:
+            fields = ["reference_id"]
+            infos = await self._describe([body.reference_id], fields)
+        else:
+            return None
+        first = infos[0]
+        # The upload's caption and size apply unless this request sets them (the pair takes the left's).
+        caption = body.ref_caption if "ref_caption" in body.model_fields_set else first.ref_caption
+        megapixels = body.ref_megapixels if "ref_megapixels" in body.model_fields_set else first.ref_megapixels
+        return ReferenceSpec(layout="pair" if len(infos) == 2 else "single",
+                             content_hashes=tuple(i.content_hash for i in infos),
+                             reference_ids=tuple(i.reference_id for i in infos), ref_caption=caption,
+                             ref_megapixels=megapixels, width=body.width, height=body.height)
+
+    async def _describe(self, ids: list[str], fields: list[str]) -> list[ReferenceInfo]:
+        infos = await self._call(self._store.describe.remote(ids))
+        for reference_id, info, field in zip(ids, infos, fields):
+            if info is None:
+                raise ApiError(404, field, f"unknown reference id {reference_id!r}: upload the image to"
+                                           " /v1/references first (ids are kept while the server has room)")
+        return infos
+
+    # -- calls and answers ------------------------------------------------------------------
+    async def _call(self, response):
+        """Await a deployment call, translating overload, timeouts and replica errors into ApiErrors."""
+        try:
+            return await asyncio.wait_for(response, timeout=self._config.request_timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise ApiError(504, None, f"the render did not finish within request_timeout_s="
+                                      f"{self._config.request_timeout_s:g} s") from None
+        except Exception as e:  # noqa: BLE001 -- sorted below; anything unknown is re-raised as a 500
+            api_error = as_api_error(e)
+            if api_error is not None:
+                raise api_error from None
+            if isinstance(e, BackPressureError) or isinstance(getattr(e, "cause", None), BackPressureError):
+                raise ApiError(503, None, "the renderers are at capacity; retry after the Retry-After delay",
+                               headers={"Retry-After": str(math.ceil(self._config.retry_after_s))}) from None
+            if isinstance(e, RayServeException):
+                raise ApiError(503, None, f"renderer unavailable: {type(e).__name__}",
+                               headers={"Retry-After": str(math.ceil(self._config.retry_after_s))}) from None
+            raise
+
+    @staticmethod
+    def _response_format(body: RenderBody, accept: str) -> str:
+        fmt = body.response_format
+        if fmt is None:
+            wants_json = "application/json" in accept and "image/png" not in accept
+            fmt = "json" if wants_json or body.n > 1 else "png"
+        if fmt == "png" and body.n > 1:
+            raise ApiError(400, "n", f"image/png carries one image, {body.n} were asked for: use"
+                                     " response_format 'json' for several")
+        return fmt
+
+    @staticmethod
+    def _metadata_headers(reply: RenderReply, reference: ReferenceSpec | None) -> dict[str, str]:
+        headers = {"X-Seed": str(reply.seeds[0]), "X-Batch-Size": str(reply.batch_size),
+                   "X-Batch-Id": reply.batch_id, "X-Replica": reply.replica,
+                   "X-Timings": ",".join(f"{k}={v:.4f}" for k, v in sorted(reply.timings.items()))}
+        if reference is not None:
+            headers["X-Reference-Ids"] = ",".join(reference.reference_ids)
+            headers["X-Cache-Hit"] = "true" if reply.cache_hit else "false"
+        return headers
+
+    @staticmethod
+    def _json_reply(body: RenderBody, settings: RenderSettings, reference: ReferenceSpec | None,
+                    reply: RenderReply) -> RenderResponse:
+        images = [ImageOut(seed=seed, width=settings.width, height=settings.height,
+                           png_base64=base64.b64encode(png).decode("ascii"))
+                  for seed, png in zip(reply.seeds, reply.pngs)]
+        return RenderResponse(images=images, prompt=body.prompt, seeds=reply.seeds, settings=settings,
+                              reference_ids=list(reference.reference_ids) if reference else [],
+                              timings=reply.timings, batch_size=reply.batch_size,
+                              batched_requests=reply.batched_requests, batch_id=reply.batch_id,
+                              cache_hit=reply.cache_hit, replica=reply.replica, cache=reply.cache)
+
+
+def _inspect_image(data: bytes, megapixels: float, field: str) -> tuple[int, int, str]:
+    """(width, height at `megapixels`, content hash); a 400 naming `field` for anything not a usable image."""
+    from snapref_ray.adapter.images import ReferenceImageError, content_hash, fit_megapixels, open_reference
+
+    try:
+        img = open_reference(data, field)
+        fitted = fit_megapixels(img, megapixels)
+    except ReferenceImageError as e:
+        raise ApiError(400, field, str(e)) from None
+    return fitted.width, fitted.height, content_hash(data)

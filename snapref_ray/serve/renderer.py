@@ -1,0 +1,341 @@
+"""The renderer deployment: one resident Renderer per replica (one per GPU), a RefKV cache,
+routing by reference, and batching of compatible requests.
+
+A request's path through a replica:
+1. `_advertise(key)` (`@serve.multiplexed`) tells Serve's router this replica holds the
+   reference `key`, so later requests for it come here first (soft affinity). The key holds
+   everything the K/V depends on: layout, file hashes, target size, ref_megapixels, caption.
+2. The RefKV comes from the replica's `RefKVCache` (LRU bounded in bytes, on the device);
+   a miss fetches the file from the ReferenceStore and encodes it. Concurrent misses on one
+   key encode once; the others wait and count as hits.
+3. `_submit` (`@serve.batch`): requests that arrive within `batch_wait_timeout_s` of each
+   other enter the device queue together.
+4. One device loop renders the oldest waiting request together with every waiting request
+   that can share its forward (same reference, same `RenderSettings.batch_key()`, same negative
+   prompt), up to `max_batch_size` images. Requests that queued while the device was busy are
+   merged this way too, which is where batching pays under load.
+
+The multiplexed "model" is only a marker: the RefKVCache decides what is kept (by bytes), the
+marker list sizes the routing table. `check_health` fails when the device has been busy
+without progress for `stall_timeout_s`, so Serve replaces a hung replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ray import serve
+
+from snapref_ray.requests import RenderSettings
+from snapref_ray.serve.api import ApiError
+from snapref_ray.serve.config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+# Reference ids one replica advertises to the router. The RefKVCache's byte budget decides what
+# stays on the device; this only bounds the routing table Serve keeps per replica.
+MAX_ADVERTISED_REFERENCES = 64
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """What a render's reference K/V is computed from."""
+
+    layout: str  # "single" | "pair" (left, right)
+    content_hashes: tuple[str, ...]
+    reference_ids: tuple[str, ...]  # the public ids, for metadata
+    ref_caption: str
+    ref_megapixels: float
+    width: int
+    height: int
+
+    @property
+    def key(self) -> str:
+        """The multiplexed id and cache key: every input of the RefKV, nothing else."""
+        caption = hashlib.sha256(self.ref_caption.encode()).hexdigest()[:16]
+        return (f"{self.layout}:{'+'.join(self.content_hashes)}:{self.width}x{self.height}:"
+                f"{self.ref_megapixels!r}mp:{caption}")
+
+
+@dataclass(frozen=True)
+class RenderJob:
+    """One HTTP render request as the ingress hands it to a replica."""
+
+    prompt: str
+    seeds: tuple[int, ...]
+    settings: RenderSettings
+    reference: ReferenceSpec | None = None
+
+    def group_key(self) -> tuple:
+        """Jobs with equal keys can share one batched forward."""
+        return (self.reference.key if self.reference else None, self.settings.batch_key(), self.settings.negative_prompt)
+
+
+@dataclass
+class RenderReply:
+    """What a replica answers: PNG files and the metadata of how they were made."""
+
+    pngs: list[bytes]
+    seeds: list[int]
+    timings: dict[str, float]
+    batch_size: int
+    batched_requests: int
+    batch_id: str
+    cache_hit: bool | None
+    replica: str
+    cache: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    job: RenderJob
+    refkv: object | None  # RefKV; typed loosely so this module imports without torch
+    cache_hit: bool | None
+    encode_s: float
+    future: asyncio.Future
+    arrived: float = field(default_factory=time.perf_counter)
+
+    @property
+    def images(self) -> int:
+        return len(self.job.seeds)
+
+
+def _images_in(pending: list[_Pending]) -> int:
+    return sum(p.images for p in pending)
+
+
+def _as_bad_request(e: ValueError) -> Exception:
+    """The engine's input errors (a bad reference image, an impossible setting) as a 400; others unchanged."""
+    from snapref_ray.adapter.images import ReferenceImageError
+    from snapref_ray.engine import RenderError
+
+    if isinstance(e, ReferenceImageError):
+        return ApiError(400, "reference_id", str(e))
+    if isinstance(e, RenderError):
+        return ApiError(400, None, str(e))
+    return e
+
+
+class _Evicted(Exception):
+    """The reference left the cache between the check and the encode; fetch its file and retry."""
+
+
+@serve.deployment(name="SnapRefRenderer")
+class RendererDeployment:
+    """A Serve replica owning one Renderer; see the module docstring for the request path."""
+
+    def __init__(self, config: ServeConfig, store) -> None:
+        import torch
+
+        from snapref_ray.adapter.refkv_cache import RefKVCache
+        from snapref_ray.engine import Renderer
+
+        self._config = config
+        self._store = store
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cpu":
+            torch.set_num_threads(max(1, int(config.cpus_per_replica)))
+        self._renderer = Renderer.from_folder(config.models_dir, adapter=config.adapter, device=device)
+        self._cache = RefKVCache(config.refkv_cache_bytes)
+        # Encodes and renders run in these threads so the event loop stays free for routing,
+        # batching and health checks; `_device_lock` keeps the device to one of them at a time.
+        self._pool = ThreadPoolExecutor(max_workers=config.max_ongoing_requests + 2, thread_name_prefix="snapref-device")
+        self._device_lock = threading.Lock()
+        self._busy_since: float | None = None
+        self._last_progress = time.monotonic()
+        self._waiting: list[_Pending] = []
+        self._wakeup: asyncio.Event | None = None
+        self._device_task: asyncio.Task | None = None
+        self._submit.set_max_batch_size(config.max_batch_size)
+        self._submit.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+        try:
+            self._replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside Serve (unit use)
+            self._replica = "local"
+        log.info("renderer replica %s ready on %s in %.1f s", self._replica, device, self._renderer.load_seconds)
+
+    # -- public methods (called through the handle) -----------------------------------------
+    async def render(self, job: RenderJob) -> RenderReply:
+        refkv, hit, encode_s = None, None, 0.0
+        try:
+            if job.reference is not None:
+                await self._advertise(job.reference.key)
+                refkv, hit, encode_s = await self._reference_kv(job.reference)
+            loop = asyncio.get_running_loop()
+            pending = await self._submit(_Pending(job, refkv, hit, encode_s, loop.create_future()))
+            return await pending.future
+        except ValueError as e:
+            raise _as_bad_request(e) from None
+
+    async def info(self) -> dict:
+        r = self._renderer
+        adapter = None
+        if r.adapter is not None:
+            meta = r.adapter.adapter.meta
+            adapter = {"identity": r.adapter.identity, "base_model": meta.base_model, "num_blocks": meta.num_blocks,
+                       "modes": list(meta.modes), "source": r.adapter.adapter.source}
+        return {"model": r.model_id, "adapter": adapter, "modes": adapter["modes"] if adapter else [],
+                "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch.")}
+
+    async def stats(self) -> dict:
+        return {"replica": self._replica, "cache": self._cache_stats(), "waiting": len(self._waiting),
+                "busy": self._busy_since is not None}
+
+    def check_health(self) -> None:
+        """Raise (Serve then restarts the replica) if the device is stuck: busy with no progress."""
+        busy_since = self._busy_since
+        if busy_since is None:
+            return
+        idle_for = time.monotonic() - self._last_progress
+        if idle_for > self._config.stall_timeout_s:
+            raise RuntimeError(f"renderer stalled: the device has made no progress for {idle_for:.0f} s"
+                               f" (stall_timeout_s={self._config.stall_timeout_s})")
+
+    # -- references -------------------------------------------------------------------------
+    @serve.multiplexed(max_num_models_per_replica=MAX_ADVERTISED_REFERENCES)
+    async def _advertise(self, key: str) -> str:
+        return key
+
+    async def _reference_kv(self, spec: ReferenceSpec):
+        """(RefKV, cache_hit, encode seconds) for `spec`, encoding it on a miss."""
+        data = None if spec.key in self._cache else await self._fetch(spec)
+        for _ in range(2):
+            timing: dict[str, float] = {}
+
+            def create():
+                if data is None:
+                    raise _Evicted
+                with self._device("encode"):
+                    t0 = time.perf_counter()
+                    kv = self._renderer.encode_reference(
+                        list(data), layout=spec.layout, ref_caption=spec.ref_caption,
+                        ref_megapixels=spec.ref_megapixels, width=spec.width, height=spec.height,
+                        sources=[f"reference {h[:12]}" for h in spec.content_hashes])
+                    timing["encode_s"] = time.perf_counter() - t0
+                return kv
+
+            try:
+                kv, hit = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._cache.get_or_create, spec.key, create)
+                return kv, hit, timing.get("encode_s", 0.0)
+            except _Evicted:
+                data = await self._fetch(spec)
+        raise RuntimeError(f"reference {spec.key} was evicted twice while being encoded")
+
+    async def _fetch(self, spec: ReferenceSpec) -> list[bytes]:
+        files = await self._store.get_bytes.remote(list(spec.content_hashes))
+        for data, public_id in zip(files, spec.reference_ids):
+            if data is None:
+                raise ApiError(404, "reference_id", f"reference {public_id} is no longer stored; upload it again")
+        return files
+
+    # -- batching ---------------------------------------------------------------------------
+    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.01, batch_size_fn=_images_in)
+    async def _submit(self, pending: list[_Pending]) -> list[_Pending]:
+        """Requests that arrived within the wait window join the device queue together."""
+        self._waiting.extend(pending)
+        if self._device_task is None or self._device_task.done():
+            self._wakeup = asyncio.Event()
+            self._device_task = asyncio.get_running_loop().create_task(self._device_loop())
+        self._wakeup.set()
+        return pending
+
+    def _take_group(self) -> list[_Pending]:
+        """The oldest waiting request plus every compatible one behind it, up to max_batch_size images."""
+        self._waiting = [p for p in self._waiting if not p.future.done()]  # drop cancelled requests
+        if not self._waiting:
+            return []
+        key = self._waiting[0].job.group_key()
+        group, rest, images = [], [], 0
+        for p in self._waiting:
+            if p.job.group_key() == key and images + p.images <= self._config.max_batch_size:
+                group.append(p)
+                images += p.images
+            else:
+                rest.append(p)
+        self._waiting = rest
+        return group
+
+    async def _device_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            group = self._take_group()
+            if not group:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                replies = await loop.run_in_executor(self._pool, self._render_group, group)
+            except Exception as e:  # one failed forward fails its requests, never the loop
+                for p in group:
+                    if not p.future.done():
+                        p.future.set_exception(e)
+                continue
+            for p, reply in zip(group, replies):
+                if not p.future.done():
+                    p.future.set_result(reply)
+
+    def _render_group(self, group: list[_Pending]) -> list[RenderReply]:
+        from snapref_ray.requests import RenderRequest
+
+        requests = [RenderRequest(prompt=p.job.prompt, seed=seed, settings=p.job.settings)
+                    for p in group for seed in p.job.seeds]
+        started = time.perf_counter()
+        with self._device("render"):
+            results = self._renderer.render(requests, refkv=group[0].refkv, progress=self._tick)
+        batch_id = uuid.uuid4().hex[:12]
+        replies, i = [], 0
+        for p in group:
+            mine = results[i:i + p.images]
+            i += p.images
+            t0 = time.perf_counter()
+            pngs = [self._png(r, p.job) for r in mine]
+            timings = {k: v for k, v in mine[0].timings.items() if k.endswith("_s")}
+            timings.update(encode_s=p.encode_s, png_s=time.perf_counter() - t0, queue_s=started - p.arrived,
+                           replica_s=time.perf_counter() - p.arrived)
+            replies.append(RenderReply(pngs, [r.request.seed for r in mine], timings, len(requests), len(group),
+                                       batch_id, p.cache_hit, self._replica, self._cache_stats()))
+        return replies
+
+    def _png(self, result, job: RenderJob) -> bytes:
+        from snapref_ray.storage.image_files import a1111_parameters, encode_image
+
+        settings = job.settings.model_dump()
+        ref_ids = list(job.reference.reference_ids) if job.reference else []
+        adapter = self._renderer.adapter.identity if self._renderer.adapter is not None else None
+        extra = {"Model": self._renderer.model_id}
+        if ref_ids:
+            extra.update({"SnapRef adapter": (adapter or "")[:16], "Reference": "+".join(ref_ids)})
+        info = {"prompt": job.prompt, "seed": result.request.seed, "settings": settings, "model": self._renderer.model_id,
+                "adapter": adapter, "reference_ids": ref_ids,
+                "content_hashes": list(job.reference.content_hashes) if job.reference else []}
+        return encode_image(result.image, "png", info=info,
+                            parameters=a1111_parameters(job.prompt, job.settings.negative_prompt, settings,
+                                                        result.request.seed, extra))
+
+    # -- device bookkeeping -----------------------------------------------------------------
+    @contextmanager
+    def _device(self, what: str):
+        with self._device_lock:
+            self._busy_since = self._last_progress = time.monotonic()
+            try:
+                yield
+            finally:
+                self._busy_since = None
+                self._last_progress = time.monotonic()
+
+    def _tick(self, step: int, total: int) -> None:
+        self._last_progress = time.monotonic()
+
+    def _cache_stats(self) -> dict[str, int]:
+        s = self._cache.stats
+        return {"hits": s.hits, "misses": s.misses, "encodes": s.encodes, "evictions": s.evictions,
+                "entries": len(self._cache), "bytes": self._cache.nbytes}
