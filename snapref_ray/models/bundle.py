@@ -31,9 +31,11 @@ class ModelFiles:
 
 
 _CANDIDATES = {
-    "dit": ["dit.safetensors", "anima-base-v1.0.safetensors", "anima*.safetensors", "*anima*.safetensors"],
-    "text_encoder": ["text_encoder.safetensors", "qwen_3_06b_base.safetensors", "qwen*3*.safetensors"],
-    "vae": ["vae.safetensors", "qwen_image_vae.safetensors", "*vae*.safetensors"],
+    "dit": ["dit.safetensors", "anima-base-v1.0.safetensors", "anima*.safetensors",
+            "diffusion_models/anima*.safetensors"],
+    "text_encoder": ["text_encoder.safetensors", "qwen_3_06b_base.safetensors", "qwen*3*.safetensors",
+                     "text_encoders/qwen_3_06b_base.safetensors"],
+    "vae": ["vae.safetensors", "qwen_image_vae.safetensors", "*vae*.safetensors", "vae/qwen_image_vae.safetensors"],
     "qwen_tokenizer": ["tokenizers/qwen", "qwen", "qwen25_tokenizer", "tokenizers/qwen25_tokenizer"],
     "t5_tokenizer": ["tokenizers/t5", "t5", "t5_tokenizer", "tokenizers/t5_tokenizer"],
     "adapter": ["adapter.safetensors", "*snapref*.safetensors"],

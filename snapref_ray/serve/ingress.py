@@ -7,8 +7,7 @@ only cheap work (parsing, one decode of an uploaded image to validate it); image
 and PNG-encoded on the renderer replicas.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads the route signatures (Request) at runtime.
 import asyncio
 import base64
 import logging
@@ -66,6 +65,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
                         headers=getattr(exc, "headers", None))
 
 
+@app.exception_handler(Exception)
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error in %s %s", request.method, request.url.path)
+    return JSONResponse(ApiError(500, None, f"internal error: {type(exc).__name__}").body(), status_code=500)
+
+
 def _proxy_host() -> str | None:
     """The address Serve's HTTP proxy really binds (the config may not say, e.g. under `serve deploy`)."""
     try:
@@ -111,6 +116,18 @@ def _upload_openapi() -> dict:
 
 def _render_openapi() -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": RenderBody.model_json_schema()}}}}
+
+
+def _inspect_image(data: bytes, megapixels: float, field: str) -> tuple[int, int, str]:
+    """(width, height at `megapixels`, content hash); a 400 naming `field` for anything not a usable image."""
+    from snapref_ray.adapter.images import ReferenceImageError, content_hash, fit_megapixels, open_reference
+
+    try:
+        img = open_reference(data, field)
+        fitted = fit_megapixels(img, megapixels)
+    except ReferenceImageError as e:
+        raise ApiError(400, field, str(e)) from None
+    return fitted.width, fitted.height, content_hash(data)
 
 
 @serve.deployment(name="SnapRefIngress")
@@ -301,15 +318,3 @@ class Ingress:
                               timings=reply.timings, batch_size=reply.batch_size,
                               batched_requests=reply.batched_requests, batch_id=reply.batch_id,
                               cache_hit=reply.cache_hit, replica=reply.replica, cache=reply.cache)
-
-
-def _inspect_image(data: bytes, megapixels: float, field: str) -> tuple[int, int, str]:
-    """(width, height at `megapixels`, content hash); a 400 naming `field` for anything not a usable image."""
-    from snapref_ray.adapter.images import ReferenceImageError, content_hash, fit_megapixels, open_reference
-
-    try:
-        img = open_reference(data, field)
-        fitted = fit_megapixels(img, megapixels)
-    except ReferenceImageError as e:
-        raise ApiError(400, field, str(e)) from None
-    return fitted.width, fitted.height, content_hash(data)
