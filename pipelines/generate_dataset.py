@@ -22,7 +22,7 @@ from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.jobspec import JobSpec, spec_fingerprint
 from snapref_ray.storage.ledger import claim_output, committed_item_ids, job_fingerprint
-from snapref_ray.storage.metadata import ErrorWriter, MetadataWriter, write_summary
+from snapref_ray.storage.metadata import ErrorWriter, MetadataWriter, read_errors_table, write_summary
 from snapref_ray.storage.work_items import JobValidationError, WorkItem, load_work_items
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,15 @@ def worker_config(spec: JobSpec, *, warmup: bool = True) -> WorkerConfig:
 
 
 def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable | None = None,
-            warmup: bool = True, write_gallery: bool = True) -> dict:
-    """Run (or resume) a batch job; returns the summary that is also written to summary.json."""
+            warmup: bool = True, write_gallery: bool = True, on_progress: Callable[[int], None] | None = None,
+            on_workers: Callable[[list, list], None] | None = None) -> dict:
+    """Run (or resume) a batch job; returns the summary that is also written to summary.json.
+
+    `renderer_factory(WorkerConfig)` replaces the real Renderer in each worker (benchmarks);
+    `on_progress(n)` is called after n more items are committed or failed for good;
+    `on_workers(handles, infos)` once the workers are ready (monitoring, failure tests). The
+    workers are killed when the job ends, however it ends.
+    """
     t_start = time.time()
     s3 = spec.s3_options()
     storage = open_storage(spec.output.uri, s3)
@@ -57,35 +64,53 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
 
     metadata = MetadataWriter(storage, embed_images=spec.output.embed_images)
     errors = ErrorWriter(storage)
+    # A resumed job validates the same manifest again: record each invalid row once per output.
+    recorded = _recorded_validation_errors(storage) if validated.errors else set()
     for e in validated.errors:
-        errors.record(f"{'field ' + repr(e.field) + ': ' if e.field else ''}{e.error}", "validate",
-                      item_id=e.item_id, manifest_row=e.manifest_row)
+        message = f"{'field ' + repr(e.field) + ': ' if e.field else ''}{e.error}"
+        if (e.manifest_row, e.item_id, message) not in recorded:
+            errors.record(message, "validate", item_id=e.item_id, manifest_row=e.manifest_row)
 
     stats = None
+    scheduler = None
+    workers: list = []
     bar = _progress_bar(len(validated.items), len(validated.items) - len(todo)) if progress else None
+    callbacks = [f for f in (bar.update if bar else None, on_progress) if f is not None]
     interrupted = False
+    timing = {"startup_seconds": 0.0, "render_seconds": 0.0}
     try:
         if todo:
             connect(spec.cluster.address)
             shape = PoolShape(spec.cluster.num_workers, spec.cluster.cpu_workers, spec.cluster.num_cpus_per_worker)
             workers, infos = start_workers(worker_config(spec, warmup=warmup), shape, renderer_factory)
+            if on_workers:
+                on_workers(workers, infos)
             scheduler = BatchScheduler(
                 workers, infos, SchedulerConfig(spec.cluster.max_in_flight_per_worker, spec.cluster.max_attempts,
                                                 spec.cluster.max_batch),
                 on_done=lambda outcome, item: _commit(metadata, storage, spec, outcome),
                 on_failed=lambda outcome, item, attempt: _record_failure(errors, outcome, item, attempt),
-                on_progress=(bar.update if bar else None))
-            stats = scheduler.run(todo)
+                on_progress=(lambda n: [f(n) for f in callbacks]) if callbacks else None)
+            t_render = time.time()
+            timing["startup_seconds"] = t_render - t_start
+            try:
+                stats = scheduler.run(todo)
+            finally:
+                timing["render_seconds"] = time.time() - t_render
     except KeyboardInterrupt:
         interrupted = True
         log.warning("interrupted: committing what is done; run the same spec again to resume")
         raise
     finally:
+        _release(workers)
+        if stats is None and scheduler is not None:
+            stats = scheduler.stats  # interrupted or failed: count what was done
         metadata.close()
         errors.close()
         if bar:
             bar.close()
-        summary = _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, interrupted)
+        summary = _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, interrupted, timing,
+                           scheduler.encodes_by_reference if scheduler else None)
         write_summary(storage, summary)
     if write_gallery:
         from snapref_ray.report import write_report
@@ -97,6 +122,26 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
     log.info("done: %s", json.dumps({k: summary[k] for k in ("images_total", "images_this_run", "failed_items",
                                                               "images_per_hour")}))
     return summary
+
+
+def _recorded_validation_errors(storage) -> set[tuple]:
+    table = read_errors_table(storage, exclude_ids=set())
+    rows = table.select(["manifest_row", "item_id", "error", "stage"]).to_pylist()
+    return {(r["manifest_row"], r["item_id"], r["error"]) for r in rows if r["stage"] == "validate"}
+
+
+def _release(workers: list) -> None:
+    """Kill the job's workers (their models and device caches) now rather than when the handles
+    are garbage-collected: a driver that runs several jobs, or was interrupted, must not keep them."""
+    if not workers:
+        return
+    import ray
+
+    for handle in workers:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception as e:  # noqa: BLE001 — already dead is fine
+            log.debug("could not kill worker: %s", e)
 
 
 def _commit(metadata: MetadataWriter, storage, spec: JobSpec, outcome: ItemOutcome) -> None:
@@ -119,11 +164,15 @@ def _progress_bar(total: int, initial: int):
                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]")
 
 
-def _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, interrupted) -> dict:
+def _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, interrupted, timing,
+             encodes_by_reference) -> dict:
     wall = time.time() - t_start
     done_now = stats.done_items if stats else 0
     references = len({item.reference_hash for item in todo})
-    encodes = (stats.encodes_requested + stats.local_encodes) if stats else 0
+    # Reference-stream runs the workers reported (not the driver's requests): a worker that had
+    # to re-encode (evicted, restarted) shows here.
+    encodes = stats.reference_encodes if stats else 0
+    render_s = timing["render_seconds"]
     return {
         "manifest": spec.manifest, "output": spec.output.uri, "config_hash": fingerprint,
         "manifest_rows": validated.rows, "invalid_rows": len(validated.errors), "items": len(validated.items),
@@ -131,7 +180,10 @@ def _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, in
         "images_this_run": done_now, "skipped_already_done": len(validated.items) - len(todo),
         "failed_items": stats.failed_items if stats else 0, "interrupted": interrupted,
         "wall_seconds": round(wall, 3), "images_per_hour": round(3600 * done_now / wall, 1) if wall > 0 else 0.0,
+        "startup_seconds": round(timing["startup_seconds"], 3), "render_seconds": round(render_s, 3),
+        "images_per_hour_rendering": round(3600 * done_now / render_s, 1) if render_s > 0 else 0.0,
         "references": references, "reference_encodes": encodes,
         "encodes_per_reference": round(encodes / references, 3) if references else 0.0,
+        "max_encodes_per_reference": max(encodes_by_reference.values(), default=0) if encodes_by_reference else 0,
         "scheduler": asdict(stats) if stats else None, "finished_at": time.time(),
     }

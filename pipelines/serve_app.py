@@ -8,6 +8,9 @@
   `serve run pipelines.serve_app:app` and `serve build pipelines.serve_app:app` (which needs a
   built Application, not a builder). Built on first access, so importing the module is cheap.
 - `start_local(config)` / `stop_local()`: a local Ray + Serve on `config.host:config.port`.
+
+Under `serve run` / `serve deploy` the proxy binds what Serve's http_options say (serve.yaml);
+the ingress checks that address, not `config.host`, before it accepts to run without a token.
 """
 
 from __future__ import annotations

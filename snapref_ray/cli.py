@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from snapref_ray.requests import RenderSettings
+from snapref_ray.serve.cli import add_serve_parser
 
 log = logging.getLogger("snapref_ray")
 
@@ -207,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="regenerate gallery.html and the throughput plots of a job's output")
     p.add_argument("output", help="the job's output folder or s3://bucket/prefix")
     p.set_defaults(func=cmd_report)
+
+    add_serve_parser(sub)
     return parser
 
 

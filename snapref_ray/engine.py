@@ -219,7 +219,7 @@ class Renderer:
 
         t0 = time.perf_counter()
         prompts = [r.prompt for r in requests]
-        negatives = [s.negative_prompt] * n
+        negatives = [r.settings.negative_prompt for r in requests]  # batch_key leaves negatives free
         # One context per prompt: ComfyUI never pads a context past 512 rows (its zero rows are not
         # inert in the unmasked cross-attention), so rows of other lengths run as separate forwards.
         contexts = [self.prompts.encode(p, device=self.device).to(self.dtype) for p in prompts + negatives]

@@ -65,10 +65,10 @@ class RenderSettings(BaseModel):
     def batch_key(self) -> tuple:
         """Settings that must agree for requests to share one batched forward.
 
-        Everything but the prompts and the seed: the schedule, guidance rows and reference reads
-        are per batch.
+        Everything but the prompts (positive and negative) and the seed: the schedule, guidance
+        rows and the reference read (its caption included) are per batch.
         """
-        return tuple(sorted(self.model_dump(exclude={"negative_prompt", "ref_caption"}).items()))
+        return tuple(sorted(self.model_dump(exclude={"negative_prompt"}).items()))
 
     @classmethod
     def from_simple(cls, strength: float = 1.0, fidelity: float = 1.0, **others) -> "RenderSettings":

@@ -61,7 +61,9 @@ def test_txt2img_is_deterministic_for_a_seed(renderer):
 
 def test_batched_requests_equal_separate_ones(renderer):
     s = RenderSettings(**{**SMALL, "sampler": "er_sde"})
-    reqs = [RenderRequest(prompt=p, seed=i, settings=s) for i, p in enumerate(["1girl", "1boy, night"])]
+    # Different negative prompts still share a batch (batch_key leaves them free): each keeps its own.
+    reqs = [RenderRequest(prompt=p, seed=i, settings=s.model_copy(update={"negative_prompt": neg}))
+            for i, (p, neg) in enumerate([("1girl", "lowres"), ("1boy, night", "")])]
     batched = renderer.render(reqs)
     for req, got in zip(reqs, batched):
         alone = renderer.render([req])[0]

@@ -49,7 +49,14 @@ def start_workers(config: WorkerConfig, shape: PoolShape,
         num_gpus=1 if use_gpu else 0, num_cpus=shape.num_cpus_per_worker, max_restarts=-1,
         max_task_retries=shape.max_task_retries, max_concurrency=2)
     handles = [actor.remote(config, renderer_factory) for _ in range(count)]
-    infos = ray.get([h.info.remote() for h in handles], timeout=ready_timeout_s)
+    try:
+        infos = ray.get([h.info.remote() for h in handles], timeout=ready_timeout_s)
+    except BaseException:
+        # A model that does not load (constructor errors are never retried) or a timeout: do not
+        # leave the other workers holding their GPUs.
+        for h in handles:
+            ray.kill(h, no_restart=True)
+        raise
     log.info("%d %s worker(s) ready: %s", count, "GPU" if use_gpu else "CPU",
              ", ".join(f"{i.worker_id} on {i.device} (load {i.load_seconds:.1f} s)" for i in infos))
     return handles, infos

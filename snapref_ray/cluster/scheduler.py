@@ -6,28 +6,33 @@ work (ray-notes.md), so the job runs its own loop over `ray.wait`:
 - Items are grouped by reference. A reference is *opened* by asking one worker to encode it;
   the RefKV that call returns is owned by the driver and lives in the object store while the
   reference has work left, then the driver drops it (only references in flight are stored).
+  The encode call has two returns: the RefKV, which the driver never waits on nor fetches (at
+  real size that would pull ~1 GB per reference to the driver's node), and a small `EncodeInfo`
+  that the driver waits on to learn that the RefKV is ready, its size and its encode time.
 - A free worker takes, in order: more prompts of a reference it already holds on its device;
-  a new reference (encoded where it will be sampled); prompts of another open reference, read
-  from the object store when that is cheaper than encoding (same node: shared memory; other
-  node: bytes / bandwidth against the measured encode time), else encoded locally.
-- Each worker has at most `max_in_flight_per_worker` calls outstanding, so neither the object
-  store nor driver memory grows with the job.
+  a new reference (encoded where it will be sampled); prompts of another open reference whose
+  RefKV is *ready*, read from the object store when that is cheaper than encoding (same node:
+  shared memory; other node: bytes / bandwidth against the measured encode time), else encoded
+  locally. A worker is never handed a RefKV that is still being encoded: it would block one of
+  its threads in `ray.get` on a call that may be queued behind it on the same actor.
+- Each worker has at most `max_in_flight_per_worker` render calls outstanding, so neither the
+  object store nor driver memory grows with the job.
 - A call that fails because its worker died is requeued (attempts are counted per item); the
-  actor restarts by itself and is probed before it gets work again. An item that keeps failing
-  is reported as an error with its last exception.
+  actor restarts by itself and is probed before it gets work again (a worker whose probes keep
+  failing is retired). An item that keeps failing is reported as an error with its last exception.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import ray
 
-from snapref_ray.cluster.tasks import ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
+from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.storage.work_items import WorkItem
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,11 @@ class SchedulerConfig:
     transfer_bytes_per_s: float = 1.25e9
     # A RefKV's size before one is measured: 1 MP at real size in bf16 (ray-notes.md).
     assumed_refkv_bytes: int = 940_000_000
+    # Probes that find the actor dead (not merely restarting) before the worker is given up; a
+    # restarting actor (ActorUnavailableError, minutes for a GPU model load) is probed again
+    # every `probe_interval_s` for as long as it takes.
+    max_probe_failures: int = 3
+    probe_interval_s: float = 0.5
 
 
 @dataclass
@@ -51,7 +61,8 @@ class _Reference:
     task: ReferenceTask
     pending: deque[WorkItem]
     in_flight: int = 0
-    object_ref: ray.ObjectRef | None = None
+    object_ref: ray.ObjectRef | None = None  # the RefKV, owned by the driver while the reference is open
+    ready: bool = False  # its EncodeInfo came back: the RefKV is in the object store
     object_node: str | None = None
     holders: set[int] = field(default_factory=set)
     encode_seconds: float | None = None
@@ -65,15 +76,21 @@ class _Worker:
     in_flight: int = 0
     available: bool = True
     probe: ray.ObjectRef | None = None
+    probe_due: float | None = None  # time.monotonic() at which to send the next probe
+    probe_failures: int = 0
+    retired: bool = False
 
 
 @dataclass
 class SchedulerStats:
     dispatched_batches: int = 0
-    encodes_requested: int = 0
-    local_encodes: int = 0
-    fetches: int = 0
+    encodes_requested: int = 0  # encode calls that opened a reference
+    local_encodes: int = 0  # helpers told to encode instead of fetching (cost model)
+    fetches: int = 0  # helpers handed the driver's RefKV from the object store
+    reference_encodes: int = 0  # reference-stream runs the workers reported (the real count)
+    max_encodes_per_reference: int = 0
     worker_failures: int = 0
+    retired_workers: int = 0
     retried_items: int = 0
     failed_items: int = 0
     done_items: int = 0
@@ -92,9 +109,13 @@ class BatchScheduler:
         self.max_open = config.max_open_references or 2 * len(self.workers)
         self.on_done, self.on_failed, self.on_progress = on_done, on_failed, on_progress
         self.stats = SchedulerStats()
+        # Reference-stream runs per reference hash, as reported by the workers.
+        self.encodes_by_reference: Counter[str] = Counter()
         self._attempts: dict[str, int] = {}
         self._futures: dict[ray.ObjectRef, tuple] = {}
         self._next_task_id = 0
+        self._unopened: deque[_Reference] = deque()
+        self._open: list[_Reference] = []
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self, items: Sequence[WorkItem]) -> SchedulerStats:
@@ -102,18 +123,30 @@ class BatchScheduler:
         for item in items:
             task = ReferenceTask.for_item(item)
             groups.setdefault(task.key, _Reference(task, deque())).pending.append(item)
-        self._unopened: deque[_Reference] = deque(groups.values())
-        self._open: list[_Reference] = []
+        self._unopened = deque(groups.values())
+        self._open = []
         remaining = len(items)
         while remaining > 0:
+            self._send_due_probes()
             self._dispatch()
             if not self._futures:
+                due = [w.probe_due for w in self.workers if w.probe_due is not None]
+                if due:  # only restarting workers left: wait for the next probe
+                    time.sleep(max(0.0, min(due) - time.monotonic()))
+                    continue
+                if all(w.retired for w in self.workers):
+                    raise RuntimeError(f"every worker died for good ({len(self.workers)} retired); "
+                                       f"{remaining} item(s) not rendered")
                 raise RuntimeError("scheduler stalled: items remain but nothing is in flight (no available worker)")
             ready, _ = ray.wait(list(self._futures), num_returns=1, timeout=self.config.wait_timeout_s)
             for ref in ready:
                 remaining -= self._collect(ref)
             self._close_finished_references()
         return self.stats
+
+    def open_object_refs(self) -> list[ray.ObjectRef]:
+        """The RefKVs the driver holds now (one per open reference): what the object store must keep."""
+        return [r.object_ref for r in self._open if r.object_ref is not None]
 
     def _dispatch(self) -> None:
         for index, worker in enumerate(self.workers):
@@ -127,20 +160,24 @@ class BatchScheduler:
             return False
         batch = self._take_batch(ref)
         handle = None
-        if index not in ref.holders:
-            if ref.object_ref is None:
-                # Open it here: the RefKV is encoded where it will be sampled, and returned to the driver.
-                ref.object_ref = worker.handle.encode.remote(ref.task)
-                ref.object_node = worker.info.node_id if worker.info else None
-                self._futures[ref.object_ref] = ("encode", index, ref)
-                self.stats.encodes_requested += 1
+        if ref.object_ref is None:
+            # Open it here: the RefKV is encoded where it will be sampled, and returned to the driver.
+            # This worker's own render reads it from its device cache (filled by whichever of the two
+            # calls gets there first), so it gets no handle: it must not wait on its own queued call.
+            ref.object_ref, info_ref = worker.handle.encode.options(num_returns=2).remote(ref.task)
+            ref.ready = False
+            ref.object_node = worker.info.node_id if worker.info else None
+            self._futures[info_ref] = ("encode", index, ref)
+            self.stats.encodes_requested += 1
+        elif ref.ready:
+            # A holder gets the handle too: it is only read if its LRU evicted the RefKV meanwhile.
+            if index in ref.holders or self._fetch_is_cheaper(ref, worker):
                 handle = [ref.object_ref]
-            elif self._fetch_is_cheaper(ref, worker):
-                handle = [ref.object_ref]
-                self.stats.fetches += 1
+                if index not in ref.holders:
+                    self.stats.fetches += 1
             else:
                 self.stats.local_encodes += 1
-            ref.holders.add(index)
+        ref.holders.add(index)
         task = RenderTask(self._next_task_id, ref.task, tuple(batch),
                           {i.item_id: self._attempts.get(i.item_id, 0) + 1 for i in batch})
         self._next_task_id += 1
@@ -160,8 +197,9 @@ class BatchScheduler:
             self._open.append(ref)
             self.stats.peak_open_references = max(self.stats.peak_open_references, len(self._open))
             return ref
-        # Help with the open reference that has the most work per holder.
-        candidates = [r for r in self._open if r.pending]
+        # Help with the open reference that has the most work per holder, once its RefKV is ready
+        # (or re-open one whose encode failed).
+        candidates = [r for r in self._open if r.pending and (r.ready or r.object_ref is None)]
         if not candidates:
             return None
         return max(candidates, key=lambda r: len(r.pending) / max(1, len(r.holders)))
@@ -183,6 +221,12 @@ class BatchScheduler:
         nbytes = ref.nbytes or self.config.assumed_refkv_bytes
         return nbytes / self.config.transfer_bytes_per_s < ref.encode_seconds
 
+    def _count_encode(self, reference_hash: str) -> None:
+        self.encodes_by_reference[reference_hash] += 1
+        self.stats.reference_encodes += 1
+        self.stats.max_encodes_per_reference = max(self.stats.max_encodes_per_reference,
+                                                   self.encodes_by_reference[reference_hash])
+
     # -- results -------------------------------------------------------------------------------
     def _collect(self, future: ray.ObjectRef) -> int:
         kind, index, ref, *rest = self._futures.pop(future)
@@ -191,16 +235,7 @@ class BatchScheduler:
             self._probe_result(future, worker, index)
             return 0
         if kind == "encode":
-            try:
-                ray.get(future, timeout=0)  # only to surface failures; the object stays in the store
-            except Exception as e:
-                log.warning("encode of reference %s failed (%s); its renders will encode it themselves",
-                            ref.task.reference_hash[:12], type(e).__name__)
-                ref.object_ref = None
-                ref.holders.discard(index)
-            else:
-                # Keep the (finished) ref in `ref.object_ref`; nothing else to do.
-                pass
+            self._encode_result(future, index, ref)
             return 0
         (task,) = rest
         worker.in_flight -= 1
@@ -209,6 +244,8 @@ class BatchScheduler:
             outcomes: list[ItemOutcome] = ray.get(future, timeout=0)
         except Exception as e:
             return self._worker_failed(index, ref, task, e)
+        if outcomes and outcomes[0].refkv_source == "encoded":
+            self._count_encode(ref.task.reference_hash)
         by_id = {i.item_id: i for i in task.items}
         finished = 0
         for outcome in outcomes:
@@ -224,6 +261,20 @@ class BatchScheduler:
         if self.on_progress and finished:
             self.on_progress(finished)
         return finished
+
+    def _encode_result(self, future: ray.ObjectRef, index: int, ref: _Reference) -> None:
+        try:
+            info: EncodeInfo = ray.get(future, timeout=0)  # the small return; the RefKV stays where it is
+        except Exception as e:
+            log.warning("encode of reference %s on worker %d failed (%s); its renders will encode it themselves",
+                        ref.task.reference_hash[:12], index, type(e).__name__)
+            ref.object_ref, ref.ready = None, False
+            ref.holders.discard(index)
+            return
+        if info.encoded:
+            self._count_encode(ref.task.reference_hash)
+        ref.ready = ref.object_ref is not None
+        ref.nbytes, ref.encode_seconds = info.nbytes, info.encode_seconds
 
     def _retry_or_fail(self, ref: _Reference, item: WorkItem, outcome: ItemOutcome) -> int:
         attempt = self._attempts.get(item.item_id, 0) + 1
@@ -245,8 +296,7 @@ class BatchScheduler:
             r.holders.discard(index)  # a restarted worker has an empty device cache
         if worker.available:
             worker.available = False
-            worker.probe = worker.handle.info.remote()
-            self._futures[worker.probe] = ("probe", index, None)
+            self._send_probe(worker, index)
         message = f"{type(error).__name__}: {str(error).splitlines()[0][:500]}"
         finished = 0
         for item in task.items:
@@ -255,16 +305,35 @@ class BatchScheduler:
             self.on_progress(finished)
         return finished
 
+    def _send_probe(self, worker: _Worker, index: int) -> None:
+        worker.probe, worker.probe_due = worker.handle.info.remote(), None
+        self._futures[worker.probe] = ("probe", index, None)
+
+    def _send_due_probes(self) -> None:
+        now = time.monotonic()
+        for index, worker in enumerate(self.workers):
+            if worker.probe_due is not None and worker.probe_due <= now:
+                self._send_probe(worker, index)
+
     def _probe_result(self, future: ray.ObjectRef, worker: _Worker, index: int) -> None:
         try:
             worker.info = ray.get(future, timeout=0)
-            worker.available = True
-            worker.in_flight = 0 if worker.in_flight < 0 else worker.in_flight
-            log.info("worker %d is back (%s)", index, worker.info.worker_id)
-        except Exception:
-            time.sleep(0.5)
-            worker.probe = worker.handle.info.remote()
-            self._futures[worker.probe] = ("probe", index, None)
+        except Exception as e:
+            worker.probe = None
+            # Restarting (not dead): ask again later, without blocking the loop for the others.
+            if not isinstance(e, ray.exceptions.ActorUnavailableError):
+                worker.probe_failures += 1
+                if worker.probe_failures >= self.config.max_probe_failures:
+                    worker.retired = True
+                    self.stats.retired_workers += 1
+                    log.error("worker %d is dead (%s after %d probes); retiring it", index, type(e).__name__,
+                              worker.probe_failures)
+                    return
+            worker.probe_due = time.monotonic() + self.config.probe_interval_s
+            return
+        worker.available, worker.probe, worker.probe_failures = True, None, 0
+        worker.in_flight = max(worker.in_flight, 0)
+        log.info("worker %d is back (%s)", index, worker.info.worker_id)
 
     def _close_finished_references(self) -> None:
         still_open = []
@@ -273,4 +342,5 @@ class BatchScheduler:
                 still_open.append(ref)
             else:
                 ref.object_ref = None  # drop the driver's reference: the object store frees the RefKV
+                ref.ready = False
         self._open = still_open

@@ -49,6 +49,25 @@ class ItemOutcome:
     row: dict | None = None
     error: str | None = None
     stage: str = "sample"
+    # Where the batch's RefKV came from: "cache" (the worker's device LRU), "object_store" (the
+    # driver-owned copy), "encoded" (this call ran the reference stream); "" when it failed first.
+    # The driver counts real encodes from it (a holder that evicted a RefKV re-encodes silently).
+    refkv_source: str = ""
+
+
+@dataclass(frozen=True)
+class EncodeInfo:
+    """The small second return of `RenderWorker.encode`: the driver waits on this, never on the RefKV.
+
+    Waiting on (or getting) the RefKV itself would pull ~1 GB to the driver's node for every
+    reference; this object is a few hundred bytes and still fails when the encode failed.
+    """
+
+    reference_hash: str
+    nbytes: int
+    encode_seconds: float
+    worker_id: str
+    encoded: bool  # False when the worker's cache already held it (a render on it encoded first)
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.adapter.refkv_cache import RefKVCache
 from snapref_ray.cluster.metrics import job_metrics
-from snapref_ray.cluster.tasks import ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
+from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.requests import RenderRequest
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import a1111_parameters, encode_image, make_thumbnail
@@ -117,10 +117,15 @@ class RenderWorker:
     def cached_references(self) -> list[tuple]:
         return self.cache.keys()
 
-    def encode(self, task: ReferenceTask) -> RefKV:
-        """Encode a reference; the returned RefKV goes to the object store, owned by the caller."""
-        kv, _ = self.cache.get_or_create(task.key, lambda: self._encode(task))
-        return kv
+    def encode(self, task: ReferenceTask) -> tuple[RefKV, EncodeInfo]:
+        """Encode a reference; called with `num_returns=2` (see `BatchScheduler`).
+
+        The RefKV return goes to the object store, owned by the caller, so it outlives this
+        worker; the small EncodeInfo return is what the driver waits on (never the RefKV, which
+        would be pulled to the driver's node). The RefKV also stays in this worker's device cache.
+        """
+        kv, hit = self.cache.get_or_create(task.key, lambda: self._encode(task))
+        return kv, EncodeInfo(task.reference_hash, kv.nbytes, kv.encode_seconds, self.worker_id, encoded=not hit)
 
     def render(self, task: RenderTask, refkv_handle: list | None = None) -> list[ItemOutcome]:
         """Render a batch and store its images; returns one outcome per item.
@@ -130,10 +135,10 @@ class RenderWorker:
         """
         started = time.time()
         try:
-            kv, hit = self._refkv_for(task.reference, refkv_handle)
+            kv, source = self._refkv_with_source(task.reference, refkv_handle)
         except Exception as e:  # an unreadable reference fails its items, not the worker
             return self._failed(task, e, "encode")
-        (self.metrics.cache_hits if hit else self.metrics.cache_misses).inc(1, self.tags)
+        (self.metrics.cache_hits if source == "cache" else self.metrics.cache_misses).inc(1, self.tags)
         requests = [RenderRequest(prompt=i.prompt, seed=i.seed, settings=i.settings) for i in task.items]
         try:
             t0 = time.perf_counter()
@@ -141,17 +146,17 @@ class RenderWorker:
                 results = self.renderer.render(requests, refkv=kv)
             sample_wall = time.perf_counter() - t0
         except Exception as e:
-            return self._failed(task, e, "sample")
+            return self._failed(task, e, "sample", source)
         steps = max(1, task.items[0].settings.steps)
         self.metrics.step_latency.observe(results[0].timings.get("sample_s", sample_wall) / steps, self.tags)
         outcomes = []
         for item, result in zip(task.items, results):
             try:
-                outcomes.append(self._store(task, item, result, kv, started))
+                outcomes.append(replace(self._store(task, item, result, kv, started), refkv_source=source))
                 self.metrics.images.inc(1, self.tags)
                 self.metrics.image_latency.observe(time.time() - started, self.tags)
             except Exception as e:
-                outcomes.append(ItemOutcome(item.item_id, error=_describe(e), stage="write"))
+                outcomes.append(ItemOutcome(item.item_id, error=_describe(e), stage="write", refkv_source=source))
         return outcomes
 
     # -- internals -------------------------------------------------------------------------------
@@ -167,27 +172,44 @@ class RenderWorker:
         return kv
 
     def _refkv_for(self, ref: ReferenceTask, handle: list | None) -> tuple[RefKV, bool]:
+        """(RefKV, was it already in this worker's device cache)."""
+        kv, source = self._refkv_with_source(ref, handle)
+        return kv, source == "cache"
+
+    def _refkv_with_source(self, ref: ReferenceTask, handle: list | None) -> tuple[RefKV, str]:
+        """(RefKV, "cache" | "object_store" | "encoded"): the device LRU, else the driver's copy, else encode."""
         cached = self.cache.get(ref.key)
         if cached is not None:
-            return cached, True
+            return cached, "cache"
+        source = "cache"  # stays so when another thread of this worker creates the entry first
 
         def fetch_or_encode() -> RefKV:
+            nonlocal source
             if handle:
                 import ray
 
                 try:
-                    kv = ray.get(handle[0], timeout=600)
-                    return kv.to(getattr(self.renderer, "device", None))
+                    # The driver hands out only finished RefKVs, so this never waits on an encode
+                    # queued behind this very call (a deadlock with max_concurrency=2).
+                    shared = ray.get(handle[0], timeout=600)
+                    kv = shared.to(getattr(self.renderer, "device", None))
+                    if kv.kv_N2HLD.data_ptr() == shared.kv_N2HLD.data_ptr():
+                        # Same device (CPU): the tensor still maps the object store's shared memory and
+                        # would pin the object after the driver drops it; the LRU keeps a private copy.
+                        kv = replace(shared, kv_N2HLD=shared.kv_N2HLD.clone())
+                    source = "object_store"
+                    return kv
                 except Exception as e:
                     if type(e).__name__ not in _LOST_OBJECT_ERRORS:
                         raise
                     log.warning("worker %s: RefKV of %s lost from the object store (%s); re-encoding",
                                 self.worker_id, ref.reference_hash[:12], type(e).__name__)
+            source = "encoded"
             return self._encode(ref)
 
-        kv, hit = self.cache.get_or_create(ref.key, fetch_or_encode)
+        kv, _ = self.cache.get_or_create(ref.key, fetch_or_encode)
         self.metrics.cache_bytes.set(self.cache.nbytes, self.tags)
-        return kv, hit
+        return kv, source
 
     def _store(self, task: RenderTask, item, result, kv: RefKV, started: float) -> ItemOutcome:
         t0 = time.perf_counter()
@@ -235,12 +257,45 @@ class RenderWorker:
         self._stored_references.add(ref.reference_hash)
         return key
 
-    def _failed(self, task: RenderTask, error: Exception, stage: str) -> list[ItemOutcome]:
+    def _failed(self, task: RenderTask, error: Exception, stage: str, source: str = "") -> list[ItemOutcome]:
         message = _describe(error)
         log.error("worker %s: %s failed for %d item(s) (%s): %s", self.worker_id, stage, len(task.items),
                   ", ".join(i.item_id for i in task.items[:4]), message)
         self.metrics.errors.inc(len(task.items), {"stage": stage})
-        return [ItemOutcome(i.item_id, error=message, stage=stage) for i in task.items]
+        return [ItemOutcome(i.item_id, error=message, stage=stage, refkv_source=source) for i in task.items]
+
+    def evaluate(self, case: dict) -> dict:
+        """Identity-gap loss grids of one held-out case (`pipelines/identity_eval.py` builds `case`).
+
+        The right and the wrong reference go through this worker's RefKV cache, so each is
+        encoded once per worker and target size however many cases and σ/seed draws use it; both
+        grids share the case's σ values and noise seeds (`snapref_ray.evaluation.denoising_losses`).
+        A failure is returned as {"case_id", "error"}: one bad image must not stop the evaluation.
+        """
+        from snapref_ray.evaluation import denoising_losses, prepare_target
+
+        t0 = time.perf_counter()
+        try:
+            target = prepare_target(read_uri(case["target"], self.config.s3), case["target_megapixels"], case["target"])
+            grids, hits = {}, {}
+            for role in ("right", "wrong"):
+                ref = ReferenceTask(case[f"{role}_hash"], tuple(case[f"{role}_uris"]), case.get("layout", "single"),
+                                    case["ref_caption"], case["ref_megapixels"], target.width, target.height)
+                kv, hits[role] = self._refkv_for(ref, None)
+                with self._device_lock:
+                    grids[role] = denoising_losses(self.renderer, target, case["prompt"], kv, case["sigmas"],
+                                                   case["noise_seeds"], mode=case["mode"],
+                                                   ref_weight=case["ref_weight"]).tolist()
+        except Exception as e:
+            log.error("worker %s: case %s failed: %s", self.worker_id, case.get("case_id"), _describe(e))
+            return {"case_id": case.get("case_id"), "error": _describe(e)}
+        adapter = getattr(self.renderer, "adapter", None)
+        return {"case_id": case["case_id"], "loss_right": grids["right"], "loss_wrong": grids["wrong"],
+                "width": target.width, "height": target.height, "right_cache_hit": hits["right"],
+                "wrong_cache_hit": hits["wrong"], "seconds": time.perf_counter() - t0, "worker_id": self.worker_id,
+                "model": getattr(self.renderer, "model_id", ""), "adapter": getattr(adapter, "identity", None),
+                "device": str(getattr(self.renderer, "device", "cpu")),
+                "dtype": str(getattr(self.renderer, "dtype", "")).removeprefix("torch.")}
 
 
 def _describe(error: BaseException) -> str:

@@ -165,7 +165,8 @@ def validation_error(exc: ValidationError, known_fields: set[str] | None = None)
     errors = exc.errors()
     messages, first_field = [], None
     for err in errors:
-        field = ".".join(str(p) for p in err["loc"]) or _field_in_message(err["msg"], known_fields)
+        # No location: a model-level check (its message starts with the field) or unparsable JSON (the body).
+        field = ".".join(str(p) for p in err["loc"]) or _field_in_message(err["msg"], known_fields) or "body"
         msg = err["msg"].removeprefix("Value error, ")
         messages.append(f"{field}: {msg}" if field else msg)
         first_field = first_field or field
@@ -173,7 +174,6 @@ def validation_error(exc: ValidationError, known_fields: set[str] | None = None)
 
 
 def _field_in_message(msg: str, known: set[str] | None) -> str | None:
-    """Model-level checks (ref_start vs ref_end) have no location; their message starts with the field."""
     word = msg.removeprefix("Value error, ").split(" ", 1)[0]
     return word if known and word in known else None
 

@@ -79,7 +79,9 @@ class ServeConfig(BaseModel):
         None,
         description=f"Bearer token clients must send. None reads ${TOKEN_ENV}; required whenever host is"
                     " not loopback. A SecretStr, so it never shows in reprs or logs.")
-    limits: ServeLimits = Field(default_factory=ServeLimits, description="Per-request bounds.")
+    limits: ServeLimits = Field(
+        default_factory=ServeLimits,
+        description="Per-request bounds, tighter than the request model's own so one request cannot hold a GPU for long.")
 
     # -- replicas and autoscaling ------------------------------------------------------------
     gpus_per_replica: float | None = Field(

@@ -13,6 +13,7 @@ import base64
 import logging
 import math
 import time
+from collections import OrderedDict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +36,7 @@ from snapref_ray.serve.renderer import ReferenceSpec, RenderJob, RenderReply
 log = logging.getLogger(__name__)
 
 _FORM_OVERHEAD = 64 * 1024  # multipart headers and the small text fields next to the file
+_INFO_CACHE_SIZE = 100_000  # reference infos kept by an ingress (~1 kB each)
 _SETTINGS_FIELDS = set(RenderBody.model_fields)
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503, 504)}
 
@@ -143,6 +145,10 @@ class Ingress:
         self._store = store
         self._auth = BearerAuth(config.resolved_token())
         self._models: dict | None = None
+        # Reference infos by id. An id is a content hash, so its info never changes: caching it saves
+        # a store round trip per render. If the store has evicted the file meanwhile, the replica
+        # that needs to encode it answers 404.
+        self._infos: OrderedDict[str, ReferenceInfo] = OrderedDict()
 
     # -- endpoints --------------------------------------------------------------------------
     @app.get("/v1/health", response_model=HealthResponse, summary="Liveness of the ingress (no token needed)")
@@ -188,8 +194,7 @@ class Ingress:
             raise ApiError(400, "Content-Type", f"expected multipart/form-data or application/json, got {content_type!r}")
         return await self._store_reference(data, options, field)
 
-    @app.post("/v1/render", responses={**_ERRORS, 200: {"content": {
-                  "image/png": {}, "application/json": {"schema": RenderResponse.model_json_schema()}}}},
+    @app.post("/v1/render", responses={**_ERRORS, 200: {"model": RenderResponse, "content": {"image/png": {}}}},
               openapi_extra=_render_openapi(), response_class=Response,
               summary="Render a scene with a reference: image/png, or JSON with base64 images and metadata")
     async def render(self, request: Request) -> Response:
@@ -232,7 +237,15 @@ class Ingress:
         info = ReferenceInfo(reference_id=reference_id_for(content_hash, options), content_hash=content_hash,
                              width=width, height=height, ref_megapixels=options.ref_megapixels,
                              ref_caption=options.ref_caption, bytes=len(data))
-        return await self._call(self._store.put.remote(info, data))
+        info = await self._call(self._store.put.remote(info, data))
+        self._remember(info)
+        return info
+
+    def _remember(self, info: ReferenceInfo) -> None:
+        self._infos[info.reference_id] = info
+        self._infos.move_to_end(info.reference_id)
+        while len(self._infos) > _INFO_CACHE_SIZE:
+            self._infos.popitem(last=False)
 
     async def _reference_spec(self, body: RenderBody) -> ReferenceSpec | None:
         if body.reference_image is not None:
@@ -258,12 +271,18 @@ class Ingress:
                              ref_megapixels=megapixels, width=body.width, height=body.height)
 
     async def _describe(self, ids: list[str], fields: list[str]) -> list[ReferenceInfo]:
-        infos = await self._call(self._store.describe.remote(ids))
-        for reference_id, info, field in zip(ids, infos, fields):
-            if info is None:
+        missing = [r for r in ids if r not in self._infos]
+        if missing:
+            for info in await self._call(self._store.describe.remote(missing)):
+                if info is not None:
+                    self._remember(info)
+        for reference_id, field in zip(ids, fields):
+            if reference_id not in self._infos:
                 raise ApiError(404, field, f"unknown reference id {reference_id!r}: upload the image to"
                                            " /v1/references first (ids are kept while the server has room)")
-        return infos
+        for reference_id in ids:
+            self._infos.move_to_end(reference_id)
+        return [self._infos[r] for r in ids]
 
     # -- calls and answers ------------------------------------------------------------------
     async def _call(self, response):

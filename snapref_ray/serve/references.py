@@ -90,6 +90,3 @@ class ReferenceStore:
 
     async def get_bytes(self, content_hashes: list[str]) -> list[bytes | None]:
         return [self._lru.get_bytes(h) for h in content_hashes]
-
-    async def stats(self) -> dict[str, int]:
-        return self._lru.stats()

@@ -9,7 +9,7 @@ A request's path through a replica:
    a miss fetches the file from the ReferenceStore and encodes it. Concurrent misses on one
    key encode once; the others wait and count as hits.
 3. `_submit` (`@serve.batch`): requests that arrive within `batch_wait_timeout_s` of each
-   other enter the device queue together.
+   other enter the device queue together (Serve splits them by reference id first).
 4. One device loop renders the oldest waiting request together with every waiting request
    that can share its forward (same reference, same `RenderSettings.batch_key()`, same negative
    prompt), up to `max_batch_size` images. Requests that queued while the device was busy are
@@ -108,10 +108,6 @@ class _Pending:
         return len(self.job.seeds)
 
 
-def _images_in(pending: list[_Pending]) -> int:
-    return sum(p.images for p in pending)
-
-
 def _as_bad_request(e: ValueError) -> Exception:
     """The engine's input errors (a bad reference image, an impossible setting) as a 400; others unchanged."""
     from snapref_ray.adapter.images import ReferenceImageError
@@ -154,7 +150,10 @@ class RendererDeployment:
         self._waiting: list[_Pending] = []
         self._wakeup: asyncio.Event | None = None
         self._device_task: asyncio.Task | None = None
-        self._submit.set_max_batch_size(config.max_batch_size)
+        # The window admits everything the replica may hold; the device loop forms forwards of at most
+        # max_batch_size images from it. (Capping the window at max_batch_size would push requests of
+        # other groups into the next window and reorder them.)
+        self._submit.set_max_batch_size(config.max_ongoing_requests)
         self._submit.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
         try:
             self._replica = serve.get_replica_context().replica_id.unique_id
@@ -181,13 +180,9 @@ class RendererDeployment:
         if r.adapter is not None:
             meta = r.adapter.adapter.meta
             adapter = {"identity": r.adapter.identity, "base_model": meta.base_model, "num_blocks": meta.num_blocks,
-                       "modes": list(meta.modes), "source": r.adapter.adapter.source}
+                       "modes": list(meta.modes)}  # not the file path: clients need not know the server's disk
         return {"model": r.model_id, "adapter": adapter, "modes": adapter["modes"] if adapter else [],
                 "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch.")}
-
-    async def stats(self) -> dict:
-        return {"replica": self._replica, "cache": self._cache_stats(), "waiting": len(self._waiting),
-                "busy": self._busy_since is not None}
 
     def check_health(self) -> None:
         """Raise (Serve then restarts the replica) if the device is stuck: busy with no progress."""
@@ -206,7 +201,11 @@ class RendererDeployment:
 
     async def _reference_kv(self, spec: ReferenceSpec):
         """(RefKV, cache_hit, encode seconds) for `spec`, encoding it on a miss."""
-        data = None if spec.key in self._cache else await self._fetch(spec)
+        kv = self._cache.get(spec.key)
+        if kv is not None:  # the common case, answered on the event loop without a thread hop
+            self._cache.stats.hits += 1
+            return kv, True, 0.0
+        data = await self._fetch(spec)
         for _ in range(2):
             timing: dict[str, float] = {}
 
@@ -238,7 +237,7 @@ class RendererDeployment:
         return files
 
     # -- batching ---------------------------------------------------------------------------
-    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.01, batch_size_fn=_images_in)
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)  # both set from the config in __init__
     async def _submit(self, pending: list[_Pending]) -> list[_Pending]:
         """Requests that arrived within the wait window join the device queue together."""
         self._waiting.extend(pending)

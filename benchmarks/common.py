@@ -1,0 +1,335 @@
+"""Shared helpers of the benchmarks: timing, FLOP counting, machine info, JSON output.
+
+Timing rules (every benchmark here follows them):
+- warm-up calls first (first calls allocate, pick kernels, fault in memory-mapped weights);
+- then repeats, and the **median** is the figure (robust to a noisy, shared machine);
+- settings that are compared with each other are measured **interleaved** (`interleaved`): each
+  round runs every setting once, in an order rotated every round, so drift and load from other
+  processes land on all settings alike.
+
+FLOP counts are matrix-multiply FLOPs only (2 per multiply-add) of one DiT forward, counted from
+the config and the token counts (`dit_forward_flops`): every linear (the block linears, adaLN
+bottlenecks, embedders, final layer, runtime LoRA branches) and the two matmuls of every
+attention (QK^T and AV). Norms, RoPE, softmax and elementwise work are not counted, so
+"achieved GFLOP/s" is a slight under-estimate of the machine's work rate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from snapref_ray.models.dit import PATCH, AnimaDiT, DiTConfig, load_dit
+from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict, tiny_dit_config
+
+# Token counts of the geometries the benchmarks use (one token = one 2x2 patch of the 8x latent).
+PIXELS_PER_TOKEN_SIDE = 8 * PATCH
+
+
+def tokens_for(width_px: int, height_px: int) -> int:
+    """Target tokens of a width x height image: (h/16) * (w/16) for sides that are multiples of 16."""
+    return -(-height_px // PIXELS_PER_TOKEN_SIDE) * -(-width_px // PIXELS_PER_TOKEN_SIDE)
+
+
+# --- geometries and models ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DiTGeometry:
+    """A DiT shape plus the token counts one benchmark runs it at.
+
+    Built through the real loader (`load_dit` on a `make_tiny_dit_state_dict` state dict, random
+    seeded weights in the real key layout), so every size runs exactly the code a real file does.
+    """
+
+    name: str
+    model_channels: int
+    head_dim: int
+    num_blocks: int
+    context_dim: int  # cross-attention context width (= LLM adapter width)
+    context_rows: int  # context rows per batch row (the real text path pads to 512)
+    adaln_lora_dim: int
+    adapter_heads: int  # LLM adapter (not run by these benchmarks; only its shape must be valid)
+    adapter_blocks: int
+    t5_vocab: int
+    width_px: int  # target image size
+    height_px: int
+
+    @property
+    def tokens(self) -> int:
+        return tokens_for(self.width_px, self.height_px)
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        return self.height_px // 8, self.width_px // 8
+
+    @property
+    def config(self) -> DiTConfig:
+        """The DiTConfig `build_dit` makes (for FLOP counts and sizes without building anything)."""
+        return tiny_dit_config(model_channels=self.model_channels, num_blocks=self.num_blocks,
+                               head_dim=self.head_dim, context_dim=self.context_dim,
+                               adaln_lora_dim=self.adaln_lora_dim, adapter_dim=self.context_dim,
+                               adapter_heads=self.adapter_heads, adapter_blocks=self.adapter_blocks,
+                               t5_vocab=self.t5_vocab)
+
+    def with_blocks(self, num_blocks: int) -> "DiTGeometry":
+        return replace(self, num_blocks=num_blocks)
+
+    def with_size(self, width_px: int, height_px: int) -> "DiTGeometry":
+        return replace(self, width_px=width_px, height_px=height_px)
+
+    def describe(self) -> dict[str, Any]:
+        return {"model_channels": self.model_channels, "num_heads": self.model_channels // self.head_dim,
+                "head_dim": self.head_dim, "mlp_hidden": 4 * self.model_channels, "blocks": self.num_blocks,
+                "context_dim": self.context_dim, "context_rows": self.context_rows,
+                "adaln_lora_dim": self.adaln_lora_dim, "width_px": self.width_px, "height_px": self.height_px,
+                "tokens": self.tokens}
+
+
+# Anima at real size (2048 wide, 16 x 128 heads, MLP 8192, context 512 x 1024), at 832x1216 px (3,952 tokens).
+REAL = DiTGeometry(name="real", model_channels=2048, head_dim=128, num_blocks=28, context_dim=1024, context_rows=512,
+                   adaln_lora_dim=256, adapter_heads=16, adapter_blocks=6, t5_vocab=32128, width_px=832,
+                   height_px=1216)
+# Width-scaled: every length divided by 4 (width 512 = 4 x 128 heads, MLP 2048, 988 tokens = a quarter of
+# 3,952, context 128 rows x 256, adaLN bottleneck 64). Every FLOP term of a forward (linears ~ L*D^2,
+# attention ~ L^2*D, cross-attention ~ L*S*D, context projections ~ S*C*D) then shrinks by exactly 64, so
+# the balance between attention and linear work (and the reference's share of it) is the real one.
+SCALED = DiTGeometry(name="scaled", model_channels=512, head_dim=128, num_blocks=28, context_dim=256,
+                     context_rows=128, adaln_lora_dim=64, adapter_heads=4, adapter_blocks=1, t5_vocab=1024,
+                     width_px=416, height_px=608)
+# For the smoke tests: every code path, in milliseconds.
+SMOKE = DiTGeometry(name="smoke", model_channels=64, head_dim=32, num_blocks=2, context_dim=32, context_rows=8,
+                    adaln_lora_dim=16, adapter_heads=2, adapter_blocks=1, t5_vocab=64, width_px=64, height_px=48)
+
+
+def build_dit(geometry: DiTGeometry, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> AnimaDiT:
+    """Random seeded weights at `geometry`'s shape, loaded through `load_dit` onto device/dtype."""
+    sd = make_tiny_dit_state_dict(model_channels=geometry.model_channels, num_blocks=geometry.num_blocks,
+                                  head_dim=geometry.head_dim, context_dim=geometry.context_dim,
+                                  adaln_lora_dim=geometry.adaln_lora_dim, adapter_dim=geometry.context_dim,
+                                  adapter_heads=geometry.adapter_heads, adapter_blocks=geometry.adapter_blocks,
+                                  t5_vocab=geometry.t5_vocab, seed=seed, dtype=dtype)
+    dit = load_dit(sd, dtype=dtype, device=device)
+    del sd
+    return dit
+
+
+def dit_parameter_bytes(geometry: DiTGeometry, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of one block, bytes of everything else) of the DiT at `geometry`, counted on the meta device."""
+    with torch.device("meta"):
+        model = AnimaDiT(geometry.with_blocks(1).config)
+    size = torch.empty((), dtype=dtype).element_size()
+    block = sum(p.numel() for p in model.blocks[0].parameters()) * size
+    total = sum(p.numel() for p in model.parameters()) * size
+    return block, total - block
+
+
+# --- FLOP model ------------------------------------------------------------------------------
+
+def _linear_flops(tokens: int, fan_in: int, fan_out: int) -> float:
+    return 2.0 * tokens * fan_in * fan_out
+
+
+def _lora_flops(tokens: int, fan_in: int, fan_out: int, rank: int) -> float:
+    # down (in -> r) then up (r -> out), unmerged, as ops.LoRAPair.delta computes it.
+    return 2.0 * tokens * rank * (fan_in + fan_out)
+
+
+def block_linear_dims(config: DiTConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of the ten adaptable linears of a block (module path -> dims)."""
+    D, C, M = config.model_channels, config.context_dim, config.mlp_hidden
+    inner = config.num_heads * config.head_dim
+    return {
+        "self_attn.q_proj": (D, inner), "self_attn.k_proj": (D, inner), "self_attn.v_proj": (D, inner),
+        "self_attn.output_proj": (inner, D),
+        "cross_attn.q_proj": (D, inner), "cross_attn.k_proj": (C, inner), "cross_attn.v_proj": (C, inner),
+        "cross_attn.output_proj": (inner, D),
+        "mlp.layer1": (D, M), "mlp.layer2": (M, D),
+    }
+
+
+def dit_forward_flop_breakdown(config: DiTConfig, *, rows: int, tokens: int, context_rows: int,
+                               reading_rows: int = 0, ref_tokens: int = 0,
+                               lora_ranks: Mapping[str, int] | None = None,
+                               final_layer: bool = True) -> dict[str, float]:
+    """Matmul FLOPs of one DiT forward over `rows` batch rows, as {"linear": ..., "attention": ...}.
+
+    tokens: target tokens per row; context_rows: cross-attention context rows per row;
+    reading_rows of the rows also attend to `ref_tokens` cached reference keys in every block;
+    lora_ranks: runtime LoRA rank per block linear (module path -> rank), on every row and block;
+    final_layer: False for the reference stream, which stops after the last block.
+    "linear" covers every linear layer and LoRA branch, "attention" the QK^T and AV matmuls.
+    """
+    D, H, hd = config.model_channels, config.num_heads, config.head_dim
+    r_ad, C_in = config.adaln_lora_dim, config.in_channels
+    inner = H * hd
+    L, S, R = tokens, context_rows, rows
+    linear = 0.0
+    for path, (fan_in, fan_out) in block_linear_dims(config).items():
+        n = S if path in ("cross_attn.k_proj", "cross_attn.v_proj") else L
+        linear += R * _linear_flops(n, fan_in, fan_out)
+        rank = (lora_ranks or {}).get(path, 0)
+        if rank:
+            linear += R * _lora_flops(n, fan_in, fan_out, rank)
+    # Three adaLN bottlenecks (D -> r -> 3D), once per row (the modulation broadcasts over tokens).
+    linear += 3 * R * (_linear_flops(1, D, r_ad) + _linear_flops(1, r_ad, 3 * D))
+    # Attention: QK^T and AV, 2 * queries * keys * inner each; reading rows have ref_tokens more keys.
+    self_keys = R * L + reading_rows * ref_tokens  # summed over rows
+    attention = 2 * 2.0 * L * self_keys * inner + 2 * 2.0 * L * S * inner * R
+    linear *= config.num_blocks
+    attention *= config.num_blocks
+    linear += R * _linear_flops(L, (C_in + 1) * PATCH * PATCH, D)  # patch embed
+    linear += R * (_linear_flops(1, D, D) + _linear_flops(1, D, 3 * D))  # t_embedder
+    if final_layer:
+        linear += R * (_linear_flops(1, D, r_ad) + _linear_flops(1, r_ad, 2 * D))
+        linear += R * _linear_flops(L, D, PATCH * PATCH * C_in)
+    return {"linear": linear, "attention": attention}
+
+
+def dit_forward_flops(config: DiTConfig, **shape: Any) -> float:
+    """Total matmul FLOPs of one DiT forward; arguments as `dit_forward_flop_breakdown`."""
+    return sum(dit_forward_flop_breakdown(config, **shape).values())
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so wall-clock times cover it (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_once(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of fn takes, device work included."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def time_repeats(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup: int = 1) -> list[float]:
+    """`warmup` untimed calls, then the seconds of each of `repeats` calls."""
+    for _ in range(warmup):
+        time_once(fn, device)
+    return [time_once(fn, device) for _ in range(repeats)]
+
+
+def interleaved(cases: Mapping[str, Callable[[], Any]], device: torch.device, *, rounds: int,
+                warmup_rounds: int = 1) -> dict[str, list[float]]:
+    """Time every case once per round, the order rotated each round; returns seconds per case, by round.
+
+    Round r runs the cases starting at index r mod n, so over n rounds every case has held every
+    position (what runs just before a case can change its caches and its clock speed).
+    """
+    names = list(cases)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(warmup_rounds + rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            seconds = time_once(cases[name], device)
+            if r >= warmup_rounds:
+                times[name].append(seconds)
+    return times
+
+
+def summarize(seconds: list[float]) -> dict[str, float]:
+    """Median (the figure), min, max and count of a list of timings."""
+    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds),
+            "n": len(seconds)}
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median over rounds of numerator[r] / denominator[r]: a ratio of interleaved timings, robust to drift."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
+
+
+# --- machine ---------------------------------------------------------------------------------
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """What a figure was measured on: device, dtype, versions, threads, load."""
+    env: dict[str, Any] = {
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if hasattr(os, "getloadavg"):
+        env["load_average_1min"] = round(os.getloadavg()[0], 2)
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {', '.join(dtypes)}, found {name!r}")
+    return dtypes[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: no CUDA device is available on this machine")
+    return device
+
+
+# --- output ----------------------------------------------------------------------------------
+
+def _round(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: _round(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_round(v) for v in value]
+    return value
+
+
+def emit(record: Mapping[str, Any], *, indent: int | None = None) -> dict[str, Any]:
+    """Print one record as JSON (one line unless `indent`) on stdout; returns it as printed (6 digits)."""
+    printed = _round(dict(record))
+    print(json.dumps(printed, indent=indent), flush=True)
+    return printed
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so stdout stays pure JSON."""
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,324 @@
+"""Orchestration benchmark: the batch job machinery with simulated GPUs, N = 1, 2, 4, 8, 16 workers.
+
+    python benchmarks/orchestration.py [--workers 1,2,4,8,16] [--out result.json] [--no-startup]
+
+Runs the real job (`run_job` -> `start_workers` -> `RenderWorker` actors -> `BatchScheduler`,
+images and Parquet written to a local folder) with a `renderer_factory` whose "GPU time" is a
+fixed sleep: `encode_reference` sleeps `--encode-s` and returns a small real RefKV,
+`render` sleeps steps x `--step-s` and returns small PIL images. So a 2-core machine can stand in
+for 16 GPUs: what is measured is the orchestration (scheduling, object-store hand-off, storing,
+committing), not the model. The job grows with N (`--batches-per-worker` batches of `--max-batch`
+images per worker; `--prompts` prompts per reference), so every N does the same work per worker.
+
+Per N it reports: throughput (images/s over the scheduling phase, `summary.render_seconds`)
+against the ideal N x the single-worker throughput; how busy the workers were (simulated GPU
+seconds / (N x wall)); driver CPU per image (process CPU time of the driver during the
+scheduling phase, the sampler thread's own CPU subtracted); peak object-store bytes; peak driver
+RSS; encodes per reference. Separately (unless --no-startup) it times `snapref-ray render` on the
+tiny models from the command to the first image on disk (start-up cost: Ray, workers, models).
+
+Object-store figure: `ray._private.internal_api.get_memory_info_reply(...)
+.store_stats.object_store_bytes_used`, the plasma bytes in use summed over the cluster's raylets
+(what `ray memory --stats-only` prints), sampled every 0.2 s; works in Ray 2.60 without the
+dashboard. (`ray.available_resources()["object_store_memory"]` does not move with usage: it is a
+scheduling resource.)
+
+Prints one JSON object (and writes it to --out if given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import hashlib
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+MiB = 2**20
+
+
+# --- the simulated GPU --------------------------------------------------------------------------
+
+class SimulatedRenderer:
+    """Renderer's interface (encode_reference, render, device, model_id, load_seconds) with sleeps.
+
+    The RefKV is real (a tensor of `refkv_bytes`, so the object store sees realistic traffic for
+    its size) and the images are real PIL images (small: PNG encoding is worker CPU, not GPU).
+    """
+
+    def __init__(self, config, *, encode_s: float, step_s: float, refkv_bytes: int, image_side: int) -> None:
+        import torch
+
+        self.device = torch.device("cpu")
+        self.model_id = "simulated"
+        self.load_seconds = 0.0
+        self.encode_s, self.step_s, self.refkv_bytes, self.image_side = encode_s, step_s, refkv_bytes, image_side
+
+    def encode_reference(self, images, *, layout="single", ref_caption="", ref_megapixels=1.0, width=1024,
+                         height=1024, sources=None):
+        import torch
+
+        from snapref_ray.adapter.refkv import RefKV
+
+        time.sleep(self.encode_s)
+        digest = hashlib.sha256(b"".join(images)).hexdigest()[:32]
+        tokens = max(1, self.refkv_bytes // (2 * 2 * 64 * 2))  # [blocks=2, K/V, heads=1, tokens, 64] bf16
+        kv = torch.zeros((2, 2, 1, tokens, 64), dtype=torch.bfloat16)
+        return RefKV(kv, ((1, 1, 1),), ((0, 0, 0),), (1, height // 16, width // 16), "simulated-adapter", digest,
+                     self.encode_s)
+
+    def render(self, requests, *, refkv=None, references=None, layout="single", init_image=None, progress=None):
+        from PIL import Image
+
+        from snapref_ray.engine import RenderResult
+
+        steps = requests[0].settings.steps
+        time.sleep(steps * self.step_s)
+        side = self.image_side
+        return [RenderResult(Image.new("RGB", (side, side), (r.seed % 256, 40, 90)), r,
+                             {"sample_s": steps * self.step_s, "decode_s": 0.0, "encode_s": 0.0})
+                for r in requests]
+
+
+# --- measurement --------------------------------------------------------------------------------
+
+def _store_bytes_used() -> int:
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+    return int(reply.store_stats.object_store_bytes_used)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Sampler:
+    """Peak RSS (every 20 ms) and object-store bytes (every 0.2 s) from a thread; its own CPU is kept apart."""
+
+    def __init__(self) -> None:
+        self.peak_rss = _rss_bytes()
+        self.peak_store = 0
+        self.own_cpu = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.thread_time()
+        last_store = 0.0
+        while not self._stop.is_set():
+            self.peak_rss = max(self.peak_rss, _rss_bytes())
+            if time.monotonic() - last_store >= 0.2:
+                try:
+                    self.peak_store = max(self.peak_store, _store_bytes_used())
+                except Exception:  # noqa: BLE001 — Ray shutting down
+                    pass
+                last_store = time.monotonic()
+            time.sleep(0.02)
+        self.own_cpu = time.thread_time() - t0
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+# --- one run ------------------------------------------------------------------------------------
+
+def _write_job(folder: Path, references: int, prompts: int) -> Path:
+    from PIL import Image
+
+    rows = []
+    for r in range(references):
+        ref = folder / "refs" / f"ref{r:04d}.png"
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (64, 64), (r % 256, (r // 256) % 256, 120)).save(ref)
+        rows += [{"reference": ref.relative_to(folder).as_posix(), "prompt": f"scene {p}", "seed": r * 1000 + p}
+                 for p in range(prompts)]
+    manifest = folder / "manifest.csv"
+    with open(manifest, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["reference", "prompt", "seed"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return manifest
+
+
+def run_one(workers: int, args, models_dir: Path, root: Path) -> dict:
+    from pipelines.generate_dataset import run_job
+    from snapref_ray.storage.jobspec import JobSpec
+
+    references = -(-workers * args.batches_per_worker * args.max_batch // args.prompts)
+    images = references * args.prompts
+    folder = root / f"n{workers}"
+    manifest = _write_job(folder, references, args.prompts)
+    spec = JobSpec.model_validate({
+        "models": {"models_dir": str(models_dir)}, "manifest": str(manifest),
+        "defaults": {"width": 256, "height": 256, "steps": args.steps, "cfg": 1.0, "sampler": "euler"},
+        "output": {"uri": str(folder / "out")},
+        "cluster": {"num_workers": workers, "max_batch": args.max_batch, "device": "cpu",
+                    "max_in_flight_per_worker": args.in_flight, "num_cpus_per_worker": 1},
+    })
+    factory = functools.partial(SimulatedRenderer, encode_s=args.encode_s, step_s=args.step_s,
+                                refkv_bytes=args.refkv_kib * 1024, image_side=args.image_side)
+    marks: dict[str, float] = {}
+
+    def workers_ready(handles, infos) -> None:
+        marks["cpu0"] = _cpu_seconds()
+        marks["ready"] = time.time()
+
+    rss_before = _rss_bytes()
+    with Sampler() as sampler:
+        summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False,
+                          on_workers=workers_ready)
+        cpu = _cpu_seconds() - marks["cpu0"]
+    sched = summary["scheduler"]
+    gpu_seconds = sched["dispatched_batches"] * args.steps * args.step_s + sched["reference_encodes"] * args.encode_s
+    render_s = summary["render_seconds"]
+    done = summary["images_this_run"]
+    assert done == images and summary["failed_items"] == 0, summary
+    shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "workers": workers, "images": done, "references": references, "batches": sched["dispatched_batches"],
+        "render_seconds": round(render_s, 3), "worker_start_seconds": round(summary["startup_seconds"], 2),
+        "images_per_s": round(done / render_s, 3),
+        "workers_busy": round(gpu_seconds / (workers * render_s), 4),
+        "driver_cpu_ms_per_image": round(1000 * max(0.0, cpu - sampler.own_cpu) / done, 3),
+        "peak_object_store_mib": round(sampler.peak_store / MiB, 2),
+        "peak_driver_rss_mib": round(sampler.peak_rss / MiB, 1),
+        "driver_rss_before_mib": round(rss_before / MiB, 1),
+        "encodes_per_reference": summary["encodes_per_reference"],
+        "max_encodes_per_reference": summary["max_encodes_per_reference"],
+        "object_store_fetches": sched["fetches"], "peak_open_references": sched["peak_open_references"],
+    }
+
+
+# --- start-up: `snapref-ray render` to the first image -----------------------------------------------
+
+def time_to_first_image(models_dir: Path, root: Path) -> dict:
+    from PIL import Image
+
+    folder = root / "startup"
+    refs = folder / "refs"
+    refs.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (128, 160), (200, 60, 60)).save(refs / "a.png")
+    manifest = folder / "manifest.csv"
+    manifest.write_text("reference,prompt\n" + "".join(f"refs/a.png,scene {i}\n" for i in range(4)))
+    out = folder / "out"
+    exe = shutil.which("snapref-ray")
+    base = [exe] if exe else [sys.executable, "-m", "snapref_ray.cli"]
+    command = base + ["render", str(manifest), "--models", str(models_dir), "--out", str(out), "--workers", "2",
+                      "--no-progress", "--width", "256", "--height", "256", "--steps", "2", "--cfg", "1",
+                      "--sampler", "euler"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    t0 = time.monotonic()
+    first = None
+    with open(folder / "render.log", "wb") as log:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            if first is None and (out / "images").is_dir() and any((out / "images").glob("*.png")):
+                first = time.monotonic() - t0
+            time.sleep(0.02)
+        total = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{(folder / 'render.log').read_text()[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    return {"command": " ".join(["snapref-ray" if exe else "python -m snapref_ray.cli"] + command[len(base):]),
+            "seconds_to_first_image": round(first if first is not None else total, 2),
+            "seconds_total": round(total, 2), "images": summary["images_this_run"],
+            "job_startup_seconds": summary["startup_seconds"], "job_render_seconds": summary["render_seconds"]}
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", default="1,2,4,8,16", help="worker counts, comma-separated")
+    p.add_argument("--step-s", type=float, default=0.025, help="simulated GPU seconds per sampling step")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--encode-s", type=float, default=0.1, help="simulated GPU seconds per reference encode")
+    p.add_argument("--max-batch", type=int, default=2)
+    p.add_argument("--in-flight", type=int, default=2, help="max_in_flight_per_worker")
+    p.add_argument("--batches-per-worker", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=8, help="prompts per reference")
+    p.add_argument("--refkv-kib", type=int, default=1024, help="size of each simulated RefKV")
+    p.add_argument("--image-side", type=int, default=64, help="side of the returned images (PNG work per image)")
+    p.add_argument("--no-startup", action="store_true", help="skip timing `snapref-ray render` to the first image")
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args(argv)
+    counts = [int(n) for n in args.workers.split(",")]
+
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    import ray
+
+    from snapref_ray.tiny import make_tiny
+
+    root = Path(tempfile.mkdtemp(prefix="snapref-orchestration-"))
+    try:
+        models_dir = make_tiny(root / "tiny-models")
+        # More logical CPUs than workers: each worker reserves one; the driver and Ray need none.
+        ray.init(address="local", num_cpus=max(counts) + 2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+        runs = []
+        try:
+            # A small job first, not reported: the first job in a driver pays one-off imports
+            # (pyarrow's Parquet writer, boto3, ...) that would be charged to N = 1.
+            run_one(1, argparse.Namespace(**{**vars(args), "batches_per_worker": 2}), models_dir, root)
+            for n in counts:
+                runs.append(run_one(n, args, models_dir, root))
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+        finally:
+            ray.shutdown()
+        single = next((r["images_per_s"] for r in runs if r["workers"] == 1), None)
+        for r in runs:
+            if single:
+                r["ideal_images_per_s"] = round(r["workers"] * single, 3)
+                r["efficiency_vs_ideal"] = round(r["images_per_s"] / r["ideal_images_per_s"], 4)
+        result = {
+            "benchmark": "orchestration",
+            "command": "python benchmarks/orchestration.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "ray": ray.__version__,
+                        "platform": platform.platform()},
+            "params": {k: v for k, v in vars(args).items() if k not in ("out",)},
+            "gpu_seconds_per_batch": round(args.steps * args.step_s, 4),
+            "object_store_metric": "get_memory_info_reply().store_stats.object_store_bytes_used, sampled every 0.2 s",
+            "runs": runs,
+        }
+        if not args.no_startup:
+            result["startup"] = time_to_first_image(models_dir, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Serve latency benchmark: the HTTP endpoint against the Renderer called in-process.
+
+    python benchmarks/serve_latency.py [--models DIR] [--rounds 40] [--out result.json]
+
+With the tiny models on a CPU (made in a temporary folder unless --models is given), one local
+Serve with one CPU replica (one torch thread) and, in the benchmark process, a Renderer on the
+same files and threads. It measures (medians; see benchmarks/common.py for the timing rules):
+- low load, interleaved round by round: one request through HTTP (JSON answer) against
+  Renderer.render + PNG encoding in-process (the server does both). The Serve overhead is the
+  median of the per-round differences, and also, per HTTP request, the latency minus the
+  replica's own work timings (text, sample, decode, png, encode). Once with the default batch
+  window and once with none (`batch_wait_timeout_s=0`), since a lone request waits the window.
+- concurrency (4 clients): requests/s, latency, mean batch size;
+- cache: a reference already on the replica (hit) against one it must encode (miss);
+- overload: a burst against max_ongoing_requests=1, max_queued_requests=1: how fast 503s return.
+Prints one JSON object (and writes it to --out if given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.error import HTTPError
+from urllib.request import Request, urlopen
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+# Ray gives each worker OMP_NUM_THREADS=1; the in-process baseline must run under the same threading.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from benchmarks.common import emit, environment, interleaved, log  # noqa: E402
+
+SMALL = {"width": 256, "height": 256, "steps": 2}
+COMPUTE = ("text_s", "sample_s", "decode_s", "png_s", "encode_s")  # replica timings that are the work itself
+CPU = torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ms(seconds: list[float]) -> dict:
+    ordered = sorted(seconds)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return {"n": len(ordered), "p50_ms": statistics.median(ordered) * 1e3, "p95_ms": p95 * 1e3}
+
+
+class InProcess:
+    """The Renderer alone, as a replica holds it: one resident model, a RefKV encoded once."""
+
+    def __init__(self, models: Path, reference: bytes) -> None:
+        from snapref_ray.engine import Renderer
+        from snapref_ray.requests import RenderRequest, RenderSettings
+        from snapref_ray.storage.image_files import encode_image
+
+        torch.set_num_threads(1)
+        self._renderer = Renderer.from_folder(models, device="cpu")
+        self._refkv = self._renderer.encode_reference([reference], width=256, height=256)
+        self._request = RenderRequest(prompt="1girl, in a cafe", seed=0, settings=RenderSettings(**SMALL))
+        self._encode_image = encode_image
+        self.reference = reference
+
+    def __call__(self) -> None:
+        (result,) = self._renderer.render([self._request], refkv=self._refkv)
+        self._encode_image(result.image, "png", parameters="p", info={"seed": 0})
+
+    def encode(self, caption: str) -> None:
+        self._renderer.encode_reference([self.reference], ref_caption=caption, width=256, height=256)
+
+
+def low_load(client, ref: str, local: InProcess, rounds: int) -> dict:
+    overhead: list[float] = []
+
+    def http() -> None:
+        t0 = time.perf_counter()
+        answer = client.render("1girl, in a cafe", reference_id=ref, response_format="json", **SMALL)
+        # Everything that is not the render's own work: HTTP, proxy, ingress, routing, batch window.
+        overhead.append(time.perf_counter() - t0 - sum(answer["timings"][k] for k in COMPUTE))
+
+    times = interleaved({"http": http, "in_process": local}, CPU, rounds=rounds, warmup_rounds=3)
+    overhead = overhead[-rounds:]  # drop the warm-up rounds
+    return {"http": {**_ms(times["http"]), "requests_per_s": len(times["http"]) / sum(times["http"])},
+            "in_process": {**_ms(times["in_process"]), "requests_per_s": len(times["in_process"]) / sum(times["in_process"])},
+            "overhead_vs_in_process_p50_ms": statistics.median(a - b for a, b in zip(times["http"], times["in_process"])) * 1e3,
+            "overhead_measured_p50_ms": statistics.median(overhead) * 1e3}
+
+
+def concurrent(client, ref: str, requests: int, clients: int = 4) -> dict:
+    latencies, batch_sizes = [], []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        t0 = time.perf_counter()
+        answer = client.render(f"1girl, scene {i}", reference_id=ref, seed=i, response_format="json", **SMALL)
+        with lock:
+            latencies.append(time.perf_counter() - t0)
+            batch_sizes.append(answer["batch_size"])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(one, range(requests)))
+    return {**_ms(latencies), "clients": clients, "requests_per_s": requests / (time.perf_counter() - t0),
+            "mean_batch_size": statistics.fmean(batch_sizes), "max_batch_size": max(batch_sizes)}
+
+
+def cache(client, local: InProcess, rounds: int = 8) -> dict:
+    miss, hit, encode, in_process_encode = [], [], [], []
+    for i in range(rounds):
+        caption = f"benchmark caption {i} {time.time()}"  # a new caption is a new K/V: nothing holds it yet
+        ref = client.upload_reference(local.reference, ref_caption=caption)
+        for expect_hit, into in ((False, miss), (True, hit)):
+            t0 = time.perf_counter()
+            answer = client.render("1girl", reference_id=ref, response_format="json", **SMALL)
+            into.append(time.perf_counter() - t0)
+            assert answer["cache_hit"] is expect_hit, answer["cache_hit"]
+            if not expect_hit:
+                encode.append(answer["timings"]["encode_s"])
+        t0 = time.perf_counter()
+        local.encode(caption)
+        in_process_encode.append(time.perf_counter() - t0)
+    return {"miss": _ms(miss), "hit": _ms(hit), "replica_encode": _ms(encode),
+            "in_process_encode": _ms(in_process_encode),
+            "miss_minus_hit_p50_ms": (statistics.median(miss) - statistics.median(hit)) * 1e3}
+
+
+def overload(url: str, ref: str, burst: int = 16) -> dict:
+    barrier = threading.Barrier(burst)
+    body = {"prompt": "1girl", "reference_id": ref, "width": 512, "height": 512, "steps": 60}
+
+    def one(seed: int) -> tuple[int, float]:
+        data = json.dumps({**body, "seed": seed}).encode()
+        barrier.wait(timeout=30)
+        t0 = time.perf_counter()
+        try:
+            with urlopen(Request(url + "/v1/render", data, {"Content-Type": "application/json"}), timeout=300) as r:
+                r.read()
+                return r.status, time.perf_counter() - t0
+        except HTTPError as e:
+            e.read()
+            return e.code, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(burst) as pool:
+        results = list(pool.map(one, range(burst)))
+    rejected = [s for code, s in results if code == 503]
+    admitted = [s for code, s in results if code == 200]
+    return {"burst": burst, "ok": len(admitted), "rejected_503": len(rejected),
+            "latency_503": _ms(rejected) if rejected else None, "latency_200": _ms(admitted) if admitted else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", help="model folder with reference.png (default: a tiny set in a temporary folder)")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    from ray import serve
+
+    from pipelines.serve_app import APP_NAME, build_app, start_local, stop_local
+    from snapref_ray.client import SnapRefClient
+    from snapref_ray.serve.config import ServeConfig, ServeLimits
+    from snapref_ray.tiny import make_tiny
+
+    # Ray prints to fd 1 (worker logs, shutdown notices) from threads and child processes: send fd 1 to
+    # stderr while Ray runs, so stdout carries only the JSON.
+    saved_stdout = os.dup(1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    tmp = tempfile.TemporaryDirectory()
+    models = Path(args.models) if args.models else make_tiny(Path(tmp.name) / "tiny")
+    result: dict = {"model": str(models) if args.models else "tiny", "size": SMALL}
+    base = ServeConfig(models_dir=str(models), port=_free_port(), min_replicas=1, max_replicas=1, cpus_per_replica=1)
+    log("starting Serve")
+    import ray
+
+    # Replica logs stay in Ray's log files, so stdout holds only the JSON.
+    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
+    url = start_local(base)
+    try:
+        local = InProcess(models, (models / "reference.png").read_bytes())
+        client = SnapRefClient(url, timeout=300)
+        ref = client.upload_reference(local.reference)
+        log("low load, default batch window")
+        result["low_load"] = {"batch_wait_timeout_s": base.batch_wait_timeout_s, **low_load(client, ref, local, args.rounds)}
+        log("concurrency")
+        result["concurrent"] = concurrent(client, ref, args.rounds)
+        log("cache hit / miss")
+        result["cache"] = cache(client, local)
+
+        serve.run(build_app(base.model_copy(update={"batch_wait_timeout_s": 0.0})), name=APP_NAME, route_prefix="/")
+        ref = client.upload_reference(local.reference)
+        log("low load, no batch window")
+        result["low_load_no_batch_window"] = low_load(client, ref, local, args.rounds)
+
+        tight = base.model_copy(update={"max_ongoing_requests": 1, "max_queued_requests": 1, "max_batch_size": 1,
+                                        "batch_wait_timeout_s": 0.0, "limits": ServeLimits(max_n=1, max_side=512)})
+        serve.run(build_app(tight), name=APP_NAME, route_prefix="/")
+        ref = client.upload_reference(local.reference)
+        client.render("warm-up", reference_id=ref, **SMALL)
+        log("overload burst")
+        result["overload"] = {"max_ongoing_requests": 1, "max_queued_requests": 1, **overload(url, ref)}
+        result["environment"] = environment(CPU, torch.float32)
+    finally:
+        stop_local()
+        tmp.cleanup()
+        sys.stdout.flush()
+        os.dup2(saved_stdout, 1)
+    emit(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

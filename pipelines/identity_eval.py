@@ -1,0 +1,359 @@
+"""The identity-gap evaluation as a Ray job: heldout_loss.json + heldout_loss.parquet out.
+
+manifest rows (reference, target, prompt[, character, id]) -> each case gets a wrong reference
+from another character (a seeded derangement) -> the batch job's RenderWorkers compute both loss
+grids per case (`RenderWorker.evaluate`; cases of one reference go to one worker so its RefKV is
+encoded once there) -> `snapref_ray.evaluation.summarise` -> files. The loss and the statistics
+are defined in snapref_ray/evaluation.py; the files are described in docs/evaluate.md.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import platform
+import time
+from collections import OrderedDict
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from snapref_ray.adapter.images import content_hash
+from snapref_ray.evaluation import LOSS_DEFINITION, derangement, summarise
+from snapref_ray.requests import Mode
+from snapref_ray.storage.backends import S3Options, open_storage, read_uri
+from snapref_ray.storage.jobspec import ClusterSpec, JobSpecError, LoRASpec, ModelPaths, OutputSpec
+from snapref_ray.storage.manifest import manifest_base, read_manifest, resolve_relative
+
+log = logging.getLogger(__name__)
+
+RESULT_JSON = "heldout_loss.json"
+RESULT_PARQUET = "heldout_loss.parquet"
+FORMAT = "snapref-ray/heldout_loss/1"
+MANIFEST_COLUMNS = ("reference", "target", "prompt", "character", "id")
+_REQUIRED_COLUMNS = ("reference", "target", "prompt")
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot produce a result (bad manifest, every case failed)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Spec
+
+
+def resolve_model_paths(models: ModelPaths, base: str) -> ModelPaths:
+    """A copy of `models` with relative local paths resolved against `base` (as job specs do)."""
+    return models.model_copy(update={name: resolve_relative(value, base) for name, value in models.model_dump().items()
+                                     if value is not None})
+
+
+class EvalSpec(BaseModel):
+    """An identity-gap evaluation: models, adapter, manifest of held-out cases, σ/seed grid, output, cluster."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: ModelPaths = Field(..., description="The Anima model files (as in a batch job spec).")
+    adapter: str | None = Field(None, description="SnapRef adapter under test; None = adapter.safetensors from "
+                                                   "models_dir.")
+    loras: list[LoRASpec] = Field(default_factory=list, description="LoRAs merged into the DiT; none = the base "
+                                                                     "model the adapter was trained on.")
+    manifest: str = Field(..., description="CSV/JSONL/Parquet with columns reference, target, prompt and optional "
+                                           "character and id; relative paths resolve against its folder.")
+    sigmas: list[float] = Field([0.2, 0.4, 0.6, 0.8], description="Noise levels the loss is taken at; spread over "
+                                "the schedule because identity is decided at middle σ, not at the ends.")
+    noise_seeds: list[int] = Field([0, 1, 2, 3], description="Noise draws per σ, shared by right and wrong "
+                                   "reference so the gap is a paired difference; 4 keep the per-case noise low at 4x "
+                                   "the cost of 1.")
+    derangement_seed: int = Field(0, description="Seed of the wrong-reference assignment; fixed so reruns compare.")
+    bootstrap_seed: int = Field(0, description="Seed of the bootstrap resampling; fixed so the CI is reproducible.")
+    n_boot: int = Field(2000, ge=100, description="Bootstrap replicates; 2000 puts the 95% bounds' own noise well "
+                                                  "below the interval's width.")
+    ci_level: float = Field(0.95, gt=0.0, lt=1.0, description="Confidence level of the gap's interval.")
+    target_megapixels: float = Field(1.0, gt=0.0, le=16.0, description="Targets are shrunk to at most this area "
+                                     "(sides multiples of 16, never enlarged); 1 MP as the adapter was trained.")
+    mode: Mode = Field("cs", description="Reference read mode; cs as trained for character and style.")
+    ref_weight: float = Field(1.0, ge=0.0, le=10.0, description="Reference attention weight; 1 as trained.")
+    ref_caption: str = Field("", description="Caption of every reference for its own cross-attention; empty as in "
+                                             "the default render.")
+    ref_megapixels: float = Field(1.0, gt=0.0, le=16.0, description="Reference area budget; 1 MP as trained.")
+    output: OutputSpec = Field(default_factory=OutputSpec, description="Where heldout_loss.json/.parquet go.")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Ray cluster and worker shape (the batch "
+                                                                          "job's fields).")
+
+    @field_validator("sigmas")
+    @classmethod
+    def _sigmas(cls, v: list[float]) -> list[float]:
+        if not v or any(not 0.0 < s <= 1.0 for s in v) or len(set(v)) != len(v):
+            raise ValueError(f"sigmas must be distinct values in (0, 1], at least one; got {v}")
+        return v
+
+    @field_validator("noise_seeds")
+    @classmethod
+    def _seeds(cls, v: list[int]) -> list[int]:
+        if not v or any(s < 0 for s in v) or len(set(v)) != len(v):
+            raise ValueError(f"noise_seeds must be distinct non-negative integers, at least one; got {v}")
+        return v
+
+    def s3_options(self) -> S3Options:
+        return self.output.s3.options()
+
+    def resolve_paths(self, base: str) -> "EvalSpec":
+        """A copy with relative local paths resolved against `base` (the spec file's folder)."""
+        output = self.output
+        if "uri" in output.model_fields_set:
+            output = output.model_copy(update={"uri": resolve_relative(output.uri, base)})
+        return self.model_copy(update={
+            "models": resolve_model_paths(self.models, base),
+            "adapter": None if self.adapter is None else resolve_relative(self.adapter, base),
+            "loras": [lora.model_copy(update={"path": resolve_relative(lora.path, base)}) for lora in self.loras],
+            "manifest": resolve_relative(self.manifest, base), "output": output})
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def load_spec_file(path_or_uri: str, model: type[M], s3: S3Options | None = None) -> M:
+    """Load a YAML spec (local or s3://) into `model`; relative paths resolve against its folder.
+
+    Errors are `JobSpecError`s naming the file and each bad field, e.g. `eval.yaml: sigmas: ...`.
+    """
+    try:
+        text = read_uri(path_or_uri, s3)
+    except Exception as exc:  # noqa: BLE001 -- any storage failure is "cannot read the spec"
+        if "://" not in path_or_uri and not os.path.exists(path_or_uri):
+            raise JobSpecError(f"spec {path_or_uri} not found") from exc
+        raise JobSpecError(f"cannot read spec {path_or_uri}: {exc}") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise JobSpecError(f"{path_or_uri}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise JobSpecError(f"{path_or_uri}: expected a mapping of spec fields at the top, found {type(raw).__name__}")
+    try:
+        spec = model.model_validate(raw)
+    except ValidationError as exc:
+        lines = [f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg'].removeprefix('Value error, ')}"
+                 for e in exc.errors()]
+        raise JobSpecError(f"invalid spec {path_or_uri}:\n  " + "\n  ".join(lines)) from None
+    return spec.resolve_paths(manifest_base(path_or_uri))
+
+
+def load_eval_spec(path_or_uri: str, s3: S3Options | None = None) -> EvalSpec:
+    """Load an evaluation spec YAML (jobs/example_eval_spec.yaml shows every field)."""
+    return load_spec_file(path_or_uri, EvalSpec, s3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+
+
+def build_cases(spec: EvalSpec, s3: S3Options | None = None) -> list[dict]:
+    """Read and check the manifest; one case dict per row, each with its wrong reference assigned.
+
+    A character id defaults to the reference image's content hash (one image = one character).
+    Any bad row is an EvalError naming the row: dropping cases silently would change the statistic.
+    """
+    rows = read_manifest(spec.manifest, s3)
+    base = manifest_base(spec.manifest)
+    problems, cases, hashes = [], [], {}
+    for row in rows:
+        number = row.pop("__row__")
+        unknown = sorted(set(row) - set(MANIFEST_COLUMNS))
+        missing = [c for c in _REQUIRED_COLUMNS if c not in row]
+        if unknown or missing:
+            reasons = [f"missing {', '.join(missing)}"] if missing else []
+            if unknown:
+                reasons.insert(0, f"unknown column(s) {', '.join(unknown)} (allowed: {', '.join(MANIFEST_COLUMNS)})")
+            problems.append(f"row {number}: " + "; ".join(reasons))
+            continue
+        reference = resolve_relative(str(row["reference"]), base)
+        if reference not in hashes:
+            try:
+                hashes[reference] = content_hash(read_uri(reference, s3))
+            except Exception as e:  # noqa: BLE001 -- named in the error below
+                problems.append(f"row {number}: reference {reference} cannot be read ({type(e).__name__}: {e})")
+                continue
+        character = str(row["character"]) if "character" in row else f"ref:{hashes[reference][:12]}"
+        cases.append({"case_id": str(row.get("id", f"row{number}")), "manifest_row": number, "character": character,
+                      "reference": reference, "target": resolve_relative(str(row["target"]), base),
+                      "prompt": str(row["prompt"])})
+    seen: set[str] = set()
+    for case in cases:
+        if case["case_id"] in seen:
+            problems.append(f"row {case['manifest_row']}: duplicate id {case['case_id']!r}")
+        seen.add(case["case_id"])
+    if problems:
+        raise EvalError(f"manifest {spec.manifest}: {len(problems)} bad row(s):\n  " + "\n  ".join(problems[:50]))
+    try:
+        wrong = derangement(len(cases), spec.derangement_seed, [c["character"] for c in cases])
+    except ValueError as e:
+        raise EvalError(f"manifest {spec.manifest}: {e}") from None
+    for case, j in zip(cases, wrong):
+        other = cases[j]
+        case.update({"wrong_reference": other["reference"], "wrong_character": other["character"],
+                     "wrong_case": other["case_id"]})
+        if hashes[other["reference"]] == hashes[case["reference"]]:
+            log.warning("case %s: characters %r and %r share a reference image; its gap is 0 by construction",
+                        case["case_id"], case["character"], other["character"])
+    for case in cases:
+        case.update({"right_hash": hashes[case["reference"]], "right_uris": [case["reference"]],
+                     "wrong_hash": hashes[case["wrong_reference"]], "wrong_uris": [case["wrong_reference"]],
+                     "layout": "single", "sigmas": list(spec.sigmas), "noise_seeds": list(spec.noise_seeds),
+                     "target_megapixels": spec.target_megapixels, "mode": spec.mode, "ref_weight": spec.ref_weight,
+                     "ref_caption": spec.ref_caption, "ref_megapixels": spec.ref_megapixels})
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def _dispatch(workers: list, cases: list[dict], per_worker: int, max_attempts: int) -> tuple[dict, dict]:
+    """Run every case on the workers; (results by case index, errors by case index).
+
+    Cases are queued per right reference and a worker keeps drawing from the reference it last
+    had, so each reference's RefKV is encoded on as few workers as possible. A call lost to a
+    dead worker is requeued up to `max_attempts` times.
+    """
+    import ray
+
+    queues: OrderedDict[str, list[int]] = OrderedDict()
+    for i, case in enumerate(cases):
+        queues.setdefault(case["right_hash"], []).append(i)
+    current: list[str | None] = [None] * len(workers)
+    load = [0] * len(workers)
+    in_flight: dict[Any, tuple[int, int]] = {}
+    attempts = [0] * len(cases)
+    results: dict[int, dict] = {}
+    errors: dict[int, str] = {}
+
+    def next_case(w: int) -> int | None:
+        key = current[w]
+        if key not in queues:
+            busy = {k for k in current if k is not None}
+            key = next((k for k in queues if k not in busy), next(iter(queues), None))
+            current[w] = key
+        if key is None:
+            return None
+        i = queues[key].pop(0)
+        if not queues[key]:
+            del queues[key]
+        return i
+
+    while queues or in_flight:
+        for w, worker in enumerate(workers):
+            while load[w] < per_worker and queues:
+                i = next_case(w)
+                attempts[i] += 1
+                in_flight[worker.evaluate.remote(cases[i])] = (w, i)
+                load[w] += 1
+        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=60.0)
+        for ref in ready:
+            w, i = in_flight.pop(ref)
+            load[w] -= 1
+            try:
+                out = ray.get(ref, timeout=60.0)
+            except ray.exceptions.RayError as e:  # the worker died (Ray already retried once)
+                if attempts[i] < max_attempts:
+                    log.warning("case %s: %s; retrying", cases[i]["case_id"], type(e).__name__)
+                    queues.setdefault(cases[i]["right_hash"], []).insert(0, i)
+                else:
+                    errors[i] = f"{type(e).__name__}: {e}"
+                continue
+            if "error" in out:
+                errors[i] = out["error"]
+            else:
+                results[i] = out
+    return results, errors
+
+
+def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
+    """Run the evaluation on Ray workers; returns what is written to heldout_loss.json."""
+    from snapref_ray.cluster.pool import PoolShape, connect, start_workers
+    from snapref_ray.cluster.worker import WorkerConfig
+
+    t_start = time.time()
+    s3 = spec.s3_options()
+    storage = open_storage(spec.output.uri, s3)
+    cases = build_cases(spec, s3)
+    log.info("%d cases of %d characters; %d sigmas x %d noise seeds each, right and wrong reference",
+             len(cases), len({c["character"] for c in cases}), len(spec.sigmas), len(spec.noise_seeds))
+    c = spec.cluster
+    config = WorkerConfig(models=spec.models.model_dump(), adapter=spec.adapter,
+                          loras=tuple((lora.path, lora.strength) for lora in spec.loras), device=c.device,
+                          dtype=c.dtype, refkv_cache_bytes=c.refkv_cache_bytes, output_uri=spec.output.uri, s3=s3,
+                          warmup=False)
+    connect(c.address)
+    import ray
+
+    workers, _ = start_workers(config, PoolShape(c.num_workers, c.cpu_workers, c.num_cpus_per_worker),
+                                   renderer_factory)
+    try:
+        results, errors = _dispatch(workers, cases, c.max_in_flight_per_worker, c.max_attempts)
+    finally:
+        for worker in workers:
+            ray.kill(worker)
+    if not results:
+        first = next(iter(errors.values()), "no result")
+        raise EvalError(f"every one of the {len(cases)} cases failed; the first error: {first}")
+    done = [{**_public(cases[i]), **{k: v for k, v in results[i].items() if k not in _RUN_FIELDS}}
+            for i in sorted(results)]
+    summary = summarise(done, sigmas=spec.sigmas, seed=spec.bootstrap_seed, n_boot=spec.n_boot, level=spec.ci_level)
+    first = results[min(results)]
+    report = {
+        "format": FORMAT,
+        **{k: v for k, v in summary.items() if k not in ("cases", "per_sigma")},
+        "n_failed": len(errors),
+        "sigmas": list(spec.sigmas),
+        "noise_seeds": list(spec.noise_seeds),
+        "loss": LOSS_DEFINITION,
+        "model": {"id": first["model"], "files": spec.models.model_dump(),
+                  "loras": [lora.model_dump() for lora in spec.loras], "device": first["device"],
+                  "dtype": first["dtype"]},
+        "adapter": {"identity": first["adapter"], "path": spec.adapter, "mode": spec.mode,
+                    "ref_weight": spec.ref_weight, "ref_caption": spec.ref_caption,
+                    "ref_megapixels": spec.ref_megapixels},
+        "target_megapixels": spec.target_megapixels,
+        "derangement_seed": spec.derangement_seed,
+        "manifest": spec.manifest,
+        "per_sigma": summary["per_sigma"],
+        "cases": summary["cases"],  # summarise() leaves the grids out; they are in the Parquet
+        "failed": [{"case_id": cases[i]["case_id"], "manifest_row": cases[i]["manifest_row"], "error": errors[i]}
+                   for i in sorted(errors)],
+        "wall_seconds": round(time.time() - t_start, 3),
+        "python": platform.python_version(),
+        "finished_at": time.time(),
+    }
+    storage.put_bytes(RESULT_JSON, json.dumps(report, indent=2).encode(), "application/json")
+    storage.put_bytes(RESULT_PARQUET, _parquet(summary["cases"], done))
+    log.info("identity gap %.6g (%.0f%% CI %.6g .. %.6g), right wins %.0f%% of %d cases; written to %s",
+             report["gap"], 100 * spec.ci_level, *report["gap_ci"], 100 * report["right_wins_fraction"],
+             report["n_cases"], storage.uri_for(RESULT_JSON))
+    return report
+
+
+# Per-worker facts, reported once under "model"/"adapter" rather than in every case.
+_RUN_FIELDS = ("case_id", "model", "adapter", "device", "dtype")
+_CASE_FIELDS = ("case_id", "manifest_row", "character", "reference", "target", "prompt", "wrong_reference",
+                "wrong_character", "wrong_case")
+
+
+def _public(case: dict) -> dict:
+    """The fields of a case that describe it in the outputs (not the worker's instructions)."""
+    return {k: case[k] for k in _CASE_FIELDS}
+
+
+def _parquet(summary_cases: list[dict], done: list[dict]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    grids = {case["case_id"]: case for case in done}
+    rows = [{**case, "loss_right": grids[case["case_id"]]["loss_right"],
+             "loss_wrong": grids[case["case_id"]]["loss_wrong"]} for case in summary_cases]
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), sink)
+    return sink.getvalue()

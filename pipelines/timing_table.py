@@ -1,0 +1,479 @@
+"""The side-by-side timing table as a Ray job: comparison_summary.json + comparison_summary.md out.
+
+One case (size, steps, sampler, prompt, seed, reference) rendered under each setting on one Ray
+actor that owns the Renderer(s); settings are measured interleaved (every repetition runs each
+setting once, in alternating order) so drift in clocks or load spreads over all of them, and the
+table reports medians. Ratios are computed from those medians against the no-reference row.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pipelines.identity_eval import load_spec_file, resolve_model_paths
+from snapref_ray.requests import RenderSettings, Sampler
+from snapref_ray.storage.backends import S3Options, open_storage, read_uri
+from snapref_ray.storage.jobspec import ClusterSpec, LoRASpec, ModelPaths, OutputSpec
+from snapref_ray.storage.manifest import resolve_relative
+
+log = logging.getLogger(__name__)
+
+RESULT_JSON = "comparison_summary.json"
+RESULT_MD = "comparison_summary.md"
+FORMAT = "snapref-ray/comparison_summary/1"
+SETTING_NAMES = ("no_reference", "snapref_default", "ref_in_uncond", "ref_guidance_apg", "ref_end_0.6",
+                 "recompute_every_step", "turbo")
+
+
+class TimingSpec(BaseModel):
+    """One timing case and the settings to compare on it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: ModelPaths = Field(..., description="The Anima model files (as in a batch job spec).")
+    adapter: str | None = Field(None, description="SnapRef adapter; None = adapter.safetensors from models_dir.")
+    reference: str | None = Field(None, description="Reference image; None = reference.png in models_dir (the "
+                                                    "tiny model set has one).")
+    prompt: str = Field("1girl, solo, cowboy shot, sitting, cafe, holding cup, smile, looking at viewer, window, day",
+                        description="Scene prompt of the case; its content does not change the cost.")
+    negative_prompt: str = Field("", description="Negative prompt; empty as Anima's ComfyUI default.")
+    width: int = Field(832, description="Image width; 832x1216 is the seeds' comparison case.")
+    height: int = Field(1216, description="Image height.")
+    steps: int = Field(28, ge=1, le=1000, description="Steps; 28 as in the seeds' comparison table.")
+    sampler: Sampler = Field("euler", description="euler: deterministic, and the seeds' recommended sampler.")
+    cfg: float = Field(4.5, ge=0.0, description="Text CFG; 4.5 as SnapRef recommends (so the uncond row runs).")
+    seed: int = Field(0, ge=0, description="Noise seed; the same for every setting.")
+    ref_guidance: float = Field(4.5, description="ref_guidance of the ref-guidance settings; 4.5 as the ArcAnima "
+                                                 "table uses (any value != 1 costs the same).")
+    ref_end: float = Field(0.6, ge=0.0, le=1.0, description="ref_end of the early-stop setting; ~0.6 is the "
+                                                            "suggested saving with nearly the same image.")
+    turbo_lora: LoRASpec | None = Field(None, description="Turbo LoRA merged for the turbo row; None = the turbo "
+                                                          "sampling settings on the base model (said in the table).")
+    turbo_steps: int = Field(10, ge=1, description="Steps of the turbo row; 10 as the ArcAnima turbo row.")
+    settings: list[str] = Field(list(SETTING_NAMES), description="Which settings to run; no_reference is always "
+                                                                 "run (the ratios are against it).")
+    repetitions: int = Field(3, ge=1, le=100, description="Interleaved repetitions per setting; the median of 3 "
+                                                          "rejects one outlier.")
+    warmup: bool = Field(True, description="Run each setting once unmeasured first (allocator, kernel selection).")
+    title: str | None = Field(None, description="Heading of the Markdown table; default says device and model.")
+    output: OutputSpec = Field(default_factory=OutputSpec, description="Where comparison_summary.* go.")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Ray address, device and dtype "
+                                                                          "(one actor; num_cpus_per_worker applies).")
+
+    @field_validator("settings")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        unknown = [name for name in v if name not in SETTING_NAMES]
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(SETTING_NAMES)}")
+        return v
+
+    def s3_options(self) -> S3Options:
+        return self.output.s3.options()
+
+    def resolve_paths(self, base: str) -> "TimingSpec":
+        """A copy with relative local paths resolved against `base` (the spec file's folder)."""
+        def fix(path: str | None) -> str | None:
+            return None if path is None else resolve_relative(path, base)
+
+        output = self.output
+        if "uri" in output.model_fields_set:
+            output = output.model_copy(update={"uri": fix(output.uri)})
+        lora = self.turbo_lora
+        return self.model_copy(update={
+            "models": resolve_model_paths(self.models, base), "adapter": fix(self.adapter),
+            "reference": fix(self.reference), "output": output,
+            "turbo_lora": None if lora is None else lora.model_copy(update={"path": fix(lora.path)})})
+
+    def reference_uri(self) -> str:
+        if self.reference is not None:
+            return self.reference
+        if self.models.models_dir is None:
+            raise ValueError("give `reference:` (no models_dir to take reference.png from)")
+        return self.models.models_dir.rstrip("/") + "/reference.png"
+
+
+def load_timing_spec(path_or_uri: str, s3: S3Options | None = None) -> TimingSpec:
+    """Load a timing spec YAML; relative paths resolve against its folder."""
+    return load_spec_file(path_or_uri, TimingSpec, s3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+
+
+@dataclass(frozen=True)
+class TimingSetting:
+    name: str
+    label: str
+    settings: RenderSettings
+    reference: bool
+    turbo: bool = False
+
+
+def timing_settings(spec: TimingSpec) -> list[TimingSetting]:
+    """The settings of the table, in table order (no_reference first)."""
+    base = RenderSettings(negative_prompt=spec.negative_prompt, width=spec.width, height=spec.height,
+                          steps=spec.steps, cfg=spec.cfg, sampler=spec.sampler)
+    guided = dict(ref_guidance=spec.ref_guidance, correction="apg")
+    if spec.turbo_lora is not None:
+        turbo_label = (f"turbo: LoRA {Path(spec.turbo_lora.path).name} x{spec.turbo_lora.strength:g} merged, "
+                       f"{_steps(spec.turbo_steps)}, cfg 1")
+    else:
+        turbo_label = f"turbo settings ({_steps(spec.turbo_steps)}, cfg 1) on the base model: no turbo LoRA given"
+    every = [
+        TimingSetting("no_reference", "no reference (plain Anima)", base, False),
+        TimingSetting("snapref_default", "SnapRef default (cond row reads the cached reference)", base, True),
+        TimingSetting("ref_in_uncond", "ref_in_uncond (both CFG rows read it)",
+                      base.model_copy(update={"ref_in_uncond": True}), True),
+        TimingSetting("ref_guidance_apg", f"ref_guidance {spec.ref_guidance:g} + APG (third row)",
+                      base.model_copy(update=guided), True),
+        TimingSetting("ref_end_0.6", f"ref_guidance {spec.ref_guidance:g} + APG, ref_end {spec.ref_end:g}",
+                      base.model_copy(update={**guided, "ref_end": spec.ref_end}), True),
+        TimingSetting("recompute_every_step", "recompute the reference every step (pilot-style baseline)",
+                      base.model_copy(update={"recompute_reference_every_step": True}), True),
+        TimingSetting("turbo", turbo_label, base.model_copy(update={"steps": spec.turbo_steps, "cfg": 1.0}), True,
+                      turbo=spec.turbo_lora is not None),
+    ]
+    wanted = set(spec.settings) | {"no_reference"}
+    for s in every:  # re-validate: model_copy does not run validators
+        RenderSettings(**s.settings.model_dump())
+    return [s for s in every if s.name in wanted]
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" + ("" if n == 1 else "s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring (inside the actor)
+
+
+class PeakMemory:
+    """Peak memory of a block: CUDA max_memory_allocated, else the process RSS sampled every 5 ms.
+
+    `peak` is what the table shows: on CUDA the absolute peak (weights included), on CPU the peak
+    RSS above the RSS at the start of the block (weights are already resident there).
+    """
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = device
+        self.metric = ("cuda max_memory_allocated (absolute, weights included)" if self.cuda
+                       else "peak RSS above the start of the run (CPU, sampled every 5 ms)")
+        self.peak = 0
+        self.delta = 0
+
+    def __enter__(self) -> "PeakMemory":
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._start = _rss_bytes()
+            self._max = self._start
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):  # one /proc read per 5 ms: ~0.2% of a core
+            self._max = max(self._max, _rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.peak = int(torch.cuda.max_memory_allocated(self.device))
+            self.delta = self.peak - self._start
+        else:
+            self._stop.set()
+            self._thread.join()
+            self._max = max(self._max, _rss_bytes())
+            self.delta = int(self._max - self._start)
+            self.peak = self.delta
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the lifetime high-water mark is the best there is
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class TimingWorker:
+    """A Ray actor owning the Renderer (and the turbo-LoRA one when a turbo LoRA is given)."""
+
+    def __init__(self, config, turbo_config=None) -> None:
+        from snapref_ray.cluster.worker import build_renderer
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.base = build_renderer(config)
+        self.turbo = build_renderer(turbo_config) if turbo_config is not None else None
+
+    def environment(self) -> dict:
+        """Device, dtype, versions and model identity: what the numbers were measured on."""
+        import ray
+        import torch
+
+        import snapref_ray
+
+        r = self.base
+        device = torch.device(r.device)
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+        else:
+            name = _cpu_name()
+        cfg = r.dit.config
+        return {
+            "device": str(device), "device_name": name, "dtype": str(r.dtype).removeprefix("torch."),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "ray": ray.__version__,
+            "snapref_ray": snapref_ray.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "model": {"id": r.model_id, "dit": str(r.files.dit), "model_channels": cfg.model_channels,
+                      "num_blocks": cfg.num_blocks, "num_heads": cfg.num_heads, "head_dim": cfg.head_dim},
+            "adapter": r.adapter.identity if r.adapter is not None else None,
+            "turbo_model": self.turbo.model_id if self.turbo is not None else None,
+        }
+
+    def measure(self, setting: TimingSetting, prompt: str, seed: int, reference: bytes | None) -> dict:
+        """One image under `setting`: wall times, per-step time, encode time, RefKV bytes, peak memory."""
+        import torch
+
+        from snapref_ray.requests import RenderRequest
+
+        renderer = self.turbo if setting.turbo and self.turbo is not None else self.base
+        s = setting.settings
+        recompute = setting.reference and s.recompute_reference_every_step
+        sync = (lambda: torch.cuda.synchronize(renderer.device)) if torch.device(renderer.device).type == "cuda" \
+            else (lambda: None)
+        kv, encode_s = None, None
+        with PeakMemory(renderer.device) as memory:
+            if setting.reference and not recompute:
+                sync()
+                t0 = time.perf_counter()
+                kv = renderer.encode_reference(reference, ref_caption=s.ref_caption, ref_megapixels=s.ref_megapixels,
+                                               width=s.width, height=s.height)
+                sync()
+                encode_s = time.perf_counter() - t0
+            step_cpu: list[float] = []  # process CPU time after each step (progress callback)
+            sync()
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            result = renderer.render([RenderRequest(prompt=prompt, seed=seed, settings=s)], refkv=kv,
+                                     references=[reference] if recompute else None,
+                                     progress=lambda i, n: step_cpu.append(time.process_time()))[0]
+            sync()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        t = result.timings
+        cpu_step = (step_cpu[-1] - step_cpu[0]) / (len(step_cpu) - 1) if len(step_cpu) > 1 else None
+        on_cpu = torch.device(renderer.device).type == "cpu"
+        return {"seconds_per_image": wall, "sample_s": t["sample_s"], "text_s": t["text_s"], "decode_s": t["decode_s"],
+                "prepare_s": t.get("encode_s", 0.0), "steps": s.steps, "encode_s": encode_s,
+                "cpu_seconds_per_image": cpu if on_cpu else None, "cpu_seconds_per_step": cpu_step if on_cpu else None,
+                "refkv_bytes": kv.nbytes if kv is not None else None, "peak_memory_bytes": memory.peak,
+                "peak_memory_delta_bytes": memory.delta, "memory_metric": memory.metric}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# The job
+
+
+def run_timing(spec: TimingSpec) -> dict:
+    """Measure every setting on one Ray actor; writes comparison_summary.json/.md and returns the JSON."""
+    import ray
+
+    from snapref_ray.cluster.pool import connect
+    from snapref_ray.cluster.worker import WorkerConfig
+
+    t_start = time.time()
+    s3 = spec.s3_options()
+    storage = open_storage(spec.output.uri, s3)
+    settings = timing_settings(spec)
+    reference_uri = spec.reference_uri()
+    reference = read_uri(reference_uri, s3)
+    c = spec.cluster
+    config = WorkerConfig(models=spec.models.model_dump(), adapter=spec.adapter, device=c.device, dtype=c.dtype,
+                          output_uri=spec.output.uri, s3=s3, warmup=False)
+    turbo_config = None
+    if spec.turbo_lora is not None and any(s.turbo for s in settings):
+        turbo_config = WorkerConfig(models=spec.models.model_dump(), adapter=spec.adapter,
+                                    loras=((spec.turbo_lora.path, spec.turbo_lora.strength),), device=c.device,
+                                    dtype=c.dtype, output_uri=spec.output.uri, s3=s3, warmup=False)
+    connect(c.address)
+    use_gpu = int(ray.cluster_resources().get("GPU", 0)) > 0 and c.device != "cpu"
+    actor = ray.remote(TimingWorker).options(num_gpus=1 if use_gpu else 0, num_cpus=c.num_cpus_per_worker,
+                                             max_restarts=0).remote(config, turbo_config)
+    runs: dict[str, list[dict]] = {s.name: [] for s in settings}
+    try:
+        environment = ray.get(actor.environment.remote(), timeout=900)
+        reference_ref = ray.put(reference)
+
+        def measure(setting: TimingSetting) -> dict:
+            ref = reference_ref if setting.reference else None
+            return ray.get(actor.measure.remote(setting, spec.prompt, spec.seed, ref), timeout=3600)
+
+        if spec.warmup:
+            for setting in settings:
+                measure(setting)
+        for rep in range(spec.repetitions):
+            ordered = settings if rep % 2 == 0 else settings[::-1]
+            for setting in ordered:
+                runs[setting.name].append(measure(setting))
+                log.info("rep %d/%d %-22s %.3f s/image", rep + 1, spec.repetitions, setting.name,
+                         runs[setting.name][-1]["seconds_per_image"])
+    finally:
+        ray.kill(actor)
+    rows = _rows(settings, runs)
+    ref_size = Image.open(io.BytesIO(reference)).size
+    summary = {
+        "format": FORMAT,
+        "title": spec.title or _default_title(environment),
+        "environment": environment,
+        "case": {"width": spec.width, "height": spec.height, "steps": spec.steps, "sampler": spec.sampler,
+                 "scheduler": "simple", "cfg": spec.cfg, "seed": spec.seed, "prompt": spec.prompt,
+                 "negative_prompt": spec.negative_prompt, "reference": reference_uri,
+                 "reference_size": list(ref_size)},
+        "statistic": "median", "repetitions": spec.repetitions, "warmup": spec.warmup, "interleaved": True,
+        "memory_metric": runs["no_reference"][0]["memory_metric"],
+        "turbo_lora": spec.turbo_lora.model_dump() if spec.turbo_lora else None,
+        "settings": rows,
+        "wall_seconds": round(time.time() - t_start, 3),
+        "finished_at": time.time(),
+    }
+    storage.put_bytes(RESULT_JSON, json.dumps(summary, indent=2).encode(), "application/json")
+    storage.put_bytes(RESULT_MD, format_markdown(summary).encode(), "text/markdown")
+    log.info("timing table written to %s", storage.uri_for(RESULT_MD))
+    return summary
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _rows(settings: list[TimingSetting], runs: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for s in settings:
+        measured = runs[s.name]
+        per_image = _median([m["seconds_per_image"] for m in measured])
+        per_step = _median([m["sample_s"] / m["steps"] for m in measured])
+        rows.append({"name": s.name, "label": s.label, "reference": s.reference, "turbo_lora_merged": s.turbo,
+                     "settings": s.settings.model_dump(mode="json"), "seconds_per_image": per_image,
+                     "seconds_per_step": per_step, "encode_seconds": _median([m["encode_s"] for m in measured]),
+                     "cpu_seconds_per_step": _median([m["cpu_seconds_per_step"] for m in measured]),
+                     "refkv_bytes": measured[0]["refkv_bytes"],
+                     "peak_memory_bytes": max(m["peak_memory_bytes"] for m in measured), "runs": measured})
+    base = next(r for r in rows if r["name"] == "no_reference")
+    for r in rows:
+        r["ratio_to_no_reference"] = r["seconds_per_image"] / base["seconds_per_image"]
+        r["step_ratio_to_no_reference"] = r["seconds_per_step"] / base["seconds_per_step"]
+        r["cpu_step_ratio_to_no_reference"] = (r["cpu_seconds_per_step"] / base["cpu_seconds_per_step"]
+                                               if r["cpu_seconds_per_step"] and base["cpu_seconds_per_step"] else None)
+    return rows
+
+
+def _default_title(env: dict) -> str:
+    m = env["model"]
+    where = "GPU" if env["device"].startswith("cuda") else "CPU"
+    return (f"SnapRef timing table: {where} figures, {env['device_name']}, {env['dtype']}, "
+            f"DiT {m['model_channels']} wide x {m['num_blocks']} blocks")
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def format_markdown(summary: dict) -> str:
+    """The Markdown table of a comparison_summary.json (what comparison_summary.md holds)."""
+    env, case = summary["environment"], summary["case"]
+    cpu = not env["device"].startswith("cuda")
+    memory = "peak RSS delta (CPU)" if cpu else "peak GPU memory"
+    lines = [f"# {summary['title']}", ""]
+    if cpu:
+        lines += ["**CPU figures** on the models named below (tiny or width-scaled random weights when run from "
+                  "`snapref-ray make-tiny`), not GPU numbers: per-call overheads weigh far more than on a GPU, "
+                  "so read the ratios, not the seconds.", ""]
+    m = env["model"]
+    lines += [
+        f"- device: {env['device']} ({env['device_name']}), dtype {env['dtype']}, {env['torch_threads']} torch "
+        f"threads; torch {env['torch']}, ray {env['ray']}, snapref-ray {env['snapref_ray']}, python {env['python']}",
+        f"- model: {m['id']} ({m['model_channels']} channels, {m['num_blocks']} blocks, {m['num_heads']} heads x "
+        f"{m['head_dim']}); adapter {str(env['adapter'])[:19]}",
+        f"- case: {case['width']}x{case['height']}, {case['steps']} steps, {case['sampler']}/{case['scheduler']}, "
+        f"cfg {case['cfg']:g}, seed {case['seed']}; reference {Path(case['reference']).name} "
+        f"({case['reference_size'][0]}x{case['reference_size'][1]})",
+        f"- {summary['statistic']} of {summary['repetitions']} interleaved repetitions"
+        + (" after one unmeasured warm-up run of each setting" if summary["warmup"] else ""),
+        f"- memory: {summary['memory_metric']}",
+        "",
+        f"| setting | s/image | s/step | x no ref (image) | x no ref (step) | {memory} | RefKV | encode s |"
+        + (" CPU s/step | x no ref (CPU time, step) |" if cpu else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cpu else ""),
+    ]
+    for r in summary["settings"]:
+        line = (f"| {r['label']} | {_seconds(r['seconds_per_image'])} | {_seconds(r['seconds_per_step'])} | "
+                f"{r['ratio_to_no_reference']:.2f} | {r['step_ratio_to_no_reference']:.2f} | "
+                f"{_bytes(r['peak_memory_bytes'])} | {_bytes(r['refkv_bytes'])} | {_seconds(r['encode_seconds'])} |")
+        if cpu:
+            ratio = r["cpu_step_ratio_to_no_reference"]
+            line += f" {_seconds(r['cpu_seconds_per_step'])} | {'-' if ratio is None else f'{ratio:.2f}'} |"
+        lines.append(line)
+    lines += [
+        "",
+        "s/image: one `Renderer.render` call (text encoding, sampling, VAE decode) with the reference already "
+        "encoded, as every image after the first of a reference costs in a batch job; the one-off encode "
+        "(VAE + caption + reference stream) is the last column. The recompute baseline has no cache: its s/image "
+        "includes preparing the reference, and its reference stream runs inside every step. "
+        "s/step: the sampling loop only, divided by the steps. x no ref: the medians divided by the no-reference "
+        "row's (the turbo row against the full-step no-reference row).",
+        "",
+    ]
+    if cpu:
+        lines += [
+            "CPU s/step: process CPU time (all threads) per sampling step, from the steps' progress callbacks "
+            "(steps 2..n). On a shared machine wall-clock seconds move with other processes' load; CPU time counts "
+            "only this process's work, so its ratio is the stable one there.",
+            "",
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""`snapref-ray eval SPEC.yaml` and `snapref-ray timing SPEC.yaml | --models DIR ...`.
+
+Registered on the main parser by `add_eval_parsers(sub)`; the work is in pipelines/identity_eval.py
+and pipelines/timing_table.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pipelines.identity_eval import RESULT_JSON, load_eval_spec, run_identity_eval
+
+    spec = load_eval_spec(args.spec)
+    if args.out:
+        spec = spec.model_copy(update={"output": spec.output.model_copy(update={"uri": args.out})})
+    if args.workers:
+        spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"num_workers": args.workers})})
+    report = run_identity_eval(spec)
+    lo, hi = report["gap_ci"]
+    print(f"{report['n_cases']} cases of {report['n_characters']} characters ({report['n_failed']} failed): "
+          f"loss right {report['mean_loss_right']:.6g}, wrong {report['mean_loss_wrong']:.6g}, "
+          f"gap {report['gap']:.6g} ({100 * report['ci_level']:.0f}% CI {lo:.6g} .. {hi:.6g}), "
+          f"right reference wins {100 * report['right_wins_fraction']:.0f}% of cases")
+    print(f"wrote {spec.output.uri.rstrip('/')}/{RESULT_JSON} and heldout_loss.parquet")
+    return 1 if report["n_failed"] else 0
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None or "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+def timing_spec_from_args(args: argparse.Namespace):
+    """The TimingSpec of a `snapref-ray timing` command line (a spec file, then flags on top)."""
+    from pipelines.timing_table import TimingSpec, load_timing_spec
+
+    if args.spec:
+        spec = load_timing_spec(args.spec)
+        raw = spec.model_dump()
+    elif args.models:
+        raw = {"models": {"models_dir": _absolute(args.models)}}
+    else:
+        raise SystemExit("give a timing spec (SPEC.yaml) or --models DIR")
+    if args.models and args.spec:
+        raw["models"] = {"models_dir": _absolute(args.models)}
+    flags = {"adapter": _absolute(args.adapter), "reference": _absolute(args.reference), "width": args.width,
+             "height": args.height, "steps": args.steps, "sampler": args.sampler, "cfg": args.cfg, "seed": args.seed,
+             "prompt": args.prompt, "repetitions": args.repetitions, "turbo_steps": args.turbo_steps,
+             "title": args.title, "ref_guidance": args.ref_guidance}
+    raw.update({k: v for k, v in flags.items() if v is not None})
+    if args.turbo_lora:
+        path, _, strength = args.turbo_lora.rpartition(":") if not Path(args.turbo_lora).exists() else \
+            (args.turbo_lora, "", "")
+        raw["turbo_lora"] = {"path": _absolute(path), "strength": float(strength) if strength else 1.0}
+    if args.settings:
+        raw["settings"] = [s.strip() for s in args.settings.split(",") if s.strip()]
+    if args.no_warmup:
+        raw["warmup"] = False
+    output = dict(raw.get("output") or {})
+    if args.out:
+        output["uri"] = _absolute(args.out)
+    raw["output"] = output
+    cluster = dict(raw.get("cluster") or {})
+    cluster.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None})
+    raw["cluster"] = cluster
+    return TimingSpec.model_validate(raw)
+
+
+def cmd_timing(args: argparse.Namespace) -> int:
+    from pipelines.timing_table import RESULT_MD, format_markdown, run_timing
+
+    spec = timing_spec_from_args(args)
+    summary = run_timing(spec)
+    print(format_markdown(summary))
+    print(f"wrote {spec.output.uri.rstrip('/')}/{RESULT_MD} and comparison_summary.json")
+    return 0
+
+
+def add_eval_parsers(sub) -> None:
+    """Register `eval` and `timing` on the `snapref-ray` subparsers."""
+    p = sub.add_parser("eval", help="identity-gap evaluation of an adapter: heldout_loss.json (+ .parquet)")
+    p.add_argument("spec", help="evaluation spec YAML (see jobs/example_eval_spec.yaml)")
+    p.add_argument("--out", help="output folder or s3://bucket/prefix (overrides the spec's)")
+    p.add_argument("--workers", type=int, help="workers (default: the spec's; one per GPU, else 2 CPU workers)")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("timing", help="same-case timing table of each setting: comparison_summary.json + .md")
+    p.add_argument("spec", nargs="?", help="timing spec YAML; or use --models for the quick form")
+    p.add_argument("--models", help="model folder (tiny or real)")
+    p.add_argument("--adapter", help="SnapRef adapter (default: adapter.safetensors in --models)")
+    p.add_argument("--reference", help="reference image (default: reference.png in --models)")
+    p.add_argument("--out", help="output folder or s3://bucket/prefix (default ./output)")
+    p.add_argument("--width", type=int)
+    p.add_argument("--height", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--sampler", choices=["euler", "er_sde"])
+    p.add_argument("--cfg", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--prompt")
+    p.add_argument("--ref-guidance", type=float, help="ref_guidance of the ref-guidance rows (default 4.5)")
+    p.add_argument("--repetitions", type=int, help="interleaved repetitions per setting (default 3)")
+    p.add_argument("--turbo-lora", help="turbo LoRA to merge for the turbo row, PATH[:STRENGTH]")
+    p.add_argument("--turbo-steps", type=int, help="steps of the turbo row (default 10)")
+    p.add_argument("--settings", help="comma-separated subset of the settings (no_reference always runs)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up run of each setting")
+    p.add_argument("--device", help="cpu, cuda (default: the worker's GPU if any)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--title", help="heading of the Markdown table")
+    p.set_defaults(func=cmd_timing)

@@ -1,0 +1,73 @@
+"""`snapref-ray serve`: the HTTP endpoint on a local Ray (tiny models work).
+
+The lead's snapref_ray/cli.py registers it with `add_serve_parser(sub)`. On a cluster, use
+serve.yaml with `serve deploy` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+from pathlib import Path
+
+from pydantic import SecretStr
+
+from snapref_ray.serve.config import TOKEN_ENV, ServeConfig
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `serve` on the main parser's subcommands."""
+    p = sub.add_parser("serve", help="run the HTTP API (Ray Serve) on a local Ray",
+                       description="Serve SnapRef renders over HTTP: POST /v1/references, POST /v1/render,"
+                                   " GET /v1/health, GET /v1/models; OpenAPI docs at /docs.")
+    p.add_argument("--models", required=True, help="model folder (tiny or real)")
+    p.add_argument("--adapter", help="SnapRef adapter (default: adapter.safetensors in --models)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; any other needs a token)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--token", help=f"bearer token clients must send (default: ${TOKEN_ENV})")
+    p.add_argument("--device", help="cpu, cuda (default: cuda when a replica sees a GPU)")
+    p.add_argument("--config", help="JSON or YAML file of further ServeConfig fields (limits, replicas, batching)")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig of the flags (over --config's file); the token from --token or the environment."""
+    values: dict = {}
+    if args.config:
+        text = Path(args.config).read_text()
+        if args.config.endswith((".yaml", ".yml")):
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+        else:
+            values = json.loads(text)
+    values.update(models_dir=args.models, host=args.host, port=args.port)
+    for name in ("adapter", "device"):
+        if getattr(args, name):
+            values[name] = getattr(args, name)
+    config = ServeConfig(**values)
+    # Resolved here, in the process that read the environment, so every replica gets the same token.
+    token = args.token or config.resolved_token()
+    return config.model_copy(update={"token": SecretStr(token)}) if token else config
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pipelines.serve_app import start_local, stop_local
+
+    config = config_from_args(args)
+    config.check_security()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        url = start_local(config)
+        auth = "bearer token required" if config.resolved_token() else "no token (loopback only)"
+        print(f"serving on {url} ({auth}); API docs at {url}/docs; Ctrl-C stops", flush=True)
+        stop.wait()
+    finally:
+        print("stopping: replicas finish what they hold", flush=True)
+        stop_local()
+    return 0

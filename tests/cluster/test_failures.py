@@ -1,0 +1,200 @@
+"""Failures during a batch job, with real render workers: a killed worker, an interrupted driver, an S3
+outage and a poison item. In every case the output lists each item exactly once and loses none."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import ray
+import yaml
+from PIL import Image
+
+from pipelines.generate_dataset import run_job
+from snapref_ray.storage.backends import open_storage
+from snapref_ray.storage.metadata import read_errors_table, read_item_ids, read_summary
+from tests.cluster.conftest import REPO, expected_item_ids, job_spec, make_reference_png, write_manifest
+
+pytestmark = [pytest.mark.usefixtures("ray_cluster_s3"), pytest.mark.timeout(300)]
+
+PROMPTS = ["1girl, city", "1girl, beach", "1girl, forest", "1girl, snow", "1girl, rain", "1girl, cafe"]
+
+
+def _manifest(folder: Path, name: str, references: int, prompts: int) -> Path:
+    rows = []
+    for r in range(references):
+        ref = make_reference_png(folder / "refs" / f"ref{r}.png", (60 * r % 256, 90, 200 - 50 * r))
+        rows += [{"reference": ref.relative_to(folder).as_posix(), "prompt": p, "seed": 100 * r + i}
+                 for i, p in enumerate(PROMPTS[:prompts])]
+    return write_manifest(folder / name, rows)
+
+
+def _assert_exactly_once(storage_uri: str, expected: set[str], s3=None) -> pd.DataFrame:
+    """Every expected item is committed once, and every committed image exists and decodes."""
+    storage = open_storage(storage_uri, s3)
+    ids = read_item_ids(storage)  # duplicates included
+    assert len(ids) == len(set(ids)), f"duplicated items: {sorted(i for i in set(ids) if ids.count(i) > 1)}"
+    assert set(ids) == expected
+    from snapref_ray.storage.metadata import read_metadata_table
+
+    frame = read_metadata_table(storage).to_pandas()
+    for key in frame["image_key"]:
+        Image.open(__import__("io").BytesIO(storage.get_bytes(key))).load()
+    return frame
+
+
+@pytest.mark.slow
+def test_killed_worker_mid_job_loses_and_duplicates_nothing(tmp_path, tiny_models):
+    manifest = _manifest(tmp_path, "m.csv", references=3, prompts=4)
+    out = tmp_path / "out"
+    spec = job_spec(manifest, tiny_models, str(out), defaults={"steps": 3}, cluster={"max_batch": 1})
+    handles, infos = [], []
+    first_commit = threading.Event()
+    killed: dict[str, int] = {}
+
+    def kill_a_worker() -> None:
+        if not first_commit.wait(120):
+            return
+        pid = ray.get(handles[0].pid.remote(), timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        killed["pid"] = pid
+
+    killer = threading.Thread(target=kill_a_worker, daemon=True)
+    killer.start()
+    summary = run_job(spec, progress=False, write_gallery=False,
+                      on_workers=lambda h, i: (handles.extend(h), infos.extend(i)),
+                      on_progress=lambda n: first_commit.set())
+    killer.join(timeout=60)
+    assert killed["pid"] in {i.pid for i in infos}
+    assert (summary["images_this_run"], summary["failed_items"]) == (12, 0)
+    frame = _assert_exactly_once(str(out), expected_item_ids(spec))
+    # Recovered one way or the other: Ray re-ran the dead actor's calls on its restarted process (a
+    # new pid renders), or the scheduler saw the failure and requeued the batch elsewhere.
+    pids = {int(w.rsplit("-", 1)[1]) for w in frame["worker_id"]}
+    restarted = pids - {i.pid for i in infos}
+    assert restarted or summary["scheduler"]["worker_failures"] >= 1, (pids, summary["scheduler"])
+
+
+@pytest.mark.slow
+def test_interrupted_driver_resumes_and_renders_only_what_was_missing(tmp_path, tiny_models):
+    manifest = _manifest(tmp_path, "m.csv", references=3, prompts=6)
+    out = tmp_path / "out"
+    spec = job_spec(manifest, tiny_models, str(out), defaults={"steps": 4}, cluster={"max_batch": 1})
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    expected = expected_item_ids(spec)
+    assert len(expected) == 18
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
+    env["PYTHONPATH"] = str(REPO)
+    log = open(tmp_path / "driver.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.generate_dataset", str(spec_file), "--no-progress"],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            images = list((out / "images").glob("*.png")) if (out / "images").is_dir() else []
+            if len(images) >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the job ended before it could be interrupted:\n" + (tmp_path / "driver.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+    driver_log = (tmp_path / "driver.log").read_text()
+    assert "KeyboardInterrupt" in driver_log and "interrupted: committing what is done" in driver_log
+
+    storage = open_storage(str(out))
+    first = read_summary(storage)
+    committed = read_item_ids(storage)
+    assert first["interrupted"] is True
+    assert first["images_this_run"] == len(committed) and 0 < len(committed) < 18
+    assert len(set(committed)) == len(committed) and set(committed) < expected
+
+    before = pd.read_parquet(out / "metadata").set_index("item_id")["finished_at"]
+
+    resumed = run_job(spec, progress=False, write_gallery=False)
+    assert (resumed["skipped_already_done"], resumed["images_this_run"], resumed["images_total"]) == (
+        len(committed), 18 - len(committed), 18)
+    frame = _assert_exactly_once(str(out), expected).set_index("item_id")
+    # The items committed before the interrupt were not rendered again.
+    assert frame.loc[before.index, "finished_at"].tolist() == before.tolist()
+
+
+@pytest.mark.slow
+def test_s3_outage_mid_job_is_retried_and_the_job_completes(tmp_path, tiny_models, s3_server):
+    manifest = _manifest(tmp_path, "m.csv", references=3, prompts=4)
+    out_uri = f"s3://{s3_server.bucket}/outage-{uuid.uuid4().hex[:8]}"
+    spec = job_spec(manifest, tiny_models, out_uri, defaults={"steps": 3}, cluster={"max_batch": 1},
+                    output={"s3": {"endpoint_url": s3_server.endpoint_url}})
+    first_commit = threading.Event()
+    outage: dict[str, float] = {}
+
+    def outage_of_3_s() -> None:
+        if not first_commit.wait(120):
+            return
+        outage["stopped"] = time.time()
+        s3_server.stop()
+        time.sleep(3)
+        s3_server.start()
+        outage["restarted"] = time.time()
+
+    thread = threading.Thread(target=outage_of_3_s, daemon=True)
+    thread.start()
+    try:
+        summary = run_job(spec, progress=False, write_gallery=False, on_progress=lambda n: first_commit.set())
+    finally:
+        thread.join(timeout=120)
+        s3_server.start()  # whatever happened, the session's server is up for the next test
+    assert set(outage) == {"stopped", "restarted"}
+    assert (summary["images_this_run"], summary["failed_items"]) == (12, 0)
+    frame = _assert_exactly_once(out_uri, expected_item_ids(spec), s3_server.s3_options())
+    # The job spanned the outage: a result came in before it, and images were stored after it.
+    assert frame["finished_at"].max() > outage["restarted"]
+
+
+@pytest.mark.slow
+def test_poison_item_is_recorded_with_its_last_exception(tmp_path, tiny_models):
+    manifest = _manifest(tmp_path, "good.csv", references=2, prompts=2)
+    # Valid to open and hash (so validation lets it through) but 8 px tall: the reference stream
+    # refuses it (sides are multiples of 16) on every attempt.
+    make_reference_png(tmp_path / "refs" / "sliver.png", (10, 10, 10), size=(1024, 8))
+    rows = pd.read_csv(manifest).to_dict("records") + [{"reference": "refs/sliver.png", "prompt": "1girl, poison",
+                                                         "seed": 5}]
+    manifest = write_manifest(tmp_path / "with_poison.csv", rows)
+    out = tmp_path / "out"
+    spec = job_spec(manifest, tiny_models, str(out), cluster={"max_attempts": 3})
+    expected = expected_item_ids(spec)
+    assert len(expected) == 5
+    summary = run_job(spec, progress=False, write_gallery=False)
+    assert (summary["images_this_run"], summary["failed_items"], summary["invalid_rows"]) == (4, 1, 0)
+    assert summary["scheduler"]["retried_items"] == 2
+    frame = _assert_exactly_once(str(out), expected - {_poison_id(spec)})
+    assert "1girl, poison" not in set(frame["prompt"])
+    errors = read_errors_table(open_storage(str(out))).to_pylist()
+    assert len(errors) == 1
+    error = errors[0]
+    assert (error["item_id"], error["manifest_row"], error["stage"], error["attempt"]) == (
+        _poison_id(spec), 5, "encode", 3)
+    assert error["error"].startswith("ReferenceImageError: a 1024x8 reference fitted to 1.0 MP would be 1024x8, "
+                                     "less than 16 px on a side"), error["error"]
+
+
+def _poison_id(spec) -> str:
+    from snapref_ray.storage.work_items import load_work_items
+
+    (item,) = [i for i in load_work_items(spec).items if i.prompt == "1girl, poison"]
+    return item.item_id

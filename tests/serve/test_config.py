@@ -1,0 +1,158 @@
+"""ServeConfig, the token rules, the built application's Serve options and serve.yaml (no Serve started)."""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from pipelines.serve_app import app_builder, build_app
+from snapref_ray.serve.api import ApiError
+from snapref_ray.serve.auth import BearerAuth
+from snapref_ray.serve.config import TOKEN_ENV, ServeConfig, ServeLimits, is_loopback
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _deployments(app) -> dict[str, dict]:
+    """What `serve build` would write for each deployment of `app` (Serve's private builder, as its CLI uses)."""
+    from ray.serve._private.build_app import build_app as serve_build
+    from ray.serve.deployment import deployment_to_schema
+
+    built = serve_build(app, name="snapref")
+    return {d.name: deployment_to_schema(d).model_dump(exclude_unset=True) for d in built.deployments}
+
+
+def test_every_field_says_why() -> None:
+    for model in (ServeConfig, ServeLimits):
+        for name, info in model.model_fields.items():
+            assert info.description and len(info.description) > 20, f"{model.__name__}.{name} lacks a description"
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True),
+                                            ("0.0.0.0", False), ("10.1.2.3", False), ("localhost", False)])
+def test_loopback_hosts(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_token_required_off_loopback(monkeypatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    ServeConfig(models_dir="m").check_security()  # loopback, no token: fine
+    exposed = ServeConfig(models_dir="m", host="0.0.0.0")
+    with pytest.raises(ValueError, match="host '0.0.0.0' is not loopback: set a bearer token"):
+        exposed.check_security()
+    with pytest.raises(ValueError, match="not loopback"):
+        build_app(exposed)
+    ServeConfig(models_dir="m", host="0.0.0.0", token="s3cret").check_security()
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert exposed.resolved_token() == "from-env"
+    exposed.check_security()
+
+
+def test_token_never_in_reprs() -> None:
+    config = ServeConfig(models_dir="m", token="very-secret-token")
+    assert config.resolved_token() == "very-secret-token"
+    for text in (repr(config), str(config), config.model_dump_json(), repr(BearerAuth("very-secret-token"))):
+        assert "very-secret-token" not in text
+
+
+def test_inconsistent_configs_are_refused() -> None:
+    with pytest.raises(ValidationError, match=r"min_replicas \(3\) must not exceed max_replicas \(2\)"):
+        ServeConfig(models_dir="m", min_replicas=3, max_replicas=2)
+    with pytest.raises(ValidationError, match=r"limits.max_n \(8\) must not exceed max_batch_size \(4\)"):
+        ServeConfig(models_dir="m", limits=ServeLimits(max_n=8))
+    with pytest.raises(ValidationError, match="extra"):
+        ServeConfig(models_dir="m", max_replica=3)
+
+
+def test_bearer_auth_compares_in_constant_time(monkeypatch) -> None:
+    calls = []
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr("snapref_ray.serve.auth.hmac.compare_digest", spy)
+    auth = BearerAuth("tok")
+    auth.check("Bearer tok")
+    auth.check("bearer  tok ")
+    assert calls == [(b"tok", b"tok"), (b"tok", b"tok")]
+    for header, message in [(None, "missing bearer token"), ("", "missing bearer token"),
+                            ("Basic dG9rOg==", "must be 'Bearer <token>'"), ("Bearer", "must be 'Bearer <token>'"),
+                            ("Bearer tok2", "invalid bearer token")]:
+        with pytest.raises(ApiError) as info:
+            auth.check(header)
+        assert (info.value.status, info.value.field) == (401, "Authorization")
+        assert message in info.value.message
+        assert info.value.headers["WWW-Authenticate"].startswith("Bearer")
+    BearerAuth(None).check(None)  # no token configured: open
+
+
+def test_built_app_sets_backpressure_autoscaling_and_gpus() -> None:
+    config = ServeConfig(models_dir="m", gpus_per_replica=1, min_replicas=2, max_replicas=6, target_ongoing_requests=3,
+                         upscale_delay_s=7, downscale_delay_s=70, max_ongoing_requests=9, max_queued_requests=11,
+                         retry_after_s=2.5, request_timeout_s=50, ingress_max_queued_requests=99)
+    deployments = _deployments(build_app(config))
+    assert set(deployments) == {"SnapRefIngress", "SnapRefRenderer", "ReferenceStore"}
+    renderer = deployments["SnapRefRenderer"]
+    assert renderer["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert renderer["autoscaling_config"] == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
+                                              "target_ongoing_requests": 3.0, "upscale_delay_s": 7.0,
+                                              "downscale_delay_s": 70.0}
+    assert (renderer["max_ongoing_requests"], renderer["max_queued_requests"]) == (9, 11)
+    assert renderer["backpressure_config"] == {"status_code": 503, "retry_after_s": 2.5}
+    assert renderer["graceful_shutdown_timeout_s"] == 60.0  # request_timeout_s + 10: drains what it holds
+    ingress = deployments["SnapRefIngress"]
+    assert ingress["max_queued_requests"] == 99
+    assert ingress["backpressure_config"] == {"status_code": 503, "retry_after_s": 2.5}
+    assert deployments["ReferenceStore"]["num_replicas"] == 1
+
+
+def test_cpu_replicas_without_gpus() -> None:
+    deployments = _deployments(build_app(ServeConfig(models_dir="m", gpus_per_replica=0, cpus_per_replica=2)))
+    assert deployments["SnapRefRenderer"]["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
+
+
+def _subset(expected, actual, where: str) -> None:
+    if isinstance(expected, dict):
+        for key, value in expected.items():
+            assert key in actual, f"{where}.{key} is not set by the code"
+            _subset(value, actual[key], f"{where}.{key}")
+    else:
+        assert expected == actual, f"{where}: serve.yaml says {expected!r}, its args build {actual!r}"
+
+
+def test_serve_yaml_is_valid_and_agrees_with_its_args(monkeypatch) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = yaml.safe_load((ROOT / "serve.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(doc)
+    assert schema.http_options.host == "0.0.0.0"
+    (app_doc,) = doc["applications"]
+    assert app_doc["import_path"] == "pipelines.serve_app:app_builder"
+    config = ServeConfig.model_validate(app_doc["args"])
+    assert doc["http_options"]["request_timeout_s"] == config.proxy_timeout_s()
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(ValueError, match="not loopback"):
+        app_builder(app_doc["args"])  # exposed on 0.0.0.0 without a token: refused
+    monkeypatch.setenv(TOKEN_ENV, "cluster-secret")
+    built = _deployments(app_builder(app_doc["args"]))
+    for deployment in app_doc["deployments"]:
+        name = deployment["name"]
+        assert name in built, f"serve.yaml names a deployment {name!r} the app does not have"
+        _subset({k: v for k, v in deployment.items() if k != "name"}, built[name], name)
+    assert built["SnapRefRenderer"]["ray_actor_options"]["num_gpus"] == 1.0
+
+
+def test_module_level_app_builds_from_the_environment(monkeypatch) -> None:
+    import pipelines.serve_app as serve_app
+
+    monkeypatch.setenv("SNAPREF_MODELS_DIR", "/some/models")
+    deployments = _deployments(serve_app.app)
+    assert set(deployments) == {"SnapRefIngress", "SnapRefRenderer", "ReferenceStore"}
+    assert serve_app.config_from_env().models_dir == "/some/models"

@@ -1,0 +1,168 @@
+"""The timing-table job (pipelines/timing_table.py, jobs/timing_table.py) through Ray on the tiny models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+import snapref_ray
+from pipelines.timing_table import SETTING_NAMES, TimingSpec, format_markdown, run_timing, timing_settings
+from snapref_ray.eval_cli import add_eval_parsers, timing_spec_from_args
+from snapref_ray.storage.jobspec import ClusterSpec, LoRASpec, ModelPaths, OutputSpec
+
+CASE = dict(width=256, height=256, steps=2, turbo_steps=2, sampler="euler", cfg=4.0)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def spec_for(models: Path, out: Path, **kw) -> TimingSpec:
+    return TimingSpec(models=ModelPaths(models_dir=str(models)), output=OutputSpec(uri=str(out)),
+                      cluster=ClusterSpec(device="cpu"), **{**CASE, "repetitions": 2, "warmup": False, **kw})
+
+
+@pytest.fixture(scope="module")
+def table(ray_local, tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("timing")
+    summary = run_timing(spec_for(tiny_models, out))
+    return out, summary
+
+
+@pytest.fixture(scope="module")
+def turbo_lora(tmp_path_factory) -> Path:
+    """A ComfyUI-format LoRA on the tiny DiT's self-attention q/v projections (width 64)."""
+    gen = torch.Generator().manual_seed(0)
+    sd = {}
+    for block in range(2):
+        for name in ("self_attn.q_proj", "self_attn.v_proj"):
+            sd[f"diffusion_model.blocks.{block}.{name}.lora_down.weight"] = torch.randn(4, 64, generator=gen) * 0.1
+            sd[f"diffusion_model.blocks.{block}.{name}.lora_up.weight"] = torch.randn(64, 4, generator=gen) * 0.1
+    path = tmp_path_factory.mktemp("lora") / "turbo.safetensors"
+    save_file(sd, str(path))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Without Ray
+
+
+def test_settings_cover_the_issue_list():
+    spec = TimingSpec(models=ModelPaths(models_dir="m"), **CASE)
+    settings = {s.name: s for s in timing_settings(spec)}
+    assert list(settings) == list(SETTING_NAMES)
+    assert not settings["no_reference"].reference
+    assert all(s.reference for name, s in settings.items() if name != "no_reference")
+    assert settings["ref_in_uncond"].settings.ref_in_uncond
+    guided = settings["ref_guidance_apg"].settings
+    assert (guided.ref_guidance, guided.correction) == (4.5, "apg")
+    assert (settings["ref_end_0.6"].settings.ref_end, settings["ref_end_0.6"].settings.ref_guidance) == (0.6, 4.5)
+    assert settings["recompute_every_step"].settings.recompute_reference_every_step
+    turbo = settings["turbo"]
+    assert (turbo.settings.steps, turbo.settings.cfg, turbo.turbo) == (2, 1.0, False)
+    assert "on the base model: no turbo LoRA given" in turbo.label
+    only = timing_settings(spec.model_copy(update={"settings": ["turbo"]}))
+    assert [s.name for s in only] == ["no_reference", "turbo"]  # the ratios' denominator always runs
+
+
+def test_unknown_setting_is_refused():
+    with pytest.raises(ValueError, match="unknown setting\\(s\\) fastest; known: no_reference"):
+        TimingSpec(models=ModelPaths(models_dir="m"), settings=["fastest"])
+
+
+def test_cli_quick_form_maps_onto_the_spec(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_eval_parsers(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["timing", "--models", str(tmp_path), "--width", "256", "--height", "320", "--steps", "3",
+                              "--repetitions", "5", "--turbo-lora", f"{tmp_path}/t.safetensors:0.8",
+                              "--settings", "snapref_default,turbo", "--out", str(tmp_path / "o"), "--no-warmup"])
+    spec = timing_spec_from_args(args)
+    assert (spec.width, spec.height, spec.steps, spec.repetitions, spec.warmup) == (256, 320, 3, 5, False)
+    assert spec.turbo_lora == LoRASpec(path=f"{tmp_path}/t.safetensors", strength=0.8)
+    assert spec.settings == ["snapref_default", "turbo"]
+    assert spec.reference_uri() == f"{tmp_path}/reference.png"
+    assert spec.output.uri == str(tmp_path / "o")
+
+
+# ---------------------------------------------------------------------------------------------
+# Through Ray
+
+
+@pytest.mark.slow
+def test_table_has_every_setting_and_ratios_from_the_measured_times(table, tiny_renderer, tiny_models):
+    out, summary = table
+    saved = json.loads((out / "comparison_summary.json").read_text())
+    assert saved["settings"] == json.loads(json.dumps(summary["settings"]))
+    rows = {r["name"]: r for r in saved["settings"]}
+    assert list(rows) == list(SETTING_NAMES)
+    base = rows["no_reference"]
+    for r in rows.values():
+        assert len(r["runs"]) == 2
+        assert r["seconds_per_image"] > 0 and r["seconds_per_step"] > 0
+        assert r["ratio_to_no_reference"] == r["seconds_per_image"] / base["seconds_per_image"]
+        assert r["step_ratio_to_no_reference"] == r["seconds_per_step"] / base["seconds_per_step"]
+        assert r["cpu_step_ratio_to_no_reference"] == r["cpu_seconds_per_step"] / base["cpu_seconds_per_step"]
+        assert r["cpu_seconds_per_step"] == statistics.median(m["cpu_seconds_per_step"] for m in r["runs"]) > 0
+        # the reported figures are the medians of the measured runs
+        assert r["seconds_per_image"] == statistics.median(m["seconds_per_image"] for m in r["runs"])
+        assert r["seconds_per_step"] == statistics.median(m["sample_s"] / m["steps"] for m in r["runs"])
+    assert base["ratio_to_no_reference"] == 1.0
+    kv = tiny_renderer.encode_reference((tiny_models / "reference.png").read_bytes(), width=256, height=256)
+    for name in ("snapref_default", "ref_in_uncond", "ref_guidance_apg", "ref_end_0.6", "turbo"):
+        assert rows[name]["refkv_bytes"] == kv.nbytes
+        assert rows[name]["encode_seconds"] > 0
+    for name in ("no_reference", "recompute_every_step"):
+        assert rows[name]["refkv_bytes"] is None and rows[name]["encode_seconds"] is None
+    assert rows["turbo"]["settings"]["steps"] == 2 and rows["turbo"]["settings"]["cfg"] == 1.0
+    env = saved["environment"]
+    assert (env["device"], env["dtype"]) == ("cpu", "float32")
+    assert (env["torch"], env["snapref_ray"]) == (torch.__version__, snapref_ray.__version__)
+    assert env["ray"] and env["model"]["num_blocks"] == 2 and env["adapter"].startswith("sha256:")
+    assert "RSS" in saved["memory_metric"]
+    assert saved["case"]["reference_size"] == [128, 192]
+
+
+@pytest.mark.slow
+def test_markdown_table_matches_the_json(table):
+    out, summary = table
+    md = (out / "comparison_summary.md").read_text()
+    assert md == format_markdown(summary)
+    assert "**CPU figures**" in md and "peak RSS delta (CPU)" in md
+    lines = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| setting")]
+    assert len(lines) == len(SETTING_NAMES)
+    for line, row in zip(lines, summary["settings"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == row["label"]
+        assert cells[3] == f"{row['ratio_to_no_reference']:.2f}"
+        assert cells[4] == f"{row['step_ratio_to_no_reference']:.2f}"
+        assert cells[9] == f"{row['cpu_step_ratio_to_no_reference']:.2f}"
+
+
+@pytest.mark.slow
+def test_turbo_row_merges_the_given_lora(ray_local, tiny_models, turbo_lora, tmp_path):
+    from jobs.timing_table import main
+
+    spec = {"models": {"models_dir": str(tiny_models)}, **CASE, "repetitions": 1, "warmup": False,
+            "settings": ["turbo"], "turbo_lora": {"path": str(turbo_lora), "strength": 0.5},
+            "output": {"uri": "out"}, "cluster": {"device": "cpu"}}
+    (tmp_path / "timing.yaml").write_text(yaml.safe_dump(spec))
+    assert main([str(tmp_path / "timing.yaml")]) == 0
+    saved = json.loads((tmp_path / "out" / "comparison_summary.json").read_text())
+    rows = {r["name"]: r for r in saved["settings"]}
+    assert list(rows) == ["no_reference", "turbo"]
+    assert rows["turbo"]["turbo_lora_merged"] is True
+    assert rows["turbo"]["label"] == "turbo: LoRA turbo.safetensors x0.5 merged, 2 steps, cfg 1"
+    assert saved["environment"]["turbo_model"] == "dit.safetensors+1 LoRA"
+    assert saved["turbo_lora"] == {"path": str(turbo_lora), "strength": 0.5}
