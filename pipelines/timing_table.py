@@ -436,8 +436,9 @@ def format_markdown(summary: dict) -> str:
                   "so read the ratios, not the seconds.", ""]
     m = env["model"]
     lines += [
-        f"- device: {env['device']} ({env['device_name']}), dtype {env['dtype']}, {env['torch_threads']} torch "
-        f"threads; torch {env['torch']}, ray {env['ray']}, snapref-ray {env['snapref_ray']}, python {env['python']}",
+        f"- device: {env['device']} ({env['device_name']}), dtype {env['dtype']}, torch threads: "
+        f"{env['torch_threads']}; torch {env['torch']}, ray {env['ray']}, snapref-ray {env['snapref_ray']}, "
+        f"python {env['python']}",
         f"- model: {m['id']} ({m['model_channels']} channels, {m['num_blocks']} blocks, {m['num_heads']} heads x "
         f"{m['head_dim']}); adapter {str(env['adapter'])[:19]}",
         f"- case: {case['width']}x{case['height']}, {case['steps']} steps, {case['sampler']}/{case['scheduler']}, "

@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from snapref_ray.requests import RenderSettings
+from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.serve.cli import add_serve_parser
 
 log = logging.getLogger("snapref_ray")
@@ -210,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     add_serve_parser(sub)
+    add_eval_parsers(sub)
     return parser
 
 
