@@ -134,6 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds, default 1")
     p.add_argument("--peak-tflops", type=float, default=H100_H200_BF16_DENSE_TFLOPS,
                    help="the GPU's dense bf16 peak in TFLOP/s for %% of peak (default 989: H100/H200 SXM)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat: checks the script, measures nothing")
     return p.parse_args(argv)
 
@@ -141,6 +142,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Run the requested cases; print and return one record per case."""
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.smoke:

@@ -74,8 +74,7 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
     stats = None
     scheduler = None
     workers: list = []
-    bar = _progress_bar(len(validated.items), len(validated.items) - len(todo)) if progress else None
-    callbacks = [f for f in (bar.update if bar else None, on_progress) if f is not None]
+    bar = None
     interrupted = False
     timing = {"startup_seconds": 0.0, "render_seconds": 0.0}
     try:
@@ -85,6 +84,9 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
             workers, infos = start_workers(worker_config(spec, warmup=warmup), shape, renderer_factory)
             if on_workers:
                 on_workers(workers, infos)
+            # The bar starts once the workers are ready, so its rate and ETA are the rendering's.
+            bar = _progress_bar(len(validated.items), len(validated.items) - len(todo)) if progress else None
+            callbacks = [f for f in (bar.update if bar else None, on_progress) if f is not None]
             scheduler = BatchScheduler(
                 workers, infos, SchedulerConfig(spec.cluster.max_in_flight_per_worker, spec.cluster.max_attempts,
                                                 spec.cluster.max_batch),

@@ -146,11 +146,13 @@ def test_another_spec_is_refused_unless_appending(local_job, job_inputs, tiny_mo
 
 
 @pytest.mark.slow
-def test_job_reads_from_and_writes_to_s3_with_embedded_images(s3_server, job_inputs, tiny_models):
+def test_job_reads_from_and_writes_to_s3_with_embedded_images(s3_server, job_inputs, tiny_models, tmp_path,
+                                                              monkeypatch):
     """Manifest and references on S3 (relative paths resolve against the manifest's prefix), output
     to s3:// through `endpoint_url`, image bytes embedded in the Parquet for Hugging Face datasets."""
     from pyarrow import fs
 
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     prefix = f"batch-{uuid.uuid4().hex[:8]}"
     client = s3_server.client()
     for ref in job_inputs.references:
@@ -183,3 +185,14 @@ def test_job_reads_from_and_writes_to_s3_with_embedded_images(s3_server, job_inp
         assert json.loads(image.text["snapref"])["item_id"] == row["item_id"]
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/out/")["Contents"]}
     assert {f"{prefix}/out/summary.json", f"{prefix}/out/job.json"} <= keys
+
+    # Hugging Face datasets decodes the embedded column to PIL images (parts fetched to a folder).
+    datasets = pytest.importorskip("datasets")
+    local = tmp_path / "parts"
+    local.mkdir()
+    for key in sorted(k for k in keys if k.startswith(f"{prefix}/out/metadata/")):
+        (local / key.rsplit("/", 1)[1]).write_bytes(client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read())
+    ds = datasets.load_dataset("parquet", data_files=str(local / "*.parquet"), split="train",
+                               cache_dir=str(tmp_path / "hf-cache"))
+    assert ds.num_rows == 9 and isinstance(ds.features["image"], datasets.Image)
+    assert {row["image"].size for row in ds} == {(256, 256)}

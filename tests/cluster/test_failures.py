@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,17 +97,20 @@ def test_interrupted_driver_resumes_and_renders_only_what_was_missing(tmp_path, 
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
     env["PYTHONPATH"] = str(REPO)
-    log = open(tmp_path / "driver.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.generate_dataset", str(spec_file), "--no-progress"],
+    log_path = tmp_path / "driver.log"
+    log = open(log_path, "wb")
+    # With its progress bar: "| 3/18 [" says the driver has committed 3 items (the bar moves
+    # after each commit), which is when it is interrupted.
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.generate_dataset", str(spec_file)],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
-            images = list((out / "images").glob("*.png")) if (out / "images").is_dir() else []
-            if len(images) >= 3:
+            counts = re.findall(rb"\| *(\d+)/18 \[", log_path.read_bytes())
+            if counts and int(counts[-1]) >= 2:
                 break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the job ended before it could be interrupted:\n" + (tmp_path / "driver.log").read_text()[-3000:]
+            time.sleep(0.02)
+        assert proc.poll() is None, "the job ended before it could be interrupted:\n" + log_path.read_text()[-3000:]
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         proc.wait(timeout=120)
     finally:
@@ -114,14 +118,14 @@ def test_interrupted_driver_resumes_and_renders_only_what_was_missing(tmp_path, 
             proc.kill()
             proc.wait(timeout=30)
         log.close()
-    driver_log = (tmp_path / "driver.log").read_text()
+    driver_log = log_path.read_text()
     assert "KeyboardInterrupt" in driver_log and "interrupted: committing what is done" in driver_log
 
     storage = open_storage(str(out))
     first = read_summary(storage)
     committed = read_item_ids(storage)
     assert first["interrupted"] is True
-    assert first["images_this_run"] == len(committed) and 0 < len(committed) < 18
+    assert first["images_this_run"] == len(committed) and 2 <= len(committed) < 18
     assert len(set(committed)) == len(committed) and set(committed) < expected
 
     before = pd.read_parquet(out / "metadata").set_index("item_id")["finished_at"]
@@ -169,8 +173,9 @@ def test_s3_outage_mid_job_is_retried_and_the_job_completes(tmp_path, tiny_model
 @pytest.mark.slow
 def test_poison_item_is_recorded_with_its_last_exception(tmp_path, tiny_models):
     manifest = _manifest(tmp_path, "good.csv", references=2, prompts=2)
-    # Valid to open and hash (so validation lets it through) but 8 px tall: the reference stream
-    # refuses it (sides are multiples of 16) on every attempt.
+    # Valid to open and hash (so validation lets it through today) but 8 px tall: the reference
+    # stream refuses it (sides are multiples of 16) on every attempt. Should validation learn to
+    # reject it up front, this test needs another input that fails only on the workers.
     make_reference_png(tmp_path / "refs" / "sliver.png", (10, 10, 10), size=(1024, 8))
     rows = pd.read_csv(manifest).to_dict("records") + [{"reference": "refs/sliver.png", "prompt": "1girl, poison",
                                                          "seed": 5}]

@@ -156,6 +156,7 @@ def calls_of(handle) -> tuple[list[tuple], int]:
     return ray.get(handle.calls.remote(), timeout=30)
 
 
+@pytest.mark.slow
 def test_a_worker_gets_the_prompts_of_the_reference_it_holds(make_workers):
     handles, infos = make_workers(2, render_s=0.1)
     rec = Recorder()
@@ -179,6 +180,7 @@ def test_a_worker_gets_the_prompts_of_the_reference_it_holds(make_workers):
     assert (stats.encodes_requested, stats.fetches, stats.local_encodes, stats.reference_encodes) == (2, 1, 0, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_flight", [1, 2, 3])
 def test_in_flight_calls_per_worker_are_bounded(make_workers, in_flight):
     handles, infos = make_workers(2, render_s=0.1)
