@@ -208,13 +208,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_once(fn: Callable[[], Any], device: torch.device) -> float:
-    """Seconds one call of fn takes, device work included."""
+def time_once(fn: Callable[[], Any], device: torch.device, cpu_seconds: list[float] | None = None) -> float:
+    """Wall-clock seconds one call of fn takes, device work included.
+
+    With `cpu_seconds`, also appends the process CPU time of the call (all threads): on a shared
+    machine it leaves out the time this process was descheduled, so with one torch thread it is a
+    steadier measure of the work than wall time (with several, idle threads' spin-waits count too).
+    """
     synchronize(device)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     fn()
     synchronize(device)
-    return time.perf_counter() - t0
+    t1, c1 = time.perf_counter(), time.process_time()
+    if cpu_seconds is not None:
+        cpu_seconds.append(c1 - c0)
+    return t1 - t0
 
 
 def time_repeats(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup: int = 1) -> list[float]:
@@ -225,19 +233,23 @@ def time_repeats(fn: Callable[[], Any], device: torch.device, *, repeats: int, w
 
 
 def interleaved(cases: Mapping[str, Callable[[], Any]], device: torch.device, *, rounds: int,
-                warmup_rounds: int = 1) -> dict[str, list[float]]:
-    """Time every case once per round, the order rotated each round; returns seconds per case, by round.
+                warmup_rounds: int = 1, cpu_times: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Time every case once per round, the order rotated each round; returns wall seconds per case, by round.
 
     Round r runs the cases starting at index r mod n, so over n rounds every case has held every
     position (what runs just before a case can change its caches and its clock speed).
+    `cpu_times`, if given, receives the process CPU seconds of the same calls, by case.
     """
     names = list(cases)
     times: dict[str, list[float]] = {name: [] for name in names}
+    if cpu_times is not None:
+        cpu_times.update({name: [] for name in names})
     for r in range(warmup_rounds + rounds):
         k = r % len(names)
+        timed = r >= warmup_rounds
         for name in names[k:] + names[:k]:
-            seconds = time_once(cases[name], device)
-            if r >= warmup_rounds:
+            seconds = time_once(cases[name], device, cpu_times[name] if cpu_times is not None and timed else None)
+            if timed:
                 times[name].append(seconds)
     return times
 

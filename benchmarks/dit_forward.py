@@ -82,10 +82,11 @@ def run_case(case: str, geometry: DiTGeometry, *, device: torch.device, dtype: t
     ctx = torch.randn(2, geometry.context_rows, geometry.context_dim, generator=gen).to(device, dtype)
     sigma_1 = torch.full((1,), SIGMA, device=device)
 
+    cpu_times: dict[str, list[float]] = {}
     with torch.inference_mode():
         times = interleaved({"forward": lambda: dit(x.to(dtype), sigma_1, ctx[:1]),
                              "cfg_step": lambda: cfg_step(dit, x.to(dtype), SIGMA, ctx)},
-                            device, rounds=repeats, warmup_rounds=warmup)
+                            device, rounds=repeats, warmup_rounds=warmup, cpu_times=cpu_times)
     del dit
 
     shape = dict(tokens=geometry.tokens, context_rows=geometry.context_rows)
@@ -113,6 +114,9 @@ def run_case(case: str, geometry: DiTGeometry, *, device: torch.device, dtype: t
         "repeats": repeats,
         "environment": environment(device, dtype),
     }
+    if device.type == "cpu":  # process CPU seconds (all threads) of the measured blocks: see common.time_once
+        record["cpu_seconds_per_forward"] = summarize(cpu_times["forward"])["median_s"]
+        record["cpu_seconds_per_cfg_step"] = summarize(cpu_times["cfg_step"])["median_s"]
     if peak_tflops is not None:
         record["peak_tflops"] = peak_tflops
         record["percent_of_peak"] = 100.0 * flops_2 / t_cfg / (peak_tflops * 1e12)

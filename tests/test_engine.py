@@ -248,7 +248,6 @@ def test_28_block_adapter_on_a_30_block_model_raises(tmp_path):
 def test_fp16_model_keeps_the_reference_stream_finite(tmp_path, ref_bytes):
     """The original node's bug: an fp16 reference stream overflowed into NaN and black images."""
     from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict
-    from snapref_ray.tiny import TinyConfig
 
     folder = make_tiny(tmp_path / "fp16")
     sd = make_tiny_dit_state_dict(model_channels=64, num_blocks=2, head_dim=32, context_dim=64, adapter_dim=64,

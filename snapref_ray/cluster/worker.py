@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.adapter.refkv_cache import RefKVCache

@@ -7,7 +7,6 @@ import io
 import json
 import shutil
 import uuid
-from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq

@@ -3,7 +3,6 @@ outage and a poison item. In every case the output lists each item exactly once 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image, ImageStat
 
 from snapref_ray.report import write_report
-from snapref_ray.report.gallery import THUMB_SIZE, errors_page_key, page_key, write_gallery
+from snapref_ray.report.gallery import THUMB_SIZE, page_key, write_gallery
 from snapref_ray.report.plots import PLOT_KEYS
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import (

@@ -10,7 +10,6 @@ import base64
 import hashlib
 import io
 import json
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.error import HTTPError
@@ -28,6 +27,7 @@ from snapref_ray.serve.api import (
 from snapref_ray.serve.config import ServeConfig, ServeLimits
 from snapref_ray.serve.references import ReferenceLRU
 from snapref_ray.storage.image_files import read_image_info
+from tests.serve.conftest import free_port
 
 TOKEN = "test-token-5f2c"
 TIMEOUT = 120  # seconds, every HTTP call
@@ -35,17 +35,11 @@ SMALL = {"width": 256, "height": 256, "steps": 2}
 LIMITS = ServeLimits(max_upload_bytes=200_000, max_steps=8, max_n=3, max_side=512, max_prompt_chars=200)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_models: Path):
     from pipelines.serve_app import start_local, stop_local
 
-    config = ServeConfig(models_dir=str(tiny_models), port=_free_port(), token=TOKEN, limits=LIMITS,
+    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), token=TOKEN, limits=LIMITS,
                          min_replicas=1, max_replicas=1, max_batch_size=4, request_timeout_s=120)
     try:
         yield start_local(config, num_cpus=6)

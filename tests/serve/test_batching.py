@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -12,15 +11,10 @@ import pytest
 
 from snapref_ray.client import SnapRefClient
 from snapref_ray.serve.config import ServeConfig, ServeLimits
+from tests.serve.conftest import free_port
 
 SMALL = {"width": 256, "height": 256, "steps": 2}
 MAX_BATCH = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +22,7 @@ def client(tiny_models: Path):
     from pipelines.serve_app import start_local, stop_local
 
     # No token on loopback (allowed); a wide wait window so requests sent together surely meet.
-    config = ServeConfig(models_dir=str(tiny_models), port=_free_port(), min_replicas=1, max_replicas=1,
+    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), min_replicas=1, max_replicas=1,
                          max_batch_size=MAX_BATCH, max_ongoing_requests=12, max_queued_requests=32,
                          batch_wait_timeout_s=0.5, limits=ServeLimits(max_n=MAX_BATCH), request_timeout_s=120)
     try:

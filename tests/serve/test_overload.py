@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ from PIL import Image
 
 from snapref_ray.client import SnapRefClient
 from snapref_ray.serve.config import ServeConfig, ServeLimits
+from tests.serve.conftest import free_port
 
 RETRY_AFTER_S = 3
 BURST = 8
@@ -25,17 +25,11 @@ BURST = 8
 SLOW = {"width": 512, "height": 512, "steps": 100}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_models: Path):
     from pipelines.serve_app import start_local, stop_local
 
-    config = ServeConfig(models_dir=str(tiny_models), port=_free_port(), min_replicas=1, max_replicas=1,
+    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), min_replicas=1, max_replicas=1,
                          max_ongoing_requests=1, max_queued_requests=1, max_batch_size=1, batch_wait_timeout_s=0,
                          retry_after_s=RETRY_AFTER_S, limits=ServeLimits(max_n=1, max_steps=200, max_side=512),
                          request_timeout_s=120)
