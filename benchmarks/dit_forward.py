@@ -41,6 +41,7 @@ FIELDS = ("benchmark", "case", "model_channels", "num_heads", "head_dim", "mlp_h
           "blocks_measured", "extrapolated", "context_dim", "context_rows", "width_px", "height_px", "tokens",
           "seconds_per_forward", "seconds_per_cfg_step", "gflop_per_forward", "gflop_per_cfg_step",
           "gflops_forward", "gflops_cfg_step", "attention_flop_share", "repeats", "environment")
+CPU_FIELDS = ("cpu_seconds_per_forward", "cpu_seconds_per_cfg_step")  # process CPU time, CPU runs only
 CUDA_FIELDS = ("peak_tflops", "percent_of_peak")
 
 
@@ -87,7 +88,6 @@ def run_case(case: str, geometry: DiTGeometry, *, device: torch.device, dtype: t
         times = interleaved({"forward": lambda: dit(x.to(dtype), sigma_1, ctx[:1]),
                              "cfg_step": lambda: cfg_step(dit, x.to(dtype), SIGMA, ctx)},
                             device, rounds=repeats, warmup_rounds=warmup, cpu_times=cpu_times)
-    del dit
 
     shape = dict(tokens=geometry.tokens, context_rows=geometry.context_rows)
     flops_1 = dit_forward_flops(measured.config, rows=1, **shape)

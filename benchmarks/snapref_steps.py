@@ -91,6 +91,9 @@ FIELDS = ("benchmark", "geometry", "device", "dtype", "rounds", "settings", "enc
 SETTING_FIELDS = ("rows", "reading_rows", "seconds_per_step", "seconds_min", "seconds_max", "ratio_to_no_reference",
                   "flop_ratio_to_no_reference", "gflop_per_step", "gflops")
 TARGET_FIELDS = ("measured", "limit", "flop_model", "met", "measured_from_minimums")
+# Process CPU time figures, on CPU runs only (see common.time_once).
+CPU_SETTING_FIELDS = ("cpu_seconds_per_step", "cpu_ratio_to_no_reference")
+CPU_TARGET_FIELDS = ("measured_cpu_time",)
 
 
 class StepBench:
@@ -260,7 +263,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7, help="timed rounds, each setting once per round (default 7)")
     p.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one step of the main settings (torch.profiler; tables on stderr, top ops in JSON)")
+                   help="also profile one step of each setting (torch.profiler; tables on stderr, top ops in JSON)")
     p.add_argument("--profile-top", type=int, default=12, help="ops per profiled setting (default 12)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--compact", action="store_true", help="print the table on one line")

@@ -53,11 +53,12 @@ def test_dit_forward_smoke_prints_every_field(capsys):
     assert printed == json.loads(json.dumps(printed))  # one JSON object per line, nothing else on stdout
     assert [p["case"] for p in printed] == ["real_arch", "width_scaled"]
     for record in printed:
-        assert set(dit_forward.FIELDS) <= set(record), set(dit_forward.FIELDS) - set(record)
+        fields = dit_forward.FIELDS + dit_forward.CPU_FIELDS
+        assert set(fields) <= set(record), set(fields) - set(record)
         assert not set(dit_forward.CUDA_FIELDS) & set(record)  # % of peak only on a GPU
         assert record["blocks_measured"] == record["blocks"] and record["extrapolated"] is False
         assert record["environment"]["device"] == "cpu"
-        _assert_positive_numbers({k: record[k] for k in dit_forward.FIELDS if k != "environment"}, record["case"])
+        _assert_positive_numbers({k: record[k] for k in fields if k != "environment"}, record["case"])
 
 
 def test_dit_forward_smoke_fewer_blocks_extrapolates(capsys):
@@ -79,9 +80,10 @@ def test_snapref_steps_smoke_prints_every_field(capsys):
     assert set(snapref_steps.FIELDS) <= set(table), set(snapref_steps.FIELDS) - set(table)
     assert list(table["settings"]) == list(snapref_steps.SETTINGS)
     for name, setting in table["settings"].items():
-        assert set(snapref_steps.SETTING_FIELDS) <= set(setting), (name, set(snapref_steps.SETTING_FIELDS) - set(setting))
+        missing = set(snapref_steps.SETTING_FIELDS + snapref_steps.CPU_SETTING_FIELDS) - set(setting)
+        assert not missing, (name, missing)
     for name, target in table["targets"].items():
-        assert set(snapref_steps.TARGET_FIELDS) <= set(target), name
+        assert set(snapref_steps.TARGET_FIELDS + snapref_steps.CPU_TARGET_FIELDS) <= set(target), name
         assert isinstance(target["met"], bool)
     _assert_positive_numbers({k: table[k] for k in snapref_steps.FIELDS if k != "environment"}, "table")
     # Rows and reads per setting are the engine's plan (snapref-adapter.md §5).
