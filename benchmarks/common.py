@@ -31,6 +31,7 @@ import torch
 
 from snapref_ray.models.dit import PATCH, AnimaDiT, DiTConfig, load_dit
 from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict, tiny_dit_config
+from snapref_ray.platform_info import cpu_model
 
 # Token counts of the geometries the benchmarks use (one token = one 2x2 patch of the 8x latent).
 PIXELS_PER_TOKEN_SIDE = 8 * PATCH
@@ -277,17 +278,6 @@ def available_memory_bytes() -> int | None:
     except OSError:
         return None
     return None
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:

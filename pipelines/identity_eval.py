@@ -12,20 +12,19 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import platform
 import time
 from collections import OrderedDict
 from typing import Any, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from snapref_ray.adapter.images import content_hash
 from snapref_ray.evaluation import LOSS_DEFINITION, derangement, summarise
 from snapref_ray.requests import Mode
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
-from snapref_ray.storage.jobspec import ClusterSpec, JobSpecError, LoRASpec, ModelPaths, OutputSpec
+from snapref_ray.storage.jobspec import (ClusterSpec, JobSpecError, LoRASpec, ModelPaths, OutputSpec,
+                                         read_yaml_mapping)
 from snapref_ray.storage.manifest import manifest_base, read_manifest, resolve_relative
 
 log = logging.getLogger(__name__)
@@ -121,18 +120,7 @@ def load_spec_file(path_or_uri: str, model: type[M], s3: S3Options | None = None
 
     Errors are `JobSpecError`s naming the file and each bad field, e.g. `eval.yaml: sigmas: ...`.
     """
-    try:
-        text = read_uri(path_or_uri, s3)
-    except Exception as exc:  # noqa: BLE001 -- any storage failure is "cannot read the spec"
-        if "://" not in path_or_uri and not os.path.exists(path_or_uri):
-            raise JobSpecError(f"spec {path_or_uri} not found") from exc
-        raise JobSpecError(f"cannot read spec {path_or_uri}: {exc}") from exc
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise JobSpecError(f"{path_or_uri}: not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise JobSpecError(f"{path_or_uri}: expected a mapping of spec fields at the top, found {type(raw).__name__}")
+    raw = read_yaml_mapping(path_or_uri, s3)
     try:
         spec = model.model_validate(raw)
     except ValidationError as exc:

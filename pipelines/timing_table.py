@@ -23,6 +23,7 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipelines.identity_eval import load_spec_file, resolve_model_paths
+from snapref_ray.platform_info import cpu_model
 from snapref_ray.requests import RenderSettings, Sampler
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.jobspec import ClusterSpec, LoRASpec, ModelPaths, OutputSpec
@@ -244,7 +245,7 @@ class TimingWorker:
         if device.type == "cuda":
             name = torch.cuda.get_device_name(device)
         else:
-            name = _cpu_name()
+            name = cpu_model()
         cfg = r.dit.config
         return {
             "device": str(device), "device_name": name, "dtype": str(r.dtype).removeprefix("torch."),
@@ -293,17 +294,6 @@ class TimingWorker:
                 "cpu_seconds_per_image": cpu if on_cpu else None, "cpu_seconds_per_step": cpu_step if on_cpu else None,
                 "refkv_bytes": kv.nbytes if kv is not None else None, "peak_memory_bytes": memory.peak,
                 "peak_memory_delta_bytes": memory.delta, "memory_metric": memory.metric}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 # ---------------------------------------------------------------------------------------------

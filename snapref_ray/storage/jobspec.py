@@ -253,18 +253,14 @@ class JobSpec(_Section):
 # Loading
 
 
-def load_job_spec(path_or_uri: str, s3: S3Options | None = None) -> JobSpec:
-    """Load a YAML job spec (local or s3://); relative paths resolve against its folder.
-
-    Errors are `JobSpecError`s naming the file and each bad field by its path, e.g.
-    `job.yaml: defaults.sampeler: Extra inputs are not permitted`.
-    """
+def read_yaml_mapping(path_or_uri: str, s3: S3Options | None = None, *, what: str = "spec") -> dict[str, Any]:
+    """The top-level mapping of a YAML file (local or s3://); `JobSpecError`s name the file."""
     try:
         text = read_uri(path_or_uri, s3)
     except Exception as exc:  # noqa: BLE001 — any storage failure is "cannot read the spec"
         if "://" not in path_or_uri and not os.path.exists(path_or_uri):
-            raise JobSpecError(f"job spec {path_or_uri} not found") from exc
-        raise JobSpecError(f"cannot read job spec {path_or_uri}: {exc}") from exc
+            raise JobSpecError(f"{what} {path_or_uri} not found") from exc
+        raise JobSpecError(f"cannot read {what} {path_or_uri}: {exc}") from exc
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -272,6 +268,16 @@ def load_job_spec(path_or_uri: str, s3: S3Options | None = None) -> JobSpec:
     if not isinstance(raw, dict):
         raise JobSpecError(f"{path_or_uri}: expected a mapping of spec fields at the top, found "
                            f"{type(raw).__name__}")
+    return raw
+
+
+def load_job_spec(path_or_uri: str, s3: S3Options | None = None) -> JobSpec:
+    """Load a YAML job spec (local or s3://); relative paths resolve against its folder.
+
+    Errors are `JobSpecError`s naming the file and each bad field by its path, e.g.
+    `job.yaml: defaults.sampeler: Extra inputs are not permitted`.
+    """
+    raw = read_yaml_mapping(path_or_uri, s3, what="job spec")
     spec = _validate(raw, path_or_uri)
     return spec.resolve_paths(manifest_base(path_or_uri))
 
