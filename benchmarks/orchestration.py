@@ -167,7 +167,7 @@ def _write_job(folder: Path, references: int, prompts: int) -> Path:
 
 
 def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path) -> dict:
-    from pipelines.generate_dataset import run_job
+    from snapref_ray.pipelines.generate_dataset import run_job
     from snapref_ray.storage.jobspec import JobSpec
 
     references = -(-workers * args.batches_per_worker * args.max_batch // prompts)

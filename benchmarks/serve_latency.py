@@ -168,7 +168,7 @@ def main() -> None:
 
     from ray import serve
 
-    from pipelines.serve_app import APP_NAME, build_app, start_local, stop_local
+    from snapref_ray.pipelines.serve_app import APP_NAME, build_app, start_local, stop_local
     from snapref_ray.client import SnapRefClient
     from snapref_ray.serve.config import ServeConfig, ServeLimits
     from snapref_ray.tiny import make_tiny

@@ -104,7 +104,7 @@ def cmd_adapter_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from pipelines.generate_dataset import run_job
+    from snapref_ray.pipelines.generate_dataset import run_job
     from snapref_ray.storage.jobspec import load_job_spec, quick_spec
 
     target = args.spec_or_manifest
@@ -131,17 +131,16 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pipelines.generate_dataset import run_job
+    from snapref_ray.pipelines.generate_dataset import run_job
     from snapref_ray.storage.jobspec import load_job_spec
     from snapref_ray.tiny import make_tiny
 
-    import jobs
 
     out = Path(args.out).resolve()
     models = out / "tiny-models"
     if not (models / "dit.safetensors").exists():
         make_tiny(models)
-    spec = load_job_spec(str(Path(jobs.__file__).parent / "example_spec.yaml"))
+    spec = load_job_spec(str(Path(__file__).parent / "examples" / "example_spec.yaml"))
     spec = spec.model_copy(update={
         "models": spec.models.model_copy(update={"models_dir": str(models)}),
         "output": spec.output.model_copy(update={"uri": str(out)})})

@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from pipelines.identity_eval import RESULT_JSON, load_eval_spec, run_identity_eval
+    from snapref_ray.pipelines.identity_eval import RESULT_JSON, load_eval_spec, run_identity_eval
 
     spec = load_eval_spec(args.spec)
     if args.out:
@@ -35,7 +35,7 @@ def _absolute(path: str | None) -> str | None:
 
 def timing_spec_from_args(args: argparse.Namespace):
     """The TimingSpec of a `snapref-ray timing` command line (a spec file, then flags on top)."""
-    from pipelines.timing_table import TimingSpec, load_timing_spec
+    from snapref_ray.pipelines.timing_table import TimingSpec, load_timing_spec
 
     if args.spec:
         spec = load_timing_spec(args.spec)
@@ -70,7 +70,7 @@ def timing_spec_from_args(args: argparse.Namespace):
 
 
 def cmd_timing(args: argparse.Namespace) -> int:
-    from pipelines.timing_table import RESULT_MD, format_markdown, run_timing
+    from snapref_ray.pipelines.timing_table import RESULT_MD, format_markdown, run_timing
 
     spec = timing_spec_from_args(args)
     summary = run_timing(spec)
@@ -82,7 +82,7 @@ def cmd_timing(args: argparse.Namespace) -> int:
 def add_eval_parsers(sub) -> None:
     """Register `eval` and `timing` on the `snapref-ray` subparsers."""
     p = sub.add_parser("eval", help="identity-gap evaluation of an adapter: heldout_loss.json (+ .parquet)")
-    p.add_argument("spec", help="evaluation spec YAML (see jobs/example_eval_spec.yaml)")
+    p.add_argument("spec", help="evaluation spec YAML (see snapref_ray/examples/example_eval_spec.yaml)")
     p.add_argument("--out", help="output folder or s3://bucket/prefix (overrides the spec's)")
     p.add_argument("--workers", type=int, help="workers (default: the spec's; one per GPU, else 2 CPU workers)")
     p.set_defaults(func=cmd_eval)

@@ -13,13 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipelines.identity_eval import EvalError, EvalSpec, build_cases, load_eval_spec
+from snapref_ray.pipelines.identity_eval import EvalError, EvalSpec, build_cases, load_eval_spec
 from snapref_ray.adapter.file import load_adapter
 from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.evaluation import denoising_losses, prepare_target
 from snapref_ray.storage.jobspec import ModelPaths
 
-JOBS = Path(__file__).resolve().parents[1] / "jobs"
+JOBS = Path(__file__).resolve().parents[1] / "snapref_ray" / "examples"
 SIGMAS, SEEDS = [0.3, 0.7], [0, 1]
 
 # Every field docs/evaluate.md documents for heldout_loss.json, and for each of its cases.
@@ -41,7 +41,7 @@ def write_manifest(path: Path, rows: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def eval_dir(tmp_path_factory, tiny_models: Path) -> Path:
-    """Three characters x 2 cases from jobs/example_refs, plus a case whose target is missing."""
+    """Three characters x 2 cases from snapref_ray/examples/example_refs, plus a case whose target is missing."""
     d = tmp_path_factory.mktemp("eval")
     for name in ("silver_hair_girl", "brown_hair_boy", "blue_hair_girl"):
         shutil.copy(JOBS / "example_refs" / f"{name}.png", d / f"{name}.png")

@@ -13,7 +13,7 @@ import yaml
 from safetensors.torch import save_file
 
 import snapref_ray
-from pipelines.timing_table import SETTING_NAMES, TimingSpec, format_markdown, run_timing, timing_settings
+from snapref_ray.pipelines.timing_table import SETTING_NAMES, TimingSpec, format_markdown, run_timing, timing_settings
 from snapref_ray.eval_cli import add_eval_parsers, timing_spec_from_args
 from snapref_ray.storage.jobspec import ClusterSpec, LoRASpec, ModelPaths, OutputSpec
 

@@ -55,7 +55,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pipelines.serve_app import start_local, stop_local
+    from snapref_ray.pipelines.serve_app import start_local, stop_local
 
     config = config_from_args(args)
     config.check_security()

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipelines.generate_dataset import run_job
+from snapref_ray.pipelines.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.ledger import OutputConflictError, read_job
 from snapref_ray.storage.metadata import read_errors_table, read_item_ids

@@ -19,7 +19,7 @@ import ray
 import yaml
 from PIL import Image
 
-from pipelines.generate_dataset import run_job
+from snapref_ray.pipelines.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_errors_table, read_item_ids, read_summary
 from tests.cluster.conftest import REPO, expected_item_ids, job_spec, make_reference_png, write_manifest

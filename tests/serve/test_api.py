@@ -37,7 +37,7 @@ LIMITS = ServeLimits(max_upload_bytes=200_000, max_steps=8, max_n=3, max_side=51
 
 @pytest.fixture(scope="module")
 def server(tiny_models: Path):
-    from pipelines.serve_app import start_local, stop_local
+    from snapref_ray.pipelines.serve_app import start_local, stop_local
 
     config = ServeConfig(models_dir=str(tiny_models), port=free_port(), token=TOKEN, limits=LIMITS,
                          min_replicas=1, max_replicas=1, max_batch_size=4, request_timeout_s=120)

@@ -19,7 +19,7 @@ MAX_BATCH = 4
 
 @pytest.fixture(scope="module")
 def client(tiny_models: Path):
-    from pipelines.serve_app import start_local, stop_local
+    from snapref_ray.pipelines.serve_app import start_local, stop_local
 
     # No token on loopback (allowed); a wide wait window so requests sent together surely meet.
     config = ServeConfig(models_dir=str(tiny_models), port=free_port(), min_replicas=1, max_replicas=1,

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from pipelines.serve_app import app_builder, build_app
+from snapref_ray.pipelines.serve_app import app_builder, build_app
 from snapref_ray.serve.api import ApiError
 from snapref_ray.serve.auth import BearerAuth
 from snapref_ray.serve.config import TOKEN_ENV, ServeConfig, ServeLimits, is_loopback
@@ -133,7 +133,7 @@ def test_serve_yaml_is_valid_and_agrees_with_its_args(monkeypatch) -> None:
     schema = ServeDeploySchema.model_validate(doc)
     assert schema.http_options.host == "0.0.0.0"
     (app_doc,) = doc["applications"]
-    assert app_doc["import_path"] == "pipelines.serve_app:app_builder"
+    assert app_doc["import_path"] == "snapref_ray.pipelines.serve_app:app_builder"
     config = ServeConfig.model_validate(app_doc["args"])
     assert doc["http_options"]["request_timeout_s"] == config.proxy_timeout_s()
 
@@ -150,7 +150,7 @@ def test_serve_yaml_is_valid_and_agrees_with_its_args(monkeypatch) -> None:
 
 
 def test_module_level_app_builds_from_the_environment(monkeypatch) -> None:
-    import pipelines.serve_app as serve_app
+    import snapref_ray.pipelines.serve_app as serve_app
 
     monkeypatch.setenv("SNAPREF_MODELS_DIR", "/some/models")
     deployments = _deployments(serve_app.app)

@@ -27,7 +27,7 @@ SLOW = {"width": 512, "height": 512, "steps": 100}
 
 @pytest.fixture(scope="module")
 def server(tiny_models: Path):
-    from pipelines.serve_app import start_local, stop_local
+    from snapref_ray.pipelines.serve_app import start_local, stop_local
 
     config = ServeConfig(models_dir=str(tiny_models), port=free_port(), min_replicas=1, max_replicas=1,
                          max_ongoing_requests=1, max_queued_requests=1, max_batch_size=1, batch_wait_timeout_s=0,

@@ -40,8 +40,8 @@ TINY_NAMES = ("dit.safetensors", "text_encoder.safetensors", "vae.safetensors", 
 
 
 def test_example_spec_loads_with_paths_beside_it():
-    spec = load_job_spec(str(REPO / "jobs" / "example_spec.yaml"))
-    assert spec.manifest == str(REPO / "jobs" / "example_manifest.csv")
+    spec = load_job_spec(str(REPO / "snapref_ray" / "examples" / "example_spec.yaml"))
+    assert spec.manifest == str(REPO / "snapref_ray" / "examples" / "example_manifest.csv")
     assert spec.models.models_dir == str(REPO / "tiny")
     assert spec.output.uri == str(REPO / "demo-output")
     assert (spec.defaults.width, spec.defaults.height, spec.defaults.steps, spec.defaults.sampler) == (256, 256, 4, "euler")

@@ -327,7 +327,7 @@ def test_strict_mode_refuses_to_start(job_dir):
 
 
 def test_example_job_validates():
-    spec = load_job_spec(str(REPO / "jobs" / "example_spec.yaml"))
+    spec = load_job_spec(str(REPO / "snapref_ray" / "examples" / "example_spec.yaml"))
     job = load_work_items(spec)
     assert job.errors == [] and job.rows == 8 and len(job.items) == 8
     assert len(job.references()) == 3

@@ -8,6 +8,7 @@ table reports medians. Ratios are computed from those medians against the no-ref
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import logging
@@ -22,7 +23,7 @@ from pathlib import Path
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipelines.identity_eval import load_spec_file, resolve_model_paths
+from snapref_ray.pipelines.identity_eval import load_spec_file, resolve_model_paths
 from snapref_ray.platform_info import cpu_model
 from snapref_ray.requests import RenderSettings, Sampler
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
@@ -468,3 +469,20 @@ def format_markdown(summary: dict) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+JOB_USAGE = """`ray job submit --working-dir . -- python -m jobs.timing_table SPEC.yaml`
+
+Measures one case under each setting (no reference, SnapRef default, ref_in_uncond, ref_guidance
+with APG, ref_end 0.6, recompute every step, turbo) on one worker of the cluster the job was
+submitted to; writes comparison_summary.json and comparison_summary.md to the spec's output.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=JOB_USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", help="timing spec YAML (local or s3://)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(format_markdown(run_timing(load_timing_spec(args.spec))))
+    return 0

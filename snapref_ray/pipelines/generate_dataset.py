@@ -8,6 +8,7 @@ renders only what is missing.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig
 from snapref_ray.cluster.tasks import ItemOutcome
 from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.storage.backends import open_storage
-from snapref_ray.storage.jobspec import JobSpec, spec_fingerprint
+from snapref_ray.storage.jobspec import JobSpec, load_job_spec, spec_fingerprint
 from snapref_ray.storage.ledger import claim_output, committed_item_ids, job_fingerprint
 from snapref_ray.storage.metadata import ErrorWriter, MetadataWriter, read_errors_table, write_summary
 from snapref_ray.storage.work_items import JobValidationError, WorkItem, load_work_items
@@ -189,3 +190,20 @@ def _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, in
         "max_encodes_per_reference": max(encodes_by_reference.values(), default=0) if encodes_by_reference else 0,
         "scheduler": asdict(stats) if stats else None, "finished_at": time.time(),
     }
+
+
+JOB_USAGE = """`ray job submit --working-dir . -- python -m jobs.generate_dataset SPEC.yaml`
+
+Runs a dataset-generation job spec on the cluster the job was submitted to (RAY_ADDRESS is
+set by `ray job submit`); resubmitting the same spec resumes it.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=JOB_USAGE)
+    parser.add_argument("spec", help="job spec YAML (local or s3://)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    summary = run_job(load_job_spec(args.spec), progress=not args.no_progress)
+    return 1 if summary["failed_items"] else 0

@@ -9,6 +9,7 @@ are defined in snapref_ray/evaluation.py; the files are described in docs/evalua
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import logging
@@ -131,7 +132,7 @@ def load_spec_file(path_or_uri: str, model: type[M], s3: S3Options | None = None
 
 
 def load_eval_spec(path_or_uri: str, s3: S3Options | None = None) -> EvalSpec:
-    """Load an evaluation spec YAML (jobs/example_eval_spec.yaml shows every field)."""
+    """Load an evaluation spec YAML (snapref_ray/examples/example_eval_spec.yaml shows every field)."""
     return load_spec_file(path_or_uri, EvalSpec, s3)
 
 
@@ -345,3 +346,22 @@ def _parquet(summary_cases: list[dict], done: list[dict]) -> bytes:
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), sink)
     return sink.getvalue()
+
+
+JOB_USAGE = """`ray job submit --working-dir . -- python -m jobs.identity_eval SPEC.yaml`
+
+Runs an identity-gap evaluation spec (snapref_ray/examples/example_eval_spec.yaml) on the cluster the job was
+submitted to (RAY_ADDRESS is set by `ray job submit`); writes heldout_loss.json and
+heldout_loss.parquet to the spec's output.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=JOB_USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", help="evaluation spec YAML (local or s3://)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    report = run_identity_eval(load_eval_spec(args.spec))
+    print(json.dumps({k: report[k] for k in ("n_cases", "n_failed", "mean_loss_right", "mean_loss_wrong", "gap",
+                                             "gap_ci", "right_wins_fraction")}, indent=2))
+    return 1 if report["n_failed"] else 0

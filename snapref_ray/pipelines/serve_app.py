@@ -1,0 +1,123 @@
+"""The Serve application: ingress + renderer + reference store, wired from one ServeConfig.
+
+- `build_app(config)`: the Application, for `serve.run` in Python (the CLI and the tests).
+- `app_builder`: an application builder for Serve's own tools, taking the ServeConfig fields as
+  arguments: `serve run snapref_ray.pipelines.serve_app:app_builder models_dir=/models` or, in serve.yaml,
+  `import_path: snapref_ray.pipelines.serve_app:app_builder` with `args:`.
+- `app`: an Application built from the environment ($SNAPREF_MODELS_DIR, $SNAPREF_ADAPTER), for
+  `serve run snapref_ray.pipelines.serve_app:app` and `serve build snapref_ray.pipelines.serve_app:app` (which needs a
+  built Application, not a builder). Built on first access, so importing the module is cheap.
+- `start_local(config)` / `stop_local()`: a local Ray + Serve on `config.host:config.port`.
+
+Under `serve run` / `serve deploy` the proxy binds what Serve's http_options say (serve.yaml);
+the ingress checks that address, not `config.host`, before it accepts to run without a token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import BackpressureConfig
+
+from snapref_ray.serve.config import ServeConfig
+from snapref_ray.serve.ingress import Ingress
+from snapref_ray.serve.references import ReferenceStore
+from snapref_ray.serve.renderer import RendererDeployment
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "snapref"
+# Seconds a replica's check_health may take: it only reads two timestamps, so 30 s means the
+# replica's event loop itself is blocked.
+HEALTH_CHECK_TIMEOUT_S = 30.0
+
+
+def _cluster_has_gpus() -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_app(config: ServeConfig) -> Application:
+    """The application: SnapRefIngress -> SnapRefRenderer (autoscaled, one per GPU) + ReferenceStore."""
+    config.check_security()
+    gpus = config.gpus_per_replica if config.gpus_per_replica is not None else (1.0 if _cluster_has_gpus() else 0.0)
+    retry = BackpressureConfig(status_code=503, retry_after_s=config.retry_after_s)
+    # A replica being stopped (downscale, redeploy) finishes what it holds first.
+    drain_s = config.request_timeout_s + 10.0
+    store = ReferenceStore.bind(config.reference_store_bytes)
+    renderer = RendererDeployment.options(
+        ray_actor_options={"num_cpus": config.cpus_per_replica, "num_gpus": gpus},
+        autoscaling_config={
+            "min_replicas": config.min_replicas,
+            "initial_replicas": max(config.min_replicas, 1),
+            "max_replicas": config.max_replicas,
+            "target_ongoing_requests": config.target_ongoing_requests,
+            "upscale_delay_s": config.upscale_delay_s,
+            "downscale_delay_s": config.downscale_delay_s,
+        },
+        max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
+        backpressure_config=retry,
+        health_check_period_s=config.health_check_period_s,
+        health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+        graceful_shutdown_timeout_s=drain_s,
+    ).bind(config, store)
+    return Ingress.options(
+        num_replicas=config.ingress_replicas,
+        max_ongoing_requests=config.ingress_max_ongoing_requests,
+        max_queued_requests=config.ingress_max_queued_requests,
+        backpressure_config=retry,
+        graceful_shutdown_timeout_s=drain_s,
+        ray_actor_options={"num_cpus": 0.5},
+    ).bind(config, renderer, store)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Serve application builder: `args` are ServeConfig fields (validated by the model)."""
+    return build_app(args if isinstance(args, ServeConfig) else ServeConfig.model_validate(dict(args)))
+
+
+def config_from_env() -> ServeConfig:
+    return ServeConfig(models_dir=os.environ.get("SNAPREF_MODELS_DIR", "models"),
+                       adapter=os.environ.get("SNAPREF_ADAPTER") or None)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        return build_app(config_from_env())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def start_local(config: ServeConfig, *, num_cpus: int | None = None, num_gpus: int | None = None) -> str:
+    """Start Ray (locally, unless already up), Serve's proxy on config.host:config.port, and the app.
+
+    Returns the base URL once every replica is ready.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False)
+    serve.start(http_options={"host": config.host, "port": config.port,
+                              "request_timeout_s": config.proxy_timeout_s()})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"http://{host}:{config.port}"
+
+
+def stop_local() -> None:
+    """Shut Serve down (replicas drain) and then Ray."""
+    import ray
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
