@@ -9,8 +9,6 @@ from snapref_ray.models.checkpoint import CheckpointError, load_into_module
 from snapref_ray.models.llm_adapter import LLMAdapter, LLMAdapterConfig
 from snapref_ray.models.ops import RMSNorm
 
-diffusers = pytest.importorskip("diffusers")
-
 
 def random_adapter(config: LLMAdapterConfig, seed: int) -> tuple[LLMAdapter, dict[str, torch.Tensor]]:
     """An adapter with seeded random weights, and its state dict (keys without `llm_adapter.`)."""
@@ -34,7 +32,9 @@ def random_adapter(config: LLMAdapterConfig, seed: int) -> tuple[LLMAdapter, dic
 
 
 def diffusers_adapter(config: LLMAdapterConfig, sd: dict[str, torch.Tensor]):
-    from diffusers import AnimaTextConditioner
+    """The oracle; only the parity test needs diffusers (skips by name without it)."""
+    AnimaTextConditioner = pytest.importorskip("diffusers", reason="the LLM adapter parity oracle needs diffusers"
+                                               ).AnimaTextConditioner
 
     model = AnimaTextConditioner(source_dim=config.source_dim, target_dim=config.model_dim,
                                  model_dim=config.model_dim, num_layers=config.num_blocks,

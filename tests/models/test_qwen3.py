@@ -51,8 +51,8 @@ def ids() -> torch.Tensor:
     return torch.randint(0, PARITY_VOCAB, (2, 37), generator=torch.Generator().manual_seed(0))
 
 
-def test_real_size_config_builds_exactly_the_checkpoint_layout(shared_dir):
-    expected = read_key_listing(shared_dir / "ref-keys" / "keys-qwen3-0.6b.txt")
+def test_real_size_config_builds_exactly_the_checkpoint_layout(ref_keys_dir):
+    expected = read_key_listing(ref_keys_dir / "keys-qwen3-0.6b.txt")
     with torch.device("meta"):
         model = Qwen3Encoder(QWEN3_06B)
     found = {"model." + k: list(p.shape) for k, p in model.named_parameters()}

@@ -12,8 +12,8 @@ def meta_model(num_blocks: int) -> AnimaDiT:
         return AnimaDiT(real_dit_config(num_blocks))
 
 
-def test_keys_and_shapes_equal_the_comfyui_dump(shared_dir):
-    expected = (shared_dir / "ref-keys" / "keys-anima-dit-comfyui.txt").read_text().splitlines()
+def test_keys_and_shapes_equal_the_comfyui_dump(ref_keys_dir):
+    expected = (ref_keys_dir / "keys-anima-dit-comfyui.txt").read_text().splitlines()
     ours = [f"{key}\t{list(p.shape)}" for key, p in meta_model(28).named_parameters()]
     assert len(expected) == 685
     assert ours == expected  # same keys, shapes and order
@@ -28,8 +28,8 @@ def test_parameter_counts():
     assert sum(p.numel() for p in meta_model(40).parameters()) == 2_921_547_264
 
 
-def test_config_inferred_from_real_shapes(shared_dir):
-    lines = (shared_dir / "ref-keys" / "keys-anima-dit-comfyui.txt").read_text().splitlines()
+def test_config_inferred_from_real_shapes(ref_keys_dir):
+    lines = (ref_keys_dir / "keys-anima-dit-comfyui.txt").read_text().splitlines()
     sd = {}
     for line in lines:
         key, shape = line.split("\t")

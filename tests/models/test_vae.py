@@ -15,7 +15,7 @@ from snapref_ray.models.latent_format import process_out
 from snapref_ray.models.tiny_vae import make_tiny_vae, make_tiny_vae_state_dict, random_vae_state_dict
 from snapref_ray.models.vae import CausalConv3d, VAEConfig, WanVAE, infer_vae_config, load_vae
 
-REF_KEYS = Path("/work/shared/ref-keys/keys-qwen-image-vae-comfyui.txt")
+REF_KEYS = Path(__file__).resolve().parents[1] / "data" / "ref-keys" / "keys-qwen-image-vae-comfyui.txt"
 REAL_PARAMS = 126_892_531
 
 
