@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -67,3 +68,75 @@ def test_corrections_change_only_the_guided_estimate(correction):
     base = {Row.COND: dc, Row.UNCOND: du}
     assert torch.equal(Combiner(RenderSettings(cfg=4.0, correction=correction))(x, torch.tensor(0.9), plan_default, base),
                        Combiner(RenderSettings(cfg=4.0, correction="none"))(x, torch.tensor(0.9), plan_default, base))
+
+
+# --- float64 re-derivation of the combination (snapref-adapter.md §5, anima-model.md §6.7, §6.8) ----------------
+# Written with numpy and explicit per-(row, channel) loops, apart from the torch code it checks.
+
+def _apg_np(delta: np.ndarray, along: np.ndarray, eta: float, threshold: float) -> np.ndarray:
+    """Per (row, channel): clip g's L2 norm over (T, H, W) to `threshold`, then g_perp + eta * g_par w.r.t. `along`."""
+    out = np.empty_like(delta)
+    for b in range(delta.shape[0]):
+        for c in range(delta.shape[1]):
+            g = delta[b, c].ravel()
+            if threshold > 0:
+                g = g * min(1.0, threshold / np.sqrt(g @ g))
+            u = along[b, c].ravel() / max(np.sqrt(along[b, c].ravel() @ along[b, c].ravel()), 1e-12)
+            parallel = (g @ u) * u
+            out[b, c] = (g - parallel + eta * parallel).reshape(delta.shape[2:])
+    return out
+
+
+def _rescale_np(x: np.ndarray, sigma: float, guided: np.ndarray, cond: np.ndarray, phi: float) -> np.ndarray:
+    """RescaleCFG's std matching in ComfyUI's v space; unbiased std over (C, T, H) per (row, column W)."""
+    root = np.sqrt(sigma ** 2 + 1.0)
+    x_in = x / (sigma ** 2 + 1.0)
+    v_guided = (x_in - guided) * root / sigma
+    v_cond = (x_in - cond) * root / sigma
+    out = np.empty_like(x)
+    for b in range(x.shape[0]):
+        for w in range(x.shape[-1]):
+            ratio = v_cond[b, ..., w].std(ddof=1) / v_guided[b, ..., w].std(ddof=1)
+            v = phi * v_guided[b, ..., w] * ratio + (1 - phi) * v_guided[b, ..., w]
+            out[b, ..., w] = x_in[b, ..., w] - v * sigma / root
+    return out
+
+
+def _expected(x, sigma, dc, du, dn, cfg_scale, ref_guidance, cfg_correction, correction):
+    if cfg_correction == "apg":  # ComfyUI's APG node: D_c + s * g' (eta 1, threshold 5, no momentum)
+        out = dc + cfg_scale * _apg_np(dc - du, dc, 1.0, 5.0)
+    elif cfg_correction == "rescale":  # RescaleCFG 0.7 on the text CFG
+        out = _rescale_np(x, sigma, du + cfg_scale * (dc - du), dc, 0.7)
+    else:
+        out = du + cfg_scale * (dc - du)
+    delta = dc - dn
+    if correction == "apg":  # the reference delta: orthogonal part only (eta 0), after the norm clip of 5
+        delta = _apg_np(delta, dc, 0.0, 5.0)
+    out = out + (ref_guidance - 1.0) * delta
+    if correction == "rescale":  # phi 0.5, pulling the whole guided estimate's std to D_c,ref's
+        out = _rescale_np(x, sigma, out, dc, 0.5)
+    return out
+
+
+@pytest.mark.parametrize("cfg_correction", ["none", "apg", "rescale"])
+@pytest.mark.parametrize("correction", ["none", "apg", "rescale"])
+def test_reference_guidance_matches_a_float64_rederivation(correction, cfg_correction):
+    rng = np.random.default_rng(7)
+    shape = (2, 16, 1, 6, 5)
+    # Per-channel scales so that the norm clip of 5 acts on some channels and not on others.
+    scales = np.linspace(0.1, 3.0, 16).reshape(1, 16, 1, 1, 1)
+    x, dc, du, dn = (rng.standard_normal(shape) * scales for _ in range(4))
+    dn = dc + 0.8 * (dn - dc)
+    sigma = 0.7
+    s = RenderSettings(cfg=4.5, ref_guidance=2.5, correction=correction, cfg_correction=cfg_correction)
+    plan = plan_step(s, sigma, True)
+    assert plan.ref_guidance_active
+    x, dc, du, dn = (a.astype(np.float32) for a in (x, dc, du, dn))  # the sampler's dtype
+    t = torch.from_numpy
+    got = Combiner(s)(t(x), torch.tensor(sigma), plan, {Row.COND: t(dc), Row.UNCOND: t(du), Row.COND_NOREF: t(dn)})
+    x64, dc64, du64, dn64 = (a.astype(np.float64) for a in (x, dc, du, dn))
+    want = _expected(x64, sigma, dc64, du64, dn64, 4.5, 2.5, cfg_correction, correction)
+    assert np.abs(got.double().numpy() - want).max() <= 1e-5 * np.abs(want).max()
+    # The clip really acted on part of the channels (so the check covers both branches of min(1, 5/n)).
+    norms = np.sqrt(((dc - dn) ** 2).sum(axis=(2, 3, 4)))
+    assert (norms > 5).any() and (norms < 5).any()
