@@ -1,10 +1,12 @@
 """Initial noise and the flow model's noise scaling.
 
-Every batch row gets its own CPU generator seeded with that row's seed, so an image depends only
-on its own seed, never on what it was batched with (the batch jobs rely on this). For a single
-row this is exactly ComfyUI's `prepare_noise` (`torch.manual_seed(seed)` then one CPU float32
-`torch.randn` of the latent's shape); for B > 1 ComfyUI instead draws one tensor for the whole
-batch from the first seed, so batched ComfyUI images are not reproduced row by row.
+Two seed forms, as the samplers take them:
+- one int seed: exactly ComfyUI's `prepare_noise` for the whole batch — `torch.manual_seed(seed)`,
+  then ONE CPU float32 `torch.randn` of the batch's latent shape [B, ...], so row b > 0 depends on
+  the batch size and position (that is what a ComfyUI batch of B images does);
+- one seed per row: row b comes from its own CPU generator seeded with seeds[b], so an image
+  depends only on its own seed, never on what it was batched with (the batch jobs rely on this).
+For a single row both forms give the same draw.
 """
 
 from __future__ import annotations
@@ -14,15 +16,22 @@ from collections.abc import Sequence
 import torch
 
 
-def initial_noise(seeds: Sequence[int], shape_CHW_or_CTHW: Sequence[int],
-                  device: torch.device | str = "cpu") -> torch.Tensor:
-    """Standard normal noise [len(seeds), *shape], row b drawn on the CPU from seeds[b]; then moved to `device`."""
+def initial_noise(seeds: int | Sequence[int], shape_CHW_or_CTHW: Sequence[int],
+                  device: torch.device | str = "cpu", *, batch: int = 1) -> torch.Tensor:
+    """Standard normal noise [B, *shape] drawn on the CPU, then moved to `device`.
+
+    seeds: one int (ComfyUI's batch noise, B = `batch`) or one seed per row (B = len(seeds)).
+    """
+    shape = tuple(shape_CHW_or_CTHW)
+    if isinstance(seeds, int):
+        generator = torch.Generator().manual_seed(seeds)
+        return torch.randn((batch, *shape), dtype=torch.float32, generator=generator).to(device)
     if len(seeds) == 0:
         raise ValueError("initial_noise needs at least one seed")
     rows = []
     for seed in seeds:
         generator = torch.Generator().manual_seed(int(seed))
-        rows.append(torch.randn(tuple(shape_CHW_or_CTHW), dtype=torch.float32, generator=generator))
+        rows.append(torch.randn(shape, dtype=torch.float32, generator=generator))
     return torch.stack(rows).to(device)
 
 

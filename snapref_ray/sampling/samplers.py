@@ -6,10 +6,10 @@ composition in the caller). Both samplers reproduce ComfyUI's `sample_euler` (s_
 anima-model.md §6.5/§6.6.
 
 Seeds of er_sde. ComfyUI seeds one generator with the KSampler seed (seed + 1 when x is on the CPU)
-and draws one randn of the whole batch per stochastic step. Here every batch row has its own
-generator (seeded the same way from that row's seed) and draws its own row, so a row does not depend
-on its batch neighbours. For one row both are the same stream. With a single int seed every row uses
-that seed (identical noise in every row), which differs from ComfyUI for B > 1; pass one seed per row.
+and draws one randn of the whole batch per stochastic step: that is what one int seed does here.
+A list of seeds gives every batch row its own generator (seeded the same way from that row's seed)
+drawing its own row, so a row does not depend on its batch neighbours (what batch jobs need). For
+one row both are the same stream.
 """
 
 from __future__ import annotations
@@ -27,27 +27,24 @@ ER_SDE_POINTS = 200  # integration points of the stage-2/3 integrals
 ER_SDE_FIRST_SIGMA_PERCENT = 1e-4  # σ0 = 1 has an infinite λ; ComfyUI starts from percent_to_sigma(1e-4)
 
 
-class RowNoise:
-    """Per-row standard-normal draws: row b comes from its own generator seeded with seeds[b]."""
+class StepNoise:
+    """er_sde's standard-normal draws: one generator for the whole batch (an int seed, as ComfyUI),
+    or one generator per row (a list of seeds, row b seeded with seeds[b])."""
 
-    def __init__(self, x: torch.Tensor, seeds: Sequence[int]) -> None:
-        if len(seeds) != x.shape[0]:
-            raise ValueError(f"got {len(seeds)} seeds for a batch of {x.shape[0]} rows")
+    def __init__(self, x: torch.Tensor, seed: int | Sequence[int]) -> None:
         # ComfyUI's default_noise_sampler adds 1 on the CPU so the step noise is not the initial noise.
         offset = 1 if x.device.type == "cpu" else 0
-        self.generators = [torch.Generator(device=x.device).manual_seed(int(s) + offset) for s in seeds]
-        self.row_shape = tuple(x.shape[1:])
+        seeds = [seed] if isinstance(seed, int) else [int(s) for s in seed]
+        if not isinstance(seed, int) and len(seeds) != x.shape[0]:
+            raise ValueError(f"got {len(seeds)} seeds for a batch of {x.shape[0]} rows")
+        self.generators = [torch.Generator(device=x.device).manual_seed(s + offset) for s in seeds]
+        self.whole_batch = isinstance(seed, int)
+        self.shape = tuple(x.shape) if self.whole_batch else tuple(x.shape[1:])
         self.device, self.dtype = x.device, x.dtype
 
     def draw(self) -> torch.Tensor:
-        return torch.stack([torch.randn(self.row_shape, generator=g, device=self.device, dtype=self.dtype)
-                            for g in self.generators])
-
-
-def _row_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
-    if isinstance(seed, int):
-        return [seed] * batch
-    return [int(s) for s in seed]
+        draws = [torch.randn(self.shape, generator=g, device=self.device, dtype=self.dtype) for g in self.generators]
+        return draws[0] if self.whole_batch else torch.stack(draws)
 
 
 def sample_euler(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor,
@@ -81,7 +78,7 @@ def sample_er_sde(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed
         sigmas = sigmas.clone()
         sigmas[0] = percent_to_sigma(ER_SDE_FIRST_SIGMA_PERCENT, shift)
     lambdas = torch.logit(sigmas).exp()  # λ = σ/(1−σ) = σ/α; λ_N = 0 at σ = 0
-    noise = RowNoise(x, _row_seeds(seed, x.shape[0]))
+    noise = StepNoise(x, seed)
     point_index = torch.arange(0, ER_SDE_POINTS, dtype=torch.float32, device=x.device)
 
     steps = len(sigmas) - 1
@@ -126,7 +123,8 @@ def sample(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, sampler: st
            shift: float = DEFAULT_SHIFT) -> torch.Tensor:
     """Run `sampler` from x (already noised for sigmas[0]) down the schedule; returns the final x.
 
-    `seed` (one int, or one per batch row) drives the stochastic samplers only; euler ignores it.
+    `seed` drives the stochastic samplers only (euler ignores it): one int draws the whole batch from one
+    generator as ComfyUI does; a list gives each row its own generator (batch-invariant rows).
     `callback(step_index, total_steps)` is called after each step.
     """
     if sampler == "euler":

@@ -38,6 +38,26 @@ def euler_reference(x, sigmas, c, k):
     return x
 
 
+# ---- ComfyUI's noise, constructed as ComfyUI does it (comfy/sample.py, comfy/k_diffusion/sampling.py) ----------
+def comfyui_prepare_noise(seed: int, shape_BCTHW) -> torch.Tensor:
+    """`prepare_noise`: the GLOBAL CPU generator seeded with torch.manual_seed, one randn of the whole batch."""
+    saved = torch.get_rng_state()
+    try:
+        generator = torch.manual_seed(seed)
+        return torch.randn(shape_BCTHW, dtype=torch.float32, layout=torch.strided, generator=generator, device="cpu")
+    finally:
+        torch.set_rng_state(saved)
+
+
+def comfyui_noise_sampler(x: torch.Tensor, seed: int):
+    """`default_noise_sampler(x, seed)`: a generator on x's device, seed + 1 on the CPU, randn(x.size()) per call."""
+    if x.device == torch.device("cpu"):
+        seed += 1
+    generator = torch.Generator(device=x.device)
+    generator.manual_seed(seed)
+    return lambda: torch.randn(x.size(), dtype=torch.float32, layout=x.layout, device=x.device, generator=generator)
+
+
 def er_sde_reference(x, sigmas, c, k, seeds):
     """ER-SDE-3 step by step in float64: λ = σ/(1−σ), α = 1−σ, ns(λ) = λ(e^{λ^0.3} + 10)."""
     sig = list(sigmas)
@@ -49,7 +69,11 @@ def er_sde_reference(x, sigmas, c, k, seeds):
     def ns(v):
         return v * (math.exp(v ** 0.3) + 10)
 
-    generators = [torch.Generator().manual_seed(s + 1) for s in seeds]  # CPU: seed + 1
+    if isinstance(seeds, int):  # ComfyUI: one generator, one randn of the whole batch per step
+        draw_noise = comfyui_noise_sampler(x, seeds)
+    else:  # one generator per row, CPU: seed + 1
+        generators = [torch.Generator().manual_seed(s + 1) for s in seeds]
+        draw_noise = lambda: torch.stack([torch.randn(ROW_SHAPE, generator=g) for g in generators])  # noqa: E731
     x = x.double()
     prev_d = prev_dd = None
     for i in range(len(sig) - 1):
@@ -72,7 +96,7 @@ def er_sde_reference(x, sigmas, c, k, seeds):
                 x = x + alpha[i + 1] * (delta ** 2 / 2 + s2 * ns(lam[i + 1])) * ddd
             prev_dd = dd
         var = lam[i + 1] ** 2 - lam[i] ** 2 * r ** 2
-        eps = torch.stack([torch.randn(ROW_SHAPE, generator=g) for g in generators]).double()
+        eps = draw_noise().double()
         x = x + alpha[i + 1] * eps * (math.sqrt(var) if var > 0 else 0.0)
         prev_d = d
     return x
@@ -147,12 +171,23 @@ def test_er_sde_per_row_seeds_equal_separate_runs():
     assert torch.allclose(batch.double(), ref, rtol=1e-4, atol=1e-5)
 
 
-def test_er_sde_single_int_seed_is_shared_by_all_rows():
+def test_one_int_seed_draws_the_initial_batch_noise_like_comfyui():
+    shape = (3, *ROW_SHAPE)
+    noise = initial_noise(8, ROW_SHAPE, batch=3)
+    assert torch.equal(noise, comfyui_prepare_noise(8, shape))
+    assert not torch.equal(noise[0], noise[1])  # rows of one ComfyUI batch differ
+    assert torch.equal(initial_noise(8, ROW_SHAPE), initial_noise([8], ROW_SHAPE))  # one row: both forms agree
+
+
+def test_er_sde_one_int_seed_draws_the_batch_from_one_generator_like_comfyui():
     sigmas = get_sigmas("simple", 5)
-    x = start([8, 8])  # identical rows
+    x = comfyui_prepare_noise(8, (3, *ROW_SHAPE))
     out = sample_er_sde(Recorder(), x, sigmas, seed=8)
-    assert torch.equal(out[0], out[1])
-    assert torch.equal(out[:1], sample_er_sde(Recorder(), start([8]), sigmas, seed=8))
+    ref = er_sde_reference(x, sigmas.double().tolist(), 0.6, 0.25, 8)
+    assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-5), (out.double() - ref).abs().max()
+    # Not the per-row streams: a list of the same seed draws every row from its own copy of one stream.
+    per_row = sample_er_sde(Recorder(), x, sigmas, seed=[8, 8, 8])
+    assert not torch.allclose(out, per_row)
 
 
 def test_er_sde_seed_count_must_match_batch():
