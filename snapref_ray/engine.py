@@ -21,6 +21,7 @@ from snapref_ray.adapter.file import load_adapter
 from snapref_ray.adapter.images import content_hash, image_to_pixels, prepare_reference
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.models.bundle import ModelFiles, resolve_model_files
+from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.conditioning import PromptEncoder
 from snapref_ray.models.dit import load_dit
 from snapref_ray.models.latent_format import process_in, process_out
@@ -73,7 +74,7 @@ class Renderer:
 
     def __init__(self, files: ModelFiles, *, adapter: str | Path | None = None,
                  loras: Sequence[tuple[str | Path, float]] = (), device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, compile: bool = False) -> None:
         auto_device, auto_dtype = default_device_and_dtype()
         self.device = torch.device(device) if device is not None else auto_device
         self.dtype = dtype or (auto_dtype if self.device.type == "cuda" else torch.float32)
@@ -91,10 +92,14 @@ class Renderer:
         if adapter_path is not None:
             self.adapter = BoundAdapter.bind(load_adapter(adapter_path), self.dit.config.num_blocks,
                                              self.device, self.dtype)
+        # The DiT forward every sampling step calls: the module itself, or its compiled graphs
+        # (models/compiled.py: one per resolution / row layout, built at warm-up or first use).
+        self.compiled = compile
+        self.forward: Callable[..., torch.Tensor] = compile_forward(self.dit) if compile else self.dit
         self.model_id = f"{Path(files.dit).name}" + (f"+{len(loras)} LoRA" if loras else "")
         self.load_seconds = time.perf_counter() - t0
-        log.info("loaded %s on %s (%s) in %.1f s%s", files.dit, self.device, self.dtype, self.load_seconds,
-                 f" with adapter {adapter_path}" if adapter_path else "")
+        log.info("loaded %s on %s (%s) in %.1f s%s%s", files.dit, self.device, self.dtype, self.load_seconds,
+                 f" with adapter {adapter_path}" if adapter_path else "", ", DiT compiled" if compile else "")
 
     @classmethod
     def from_folder(cls, models_dir: str | Path, **kwargs) -> "Renderer":
@@ -277,15 +282,21 @@ class Renderer:
         n = x_B.shape[0]
         rows_x = x_B.repeat(len(plan.rows), 1, 1, 1, 1)
         contexts = [ctx for row in plan.rows for ctx in ctx_for[row]]
-        reads = torch.tensor([read for read in plan.reads for _ in range(n)], device=self.device)
-        v = torch.empty_like(rows_x)
-        for length in sorted({c.shape[1] for c in contexts}):
-            idx = [i for i, c in enumerate(contexts) if c.shape[1] == length]
-            refs = None
-            if refkv is not None and bool(reads[idx].any()):
-                refs = refkv.reads(reads[idx], weights)
-            v[idx] = self.dit(rows_x[idx].to(self.dtype), sigma.to(self.device, torch.float32).expand(len(idx)),
-                              torch.cat([contexts[i] for i in idx]), loras=target_loras, refs=refs).float()
+        reads = [read for read in plan.reads for _ in range(n)]  # host data: the forward never reads it back
+        sigma_rows = sigma.to(self.device, torch.float32).reshape(1).expand(len(contexts))
+        lengths = sorted({c.shape[1] for c in contexts})
+        if len(lengths) == 1:  # the usual case: one forward over every row, no gathers
+            refs = refkv.reads(tuple(reads), weights) if refkv is not None and any(reads) else None
+            v = self.forward(rows_x.to(self.dtype), sigma_rows, torch.cat(contexts), loras=target_loras,
+                             refs=refs).float()
+        else:
+            v = torch.empty_like(rows_x)
+            for length in lengths:
+                idx = [i for i, c in enumerate(contexts) if c.shape[1] == length]
+                group_reads = tuple(reads[i] for i in idx)
+                refs = refkv.reads(group_reads, weights) if refkv is not None and any(group_reads) else None
+                v[idx] = self.forward(rows_x[idx].to(self.dtype), sigma_rows[: len(idx)],
+                                      torch.cat([contexts[i] for i in idx]), loras=target_loras, refs=refs).float()
         d_rows = rows_x - sigma * v  # flow matching, CONST: D = x - sigma * v
         return dict(zip(plan.rows, d_rows.split(n)))
 
