@@ -248,12 +248,14 @@ class Renderer:
         target_loras = bound.target_loras() if bound is not None else None
         weights = bound.read_weights(s.mode, s.ref_weight) if bound is not None else None
 
+        reads_cache: dict = {}
+
         def denoise(x_B: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             plan = plan_step(s, float(sigma), has_reference)
             step_kv = refkv
             if prepared is not None and (step_kv is None or s.recompute_reference_every_step):
                 step_kv = self._run_reference_stream(prepared, grid)  # the pilot-style baseline
-            denoised = self.denoise_rows(x_B, sigma, plan, ctx_for, step_kv, weights, target_loras)
+            denoised = self.denoise_rows(x_B, sigma, plan, ctx_for, step_kv, weights, target_loras, reads_cache)
             return combine(x_B, sigma, plan, denoised)
 
         t1 = time.perf_counter()
@@ -271,12 +273,13 @@ class Renderer:
 
     def denoise_rows(self, x_B: torch.Tensor, sigma: torch.Tensor, plan: StepPlan,
                      ctx_for: dict[Row, list[torch.Tensor]], refkv: RefKV | None, weights: list[float] | None,
-                     target_loras: list | None) -> dict[Row, torch.Tensor]:
+                     target_loras: list | None, reads_cache: dict | None = None) -> dict[Row, torch.Tensor]:
         """One batched DiT forward over every row kind of the step; denoised estimate per kind.
 
         x_B: [n, 16, 1, h, w] fp32; ctx_for: per row kind, one [1, L, C] context per request.
         Rows are stacked kind by kind ([COND x n, UNCOND x n, ...]); only the attention seam sees
-        which of them read the reference. Contexts of different lengths (prompts over 512 T5
+        which of them read the reference. `reads_cache` (one dict per render) keeps the RefReads
+        of each row layout, so they are built once per render, not once per step. Contexts of different lengths (prompts over 512 T5
         tokens) run as one forward per length.
         """
         n = x_B.shape[0]
@@ -286,7 +289,7 @@ class Renderer:
         sigma_rows = sigma.to(self.device, torch.float32).reshape(1).expand(len(contexts))
         lengths = sorted({c.shape[1] for c in contexts})
         if len(lengths) == 1:  # the usual case: one forward over every row, no gathers
-            refs = refkv.reads(tuple(reads), weights) if refkv is not None and any(reads) else None
+            refs = self._reads(refkv, tuple(reads), weights, reads_cache)
             v = self.forward(rows_x.to(self.dtype), sigma_rows, torch.cat(contexts), loras=target_loras,
                              refs=refs).float()
         else:
@@ -294,11 +297,25 @@ class Renderer:
             for length in lengths:
                 idx = [i for i, c in enumerate(contexts) if c.shape[1] == length]
                 group_reads = tuple(reads[i] for i in idx)
-                refs = refkv.reads(group_reads, weights) if refkv is not None and any(group_reads) else None
+                refs = self._reads(refkv, group_reads, weights, reads_cache)
                 v[idx] = self.forward(rows_x[idx].to(self.dtype), sigma_rows[: len(idx)],
                                       torch.cat([contexts[i] for i in idx]), loras=target_loras, refs=refs).float()
         d_rows = rows_x - sigma * v  # flow matching, CONST: D = x - sigma * v
         return dict(zip(plan.rows, d_rows.split(n)))
+
+    @staticmethod
+    def _reads(refkv: RefKV | None, rows: tuple[bool, ...], weights: list[float] | None,
+               cache: dict | None) -> list | None:
+        if refkv is None or not any(rows):
+            return None
+        key = (id(refkv.kv_N2HLD), rows)  # a recomputed RefKV is a new tensor, so a new entry
+        if cache is None:
+            return refkv.reads(rows, weights)
+        if key not in cache:
+            if any(k[0] != key[0] for k in cache):
+                cache.clear()  # keep only the current RefKV's reads (recompute-every-step makes one per step)
+            cache[key] = refkv.reads(rows, weights)
+        return cache[key]
 
     @torch.inference_mode()
     def decode(self, latent_B_C_T_H_W: torch.Tensor) -> list[Image.Image]:
