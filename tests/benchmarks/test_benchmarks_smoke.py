@@ -166,3 +166,26 @@ def test_interleaved_rotates_the_order_and_drops_warmup():
     assert calls == list("abc" "bca" "cab" "abc")
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
     assert paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0
+
+
+@pytest.mark.slow
+def test_orchestration_smoke_measures_busy_fraction_with_and_without_overlap(capsys):
+    """Real Ray, real PNG encoding, real uploads to a SeaweedFS S3 server, both output modes."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("orchestration", Path(__file__).parents[2] / "benchmarks" /
+                                                  "orchestration.py")
+    orchestration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(orchestration)
+    result = orchestration.main(["--smoke"])
+
+    assert json.loads(capsys.readouterr().out) == result
+    assert [(r["output_overlap"], r["output"]) for r in result["runs"]] == [(True, "s3"), (False, "s3")]
+    for run in result["runs"]:
+        assert run["images"] == run["references"] * 8 and run["max_encodes_per_reference"] == 1
+        assert 0 < run["workers_busy"] <= 1
+    (overlap,) = result["overlap"]
+    assert set(overlap) == {"workers", "prompts_per_reference", "workers_busy_with_overlap",
+                            "workers_busy_without_overlap", "images_per_s_with_overlap",
+                            "images_per_s_without_overlap"}
