@@ -100,8 +100,10 @@ CPU_TARGET_FIELDS = ("measured_cpu_time",)
 class StepBench:
     """The engine's step for every setting, on a Renderer holding only a DiT and a bound adapter."""
 
-    def __init__(self, geo: StepsGeometry, device: torch.device, dtype: torch.dtype, *, compile: bool = False) -> None:
-        self.geo, self.device, self.dtype = geo, device, dtype
+    def __init__(self, geo: StepsGeometry, device: torch.device, dtype: torch.dtype, *, compile: bool = False,
+                 batch: int = 1) -> None:
+        """`batch`: images (requests) per step, each with its cond/uncond rows; `compile`: forward compiled."""
+        self.geo, self.device, self.dtype, self.batch = geo, device, dtype, batch
         g = geo.dit
         renderer = Renderer.__new__(Renderer)  # no text encoder / VAE: the step does not use them
         renderer.device, renderer.dtype = device, dtype
@@ -116,11 +118,11 @@ class StepBench:
 
         gen = torch.Generator().manual_seed(1)
         h, w = g.latent_hw
-        self.x = torch.randn(1, 16, 1, h, w, generator=gen).to(device)  # the sampler's latent stays fp32
+        self.x = torch.randn(batch, 16, 1, h, w, generator=gen).to(device)  # the sampler's latent stays fp32
         self.sigma = torch.tensor(SIGMA, device=device)
         ctx = torch.randn(2, g.context_rows, g.context_dim, generator=gen).to(device, dtype)
         # Per row kind, one [1, S, C] context per request (one request here), as _render_batch builds it.
-        self.ctx_for = {Row.COND: [ctx[:1]], Row.UNCOND: [ctx[1:]], Row.COND_NOREF: [ctx[:1]]}
+        self.ctx_for = {Row.COND: [ctx[:1]] * batch, Row.UNCOND: [ctx[1:]] * batch, Row.COND_NOREF: [ctx[:1]] * batch}
         ref_latent = torch.randn(1, 16, geo.ref_height_px // 8, geo.ref_width_px // 8, generator=gen).to(device)
         ref_context = torch.randn(1, g.context_rows, g.context_dim, generator=gen).to(device)
         self.prepared = _PreparedReference((ref_latent,), ref_context, "benchmark-reference")

@@ -8,6 +8,7 @@ actor runs two calls at once (`max_concurrency=2`) and a lock keeps the device t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -20,6 +21,7 @@ from dataclasses import dataclass, replace
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.adapter.refkv_cache import RefKVCache
 from snapref_ray.cluster.metrics import job_metrics
+from snapref_ray.cluster.batch_fit import BatchFitter
 from snapref_ray.cluster.output_writer import OutputWriter
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.requests import RenderRequest
@@ -97,6 +99,7 @@ class RenderWorker:
         self.cache = RefKVCache(config.refkv_cache_bytes)
         self._device_lock = threading.Lock()
         self.writer = OutputWriter(config.output_threads)
+        self.batch_fit = BatchFitter(getattr(self.renderer, "device", None))
         self._stored_references: set[str] = set()
         self.metrics = job_metrics()
         self.tags = {"worker": self.worker_id}
@@ -155,7 +158,7 @@ class RenderWorker:
         try:
             t0 = time.perf_counter()
             with self._device_lock:
-                results = self.renderer.render(requests, refkv=kv)
+                results = self._render_fitted(requests, kv)
                 sample_wall = time.perf_counter() - t0
                 if not self.writer.overlaps:  # no output threads: store while the device waits
                     stores = self._submit_stores(task, results, kv, started)
@@ -174,6 +177,22 @@ class RenderWorker:
             except Exception as e:
                 outcomes.append(ItemOutcome(item.item_id, error=_describe(e), stage="write", refkv_source=source))
         return outcomes
+
+    def _render_fitted(self, requests: list[RenderRequest], kv: RefKV) -> list:
+        """Render in chunks of the largest batch that fits this resolution on the device (CPU: all at once)."""
+        s = requests[0].settings
+        rows = 1 + (s.cfg != 1.0) + (s.ref_guidance != 1.0 and s.ref_weight > 0)
+        probe_request = RenderRequest(prompt="batch-size probe", settings=s.model_copy(update={"steps": 1}))
+        limit = self.batch_fit.limit(s.width, s.height, rows, len(requests),
+                                     probe=lambda: self.renderer.render([probe_request], refkv=kv))
+        results = []
+        for start in range(0, len(requests), limit):
+            results += self.renderer.render(requests[start:start + limit], refkv=kv)
+        return results
+
+    def batch_limits(self) -> list[dict]:
+        """The batch this worker chose per resolution (empty on a CPU worker)."""
+        return [dataclasses.asdict(limit) for limit in self.batch_fit.limits.values()]
 
     def _submit_stores(self, task: RenderTask, results: list, kv: RefKV, started: float) -> list:
         return self.writer.submit_all([functools.partial(self._store, task, item, result, kv, started)
