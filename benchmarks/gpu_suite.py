@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        f"{args.budget_s:.0f} s budget)")
     else:
         eager_forward = bench.renderer.forward
-        bench.renderer.forward = compile_forward(bench.renderer.dit, mode=args.compile_mode)
+        bench.renderer.forward = compile_forward(bench.renderer.dit, mode=args.compile_mode,
+                                                 backend=args.compile_backend)
         try:
             _reset_peak(device)
             compiled_cases = {name: bench.step_fn(name) for name in ("no_reference", "snapref_default")}
@@ -163,7 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, fn in _EXTRA_ROWS.items():
         extra[name] = fn(SuiteContext(bench, args, device))
     memory["peak"] = max(memory.values())
-    return {"benchmark": "gpu_suite", "geometry": {**geo.dit.describe(), "name": geo.dit.name,
+    return {"benchmark": "gpu_suite", "compile_backend": None if args.no_compile else args.compile_backend,
+            "geometry": {**geo.dit.describe(), "name": geo.dit.name,
                                                    "ref_tokens": geo.ref_tokens},
             "device": device.type, "dtype": str(dtype).removeprefix("torch."), "read_form": read_form(),
             "batch": args.batch, "rounds": args.rounds, "peak_tflops": args.peak_tflops,
@@ -222,13 +224,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense peak for %% of peak (default 989 on CUDA = H100/H200 SXM bf16; none on CPU)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: inductor's default)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend (the smoke run uses 'eager': dynamo's full-graph trace, no codegen)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--budget-s", type=float, default=420.0, help="compiled phases only if eager took < half of it")
     p.add_argument("--out-dir", default="gpu-suite", help="writes gpu_suite.json and gpu_suite.md here")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny geometry, 1 round, compiled included")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, tiny geometry, 1 round, the compiled phase traced with the 'eager' backend")
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.geometry, args.rounds, args.batch = args.device or "cpu", "smoke", 1, args.batch or 1
+        args.compile_backend = "eager"  # an inductor compile costs minutes on a small CPU
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     args.device = args.device or ("cuda" if cuda else "cpu")
     args.geometry = args.geometry or ("real" if cuda else "scaled")

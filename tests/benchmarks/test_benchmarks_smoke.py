@@ -189,3 +189,47 @@ def test_orchestration_smoke_measures_busy_fraction_with_and_without_overlap(cap
     assert set(overlap) == {"workers", "prompts_per_reference", "workers_busy_with_overlap",
                             "workers_busy_without_overlap", "images_per_s_with_overlap",
                             "images_per_s_without_overlap"}
+
+
+@pytest.mark.slow
+def test_attention_forms_smoke_agree_and_report_every_form(capsys):
+    from benchmarks import attention_forms
+
+    table = attention_forms.main(["--smoke"])
+    assert json.loads(capsys.readouterr().out) == table
+    assert set(attention_forms.FIELDS) <= set(table)
+    assert list(table["settings"]) == list(attention_forms.SETTINGS)
+    for name, setting in table["settings"].items():
+        assert set(attention_forms.SETTING_FIELDS) <= set(setting), name
+        assert set(setting["seconds"]) == {"lse", "flex", "concat"}
+        assert max(setting["max_abs_diff_to_concat"].values()) < 1e-5, name  # the forms compute one thing
+
+
+@pytest.mark.slow
+def test_gpu_suite_smoke_writes_json_and_markdown(tmp_path, capsys):
+    from benchmarks import gpu_suite
+
+    result = gpu_suite.main(["--smoke", "--out-dir", str(tmp_path)])
+    assert json.loads((tmp_path / "gpu_suite.json").read_text()) == json.loads(json.dumps(result))
+    assert set(gpu_suite.FIELDS) <= set(result)
+    assert set(result["step"]) == {"eager", "compiled", "compiled_speedup"} and not result["skipped"]
+    assert set(result["snapref"]) == {"no_reference", "snapref_default", "ref_in_uncond", "ref_guidance",
+                                      "recompute_every_step", "char_mode"}
+    assert result["snapref"]["no_reference"]["ratio_to_no_reference"] == 1.0
+    assert result["images_per_gpu_hour"]["images_per_gpu_hour"] > 0 and result["memory"]["peak"] > 0
+    markdown = (tmp_path / "gpu_suite.md").read_text()
+    assert "Images per GPU-hour" in markdown and "| snapref_default | 2 | 1 |" in markdown
+
+
+def test_gpu_suite_takes_extra_rows(tmp_path, capsys):
+    """The hook ArcAnima's rows will use: a registered function's figures land in JSON and Markdown."""
+    from benchmarks import gpu_suite
+
+    gpu_suite.register_rows("ArcAnima (example)", lambda ctx: {"blocks": ctx.bench.geo.dit.num_blocks})
+    try:
+        result = gpu_suite.main(["--smoke", "--no-compile", "--out-dir", str(tmp_path)])
+    finally:
+        gpu_suite._EXTRA_ROWS.clear()
+    assert result["extra_rows"] == {"ArcAnima (example)": {"blocks": 2}}
+    assert result["skipped"] == ["compiled steps (--no-compile)"]
+    assert "## ArcAnima (example)" in (tmp_path / "gpu_suite.md").read_text()
