@@ -188,7 +188,7 @@ def markdown(result: dict[str, Any]) -> str:
         if kind in result["step"]:
             s = result["step"][kind]
             pct = f"{s['percent_of_peak']:.1f} %" if "percent_of_peak" in s else "—"
-            lines.append(f"| {kind} | {s['seconds']:.4f} | {s['tflops']:.2f} | {pct} |")
+            lines.append(f"| {kind} | {s['seconds']:.4f} | {s['tflops']:.3g} | {pct} |")
     if "compiled_speedup" in result["step"]:
         lines += ["", f"Compiled speed-up: {result['step']['compiled_speedup']:.3f}x "
                       f"(compile {result['step']['compiled']['compile_seconds']:.0f} s)."]
