@@ -3,7 +3,9 @@
 It encodes references (the RefKV it returns is owned by the driver, so it outlives the
 worker), renders batches with reference affinity through an on-device LRU of RefKVs, and
 stores images itself so that PNG encoding and uploads overlap the next batch's sampling: the
-actor runs two calls at once (`max_concurrency=2`) and a lock keeps the device to one of them.
+actor runs two calls at once (`max_concurrency=2`), a lock keeps the device to one of them, and
+the images go to an `OutputWriter`'s threads once the device is released (output_writer.py).
+On a GPU it splits a batch to the largest that fits the resolution (batch_fit.py).
 """
 
 from __future__ import annotations
