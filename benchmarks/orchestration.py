@@ -1,6 +1,9 @@
 """Orchestration benchmark: the batch job machinery with simulated GPUs, N = 1, 2, 4, 8, 16 workers.
 
     python benchmarks/orchestration.py [--workers 1,2,4,8,16] [--out result.json] [--no-startup]
+    python benchmarks/orchestration.py --workers 1 --prompts 8 --overlap both --output s3 --image-side 1024 \
+        --noise-images --no-startup          # busy fraction with / without the output overlap
+    python benchmarks/orchestration.py --smoke   # tiny: 1 worker, overlap on and off, S3 (what the test runs)
 
 Runs the real job (`run_job` -> `start_workers` -> `RenderWorker` actors -> `BatchScheduler`,
 images and Parquet written to a local folder) with a `renderer_factory` whose "GPU time" is a
@@ -23,12 +26,20 @@ Object-store figure: `ray._private.internal_api.get_memory_info_reply(...)
 dashboard. (`ray.available_resources()["object_store_memory"]` does not move with usage: it is a
 scheduling resource.)
 
+Output overlap (`--overlap on|off|both`): `on` is the worker's default, images encoded and
+uploaded on its output threads (`snapref_ray/cluster/output_writer.py`, `cluster.output_threads`)
+while the next batch samples; `off` (`output_threads: 0`) stores them inline while the device
+waits. `--output s3` writes to a SeaweedFS S3 server started for the run (tests/s3_server.py),
+`--noise-images` returns images with noise in them so PNG encoding costs what a real render's
+does (a flat image compresses to nothing). Each run reports `output_overlap` and `workers_busy`.
+
 Prints one JSON object (and writes it to --out if given).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import hashlib
@@ -59,13 +70,19 @@ class SimulatedRenderer:
     its size) and the images are real PIL images (small: PNG encoding is worker CPU, not GPU).
     """
 
-    def __init__(self, config, *, encode_s: float, step_s: float, refkv_bytes: int, image_side: int) -> None:
+    def __init__(self, config, *, encode_s: float, step_s: float, refkv_bytes: int, image_side: int,
+                 noise_images: bool = False) -> None:
         import torch
+        from PIL import Image
 
         self.device = torch.device("cpu")
         self.model_id = "simulated"
         self.load_seconds = 0.0
         self.encode_s, self.step_s, self.refkv_bytes, self.image_side = encode_s, step_s, refkv_bytes, image_side
+        # Made once here, not per render: only the sleep stands for device time.
+        size = (image_side, image_side)
+        self.noise = ([Image.merge("RGB", [Image.effect_noise(size, sigma) for sigma in (24 + k, 40, 56)])
+                       for k in range(4)] if noise_images else None)
 
     def encode_reference(self, images, *, layout="single", ref_caption="", ref_megapixels=1.0, width=1024,
                          height=1024, sources=None):
@@ -88,9 +105,11 @@ class SimulatedRenderer:
         steps = requests[0].settings.steps
         time.sleep(steps * self.step_s)
         side = self.image_side
-        return [RenderResult(Image.new("RGB", (side, side), (r.seed % 256, 40, 90)), r,
+        images = ([self.noise[r.seed % len(self.noise)].copy() for r in requests] if self.noise else
+                  [Image.new("RGB", (side, side), (r.seed % 256, 40, 90)) for r in requests])
+        return [RenderResult(image, r,
                              {"sample_s": steps * self.step_s, "decode_s": 0.0, "encode_s": 0.0})
-                for r in requests]
+                for image, r in zip(images, requests)]
 
 
 # --- measurement --------------------------------------------------------------------------------
@@ -166,23 +185,28 @@ def _write_job(folder: Path, references: int, prompts: int) -> Path:
     return manifest
 
 
-def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path) -> dict:
+def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, overlap: bool = True,
+            s3=None) -> dict:
     from snapref_ray.pipelines.generate_dataset import run_job
     from snapref_ray.storage.jobspec import JobSpec
 
     references = -(-workers * args.batches_per_worker * args.max_batch // prompts)
     images = references * prompts
-    folder = root / f"n{workers}-p{prompts}"
+    folder = root / f"n{workers}-p{prompts}-{'overlap' if overlap else 'inline'}"
     manifest = _write_job(folder, references, prompts)
     spec = JobSpec.model_validate({
         "models": {"models_dir": str(models_dir)}, "manifest": str(manifest),
         "defaults": {"width": 256, "height": 256, "steps": args.steps, "cfg": 1.0, "sampler": "euler"},
-        "output": {"uri": str(folder / "out")},
+        "output": ({"uri": str(folder / "out")} if s3 is None else
+                   {"uri": f"s3://{s3.bucket}/{folder.name}-{time.time_ns()}",
+                    "s3": {"endpoint_url": s3.endpoint_url, "region": "us-east-1"}}),
         "cluster": {"num_workers": workers, "max_batch": args.max_batch, "device": "cpu",
-                    "max_in_flight_per_worker": args.in_flight, "num_cpus_per_worker": 1},
+                    "max_in_flight_per_worker": args.in_flight, "num_cpus_per_worker": 1,
+                    "output_threads": args.output_threads if overlap else 0},
     })
     factory = functools.partial(SimulatedRenderer, encode_s=args.encode_s, step_s=args.step_s,
-                                refkv_bytes=args.refkv_kib * 1024, image_side=args.image_side)
+                                refkv_bytes=args.refkv_kib * 1024, image_side=args.image_side,
+                                noise_images=args.noise_images)
     marks: dict[str, float] = {}
 
     def workers_ready(handles, infos) -> None:
@@ -206,7 +230,8 @@ def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path) -> d
     assert done == images and summary["failed_items"] == 0, summary
     shutil.rmtree(folder, ignore_errors=True)
     return {
-        "workers": workers, "prompts_per_reference": prompts, "images": done, "references": references,
+        "workers": workers, "prompts_per_reference": prompts, "output_overlap": overlap,
+        "output": "s3" if s3 is not None else "local", "images": done, "references": references,
         "batches": sched["dispatched_batches"],
         "render_seconds": round(render_s, 3), "worker_start_seconds": round(summary["startup_seconds"], 2),
         "images_per_s": round(done / render_s, 3),
@@ -275,9 +300,23 @@ def main(argv: list[str] | None = None) -> dict:
                         "workers read a RefKV another one encoded from the object store)")
     p.add_argument("--refkv-kib", type=int, default=1024, help="size of each simulated RefKV")
     p.add_argument("--image-side", type=int, default=64, help="side of the returned images (PNG work per image)")
+    p.add_argument("--noise-images", action="store_true",
+                   help="images with noise in them (PNG encoding costs what a real render's does)")
+    p.add_argument("--overlap", choices=("on", "off", "both"), default="on",
+                   help="output overlap: on = output threads (the default worker), off = stores inline, both = each")
+    p.add_argument("--output-threads", type=int, default=4, help="output threads per worker when overlapping")
+    p.add_argument("--output", choices=("local", "s3"), default="local",
+                   help="local folder, or a SeaweedFS S3 server started for the run")
     p.add_argument("--no-startup", action="store_true", help="skip timing `snapref-ray render` to the first image")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny and quick: 1 worker, 8 prompts, 2 batches of 2, 2 steps, overlap on and off, S3, "
+                        "no start-up timing (what tests/benchmarks runs)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.workers, args.prompts, args.batches_per_worker, args.max_batch = "1", "8", 2, 2
+        args.steps, args.step_s, args.encode_s, args.refkv_kib = 2, 0.01, 0.01, 64
+        args.overlap, args.output, args.no_startup, args.noise_images = "both", "s3", True, True
     counts = [int(n) for n in args.workers.split(",")]
     scenarios = [int(n) for n in args.prompts.split(",")]
 
@@ -288,26 +327,45 @@ def main(argv: list[str] | None = None) -> dict:
 
     from snapref_ray.tiny import make_tiny
 
+    overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
     root = Path(tempfile.mkdtemp(prefix="snapref-orchestration-"))
+    s3_context = contextlib.nullcontext()
+    if args.output == "s3":
+        sys.path.insert(0, str(REPO))
+        from tests.s3_server import run_seaweedfs
+
+        s3_context = run_seaweedfs(root / "seaweedfs")
     try:
         models_dir = make_tiny(root / "tiny-models")
-        # More logical CPUs than workers: each worker reserves one; the driver and Ray need none.
-        ray.init(address="local", num_cpus=max(counts) + 2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-        runs = []
-        try:
-            # A small job first, not reported: the first job in a driver pays one-off imports
-            # (pyarrow's Parquet writer, boto3, ...) that would be charged to N = 1.
-            run_one(1, scenarios[0], argparse.Namespace(**{**vars(args), "batches_per_worker": 2}), models_dir, root)
-            for prompts in scenarios:
-                for n in counts:
-                    runs.append(run_one(n, prompts, args, models_dir, root))
-                    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-        finally:
-            ray.shutdown()
+        with s3_context as s3:
+            env_vars = {"PYTHONPATH": str(REPO)}
+            if s3 is not None:  # job specs carry no credentials: they come from the AWS environment
+                env_vars.update(AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
+                saved_env = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+                os.environ.update(AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
+            # More logical CPUs than workers: each worker reserves one; the driver and Ray need none.
+            ray.init(address="local", num_cpus=max(counts) + 2, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": env_vars})
+            runs = []
+            try:
+                # A small job first, not reported: the first job in a driver pays one-off imports
+                # (pyarrow's Parquet writer, boto3, ...) that would be charged to N = 1.
+                run_one(1, scenarios[0], argparse.Namespace(**{**vars(args), "batches_per_worker": 2}), models_dir,
+                        root, s3=s3)
+                for prompts in scenarios:
+                    for n in counts:
+                        for overlap in overlaps:  # side by side, so load drift hits both alike
+                            runs.append(run_one(n, prompts, args, models_dir, root, overlap=overlap, s3=s3))
+                            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+            finally:
+                ray.shutdown()
+                if s3 is not None:  # leave the caller's environment as it was (the smoke test runs in-process)
+                    for k, v in saved_env.items():
+                        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         for prompts in scenarios:
             group = [r for r in runs if r["prompts_per_reference"] == prompts]
-            single = next((r["images_per_s"] for r in group if r["workers"] == 1), None)
+            single = next((r["images_per_s"] for r in group if r["workers"] == 1 and r["output_overlap"] == overlaps[0]),
+                          None)
             for r in group:
                 if single:
                     r["ideal_images_per_s"] = round(r["workers"] * single, 3)
@@ -322,6 +380,12 @@ def main(argv: list[str] | None = None) -> dict:
             "object_store_metric": "get_memory_info_reply().store_stats.object_store_bytes_used, sampled every 0.2 s",
             "runs": runs,
         }
+        if len(overlaps) == 2:  # the output overlap's effect, per worker count and scenario
+            result["overlap"] = [
+                {"workers": on["workers"], "prompts_per_reference": on["prompts_per_reference"],
+                 "workers_busy_with_overlap": on["workers_busy"], "workers_busy_without_overlap": off["workers_busy"],
+                 "images_per_s_with_overlap": on["images_per_s"], "images_per_s_without_overlap": off["images_per_s"]}
+                for on, off in zip(runs[::2], runs[1::2])]
         if not args.no_startup:
             result["startup"] = time_to_first_image(models_dir, root)
     finally:

@@ -47,6 +47,7 @@ from snapref_ray.adapter.binding import BoundAdapter
 from snapref_ray.adapter.generate import make_adapter
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.engine import Renderer, _PreparedReference
+from snapref_ray.models.compiled import compile_forward
 from snapref_ray.requests import RenderSettings
 from snapref_ray.sampling.ref_guidance import Combiner, Row, plan_step
 
@@ -99,12 +100,15 @@ CPU_TARGET_FIELDS = ("measured_cpu_time",)
 class StepBench:
     """The engine's step for every setting, on a Renderer holding only a DiT and a bound adapter."""
 
-    def __init__(self, geo: StepsGeometry, device: torch.device, dtype: torch.dtype) -> None:
-        self.geo, self.device, self.dtype = geo, device, dtype
+    def __init__(self, geo: StepsGeometry, device: torch.device, dtype: torch.dtype, *, compile: bool = False,
+                 batch: int = 1) -> None:
+        """`batch`: images (requests) per step, each with its cond/uncond rows; `compile`: forward compiled."""
+        self.geo, self.device, self.dtype, self.batch = geo, device, dtype, batch
         g = geo.dit
         renderer = Renderer.__new__(Renderer)  # no text encoder / VAE: the step does not use them
         renderer.device, renderer.dtype = device, dtype
         renderer.dit = build_dit(g, device=device, dtype=dtype)
+        renderer.forward = compile_forward(renderer.dit) if compile else renderer.dit
         adapter = make_adapter(num_blocks=g.num_blocks, model_channels=g.model_channels, context_dim=g.context_dim,
                                mlp_hidden=4 * g.model_channels, ref_rank=geo.ref_rank, target_rank=geo.target_rank,
                                init="random", seed=0)
@@ -114,11 +118,11 @@ class StepBench:
 
         gen = torch.Generator().manual_seed(1)
         h, w = g.latent_hw
-        self.x = torch.randn(1, 16, 1, h, w, generator=gen).to(device)  # the sampler's latent stays fp32
+        self.x = torch.randn(batch, 16, 1, h, w, generator=gen).to(device)  # the sampler's latent stays fp32
         self.sigma = torch.tensor(SIGMA, device=device)
         ctx = torch.randn(2, g.context_rows, g.context_dim, generator=gen).to(device, dtype)
         # Per row kind, one [1, S, C] context per request (one request here), as _render_batch builds it.
-        self.ctx_for = {Row.COND: [ctx[:1]], Row.UNCOND: [ctx[1:]], Row.COND_NOREF: [ctx[:1]]}
+        self.ctx_for = {Row.COND: [ctx[:1]] * batch, Row.UNCOND: [ctx[1:]] * batch, Row.COND_NOREF: [ctx[:1]] * batch}
         ref_latent = torch.randn(1, 16, geo.ref_height_px // 8, geo.ref_width_px // 8, generator=gen).to(device)
         ref_context = torch.randn(1, g.context_rows, g.context_dim, generator=gen).to(device)
         self.prepared = _PreparedReference((ref_latent,), ref_context, "benchmark-reference")
@@ -140,6 +144,7 @@ class StepBench:
         weights = bound.read_weights(s.mode, s.ref_weight) if has_reference else None
         refkv = self.refkv if has_reference else None
         combine = Combiner(s)
+        reads_cache: dict = {}  # as _render_batch: the RefReads are built once per render
 
         @torch.inference_mode()
         def step() -> torch.Tensor:
@@ -147,7 +152,8 @@ class StepBench:
             step_kv = refkv
             if has_reference and s.recompute_reference_every_step:
                 step_kv = renderer._run_reference_stream(self.prepared, self.grid)  # the pilot-style baseline
-            denoised = renderer.denoise_rows(self.x, self.sigma, plan, self.ctx_for, step_kv, weights, target_loras)
+            denoised = renderer.denoise_rows(self.x, self.sigma, plan, self.ctx_for, step_kv, weights, target_loras,
+                                             reads_cache)
             return combine(self.x, self.sigma, plan, denoised)
 
         return step

@@ -60,7 +60,7 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
     settings = _settings_from(args)
     renderer = Renderer.from_folder(args.models, adapter=args.adapter,
                                     loras=[(p, s) for p, s in (_parse_lora(x) for x in args.lora)],
-                                    device=args.device)
+                                    device=args.device, compile=args.compile)
     references = None
     layout = "single"
     if args.reference:
@@ -112,11 +112,15 @@ def cmd_render(args: argparse.Namespace) -> int:
         spec = load_job_spec(target)
         if args.out:
             spec = spec.model_copy(update={"output": spec.output.model_copy(update={"uri": args.out})})
+        if args.compile:
+            spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"compile": True})})
     else:
         if not args.models or not args.out:
             raise SystemExit("the quick form needs --models DIR and --out DIR_OR_S3_URI")
         overrides = {name: getattr(args, name) for name in RenderSettings.model_fields
                      if getattr(args, name, None) is not None}
+        if args.compile:
+            overrides["compile"] = True
         spec = quick_spec(target, args.models, args.adapter, args.out, workers=args.workers, **overrides)
     summary = run_job(spec, progress=not args.no_progress)
     _print_summary(summary)
@@ -181,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action="append", default=[], help="standard LoRA to merge, PATH[:STRENGTH]; repeatable")
     p.add_argument("--init-image", help="input image for img2img (use with --denoise < 1)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--compile", action="store_true", help="DiT forward through torch.compile")
     _settings_flags(p)
     p.set_defaults(func=cmd_txt2img)
 
@@ -197,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder or s3://bucket/prefix")
     p.add_argument("--workers", type=int, help="render workers (default: one per GPU, else 2 CPU workers)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="DiT forward through torch.compile (cluster.compile in a job spec)")
     _settings_flags(p)
     p.set_defaults(func=cmd_render)
 

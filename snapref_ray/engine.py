@@ -21,6 +21,7 @@ from snapref_ray.adapter.file import load_adapter
 from snapref_ray.adapter.images import content_hash, image_to_pixels, prepare_reference
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.models.bundle import ModelFiles, resolve_model_files
+from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.conditioning import PromptEncoder
 from snapref_ray.models.dit import load_dit
 from snapref_ray.models.latent_format import process_in, process_out
@@ -73,7 +74,7 @@ class Renderer:
 
     def __init__(self, files: ModelFiles, *, adapter: str | Path | None = None,
                  loras: Sequence[tuple[str | Path, float]] = (), device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, compile: bool = False) -> None:
         auto_device, auto_dtype = default_device_and_dtype()
         self.device = torch.device(device) if device is not None else auto_device
         self.dtype = dtype or (auto_dtype if self.device.type == "cuda" else torch.float32)
@@ -91,10 +92,14 @@ class Renderer:
         if adapter_path is not None:
             self.adapter = BoundAdapter.bind(load_adapter(adapter_path), self.dit.config.num_blocks,
                                              self.device, self.dtype)
+        # The DiT forward every sampling step calls: the module itself, or its compiled graphs
+        # (models/compiled.py: one per resolution / row layout, built at warm-up or first use).
+        self.compiled = compile
+        self.forward: Callable[..., torch.Tensor] = compile_forward(self.dit) if compile else self.dit
         self.model_id = f"{Path(files.dit).name}" + (f"+{len(loras)} LoRA" if loras else "")
         self.load_seconds = time.perf_counter() - t0
-        log.info("loaded %s on %s (%s) in %.1f s%s", files.dit, self.device, self.dtype, self.load_seconds,
-                 f" with adapter {adapter_path}" if adapter_path else "")
+        log.info("loaded %s on %s (%s) in %.1f s%s%s", files.dit, self.device, self.dtype, self.load_seconds,
+                 f" with adapter {adapter_path}" if adapter_path else "", ", DiT compiled" if compile else "")
 
     @classmethod
     def from_folder(cls, models_dir: str | Path, **kwargs) -> "Renderer":
@@ -243,12 +248,14 @@ class Renderer:
         target_loras = bound.target_loras() if bound is not None else None
         weights = bound.read_weights(s.mode, s.ref_weight) if bound is not None else None
 
+        reads_cache: dict = {}
+
         def denoise(x_B: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             plan = plan_step(s, float(sigma), has_reference)
             step_kv = refkv
             if prepared is not None and (step_kv is None or s.recompute_reference_every_step):
                 step_kv = self._run_reference_stream(prepared, grid)  # the pilot-style baseline
-            denoised = self.denoise_rows(x_B, sigma, plan, ctx_for, step_kv, weights, target_loras)
+            denoised = self.denoise_rows(x_B, sigma, plan, ctx_for, step_kv, weights, target_loras, reads_cache)
             return combine(x_B, sigma, plan, denoised)
 
         t1 = time.perf_counter()
@@ -266,28 +273,49 @@ class Renderer:
 
     def denoise_rows(self, x_B: torch.Tensor, sigma: torch.Tensor, plan: StepPlan,
                      ctx_for: dict[Row, list[torch.Tensor]], refkv: RefKV | None, weights: list[float] | None,
-                     target_loras: list | None) -> dict[Row, torch.Tensor]:
+                     target_loras: list | None, reads_cache: dict | None = None) -> dict[Row, torch.Tensor]:
         """One batched DiT forward over every row kind of the step; denoised estimate per kind.
 
         x_B: [n, 16, 1, h, w] fp32; ctx_for: per row kind, one [1, L, C] context per request.
         Rows are stacked kind by kind ([COND x n, UNCOND x n, ...]); only the attention seam sees
-        which of them read the reference. Contexts of different lengths (prompts over 512 T5
+        which of them read the reference. `reads_cache` (one dict per render) keeps the RefReads
+        of each row layout, so they are built once per render, not once per step. Contexts of different lengths (prompts over 512 T5
         tokens) run as one forward per length.
         """
         n = x_B.shape[0]
         rows_x = x_B.repeat(len(plan.rows), 1, 1, 1, 1)
         contexts = [ctx for row in plan.rows for ctx in ctx_for[row]]
-        reads = torch.tensor([read for read in plan.reads for _ in range(n)], device=self.device)
-        v = torch.empty_like(rows_x)
-        for length in sorted({c.shape[1] for c in contexts}):
-            idx = [i for i, c in enumerate(contexts) if c.shape[1] == length]
-            refs = None
-            if refkv is not None and bool(reads[idx].any()):
-                refs = refkv.reads(reads[idx], weights)
-            v[idx] = self.dit(rows_x[idx].to(self.dtype), sigma.to(self.device, torch.float32).expand(len(idx)),
-                              torch.cat([contexts[i] for i in idx]), loras=target_loras, refs=refs).float()
+        reads = [read for read in plan.reads for _ in range(n)]  # host data: the forward never reads it back
+        sigma_rows = sigma.to(self.device, torch.float32).reshape(1).expand(len(contexts))
+        lengths = sorted({c.shape[1] for c in contexts})
+        if len(lengths) == 1:  # the usual case: one forward over every row, no gathers
+            refs = self._reads(refkv, tuple(reads), weights, reads_cache)
+            v = self.forward(rows_x.to(self.dtype), sigma_rows, torch.cat(contexts), loras=target_loras,
+                             refs=refs).float()
+        else:
+            v = torch.empty_like(rows_x)
+            for length in lengths:
+                idx = [i for i, c in enumerate(contexts) if c.shape[1] == length]
+                group_reads = tuple(reads[i] for i in idx)
+                refs = self._reads(refkv, group_reads, weights, reads_cache)
+                v[idx] = self.forward(rows_x[idx].to(self.dtype), sigma_rows[: len(idx)],
+                                      torch.cat([contexts[i] for i in idx]), loras=target_loras, refs=refs).float()
         d_rows = rows_x - sigma * v  # flow matching, CONST: D = x - sigma * v
         return dict(zip(plan.rows, d_rows.split(n)))
+
+    @staticmethod
+    def _reads(refkv: RefKV | None, rows: tuple[bool, ...], weights: list[float] | None,
+               cache: dict | None) -> list | None:
+        if refkv is None or not any(rows):
+            return None
+        key = (id(refkv.kv_N2HLD), rows)  # a recomputed RefKV is a new tensor, so a new entry
+        if cache is None:
+            return refkv.reads(rows, weights)
+        if key not in cache:
+            if any(k[0] != key[0] for k in cache):
+                cache.clear()  # keep only the current RefKV's reads (recompute-every-step makes one per step)
+            cache[key] = refkv.reads(rows, weights)
+        return cache[key]
 
     @torch.inference_mode()
     def decode(self, latent_B_C_T_H_W: torch.Tensor) -> list[Image.Image]:

@@ -3,11 +3,15 @@
 It encodes references (the RefKV it returns is owned by the driver, so it outlives the
 worker), renders batches with reference affinity through an on-device LRU of RefKVs, and
 stores images itself so that PNG encoding and uploads overlap the next batch's sampling: the
-actor runs two calls at once (`max_concurrency=2`) and a lock keeps the device to one of them.
+actor runs two calls at once (`max_concurrency=2`), a lock keeps the device to one of them, and
+the images go to an `OutputWriter`'s threads once the device is released (output_writer.py).
+On a GPU it splits a batch to the largest that fits the resolution (batch_fit.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -19,6 +23,8 @@ from dataclasses import dataclass, replace
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.adapter.refkv_cache import RefKVCache
 from snapref_ray.cluster.metrics import job_metrics
+from snapref_ray.cluster.batch_fit import BatchFitter
+from snapref_ray.cluster.output_writer import OutputWriter
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.requests import RenderRequest
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
@@ -46,6 +52,9 @@ class WorkerConfig:
     image_format: str = "png"
     warmup: bool = True
     model_cache_dir: str | None = None
+    compile: bool = False  # DiT forward through torch.compile (models/compiled.py)
+    warmup_sizes: tuple[tuple[int, int], ...] = ()  # (width, height) graphs compiled at start when compiling
+    output_threads: int = 4  # encode/upload threads (output_writer.py); 0 = store inline, the device waits
 
 
 
@@ -72,7 +81,8 @@ def build_renderer(config: WorkerConfig):
     adapter = local(config.adapter) if config.adapter else (str(files.adapter) if files.adapter else None)
     device = None if config.device == "auto" else config.device
     dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
-    return Renderer(files, adapter=adapter, loras=[(local(p), s) for p, s in config.loras], device=device, dtype=dtype)
+    return Renderer(files, adapter=adapter, loras=[(local(p), s) for p, s in config.loras], device=device, dtype=dtype,
+                    compile=config.compile)
 
 
 class RenderWorker:
@@ -90,6 +100,8 @@ class RenderWorker:
         self.storage = open_storage(config.output_uri, config.s3)
         self.cache = RefKVCache(config.refkv_cache_bytes)
         self._device_lock = threading.Lock()
+        self.writer = OutputWriter(config.output_threads)
+        self.batch_fit = BatchFitter(getattr(self.renderer, "device", None))
         self._stored_references: set[str] = set()
         self.metrics = job_metrics()
         self.tags = {"worker": self.worker_id}
@@ -101,9 +113,14 @@ class RenderWorker:
         from snapref_ray.requests import RenderSettings
 
         t0 = time.perf_counter()
+        # A compiling worker builds the graphs of its job's sizes now (CFG rows, one image each);
+        # other row layouts (batch sizes, reading rows) compile on their first batch.
+        sizes = self.config.warmup_sizes if self.config.compile and self.config.warmup_sizes else ((256, 256),)
         with self._device_lock:
-            self.renderer.render([RenderRequest(prompt="warm-up", settings=RenderSettings(
-                width=256, height=256, steps=1, cfg=1.0, sampler="euler"))])
+            for width, height in sizes:
+                self.renderer.render([RenderRequest(prompt="warm-up", settings=RenderSettings(
+                    width=width, height=height, steps=1, cfg=1.0 if not self.config.compile else 2.0,
+                    sampler="euler"))])
         log.info("worker %s warmed up in %.2f s", self.worker_id, time.perf_counter() - t0)
 
     # -- called by the driver ------------------------------------------------------------------
@@ -143,21 +160,45 @@ class RenderWorker:
         try:
             t0 = time.perf_counter()
             with self._device_lock:
-                results = self.renderer.render(requests, refkv=kv)
-            sample_wall = time.perf_counter() - t0
+                results = self._render_fitted(requests, kv)
+                sample_wall = time.perf_counter() - t0
+                if not self.writer.overlaps:  # no output threads: store while the device waits
+                    stores = self._submit_stores(task, results, kv, started)
         except Exception as e:
             return self._failed(task, e, "sample", source)
+        if self.writer.overlaps:  # encode + upload on the writer's threads; the next batch can sample
+            stores = self._submit_stores(task, results, kv, started)
         steps = max(1, task.items[0].settings.steps)
         self.metrics.step_latency.observe(results[0].timings.get("sample_s", sample_wall) / steps, self.tags)
         outcomes = []
-        for item, result in zip(task.items, results):
+        for item, stored in zip(task.items, stores):
             try:
-                outcomes.append(replace(self._store(task, item, result, kv, started), refkv_source=source))
+                outcomes.append(replace(stored.result(), refkv_source=source))
                 self.metrics.images.inc(1, self.tags)
                 self.metrics.image_latency.observe(time.time() - started, self.tags)
             except Exception as e:
                 outcomes.append(ItemOutcome(item.item_id, error=_describe(e), stage="write", refkv_source=source))
         return outcomes
+
+    def _render_fitted(self, requests: list[RenderRequest], kv: RefKV) -> list:
+        """Render in chunks of the largest batch that fits this resolution on the device (CPU: all at once)."""
+        s = requests[0].settings
+        rows = 1 + (s.cfg != 1.0) + (s.ref_guidance != 1.0 and s.ref_weight > 0)
+        probe_request = RenderRequest(prompt="batch-size probe", settings=s.model_copy(update={"steps": 1}))
+        limit = self.batch_fit.limit(s.width, s.height, rows, len(requests),
+                                     probe=lambda: self.renderer.render([probe_request], refkv=kv))
+        results = []
+        for start in range(0, len(requests), limit):
+            results += self.renderer.render(requests[start:start + limit], refkv=kv)
+        return results
+
+    def batch_limits(self) -> list[dict]:
+        """The batch this worker chose per resolution (empty on a CPU worker)."""
+        return [dataclasses.asdict(limit) for limit in self.batch_fit.limits.values()]
+
+    def _submit_stores(self, task: RenderTask, results: list, kv: RefKV, started: float) -> list:
+        return self.writer.submit_all([functools.partial(self._store, task, item, result, kv, started)
+                                       for item, result in zip(task.items, results)])
 
     # -- internals -------------------------------------------------------------------------------
     def _encode(self, task: ReferenceTask) -> RefKV:

@@ -36,7 +36,9 @@ def worker_config(spec: JobSpec, *, warmup: bool = True) -> WorkerConfig:
     return WorkerConfig(models=spec.models.model_dump(), adapter=spec.adapter,
                         loras=tuple((lora.path, lora.strength) for lora in spec.loras), device=c.device,
                         dtype=c.dtype, refkv_cache_bytes=c.refkv_cache_bytes, output_uri=spec.output.uri,
-                        s3=spec.s3_options(), image_format=spec.output.image_format, warmup=warmup)
+                        s3=spec.s3_options(), image_format=spec.output.image_format, warmup=warmup,
+                        compile=c.compile, output_threads=c.output_threads,
+                        warmup_sizes=((spec.defaults.width, spec.defaults.height),))
 
 
 def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable | None = None,

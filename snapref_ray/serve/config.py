@@ -68,6 +68,9 @@ class ServeConfig(BaseModel):
         None, description="SnapRef adapter file; None takes adapter.safetensors from models_dir if there.")
     device: str | None = Field(
         None, description="Torch device inside a replica; None picks cuda when the replica sees a GPU, else cpu.")
+    compile: bool = Field(
+        False, description="Run the DiT forward through torch.compile (one graph per resolution and row layout,"
+                           " compiled on first use).")
 
     # -- network and auth --------------------------------------------------------------------
     host: str = Field(

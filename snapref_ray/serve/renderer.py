@@ -139,7 +139,8 @@ class RendererDeployment:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":
             torch.set_num_threads(max(1, int(config.cpus_per_replica)))
-        self._renderer = Renderer.from_folder(config.models_dir, adapter=config.adapter, device=device)
+        self._renderer = Renderer.from_folder(config.models_dir, adapter=config.adapter, device=device,
+                                              compile=config.compile)
         self._cache = RefKVCache(config.refkv_cache_bytes)
         # Encodes and renders run in these threads so the event loop stays free for routing,
         # batching and health checks; `_device_lock` keeps the device to one of them at a time.

@@ -189,6 +189,12 @@ class ClusterSpec(_Section):
     device: str = Field("auto", description="'auto' = the worker's GPU when it has one, else CPU; or 'cpu', 'cuda'.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="'auto' = bfloat16 on GPUs that support it (as ComfyUI runs Anima), float32 on CPU.")
+    compile: bool = Field(
+        False, description="Run the DiT forward through torch.compile: one graph per resolution and row layout, "
+                           "the defaults' size compiled at worker start (minutes on a GPU; pays off on long jobs).")
+    output_threads: int = Field(
+        4, ge=0, description="Threads per worker that encode, upload and describe images while the next batch "
+                             "samples; 0 stores inline while the device waits.")
 
 
 class JobSpec(_Section):

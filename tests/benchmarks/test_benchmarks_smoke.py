@@ -166,3 +166,70 @@ def test_interleaved_rotates_the_order_and_drops_warmup():
     assert calls == list("abc" "bca" "cab" "abc")
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
     assert paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0
+
+
+@pytest.mark.slow
+def test_orchestration_smoke_measures_busy_fraction_with_and_without_overlap(capsys):
+    """Real Ray, real PNG encoding, real uploads to a SeaweedFS S3 server, both output modes."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("orchestration", Path(__file__).parents[2] / "benchmarks" /
+                                                  "orchestration.py")
+    orchestration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(orchestration)
+    result = orchestration.main(["--smoke"])
+
+    assert json.loads(capsys.readouterr().out) == result
+    assert [(r["output_overlap"], r["output"]) for r in result["runs"]] == [(True, "s3"), (False, "s3")]
+    for run in result["runs"]:
+        assert run["images"] == run["references"] * 8 and run["max_encodes_per_reference"] == 1
+        assert 0 < run["workers_busy"] <= 1
+    (overlap,) = result["overlap"]
+    assert set(overlap) == {"workers", "prompts_per_reference", "workers_busy_with_overlap",
+                            "workers_busy_without_overlap", "images_per_s_with_overlap",
+                            "images_per_s_without_overlap"}
+
+
+@pytest.mark.slow
+def test_attention_forms_smoke_agree_and_report_every_form(capsys):
+    from benchmarks import attention_forms
+
+    table = attention_forms.main(["--smoke"])
+    assert json.loads(capsys.readouterr().out) == table
+    assert set(attention_forms.FIELDS) <= set(table)
+    assert list(table["settings"]) == list(attention_forms.SETTINGS)
+    for name, setting in table["settings"].items():
+        assert set(attention_forms.SETTING_FIELDS) <= set(setting), name
+        assert set(setting["seconds"]) == {"lse", "flex", "concat"}
+        assert max(setting["max_abs_diff_to_concat"].values()) < 1e-5, name  # the forms compute one thing
+
+
+@pytest.mark.slow
+def test_gpu_suite_smoke_writes_json_and_markdown(tmp_path, capsys):
+    from benchmarks import gpu_suite
+
+    result = gpu_suite.main(["--smoke", "--out-dir", str(tmp_path)])
+    assert json.loads((tmp_path / "gpu_suite.json").read_text()) == json.loads(json.dumps(result))
+    assert set(gpu_suite.FIELDS) <= set(result)
+    assert set(result["step"]) == {"eager", "compiled", "compiled_speedup"} and not result["skipped"]
+    assert set(result["snapref"]) == {"no_reference", "snapref_default", "ref_in_uncond", "ref_guidance",
+                                      "recompute_every_step", "char_mode"}
+    assert result["snapref"]["no_reference"]["ratio_to_no_reference"] == 1.0
+    assert result["images_per_gpu_hour"]["images_per_gpu_hour"] > 0 and result["memory"]["peak"] > 0
+    markdown = (tmp_path / "gpu_suite.md").read_text()
+    assert "Images per GPU-hour" in markdown and "| snapref_default | 2 | 1 |" in markdown
+
+
+def test_gpu_suite_takes_extra_rows(tmp_path, capsys):
+    """The hook ArcAnima's rows will use: a registered function's figures land in JSON and Markdown."""
+    from benchmarks import gpu_suite
+
+    gpu_suite.register_rows("ArcAnima (example)", lambda ctx: {"blocks": ctx.bench.geo.dit.num_blocks})
+    try:
+        result = gpu_suite.main(["--smoke", "--no-compile", "--out-dir", str(tmp_path)])
+    finally:
+        gpu_suite._EXTRA_ROWS.clear()
+    assert result["extra_rows"] == {"ArcAnima (example)": {"blocks": 2}}
+    assert result["skipped"] == ["compiled steps (--no-compile)"]
+    assert "## ArcAnima (example)" in (tmp_path / "gpu_suite.md").read_text()

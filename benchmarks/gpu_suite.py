@@ -1,0 +1,256 @@
+"""The one-shot GPU suite: everything issue 12 asks of a GPU, in one command, one JSON + one Markdown.
+
+    python -m benchmarks.gpu_suite --out-dir gpu-suite            # one GPU: real size, bf16, < 8 min
+    python -m benchmarks.gpu_suite --smoke --out-dir /tmp/suite   # CPU, tiny: checks the script (CI)
+    python -m benchmarks.gpu_suite --device cpu --geometry scaled --blocks 4 --out-dir cpu-suite
+
+Random weights at real size (Anima 2B: width 2048, 28 blocks, 832x1216 target = 3,952 tokens,
+1 MP reference = 4,096 tokens, bf16) through the engine's own step (`benchmarks/snapref_steps.py`'s
+`StepBench`: `plan_step`, `Renderer.denoise_rows`, the `Combiner`). Measured:
+
+1. the CFG step without a reference, eager and torch.compile'd: seconds, achieved TFLOP/s and
+   % of the dense bf16 peak (`--peak-tflops`, default 989 = H100/H200 SXM);
+2. the SnapRef settings side by side (default, ref_in_uncond, ref_guidance, char mode,
+   recompute-every-step), eager, interleaved: seconds and ratio to no reference; SnapRef default
+   also compiled;
+3. the one-off reference encode (the DiT reference stream, fp32 as the design requires);
+4. peak device memory (per phase), and the attention read form in use;
+5. images per GPU-hour for the recipe (30 steps, 832x1216, CFG 4.5, one reference shared by
+   `--prompts-per-reference` images, `--batch` images per forward): DiT steps + the encode share.
+   Text encoding and the VAE decode are not in it (not part of this suite's model), which the
+   JSON says; at ~1.16 PFLOP of DiT work per image they are a few per cent.
+
+Rows from other features (ArcAnima) plug in through `register_rows(name, fn)`: fn(context) returns
+a dict of figures that lands under `extra_rows` and in the Markdown. A time budget
+(`--budget-s`, default 420) skips the compiled phases, saying so, when the eager ones took too long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import environment, interleaved, log, parse_dtype, paired_ratio, resolve_device, summarize
+from benchmarks.snapref_steps import ENCODE, GEOMETRIES, SETTINGS, StepBench, StepsGeometry
+from snapref_ray.models.attention import read_form
+from snapref_ray.models.compiled import compile_forward
+
+RECIPE_STEPS = 30
+RECIPE_CFG = 4.5  # the same rows as any CFG != 1: the step's cost does not depend on the scale
+PFLOP_PER_IMAGE_NOTE = "about 1.16 PFLOP of DiT work per image at real size (30 CFG steps with a reference)"
+FIELDS = ("benchmark", "geometry", "device", "dtype", "read_form", "batch", "step", "snapref", "encode",
+          "memory", "images_per_gpu_hour", "extra_rows", "skipped", "seconds_total", "environment")
+
+
+@dataclass
+class SuiteContext:
+    """What a registered row function gets: the built bench, the arguments, the device."""
+
+    bench: StepBench
+    args: argparse.Namespace
+    device: torch.device
+
+
+_EXTRA_ROWS: dict[str, Callable[[SuiteContext], dict[str, Any]]] = {}
+
+
+def register_rows(name: str, fn: Callable[[SuiteContext], dict[str, Any]]) -> None:
+    """Add a section to the suite (e.g. ArcAnima's step ratios); fn returns flat figures."""
+    _EXTRA_ROWS[name] = fn
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # host RSS high-water mark
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _median(values: list[float]) -> float:
+    return summarize(values)["median_s"]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    device = resolve_device(args.device)
+    dtype = parse_dtype(args.dtype)
+    geo: StepsGeometry = GEOMETRIES[args.geometry]
+    if args.blocks:
+        geo = StepsGeometry(geo.dit.with_blocks(args.blocks), geo.ref_width_px, geo.ref_height_px, geo.ref_rank,
+                            geo.target_rank)
+    log(f"gpu_suite: {geo.dit.name}, {geo.dit.num_blocks} blocks, {geo.dit.tokens} + {geo.ref_tokens} tokens, "
+        f"{dtype} on {device}, batch {args.batch}, read form {read_form()}")
+    bench = StepBench(geo, device, dtype, batch=args.batch)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
+    skipped: list[str] = []
+    memory: dict[str, int] = {}
+
+    # -- eager: every SnapRef setting + the encode, interleaved ------------------------------------
+    _reset_peak(device)
+    cases: dict[str, Callable[[], Any]] = {name: bench.step_fn(name) for name in SETTINGS}
+    cases[ENCODE] = bench.encode
+    times = interleaved(cases, device, rounds=args.rounds, warmup_rounds=1)
+    memory["eager_steps_and_encode"] = _peak_memory_bytes(device)
+
+    def step_record(seconds: float, name: str) -> dict[str, Any]:
+        flops = bench.step_flops(name) * args.batch
+        rec = {"seconds": seconds, "tflops": flops / seconds / 1e12, "tflop_per_step": flops / 1e12}
+        if peak:
+            rec["percent_of_peak"] = 100 * flops / seconds / peak
+        return rec
+
+    step = {"eager": step_record(_median(times["no_reference"]), "no_reference")}
+    snapref = {name: {"seconds": _median(times[name]), "ratio_to_no_reference": paired_ratio(times[name],
+                                                                                             times["no_reference"]),
+                      "flop_ratio_to_no_reference": bench.step_flops(name) / bench.step_flops("no_reference"),
+                      "rows": bench.plan(name)[0] * args.batch, "reading_rows": bench.plan(name)[1] * args.batch}
+               for name in SETTINGS}
+    encode = {"seconds": _median(times[ENCODE]), "refkv_bytes": bench.refkv.nbytes,
+              "ref_tokens": geo.ref_tokens}
+
+    # -- compiled: the plain step and SnapRef default -----------------------------------------------
+    best_default = snapref["snapref_default"]["seconds"]
+    if args.no_compile:
+        skipped.append("compiled steps (--no-compile)")
+    elif time.perf_counter() - t_start > args.budget_s / 2:
+        skipped.append(f"compiled steps (eager phase took {time.perf_counter() - t_start:.0f} s of the "
+                       f"{args.budget_s:.0f} s budget)")
+    else:
+        eager_forward = bench.renderer.forward
+        bench.renderer.forward = compile_forward(bench.renderer.dit, mode=args.compile_mode,
+                                                 backend=args.compile_backend)
+        try:
+            _reset_peak(device)
+            compiled_cases = {name: bench.step_fn(name) for name in ("no_reference", "snapref_default")}
+            t0 = time.perf_counter()
+            for fn in compiled_cases.values():  # compile (one graph each), outside the timing
+                fn()
+            compile_s = time.perf_counter() - t0
+            ctimes = interleaved(compiled_cases, device, rounds=args.rounds, warmup_rounds=1)
+            memory["compiled_steps"] = _peak_memory_bytes(device)
+            step["compiled"] = step_record(_median(ctimes["no_reference"]), "no_reference")
+            step["compiled"]["compile_seconds"] = compile_s
+            step["compiled_speedup"] = paired_ratio(times["no_reference"][: args.rounds], ctimes["no_reference"])
+            snapref["snapref_default"]["compiled_seconds"] = _median(ctimes["snapref_default"])
+            snapref["snapref_default"]["compiled_ratio_to_no_reference"] = paired_ratio(
+                ctimes["snapref_default"], ctimes["no_reference"])
+            best_default = min(best_default, _median(ctimes["snapref_default"]))
+        finally:
+            bench.renderer.forward = eager_forward
+
+    # -- throughput of the recipe ----------------------------------------------------------------------
+    seconds_per_image = (RECIPE_STEPS * best_default + encode["seconds"] / args.prompts_per_reference * args.batch
+                         ) / args.batch
+    images = {"recipe": f"{RECIPE_STEPS} steps, {geo.dit.width_px}x{geo.dit.height_px}, CFG {RECIPE_CFG}, SnapRef "
+                        f"default, {args.prompts_per_reference} images per reference, batch {args.batch}",
+              "seconds_per_image": seconds_per_image, "images_per_gpu_hour": 3600 / seconds_per_image,
+              "includes": "DiT sampling steps (fastest of eager/compiled) + the reference encode's share",
+              "excludes": "text encoding, VAE decode, I/O (the worker overlaps I/O)",
+              "note": PFLOP_PER_IMAGE_NOTE}
+
+    extra = {}
+    for name, fn in _EXTRA_ROWS.items():
+        extra[name] = fn(SuiteContext(bench, args, device))
+    memory["peak"] = max(memory.values())
+    return {"benchmark": "gpu_suite", "compile_backend": None if args.no_compile else args.compile_backend,
+            "geometry": {**geo.dit.describe(), "name": geo.dit.name,
+                                                   "ref_tokens": geo.ref_tokens},
+            "device": device.type, "dtype": str(dtype).removeprefix("torch."), "read_form": read_form(),
+            "batch": args.batch, "rounds": args.rounds, "peak_tflops": args.peak_tflops,
+            "step": step, "snapref": snapref, "encode": encode, "memory": memory,
+            "images_per_gpu_hour": images, "extra_rows": extra, "skipped": skipped,
+            "seconds_total": time.perf_counter() - t_start, "environment": environment(device, dtype)}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The suite as a Markdown page (what goes into a closing note)."""
+    g, env = result["geometry"], result["environment"]
+    lines = [f"# GPU suite — {env.get('gpu', env['device'])}, {result['dtype']}",
+             "",
+             f"Geometry {g['name']}: width {g['model_channels']}, {g['blocks']} blocks, {g['width_px']}x{g['height_px']}"
+             f" px ({g['tokens']} tokens), reference {g['ref_tokens']} tokens; batch {result['batch']}; read form "
+             f"`{result['read_form']}`; torch {env['torch']}; {result['seconds_total']:.0f} s in all.",
+             "", "## DiT CFG step (no reference)", "",
+             "| | s / step | TFLOP/s | % of peak |", "|---|---|---|---|"]
+    for kind in ("eager", "compiled"):
+        if kind in result["step"]:
+            s = result["step"][kind]
+            pct = f"{s['percent_of_peak']:.1f} %" if "percent_of_peak" in s else "—"
+            lines.append(f"| {kind} | {s['seconds']:.4f} | {s['tflops']:.3g} | {pct} |")
+    if "compiled_speedup" in result["step"]:
+        lines += ["", f"Compiled speed-up: {result['step']['compiled_speedup']:.3f}x "
+                      f"(compile {result['step']['compiled']['compile_seconds']:.0f} s)."]
+    lines += ["", "## SnapRef settings (eager, interleaved)", "",
+              "| setting | rows | reading | s / step | x no reference | FLOP model | compiled x |",
+              "|---|---|---|---|---|---|---|"]
+    for name, s in result["snapref"].items():
+        comp = f"{s['compiled_ratio_to_no_reference']:.3f}" if "compiled_ratio_to_no_reference" in s else ""
+        lines.append(f"| {name} | {s['rows']} | {s['reading_rows']} | {s['seconds']:.4f} | "
+                     f"{s['ratio_to_no_reference']:.3f} | {s['flop_ratio_to_no_reference']:.3f} | {comp} |")
+    e, m, i = result["encode"], result["memory"], result["images_per_gpu_hour"]
+    lines += ["", f"Reference encode: {e['seconds']:.3f} s ({e['ref_tokens']} tokens, RefKV {e['refkv_bytes'] / 1e9:.3f} GB).",
+              "", "Peak memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in m.items()) + ".",
+              "", f"**Images per GPU-hour: {i['images_per_gpu_hour']:.0f}** ({i['recipe']}; {i['includes']}; "
+                  f"excludes {i['excludes']}).", ""]
+    for name, rows in result["extra_rows"].items():
+        lines += [f"## {name}", "", "| figure | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in rows.items()] + [""]
+    if result["skipped"]:
+        lines += ["Skipped: " + "; ".join(result["skipped"]) + ".", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--geometry", choices=list(GEOMETRIES), default=None, help="default: real on CUDA, scaled on CPU")
+    p.add_argument("--blocks", type=int, default=None, help="fewer blocks than the geometry's (quick CPU runs)")
+    p.add_argument("--dtype", default=None, help="bf16 (CUDA default) | fp16 | fp32 (CPU default)")
+    p.add_argument("--batch", type=int, default=None, help="images per forward (default 4 on CUDA, 1 on CPU)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--prompts-per-reference", type=int, default=8)
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense peak for %% of peak (default 989 on CUDA = H100/H200 SXM bf16; none on CPU)")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: inductor's default)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend (the smoke run uses 'eager': dynamo's full-graph trace, no codegen)")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--budget-s", type=float, default=420.0, help="compiled phases only if eager took < half of it")
+    p.add_argument("--out-dir", default="gpu-suite", help="writes gpu_suite.json and gpu_suite.md here")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, tiny geometry, 1 round, the compiled phase traced with the 'eager' backend")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.device, args.geometry, args.rounds, args.batch = args.device or "cpu", "smoke", 1, args.batch or 1
+        args.compile_backend = "eager"  # an inductor compile costs minutes on a small CPU
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    args.geometry = args.geometry or ("real" if cuda else "scaled")
+    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    args.batch = args.batch or (4 if cuda else 1)
+    if args.peak_tflops is None and cuda:
+        args.peak_tflops = 989.0
+    result = run(args)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_suite.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "gpu_suite.md").write_text(markdown(result))
+    log(f"wrote {out / 'gpu_suite.json'} and {out / 'gpu_suite.md'}")
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
