@@ -93,7 +93,7 @@ def refuse_reference_adapter_as_lora(path: str | Path) -> None:
     """A reference adapter merged as a LoRA would act in every row, reference or not: refuse it."""
     detection = detect_kind(path)
     if detection.is_adapter:
-        raise RenderError(f"{path} is a {detection.kind} reference adapter ({detection.how}: {detection.reason}),"
+        raise RenderError(f"{path} is a reference adapter (kind {detection.kind}; {detection.how}: {detection.reason}),"
                           " not a style LoRA; pass it with --adapter (adapter: in a job spec), never --lora:"
                           " merged, its LoRA would act in every row and never read a reference")
 

@@ -66,8 +66,9 @@ def resolve_settings(settings: RenderSettings, kind: str | None) -> RenderSettin
     fields = RenderSettings.model_fields
     for name, why in NOT_APPLICABLE[kind].items():
         value = getattr(settings, name)
-        if value != fields[name].default:
-            raise SettingsError(name, f"{name}={value!r} does not apply to a {kind} adapter ({why})")
+        # The field's default and the kind's own behaviour (what a resolved copy holds) are no misfit.
+        if value not in (fields[name].default, KIND_DEFAULTS[kind].get(name, fields[name].default)):
+            raise SettingsError(name, f"{name}={value!r} does not apply to {kind} adapters ({why})")
     update: dict[str, object] = {}
     if settings.fidelity is not None:
         if settings.ref_guidance is not None and settings.ref_guidance != settings.fidelity:

@@ -478,8 +478,14 @@ def _not_an_adapter_message(path: Path, header: dict, fmt: str | None) -> str:
                 f" was stripped — {expected}")
     lora = [k for k in keys if any(m in k for m in _LORA_MARKERS)]
     if lora:
+        from snapref_ray.adapter.kinds import detect_kind  # kinds imports this module
+
+        kind = detect_kind(path)
+        if kind.is_adapter:
+            return (f"{path}: is a reference adapter of kind {kind.kind} ({kind.how}: {kind.reason}), not a SnapRef"
+                    f" file; load it with --adapter, which detects the kind (never merge it with --lora)")
         return (f"{path}: looks like a standard LoRA ({len(keys)} tensors, e.g. {lora[0]!r}; {found_fmt}), not a"
-                f" SnapRef adapter; {expected}. Load it as a LoRA, not as a SnapRef adapter.")
+                f" reference adapter; {expected}. A plain LoRA is merged with --lora.")
     blocks: set[int] = set()
     example = None
     for key in keys:
