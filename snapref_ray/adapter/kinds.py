@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 from snapref_ray.adapter.file import FORMAT as SNAPREF_FORMAT
-from snapref_ray.adapter.file import AdapterError
+from snapref_ray.adapter.file import _not_an_adapter_message
 from snapref_ray.models.checkpoint import CheckpointError, read_header
 from snapref_ray.models.dit import BLOCK_LINEARS
 from snapref_ray.models.lora import KOHYA_PREFIXES, _module_path, _split_key
@@ -214,14 +214,8 @@ def detect_kind(path: str | os.PathLike) -> Detection:
                          f"SnapRef format {metadata['format']!r} is not supported; this version reads"
                          f" {SNAPREF_FORMAT!r} only", metadata)
     if sig is None:
-        try:
-            from snapref_ray.adapter.file import check_adapter_file
-
-            check_adapter_file(path)
-            reason = "not an adapter"
-        except AdapterError as e:
-            reason = str(e).split(": ", 1)[-1]
-        return Detection(str(path), "unusable", "not an adapter", reason, metadata)
+        reason = _not_an_adapter_message(path, header, metadata.get("format"), detect=False)
+        return Detection(str(path), "unusable", "not an adapter", reason.split(": ", 1)[-1], metadata)
     reasons = []
     for layout in ARCANIMA_LAYOUTS.values():
         problem = layout_mismatch(sig, layout)
