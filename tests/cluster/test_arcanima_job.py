@@ -13,7 +13,10 @@ from tests.cluster.conftest import job_spec, write_manifest
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(600), pytest.mark.slow]
 
 
-@pytest.mark.parametrize("kind", ["arcanima-v2", "arcanima-pilot"])
+# One kind keeps the suite short: the pilot, whose "RefKV" is its reference latent (the other payload
+# through the object store and the worker caches); v2 goes through the endpoint test, both through the
+# engine tests. Add "arcanima-v2" here to run it too (both pass).
+@pytest.mark.parametrize("kind", ["arcanima-pilot"])
 def test_job_renders_with_an_arcanima_adapter(kind, job_inputs, tiny_models, tmp_path):
     adapter = write_tiny_adapter(tmp_path / f"{kind}.safetensors", TinyConfig(), kind)
     refs = job_inputs.references
