@@ -81,7 +81,7 @@ def test_inspect_names_each_kind(files, name, kind, how, capsys):
     rc = main(["adapter", "inspect", str(files[name])])
     text = capsys.readouterr().out
     assert rc == (1 if kind == "unusable" else 0)
-    assert f"kind:" in text and kind in text
+    assert "kind:" in text and kind in text
     if kind == "lora":
         assert "NOT a reference adapter" in text and "adapts 28 non-block" not in text
     if kind.startswith("arcanima"):
