@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import typing
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -17,14 +18,22 @@ from snapref_ray.serve.cli import add_serve_parser
 log = logging.getLogger("snapref_ray")
 
 
+def _field_type(annotation) -> type:
+    """int, float, bool or str for a field annotation; `X | None` counts as X."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if args and type(None) in typing.get_args(annotation):
+        annotation = args[0] if len(args) == 1 else annotation
+    return annotation if annotation in (int, float, bool) else str
+
+
 def _settings_flags(p: argparse.ArgumentParser) -> None:
     """Flags for every RenderSettings field, named like the field (--ref-weight for ref_weight)."""
     for name, info in RenderSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        if info.annotation is bool:
+        kind = _field_type(info.annotation)
+        if kind is bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=info.description)
         else:
-            kind = info.annotation if info.annotation in (int, float) else str
             p.add_argument(flag, dest=name, type=kind, default=None, help=info.description)
 
 
@@ -48,8 +57,9 @@ def _progress(total_label: str):
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from snapref_ray.tiny import TinyConfig, make_tiny
 
-    out = make_tiny(args.dir, TinyConfig(num_blocks=args.blocks, seed=args.seed))
-    print(f"wrote a tiny model set to {out} (dit, text_encoder, vae, adapter, tokenizers, reference.png)")
+    out = make_tiny(args.dir, TinyConfig(num_blocks=args.blocks, seed=args.seed), adapter_kind=args.adapter_kind)
+    print(f"wrote a tiny model set to {out} (dit, text_encoder, vae, tokenizers, reference.png and"
+          f" adapter.safetensors of kind {args.adapter_kind})")
     return 0
 
 
@@ -97,9 +107,18 @@ def _parse_lora(text: str) -> tuple[str, float]:
 
 
 def cmd_adapter_inspect(args: argparse.Namespace) -> int:
-    from snapref_ray.adapter.inspect import format_inspection, inspect_adapter
+    from snapref_ray.adapter.inspect import format_file_inspection, inspect_file
 
-    print(format_inspection(inspect_adapter(args.file)))
+    info = inspect_file(args.file)
+    print(json.dumps(info, indent=2, default=str) if args.json else format_file_inspection(info))
+    return 1 if info["kind"] == "unusable" else 0
+
+
+def cmd_adapter_convert(args: argparse.Namespace) -> int:
+    from snapref_ray.adapter.convert import convert
+
+    detection = convert(args.input, args.output, args.map)
+    print(f"wrote {args.output}: {detection.kind} ({detection.how}: {detection.reason})")
     return 0
 
 
@@ -171,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adapter-kind", choices=("snapref", "arcanima-v2", "arcanima-pilot"), default="snapref",
+                   help="which kind of reference adapter adapter.safetensors is (default snapref)")
     p.set_defaults(func=cmd_make_tiny)
 
     p = sub.add_parser("txt2img", help="render images from a prompt (optionally with a SnapRef reference)")
@@ -179,21 +200,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output PNG path (numbered when --n > 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1, help="images, consecutive seeds, one batch")
-    p.add_argument("--adapter", help="SnapRef anima_ref_kv/1 file (default: adapter.safetensors in --models if present)")
+    p.add_argument("--adapter", help="reference adapter: SnapRef anima_ref_kv/1, ArcAnima v2 or pilot; the kind is"
+                                     " detected from the file (default: adapter.safetensors in --models if present)")
     p.add_argument("--reference", action="append", default=[], help="reference image; repeat for several of one character")
     p.add_argument("--reference2", help="second character's reference, stitched to the right of --reference")
-    p.add_argument("--lora", action="append", default=[], help="standard LoRA to merge, PATH[:STRENGTH]; repeatable")
+    p.add_argument("--lora", action="append", default=[], help="standard (style) LoRA to merge, PATH[:STRENGTH];"
+                                                               " repeatable. Reference adapters go with --adapter")
     p.add_argument("--init-image", help="input image for img2img (use with --denoise < 1)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true", help="DiT forward through torch.compile")
     _settings_flags(p)
     p.set_defaults(func=cmd_txt2img)
 
-    p = sub.add_parser("adapter", help="SnapRef adapter files")
+    p = sub.add_parser("adapter", help="reference adapter files (SnapRef, ArcAnima v2 and pilot)")
     adapter_sub = p.add_subparsers(dest="adapter_command", required=True)
-    q = adapter_sub.add_parser("inspect", help="print format, base model, blocks, ranks, modes, parameters, size")
+    q = adapter_sub.add_parser("inspect", help="what a file is and why: kind, rank, blocks, linears, dtype,"
+                                               " parameters, the method it implies (also for files it cannot use)")
     q.add_argument("file")
+    q.add_argument("--json", action="store_true", help="print the result as JSON")
     q.set_defaults(func=cmd_adapter_inspect)
+    q = adapter_sub.add_parser("convert", help="rename the tensors of a file (and set its kind) with a YAML map")
+    q.add_argument("input")
+    q.add_argument("output")
+    q.add_argument("--map", required=True, help="YAML: rename [[PATTERN, REPLACEMENT], ...], drop, kind, metadata")
+    q.set_defaults(func=cmd_adapter_convert)
 
     p = sub.add_parser("render", help="run a batch job: SPEC.yaml, or MANIFEST --models DIR --adapter FILE --out DIR")
     p.add_argument("spec_or_manifest", help="job spec (.yaml) or manifest (.csv/.jsonl/.parquet; columns reference, prompt)")

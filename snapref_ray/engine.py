@@ -5,6 +5,7 @@ It knows nothing of Ray: the batch worker and the Serve replica are thin wrapper
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import time
@@ -16,9 +17,15 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from snapref_ray.adapter.arcanima import BoundArcAnima, load_arcanima
+from snapref_ray.adapter.arcanima_methods import pilot_forward, v2_forward, v2_reference_kv, v2_rope_offset
 from snapref_ray.adapter.binding import BoundAdapter
+from snapref_ray.adapter.controls import SettingsError, resolve_settings
 from snapref_ray.adapter.file import load_adapter
-from snapref_ray.adapter.images import content_hash, image_to_pixels, prepare_reference
+from snapref_ray.adapter.images import (
+    content_hash, fit_output_size, image_to_pixels, open_reference, prepare_reference, stitch_side_by_side,
+)
+from snapref_ray.adapter.kinds import ARCANIMA_KINDS, detect_kind
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.models.bundle import ModelFiles, resolve_model_files
 from snapref_ray.models.compiled import compile_forward
@@ -69,8 +76,31 @@ class _PreparedReference:
     reference_id: str
 
 
+def load_bound_adapter(path: str | Path, model_blocks: int, device: torch.device,
+                       dtype: torch.dtype) -> BoundAdapter | BoundArcAnima:
+    """Detect the file's kind and bind it to a model of `model_blocks` blocks (mismatches raise)."""
+    detection = detect_kind(path)
+    if detection.kind == "snapref":
+        return BoundAdapter.bind(load_adapter(path), model_blocks, device, dtype)
+    if detection.kind in ARCANIMA_KINDS:
+        return BoundArcAnima.bind(load_arcanima(path, expected_kind=detection.kind), model_blocks, device, dtype)
+    if detection.kind == "lora":
+        raise RenderError(f"{path}: {detection.reason}. Pass a plain LoRA with --lora (loras: in a job spec),"
+                          " not as the adapter")
+    raise RenderError(f"{path}: not a reference adapter: {detection.reason}")
+
+
+def refuse_reference_adapter_as_lora(path: str | Path) -> None:
+    """A reference adapter merged as a LoRA would act in every row, reference or not: refuse it."""
+    detection = detect_kind(path)
+    if detection.is_adapter:
+        raise RenderError(f"{path} is a reference adapter (kind {detection.kind}; {detection.how}: {detection.reason}),"
+                          " not a style LoRA; pass it with --adapter (adapter: in a job spec), never --lora:"
+                          " merged, its LoRA would act in every row and never read a reference")
+
+
 class Renderer:
-    """Anima (+ optional SnapRef adapter and merged LoRAs) on one device."""
+    """Anima (+ optional reference adapter of any kind, and merged LoRAs) on one device."""
 
     def __init__(self, files: ModelFiles, *, adapter: str | Path | None = None,
                  loras: Sequence[tuple[str | Path, float]] = (), device: str | torch.device | None = None,
@@ -81,6 +111,8 @@ class Renderer:
         self.files = files
         t0 = time.perf_counter()
         self.dit = load_dit(files.dit, dtype=self.dtype, device=self.device)
+        for path, _ in loras:
+            refuse_reference_adapter_as_lora(path)
         if loras:
             merge_loras(self.dit, [(read_lora(path), strength) for path, strength in loras])
         text_encoder = load_text_encoder(files.text_encoder, device=self.device)
@@ -88,10 +120,9 @@ class Renderer:
                                      self.dit.llm_adapter)
         self.vae = load_vae(files.vae, device=self.device, dtype=self.dtype)
         adapter_path = adapter if adapter is not None else files.adapter
-        self.adapter: BoundAdapter | None = None
+        self.adapter: BoundAdapter | BoundArcAnima | None = None
         if adapter_path is not None:
-            self.adapter = BoundAdapter.bind(load_adapter(adapter_path), self.dit.config.num_blocks,
-                                             self.device, self.dtype)
+            self.adapter = load_bound_adapter(adapter_path, self.dit.config.num_blocks, self.device, self.dtype)
         # The DiT forward every sampling step calls: the module itself, or its compiled graphs
         # (models/compiled.py: one per resolution / row layout, built at warm-up or first use).
         self.compiled = compile
@@ -106,26 +137,64 @@ class Renderer:
         """Load the model set in `models_dir` (tiny or real; see models/bundle.py for file names)."""
         return cls(resolve_model_files(models_dir), **kwargs)
 
+    @property
+    def adapter_kind(self) -> str | None:
+        """"snapref", "arcanima-v2", "arcanima-pilot", or None without an adapter (from the file)."""
+        if self.adapter is None:
+            return None
+        return self.adapter.kind if isinstance(self.adapter, BoundArcAnima) else "snapref"
+
+    def with_adapter(self, adapter: str | Path) -> "Renderer":
+        """A renderer sharing this one's models (no second copy of the weights) with another adapter."""
+        other = copy.copy(self)
+        other.adapter = load_bound_adapter(adapter, self.dit.config.num_blocks, self.device, self.dtype)
+        return other
+
+    def resolve(self, settings: RenderSettings) -> RenderSettings:
+        """The settings as they run with the loaded adapter kind (defaults filled, misfits refused)."""
+        try:
+            return resolve_settings(settings, self.adapter_kind)
+        except SettingsError as e:
+            raise RenderError(str(e)) from None
+
     # -- references -----------------------------------------------------------------------
     def target_grid(self, width: int, height: int) -> tuple[int, int, int]:
         return self.dit.token_grid(height // 8, width // 8)
 
     def _require_adapter(self) -> BoundAdapter:
         if self.adapter is None:
-            raise RenderError("reference given but no SnapRef adapter is loaded (pass --adapter / adapter=)")
+            raise RenderError("reference given but no reference adapter is loaded (pass --adapter / adapter=)")
         return self.adapter
 
     @torch.inference_mode()
     def _prepare_reference(self, images: Sequence[bytes], layout: ReferenceLayout, ref_caption: str,
-                           ref_megapixels: float, sources: Sequence[str] | None) -> _PreparedReference:
-        pixel_list = prepare_reference(images, layout=layout, megapixels=ref_megapixels,
-                                       sources=sources or [f"reference {i + 1}" for i in range(len(images))])
+                           ref_megapixels: float, sources: Sequence[str] | None,
+                           output_size: tuple[int, int] | None = None) -> _PreparedReference:
+        sources = sources or [f"reference {i + 1}" for i in range(len(images))]
+        kind = self.adapter_kind
+        if kind in ARCANIMA_KINDS and layout == "multi":
+            raise RenderError(f"layout: several references of one character are a SnapRef feature; a {kind} adapter"
+                              " reads one reference, or two characters stitched side by side (pair)")
+        if kind == "arcanima-pilot":
+            if output_size is None:
+                raise RenderError("the ArcAnima pilot needs the output size to prepare its reference frame")
+            opened = [open_reference(data, src) for data, src in zip(images, sources)]
+            if layout == "pair" and len(opened) == 2:
+                opened = [stitch_side_by_side(*opened)]
+            elif len(opened) != 1:
+                raise RenderError(f"reference layout {layout!r} with {len(opened)} images")
+            pixel_list = [image_to_pixels(fit_output_size(opened[0], *output_size))]
+        else:
+            pixel_list = prepare_reference(images, layout=layout, megapixels=ref_megapixels, sources=sources)
         latents = []
         for pixels in pixel_list:
             mu = self.vae.encode(pixels.to(self.device, self.dtype))
             latents.append(process_in(mu.float()))
-        context = self.prompts.encode(ref_caption, device=self.device).float()
-        digest = hashlib.sha256(f"{layout}|{ref_megapixels}|{ref_caption}|".encode())
+        # The ArcAnima reference streams take no text: no caption to encode.
+        context = (self.prompts.encode(ref_caption, device=self.device).float() if kind not in ARCANIMA_KINDS
+                   else torch.zeros(0))
+        size = f"{output_size[0]}x{output_size[1]}" if kind == "arcanima-pilot" else ""
+        digest = hashlib.sha256(f"{layout}|{ref_megapixels}|{ref_caption}|{size}".encode())
         for data in images:
             digest.update(content_hash(data).encode())
         return _PreparedReference(tuple(latents), context, digest.hexdigest()[:32])
@@ -135,6 +204,8 @@ class Renderer:
         """The reference stream, in fp32 whatever the model dtype; RefKV stored in the sampling dtype."""
         bound = self._require_adapter()
         t0 = time.perf_counter()
+        if isinstance(bound, BoundArcAnima):
+            return self._run_arcanima_reference(bound, prepared, target_grid, t0)
         loras = bound.reference_loras()
         dt, dh, dw = bound.rope_offset(target_grid)
         parts, grids, offsets = [], [], []
@@ -154,6 +225,26 @@ class Renderer:
         return RefKV(torch.cat(parts, dim=3), tuple(grids), tuple(offsets), target_grid, bound.identity,
                      prepared.reference_id, time.perf_counter() - t0)
 
+    def _run_arcanima_reference(self, bound: BoundArcAnima, prepared: _PreparedReference,
+                                target_grid: tuple[int, int, int], t0: float) -> RefKV:
+        latent = prepared.latents[0]
+        grid = self.dit.token_grid(latent.shape[-2], latent.shape[-1])
+        if bound.kind == "arcanima-pilot":
+            if grid != target_grid:
+                raise RenderError(f"the pilot's reference frame is {grid} tokens, the target {target_grid}")
+            # Nothing to cache but the VAE encode: the frame runs through the DiT at every step.
+            return RefKV(latent[0].unsqueeze(1).to(self.dtype), (grid,), ((1, 0, 0),), target_grid, bound.identity,
+                         prepared.reference_id, time.perf_counter() - t0, payload="frame_latent")
+        with torch.inference_mode():
+            kv = v2_reference_kv(self.dit, bound, latent, target_grid)  # fp32 stream, as SnapRef's
+        if not torch.isfinite(kv).all():
+            raise RenderError(f"reference {prepared.reference_id}: the reference stream produced non-finite K/V")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        offset = v2_rope_offset(bound, target_grid)
+        return RefKV(kv.to(self.dtype), (grid,), (offset,), target_grid, bound.identity, prepared.reference_id,
+                     time.perf_counter() - t0)
+
     def encode_reference(self, images: Sequence[bytes] | bytes, *, layout: ReferenceLayout = "single",
                          ref_caption: str = "", ref_megapixels: float = 1.0, width: int = 1024, height: int = 1024,
                          sources: Sequence[str] | None = None) -> RefKV:
@@ -163,7 +254,7 @@ class Renderer:
         (several images of one character, read together).
         """
         images = [images] if isinstance(images, (bytes, bytearray)) else list(images)
-        prepared = self._prepare_reference(images, layout, ref_caption, ref_megapixels, sources)
+        prepared = self._prepare_reference(images, layout, ref_caption, ref_megapixels, sources, (width, height))
         return self._run_reference_stream(prepared, self.target_grid(width, height))
 
     # -- rendering ------------------------------------------------------------------------
@@ -178,6 +269,8 @@ class Renderer:
         requests = [requests] if isinstance(requests, RenderRequest) else list(requests)
         if not requests:
             return []
+        # Per-kind defaults and the simple controls resolved once, here; results carry what ran.
+        requests = [r.model_copy(update={"settings": self.resolve(r.settings)}) for r in requests]
         settings = requests[0].settings
         for i, r in enumerate(requests[1:], start=1):
             if r.settings.batch_key() != settings.batch_key():
@@ -188,7 +281,7 @@ class Renderer:
             if references is not None:
                 t0 = time.perf_counter()
                 prepared = self._prepare_reference(list(references), layout, settings.ref_caption,
-                                                   settings.ref_megapixels, None)
+                                                   settings.ref_megapixels, None, (settings.width, settings.height))
                 if not settings.recompute_reference_every_step:
                     refkv = self._run_reference_stream(prepared, self.target_grid(settings.width, settings.height))
                 encode_s = time.perf_counter() - t0
@@ -217,6 +310,10 @@ class Renderer:
         if refkv is not None:
             if refkv.adapter_id != bound.identity:
                 raise RenderError("refkv was encoded with a different adapter than the one loaded")
+            expected_payload = "frame_latent" if self.adapter_kind == "arcanima-pilot" else "kv"
+            if refkv.payload != expected_payload:
+                raise RenderError(f"refkv holds a {refkv.payload!r} reference, a {self.adapter_kind} adapter reads"
+                                  f" {expected_payload!r}")
             if refkv.target_grid != grid:
                 raise RenderError(f"refkv was encoded for a {refkv.target_grid} token grid, this render needs {grid};"
                                   " encode the reference for this width/height")
@@ -255,7 +352,8 @@ class Renderer:
             step_kv = refkv
             if prepared is not None and (step_kv is None or s.recompute_reference_every_step):
                 step_kv = self._run_reference_stream(prepared, grid)  # the pilot-style baseline
-            denoised = self.denoise_rows(x_B, sigma, plan, ctx_for, step_kv, weights, target_loras, reads_cache)
+            denoised = self.denoise_rows(x_B, sigma, plan, ctx_for, step_kv, weights, target_loras, reads_cache,
+                                         strength=s.strength if s.strength is not None else 1.0)
             return combine(x_B, sigma, plan, denoised)
 
         t1 = time.perf_counter()
@@ -273,14 +371,17 @@ class Renderer:
 
     def denoise_rows(self, x_B: torch.Tensor, sigma: torch.Tensor, plan: StepPlan,
                      ctx_for: dict[Row, list[torch.Tensor]], refkv: RefKV | None, weights: list[float] | None,
-                     target_loras: list | None, reads_cache: dict | None = None) -> dict[Row, torch.Tensor]:
+                     target_loras: list | None, reads_cache: dict | None = None, *,
+                     strength: float = 1.0) -> dict[Row, torch.Tensor]:
         """One batched DiT forward over every row kind of the step; denoised estimate per kind.
 
         x_B: [n, 16, 1, h, w] fp32; ctx_for: per row kind, one [1, L, C] context per request.
         Rows are stacked kind by kind ([COND x n, UNCOND x n, ...]); only the attention seam sees
         which of them read the reference. `reads_cache` (one dict per render) keeps the RefReads
-        of each row layout, so they are built once per render, not once per step. Contexts of different lengths (prompts over 512 T5
-        tokens) run as one forward per length.
+        of each row layout, so they are built once per render, not once per step. Contexts of
+        different lengths (prompts over 512 T5 tokens) run as one forward per length. With an
+        ArcAnima adapter `weights` / `target_loras` are unused and `strength` is the LoRA
+        multiplier of the reading rows.
         """
         n = x_B.shape[0]
         rows_x = x_B.repeat(len(plan.rows), 1, 1, 1, 1)
@@ -289,19 +390,28 @@ class Renderer:
         sigma_rows = sigma.to(self.device, torch.float32).reshape(1).expand(len(contexts))
         lengths = sorted({c.shape[1] for c in contexts})
         if len(lengths) == 1:  # the usual case: one forward over every row, no gathers
-            refs = self._reads(refkv, tuple(reads), weights, reads_cache)
-            v = self.forward(rows_x.to(self.dtype), sigma_rows, torch.cat(contexts), loras=target_loras,
-                             refs=refs).float()
+            v = self._forward_rows(rows_x, sigma_rows, torch.cat(contexts), tuple(reads), refkv, weights,
+                                   target_loras, reads_cache, strength)
         else:
             v = torch.empty_like(rows_x)
             for length in lengths:
                 idx = [i for i, c in enumerate(contexts) if c.shape[1] == length]
-                group_reads = tuple(reads[i] for i in idx)
-                refs = self._reads(refkv, group_reads, weights, reads_cache)
-                v[idx] = self.forward(rows_x[idx].to(self.dtype), sigma_rows[: len(idx)],
-                                      torch.cat([contexts[i] for i in idx]), loras=target_loras, refs=refs).float()
+                v[idx] = self._forward_rows(rows_x[idx], sigma_rows[: len(idx)],
+                                            torch.cat([contexts[i] for i in idx]), tuple(reads[i] for i in idx),
+                                            refkv, weights, target_loras, reads_cache, strength)
         d_rows = rows_x - sigma * v  # flow matching, CONST: D = x - sigma * v
         return dict(zip(plan.rows, d_rows.split(n)))
+
+    def _forward_rows(self, x: torch.Tensor, sigma_rows: torch.Tensor, context: torch.Tensor,
+                      reads: tuple[bool, ...], refkv: RefKV | None, weights: list[float] | None,
+                      target_loras: list | None, reads_cache: dict | None, strength: float) -> torch.Tensor:
+        """Velocity of one batch of rows sharing a context length, through the loaded adapter's method."""
+        if isinstance(self.adapter, BoundArcAnima):
+            method = pilot_forward if self.adapter.kind == "arcanima-pilot" else v2_forward
+            kv = refkv.kv_N2HLD if refkv is not None else None
+            return method(self.dit, self.adapter, x.to(self.dtype), sigma_rows, context, reads, kv, strength).float()
+        refs = self._reads(refkv, reads, weights, reads_cache)
+        return self.forward(x.to(self.dtype), sigma_rows, context, loras=target_loras, refs=refs).float()
 
     @staticmethod
     def _reads(refkv: RefKV | None, rows: tuple[bool, ...], weights: list[float] | None,

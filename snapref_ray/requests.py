@@ -15,6 +15,7 @@ Sampler = Literal["euler", "er_sde"]
 Scheduler = Literal["simple"]
 Correction = Literal["apg", "rescale", "none"]
 Mode = Literal["cs", "char"]
+Outside = Literal["reference", "no_reference"]
 
 MIN_SIDE, MAX_SIDE = 256, 4096
 
@@ -28,7 +29,7 @@ class RenderSettings(BaseModel):
     width: int = Field(1024, description="Image width in pixels, a multiple of 16 (the VAE's 8 times the DiT's patch 2).")
     height: int = Field(1024, description="Image height in pixels, a multiple of 16.")
     steps: int = Field(30, ge=1, le=1000, description="Sampling steps; Anima's card recommends 28-50.")
-    cfg: float = Field(4.0, ge=0.0, le=100.0, description="Text CFG scale; 4-5 is Anima's recommended range. 1 skips the uncond pass.")
+    cfg: float = Field(4.5, ge=0.0, le=100.0, description="Text CFG scale; 4.5 as both adapters' authors recommend (Anima's card: 4-5). 1 skips the uncond pass.")
     sampler: Sampler = Field("er_sde", description="er_sde is Anima's recommended sampler; euler is deterministic.")
     scheduler: Scheduler = Field("simple", description="ComfyUI's `simple` schedule over the shift-3 flow sigmas.")
     denoise: float = Field(1.0, gt=0.0, le=1.0, description="1 = text-to-image; < 1 starts from an input image (img2img).")
@@ -37,10 +38,13 @@ class RenderSettings(BaseModel):
 
     mode: Mode = Field("cs", description="cs copies character and style; char copies only the character so artist tags set the style.")
     ref_weight: float = Field(1.0, ge=0.0, le=10.0, description="Multiplier on the reference's attention mass; 1 as trained, 0 bypasses the read.")
-    ref_guidance: float = Field(
-        1.0, ge=0.0, le=20.0,
-        description="Extra guidance towards the reference; != 1 runs a third row (positive prompt without reference), ~1.4x the time.")
-    ref_in_uncond: bool = Field(False, description="Let the uncond CFG row read the reference too; off by default as trained.")
+    ref_guidance: float | None = Field(
+        None, ge=0.0, le=20.0,
+        description="Extra guidance towards the reference; != 1 runs a third row (positive prompt without reference). "
+                    "Unset = the adapter kind's default: 1 (off) for SnapRef, 4.5 for ArcAnima.")
+    ref_in_uncond: bool | None = Field(
+        None, description="Let the uncond CFG row read the reference too. Unset = the kind's default: off for SnapRef "
+                          "(as trained), on for ArcAnima (both CFG branches read it).")
     correction: Correction = Field("apg", description="Correction of the reference-guidance delta, against colour over-saturation.")
     ref_start: float = Field(0.0, ge=0.0, le=1.0, description="Fraction of the schedule where reference guidance starts.")
     ref_end: float = Field(1.0, ge=0.0, le=1.0, description="Fraction of the schedule where reference guidance stops; ~0.6 saves time with nearly the same image.")
@@ -48,6 +52,15 @@ class RenderSettings(BaseModel):
     ref_megapixels: float = Field(1.0, gt=0.0, le=16.0, description="Reference resized to at most this area, never enlarged; 1 MP as trained.")
     recompute_reference_every_step: bool = Field(
         False, description="Run the reference stream again at every step instead of the cache: the baseline the cache is measured against.")
+    ref_outside: Outside | None = Field(
+        None, description="ArcAnima guider's `outside`: what applies outside [ref_start, ref_end]. reference (default): "
+                          "rows keep reading the reference, only the extra ref-guidance call stops; no_reference: "
+                          "those steps render without the reference (and without its LoRA).")
+    strength: float | None = Field(
+        None, ge=0.0, le=10.0,
+        description="Simple control. SnapRef: sets ref_weight. ArcAnima: the LoRA multiplier in reading rows (default 1).")
+    fidelity: float | None = Field(
+        None, ge=0.0, le=20.0, description="Simple control: sets ref_guidance (for every kind).")
 
     @field_validator("width", "height")
     @classmethod
@@ -72,8 +85,8 @@ class RenderSettings(BaseModel):
 
     @classmethod
     def from_simple(cls, strength: float = 1.0, fidelity: float = 1.0, **others) -> "RenderSettings":
-        """The SnapRef simple node's controls: strength -> ref_weight, fidelity -> ref_guidance."""
-        return cls(ref_weight=strength, ref_guidance=fidelity, **others)
+        """The simple node's controls; their per-kind meaning is `snapref_ray.adapter.controls`."""
+        return cls(strength=strength, fidelity=fidelity, **others)
 
 
 class RenderRequest(BaseModel):

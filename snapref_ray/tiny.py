@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from snapref_ray.adapter.arcanima import make_arcanima, save_arcanima
 from snapref_ray.adapter.file import save_adapter
 from snapref_ray.adapter.generate import make_adapter
 from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict
@@ -33,14 +34,25 @@ class TinyConfig:
     ref_rank: int = 8
     target_rank: int = 4
     seed: int = 0
+    # ArcAnima LoRA rank; None = the published one (64 for v2, 32 for the pilot).
+    arcanima_rank: int | None = None
+
+ADAPTER_KINDS = ("snapref", "arcanima-v2", "arcanima-pilot")
 
 
 def _contiguous(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def make_tiny(out_dir: str | Path, config: TinyConfig = TinyConfig(), *, with_adapter: bool = True) -> Path:
-    """Write dit / text_encoder / vae / adapter .safetensors and tokenizers/{qwen,t5} into `out_dir`."""
+def make_tiny(out_dir: str | Path, config: TinyConfig = TinyConfig(), *, with_adapter: bool = True,
+              adapter_kind: str = "snapref") -> Path:
+    """Write dit / text_encoder / vae / adapter .safetensors and tokenizers/{qwen,t5} into `out_dir`.
+
+    adapter_kind: "snapref" (anima_ref_kv/1), "arcanima-v2" or "arcanima-pilot" (a ComfyUI-keyed
+    LoRA file with this project's `adapter_kind` metadata).
+    """
+    if adapter_kind not in ADAPTER_KINDS:
+        raise ValueError(f"adapter_kind must be one of {', '.join(ADAPTER_KINDS)}, found {adapter_kind!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dit = make_tiny_dit_state_dict(model_channels=config.model_channels, num_blocks=config.num_blocks,
@@ -58,13 +70,27 @@ def make_tiny(out_dir: str | Path, config: TinyConfig = TinyConfig(), *, with_ad
     write_tiny_tokenizers(out / "tokenizers" / "qwen", out / "tokenizers" / "t5")
 
     if with_adapter:
-        adapter = make_adapter(num_blocks=config.num_blocks, model_channels=config.model_channels,
-                               context_dim=config.text_dim, mlp_hidden=4 * config.model_channels,
-                               ref_rank=config.ref_rank, target_rank=config.target_rank, init="random",
-                               seed=config.seed, base_model="anima-tiny")
-        save_adapter(adapter, out / "adapter.safetensors", weight_format="fp32")
+        write_tiny_adapter(out / "adapter.safetensors", config, adapter_kind)
     _write_example_reference(out / "reference.png", config.seed)
     return out
+
+
+def write_tiny_adapter(path: str | Path, config: TinyConfig = TinyConfig(), adapter_kind: str = "snapref",
+                       num_blocks: int | None = None) -> Path:
+    """A random adapter of `adapter_kind` for the tiny DiT of `config` (fp32)."""
+    num_blocks = num_blocks or config.num_blocks
+    if adapter_kind != "snapref":
+        arc = make_arcanima(adapter_kind, num_blocks=num_blocks, model_channels=config.model_channels,
+                            context_dim=config.text_dim, mlp_hidden=4 * config.model_channels,
+                            rank=config.arcanima_rank, seed=config.seed, scale=0.3)
+        save_arcanima(arc, path, dtype=torch.float32)
+        return Path(path)
+    adapter = make_adapter(num_blocks=num_blocks, model_channels=config.model_channels,
+                           context_dim=config.text_dim, mlp_hidden=4 * config.model_channels,
+                           ref_rank=config.ref_rank, target_rank=config.target_rank, init="random",
+                           seed=config.seed, base_model="anima-tiny")
+    save_adapter(adapter, path, weight_format="fp32")
+    return Path(path)
 
 
 def _write_example_reference(path: Path, seed: int) -> None:

@@ -206,7 +206,7 @@ def test_bad_reference_images_are_clear_errors(renderer):
 def test_reference_without_adapter_is_an_error(tiny_models, ref_bytes, tmp_path):
     folder = make_tiny(tmp_path / "noadapter", with_adapter=False)
     r = Renderer.from_folder(folder, device="cpu")
-    with pytest.raises(RenderError, match="no SnapRef adapter"):
+    with pytest.raises(RenderError, match="no reference adapter"):
         render_one(r, RenderSettings(**SMALL), references=[ref_bytes])
 
 

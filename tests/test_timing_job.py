@@ -13,7 +13,11 @@ import yaml
 from safetensors.torch import save_file
 
 import snapref_ray
-from snapref_ray.pipelines.timing_table import SETTING_NAMES, TimingSpec, format_markdown, run_timing, timing_settings
+from snapref_ray.pipelines.flop_model import Case, RowGroup, forward_flops, real_size_ratios
+from snapref_ray.pipelines.timing_table import (
+    ARCANIMA_ROWS, SETTING_NAMES, TimingSpec, format_markdown, run_timing, timing_settings,
+)
+from snapref_ray.tiny import TinyConfig, write_tiny_adapter
 from snapref_ray.eval_cli import add_eval_parsers, timing_spec_from_args
 from snapref_ray.storage.jobspec import ClusterSpec, LoRASpec, ModelPaths, OutputSpec
 
@@ -35,9 +39,17 @@ def spec_for(models: Path, out: Path, **kw) -> TimingSpec:
 
 
 @pytest.fixture(scope="module")
-def table(ray_local, tiny_models, tmp_path_factory):
+def arcanima_files(tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("arc")
+    return {kind: str(write_tiny_adapter(d / f"{kind}.safetensors", TinyConfig(), kind))
+            for kind in ("arcanima-v2", "arcanima-pilot")}
+
+
+@pytest.fixture(scope="module")
+def table(ray_local, tiny_models, tmp_path_factory, arcanima_files):
     out = tmp_path_factory.mktemp("timing")
-    summary = run_timing(spec_for(tiny_models, out))
+    summary = run_timing(spec_for(tiny_models, out, arcanima_v2_adapter=arcanima_files["arcanima-v2"],
+                                  arcanima_pilot_adapter=arcanima_files["arcanima-pilot"]))
     return out, summary
 
 
@@ -62,7 +74,8 @@ def turbo_lora(tmp_path_factory) -> Path:
 def test_settings_cover_the_issue_list():
     spec = TimingSpec(models=ModelPaths(models_dir="m"), **CASE)
     settings = {s.name: s for s in timing_settings(spec)}
-    assert list(settings) == list(SETTING_NAMES)
+    # No ArcAnima files in models_dir "m": those rows are left out.
+    assert list(settings) == [n for n in SETTING_NAMES if n not in ARCANIMA_ROWS]
     assert not settings["no_reference"].reference
     assert all(s.reference for name, s in settings.items() if name != "no_reference")
     assert settings["ref_in_uncond"].settings.ref_in_uncond
@@ -75,6 +88,36 @@ def test_settings_cover_the_issue_list():
     assert "on the base model: no turbo LoRA given" in turbo.label
     only = timing_settings(spec.model_copy(update={"settings": ["turbo"]}))
     assert [s.name for s in only] == ["no_reference", "turbo"]  # the ratios' denominator always runs
+
+
+def test_arcanima_rows_run_their_own_adapter_at_its_defaults():
+    spec = TimingSpec(models=ModelPaths(models_dir="m"), arcanima_v2_adapter="v2.safetensors",
+                      arcanima_pilot_adapter="p.safetensors", **CASE)
+    settings = {s.name: s for s in timing_settings(spec)}
+    assert list(settings) == list(SETTING_NAMES)
+    for name, kind in ARCANIMA_ROWS.items():
+        assert settings[name].adapter_kind == kind and settings[name].reference
+    assert settings["arcanima_v2"].settings.ref_guidance is None  # unset: the kind's own default (4.5 + APG)
+    assert settings["arcanima_pilot_rg1"].settings.ref_guidance == 1.0
+
+
+def test_flop_model_matches_the_benchmarks_and_the_expected_ratios():
+    from benchmarks.common import REAL, dit_forward_flops
+
+    config = REAL.config
+    # The same counting as the benchmarks' model, with and without a reference read and a LoRA.
+    assert forward_flops(config, RowGroup(2, 3952)) == dit_forward_flops(config, rows=2, tokens=3952, context_rows=512)
+    ranks = {"self_attn.q_proj": 64}
+    assert forward_flops(config, RowGroup(1, 3952, 4096, tuple(ranks.items()))) == dit_forward_flops(
+        config, rows=1, tokens=3952, context_rows=512, reading_rows=1, ref_tokens=4096, lora_ranks=ranks)
+    r = real_size_ratios({"no_reference": 0, "snapref_default": 0, "arcanima_v2_rg1": 0, "arcanima_v2": 1,
+                          "arcanima_pilot_rg1": 0, "arcanima_pilot": 1}, steps=28)
+    assert r["no_reference"] == 1.0
+    assert 1.0 < r["snapref_default"] < r["arcanima_v2_rg1"] < r["arcanima_pilot_rg1"]
+    assert r["arcanima_v2"] == pytest.approx(r["arcanima_v2_rg1"] + 0.5)  # the extra call is one plain row of two
+    # The pilot's two-frame rows: twice the tokens, so more than twice the attention of a plain row.
+    assert r["arcanima_pilot_rg1"] > 2.0
+    assert Case().tokens == 3952
 
 
 def test_unknown_setting_is_refused():
@@ -108,6 +151,10 @@ def test_table_has_every_setting_and_ratios_from_the_measured_times(table, tiny_
     rows = {r["name"]: r for r in saved["settings"]}
     assert list(rows) == list(SETTING_NAMES)
     base = rows["no_reference"]
+    assert saved["environment"]["arcanima_adapters"].keys() == {"arcanima-v2", "arcanima-pilot"}
+    assert rows["arcanima_v2"]["ref_guidance_step_share"] == 1.0 and rows["arcanima_v2_rg1"]["ref_guidance_step_share"] == 0
+    for r in rows.values():
+        assert r["flop_step_ratio_832x1216"] >= (1.0 if r["name"] != "turbo" else 0.4)
     for r in rows.values():
         assert len(r["runs"]) == 2
         assert r["seconds_per_image"] > 0 and r["seconds_per_step"] > 0
@@ -125,6 +172,8 @@ def test_table_has_every_setting_and_ratios_from_the_measured_times(table, tiny_
         assert rows[name]["encode_seconds"] > 0
     for name in ("no_reference", "recompute_every_step"):
         assert rows[name]["refkv_bytes"] is None and rows[name]["encode_seconds"] is None
+    assert rows["arcanima_pilot"]["refkv_bytes"] == 16 * 32 * 32 * 4  # the reference latent at the output size
+    assert rows["arcanima_v2"]["refkv_bytes"] > 0 and rows["arcanima_v2"]["encode_seconds"] > 0
     assert rows["turbo"]["settings"]["steps"] == 2 and rows["turbo"]["settings"]["cfg"] == 1.0
     env = saved["environment"]
     assert (env["device"], env["dtype"]) == ("cpu", "float32")

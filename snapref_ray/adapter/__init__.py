@@ -1,4 +1,4 @@
-"""SnapRef: the `anima_ref_kv/1` adapter file, synthetic adapters, inspection and reference images."""
+"""Reference adapters: SnapRef `anima_ref_kv/1` and ArcAnima v2 / pilot files, kinds, inspection, references."""
 
 from snapref_ray.adapter.file import (
     FORMAT, REF_LINEARS, TARGET_LINEARS, WEIGHT_FORMATS, AdapterError, AdapterLayout, AdapterMeta, SnapRefAdapter,
@@ -9,7 +9,9 @@ from snapref_ray.adapter.images import (
     MAX_REFERENCE_PIXELS, ReferenceImageError, content_hash, fit_megapixels, image_to_pixels, open_reference,
     prepare_reference, stitch_side_by_side,
 )
-from snapref_ray.adapter.inspect import format_inspection, inspect_adapter
+from snapref_ray.adapter.inspect import format_file_inspection, format_inspection, inspect_adapter, inspect_file
+from snapref_ray.adapter.kinds import ARCANIMA_LAYOUTS, Detection, detect_kind
+from snapref_ray.adapter.arcanima import ArcAnimaAdapter, load_arcanima, make_arcanima, save_arcanima
 
 __all__ = [
     "FORMAT", "REF_LINEARS", "TARGET_LINEARS", "WEIGHT_FORMATS", "AdapterError", "AdapterLayout", "AdapterMeta",
@@ -17,5 +19,7 @@ __all__ = [
     "char_mode_weights", "make_adapter",
     "MAX_REFERENCE_PIXELS", "ReferenceImageError", "content_hash", "fit_megapixels", "image_to_pixels",
     "open_reference", "prepare_reference", "stitch_side_by_side",
-    "format_inspection", "inspect_adapter",
+    "format_inspection", "inspect_adapter", "format_file_inspection", "inspect_file",
+    "ARCANIMA_LAYOUTS", "Detection", "detect_kind", "ArcAnimaAdapter", "load_arcanima", "make_arcanima",
+    "save_arcanima",
 ]

@@ -464,8 +464,11 @@ _BLOCK_WEIGHT = re.compile(r"^blocks\.(\d+)\.self_attn\.q_proj\.weight$")
 _LORA_MARKERS = (".lora_up.", ".lora_down.", ".lora_A.", ".lora_B.", "lora_unet_", ".hada_", ".lokr_")
 
 
-def _not_an_adapter_message(path: Path, header: dict, fmt: str | None) -> str:
-    """Say what a file without `format = anima_ref_kv/1` most likely is."""
+def _not_an_adapter_message(path: Path, header: dict, fmt: str | None, detect: bool = True) -> str:
+    """Say what a file without `format = anima_ref_kv/1` most likely is.
+
+    detect=False: do not ask `kinds.detect_kind` about LoRA-keyed files (it calls this function).
+    """
     expected = f"a SnapRef adapter is a safetensors file whose __metadata__ has format={FORMAT!r}"
     if fmt is not None and fmt.startswith("anima_ref_kv/"):
         return (f"{path}: SnapRef adapter format {fmt!r} is not supported; this version reads {FORMAT!r} only")
@@ -478,8 +481,14 @@ def _not_an_adapter_message(path: Path, header: dict, fmt: str | None) -> str:
                 f" was stripped — {expected}")
     lora = [k for k in keys if any(m in k for m in _LORA_MARKERS)]
     if lora:
+        from snapref_ray.adapter.kinds import detect_kind  # kinds imports this module
+
+        kind = detect_kind(path) if detect else None
+        if kind is not None and kind.is_adapter:
+            return (f"{path}: is a reference adapter of kind {kind.kind} ({kind.how}: {kind.reason}), not a SnapRef"
+                    f" file; load it with --adapter, which detects the kind (never merge it with --lora)")
         return (f"{path}: looks like a standard LoRA ({len(keys)} tensors, e.g. {lora[0]!r}; {found_fmt}), not a"
-                f" SnapRef adapter; {expected}. Load it as a LoRA, not as a SnapRef adapter.")
+                f" reference adapter; {expected}. A plain LoRA is merged with --lora.")
     blocks: set[int] = set()
     example = None
     for key in keys:

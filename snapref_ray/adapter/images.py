@@ -106,6 +106,19 @@ def stitch_side_by_side(left: Image.Image, right: Image.Image) -> Image.Image:
     return out
 
 
+def fit_output_size(img: Image.Image, width: int, height: int) -> Image.Image:
+    """Exactly `width` x `height`: scaled to cover the size keeping the aspect ratio, centre-cropped.
+
+    The ArcAnima pilot reads its reference as a second frame at the output size; cropping the
+    overflow keeps the character's proportions (a stretch would change them).
+    """
+    scale = max(width / img.width, height / img.height)
+    w, h = max(width, round(img.width * scale)), max(height, round(img.height * scale))
+    resized = img.resize((w, h), Image.LANCZOS)
+    left, top = (w - width) // 2, (h - height) // 2
+    return resized.crop((left, top, left + width, top + height))
+
+
 def image_to_pixels(img: Image.Image) -> torch.Tensor:
     """RGB image -> float32 [1, 3, H, W] in [-1, 1] (the VAE's input range)."""
     hwc = np.asarray(img.convert("RGB"), dtype=np.float32)  # [H, W, 3] in 0..255

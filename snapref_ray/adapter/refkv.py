@@ -27,6 +27,9 @@ class RefKV:
     kv_N2HLD: [blocks, 2 (K, V), heads, ref_tokens, head_dim]; K is after k-norm and RoPE at the
     reference positions `offsets` (resolved for `target_grid`), V as projected.
     grids: token grid (T, Hp, Wp) of each reference that was concatenated, in order.
+    payload: "kv" (the above), or "frame_latent" for the ArcAnima pilot, whose reference is not a
+    cache of K/V but its latent at the output size ([16, 1, h, w], model space): the pilot runs it
+    through the DiT as a second frame at every step, so only the VAE encode is done once.
     """
 
     kv_N2HLD: torch.Tensor
@@ -36,6 +39,7 @@ class RefKV:
     adapter_id: str
     reference_id: str
     encode_seconds: float = 0.0
+    payload: str = "kv"
 
     @property
     def num_blocks(self) -> int:
@@ -80,8 +84,9 @@ class RefKV:
             return parts[0]
         first = parts[0]
         for p in parts[1:]:
-            if (p.num_blocks, p.adapter_id, p.target_grid) != (first.num_blocks, first.adapter_id, first.target_grid):
-                raise ValueError("RefKVs to concatenate must share adapter, block count and target grid")
+            if (p.num_blocks, p.adapter_id, p.target_grid, p.payload) != (
+                    first.num_blocks, first.adapter_id, first.target_grid, "kv"):
+                raise ValueError("RefKVs to concatenate must be K/V and share adapter, block count and target grid")
         kv = torch.cat([p.kv_N2HLD.to(first.device, first.dtype) for p in parts], dim=3)
         return RefKV(kv, sum((p.grids for p in parts), ()), sum((p.offsets for p in parts), ()),
                      first.target_grid, first.adapter_id, "+".join(p.reference_id for p in parts),
@@ -93,7 +98,7 @@ class RefKV:
         kv = self.kv_N2HLD.detach().to("cpu").contiguous()
         header = {"shape": tuple(kv.shape), "dtype": str(kv.dtype), "grids": self.grids, "offsets": self.offsets,
                   "target_grid": self.target_grid, "adapter_id": self.adapter_id, "reference_id": self.reference_id,
-                  "encode_seconds": self.encode_seconds}
+                  "encode_seconds": self.encode_seconds, "payload": self.payload}
         return header, kv.reshape(-1).view(torch.uint8).numpy()
 
     @staticmethod
@@ -108,7 +113,7 @@ class RefKV:
             kv = kv.to(device)
         return RefKV(kv, tuple(map(tuple, header["grids"])), tuple(map(tuple, header["offsets"])),
                      tuple(header["target_grid"]), header["adapter_id"], header["reference_id"],
-                     header["encode_seconds"])
+                     header["encode_seconds"], header.get("payload", "kv"))
 
     def __reduce__(self):
         header, buffer = self.to_wire()

@@ -229,15 +229,20 @@ class DiTBlock(nn.Module):
 
     def forward(self, x_BLD: torch.Tensor, t: TimeEmbedding, context_BSC: torch.Tensor, rope: Rope, *,
                 lora: BlockLoRA | None = None, ref: RefRead | None = None,
-                kv_sink: KVSink | None = None) -> torch.Tensor:
-        """x is the residual stream [B, L, D] (fp32 when computing in fp16); sub-layers compute in t's dtype."""
+                kv_sink: KVSink | None = None, cross_attention: bool = True) -> torch.Tensor:
+        """x is the residual stream [B, L, D] (fp32 when computing in fp16); sub-layers compute in t's dtype.
+
+        cross_attention=False skips the text cross-attention (ArcAnima v2's reference stream).
+        """
         lora = lora or _NO_LORA
         dtype = t.emb.dtype
         shift, scale, gate = modulation(self.adaln_modulation_self_attn, t, 3)
         x_BLD = gated_residual(x_BLD, gate, self.self_attn(modulate(x_BLD, shift, scale, dtype), rope, lora, ref,
                                                            kv_sink))
-        shift, scale, gate = modulation(self.adaln_modulation_cross_attn, t, 3)
-        x_BLD = gated_residual(x_BLD, gate, self.cross_attn(modulate(x_BLD, shift, scale, dtype), context_BSC, lora))
+        if cross_attention:
+            shift, scale, gate = modulation(self.adaln_modulation_cross_attn, t, 3)
+            x_BLD = gated_residual(x_BLD, gate, self.cross_attn(modulate(x_BLD, shift, scale, dtype), context_BSC,
+                                                                lora))
         shift, scale, gate = modulation(self.adaln_modulation_mlp, t, 3)
         return gated_residual(x_BLD, gate, self.mlp(modulate(x_BLD, shift, scale, dtype), lora))
 
@@ -338,14 +343,16 @@ class AnimaDiT(nn.Module):
         out = unpatchify(y_BLF, grid, self.config.in_channels)[..., :T, :H, :W]
         return out.to(x.dtype).reshape(x.shape)
 
-    def reference_kv(self, x: torch.Tensor, context: torch.Tensor, *,
+    def reference_kv(self, x: torch.Tensor, context: torch.Tensor | None, *,
                      loras: Sequence[BlockLoRA | None] | None = None,
-                     rope_offset: tuple[int, int, int] = (0, 0, 0)) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                     rope_offset: tuple[int, int, int] = (0, 0, 0),
+                     cross_attention: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The SnapRef reference stream: per block, self-attention (K, V) of latent x, each [heads, tokens, head_dim].
 
         x ([1,16,1,H,W] or [1,16,H,W]) runs through every block at sigma 0 with `loras`, its tokens at RoPE
         positions shifted by `rope_offset` (dt, dh, dw), attending only to themselves. K is after k_norm
         and RoPE, V as projected. Computes in x's dtype (pass fp32 for an fp32 stream on a bf16/fp8 model).
+        cross_attention=False: the tokens skip the text cross-attention (ArcAnima v2); context may be None.
         """
         self._check_per_block_args(loras, None)
         x_BCTHW = x if x.ndim == 5 else x.unsqueeze(2)
@@ -357,7 +364,10 @@ class AnimaDiT(nn.Module):
         rope = dit_rope(grid, self.config.head_dim, offset=rope_offset, device=x.device)
         sink: KVSink = []
         # The last block's cross-attention and MLP do not affect any K/V, but running them keeps one code path.
-        self._run_blocks(self.x_embedder(patches), t, context.to(dtype), rope, loras, None, sink)
+        if cross_attention and context is None:
+            raise ValueError("reference_kv: a context is needed unless cross_attention=False")
+        self._run_blocks(self.x_embedder(patches), t, context.to(dtype) if context is not None else None, rope,
+                         loras, None, sink, cross_attention=cross_attention)
         return sink
 
     def _time_embedding(self, sigma_B: torch.Tensor, dtype: torch.dtype) -> TimeEmbedding:
@@ -366,13 +376,13 @@ class AnimaDiT(nn.Module):
 
     def _run_blocks(self, x_BLD: torch.Tensor, t: TimeEmbedding, context_BSC: torch.Tensor, rope: Rope,
                     loras: Sequence[BlockLoRA | None] | None, refs: Sequence[RefRead | None] | None,
-                    kv_sink: KVSink | None) -> torch.Tensor:
+                    kv_sink: KVSink | None, cross_attention: bool = True) -> torch.Tensor:
         # fp16 overflows in the residual stream: ComfyUI keeps it in fp32 (sub-layers still run in fp16).
         if x_BLD.dtype == torch.float16:
             x_BLD = x_BLD.float()
         for i, block in enumerate(self.blocks):
             x_BLD = block(x_BLD, t, context_BSC, rope, lora=loras[i] if loras else None,
-                          ref=refs[i] if refs else None, kv_sink=kv_sink)
+                          ref=refs[i] if refs else None, kv_sink=kv_sink, cross_attention=cross_attention)
         return x_BLD
 
     def _check_per_block_args(self, loras: Sequence[BlockLoRA | None] | None,

@@ -36,7 +36,10 @@ RESULT_JSON = "comparison_summary.json"
 RESULT_MD = "comparison_summary.md"
 FORMAT = "snapref-ray/comparison_summary/1"
 SETTING_NAMES = ("no_reference", "snapref_default", "ref_in_uncond", "ref_guidance_apg", "ref_end_0.6",
-                 "recompute_every_step", "turbo")
+                 "recompute_every_step", "turbo", "arcanima_v2", "arcanima_v2_rg1", "arcanima_pilot",
+                 "arcanima_pilot_rg1")
+ARCANIMA_ROWS = {"arcanima_v2": "arcanima-v2", "arcanima_v2_rg1": "arcanima-v2", "arcanima_pilot": "arcanima-pilot",
+                 "arcanima_pilot_rg1": "arcanima-pilot"}
 
 
 class TimingSpec(BaseModel):
@@ -46,6 +49,12 @@ class TimingSpec(BaseModel):
 
     models: ModelPaths = Field(..., description="The Anima model files (as in a batch job spec).")
     adapter: str | None = Field(None, description="SnapRef adapter; None = adapter.safetensors from models_dir.")
+    arcanima_v2_adapter: str | None = Field(
+        None, description="ArcAnima v2 file for the arcanima_v2 rows; None = arcanima-v2.safetensors in models_dir "
+                          "if there is one (else those rows are left out, and the table says so).")
+    arcanima_pilot_adapter: str | None = Field(
+        None, description="ArcAnima pilot file for the arcanima_pilot rows; None = arcanima-pilot.safetensors in "
+                          "models_dir if there is one.")
     reference: str | None = Field(None, description="Reference image; None = reference.png in models_dir (the "
                                                     "tiny model set has one).")
     prompt: str = Field("1girl, solo, cowboy shot, sitting, cafe, holding cup, smile, looking at viewer, window, day",
@@ -96,8 +105,21 @@ class TimingSpec(BaseModel):
         lora = self.turbo_lora
         return self.model_copy(update={
             "models": resolve_model_paths(self.models, base), "adapter": fix(self.adapter),
+            "arcanima_v2_adapter": fix(self.arcanima_v2_adapter),
+            "arcanima_pilot_adapter": fix(self.arcanima_pilot_adapter),
             "reference": fix(self.reference), "output": output,
             "turbo_lora": None if lora is None else lora.model_copy(update={"path": fix(lora.path)})})
+
+    def arcanima_adapters(self) -> dict[str, str]:
+        """kind -> local file of the ArcAnima rows that can run (given, or found in models_dir)."""
+        found = {}
+        for kind, given in (("arcanima-v2", self.arcanima_v2_adapter), ("arcanima-pilot", self.arcanima_pilot_adapter)):
+            if given is not None:
+                found[kind] = given
+            elif self.models.models_dir is not None and not self.models.models_dir.startswith("s3://") \
+                    and (Path(self.models.models_dir) / f"{kind}.safetensors").is_file():
+                found[kind] = str(Path(self.models.models_dir) / f"{kind}.safetensors")
+        return found
 
     def reference_uri(self) -> str:
         if self.reference is not None:
@@ -123,6 +145,7 @@ class TimingSetting:
     settings: RenderSettings
     reference: bool
     turbo: bool = False
+    adapter_kind: str | None = None  # an ArcAnima row: which extra adapter renders it
 
 
 def timing_settings(spec: TimingSpec) -> list[TimingSetting]:
@@ -148,7 +171,19 @@ def timing_settings(spec: TimingSpec) -> list[TimingSetting]:
                       base.model_copy(update={"recompute_reference_every_step": True}), True),
         TimingSetting("turbo", turbo_label, base.model_copy(update={"steps": spec.turbo_steps, "cfg": 1.0}), True,
                       turbo=spec.turbo_lora is not None),
+        # ArcAnima at its own defaults (ref_guidance 4.5 + APG, both CFG rows read), and at ref_guidance 1
+        # (no extra call), the setting the seed's per-step figures match.
+        TimingSetting("arcanima_v2", "ArcAnima v2 at its defaults (ref_guidance 4.5 + APG, both CFG rows read the"
+                      " cached reference)", base, True, adapter_kind="arcanima-v2"),
+        TimingSetting("arcanima_v2_rg1", "ArcAnima v2, ref_guidance 1 (no extra call)",
+                      base.model_copy(update={"ref_guidance": 1.0}), True, adapter_kind="arcanima-v2"),
+        TimingSetting("arcanima_pilot", "ArcAnima pilot at its defaults (reference as a second frame, recomputed"
+                      " every step; ref_guidance 4.5 + APG)", base, True, adapter_kind="arcanima-pilot"),
+        TimingSetting("arcanima_pilot_rg1", "ArcAnima pilot, ref_guidance 1 (no extra call)",
+                      base.model_copy(update={"ref_guidance": 1.0}), True, adapter_kind="arcanima-pilot"),
     ]
+    available = spec.arcanima_adapters()
+    every = [s for s in every if s.adapter_kind is None or s.adapter_kind in available]
     wanted = set(spec.settings) | {"no_reference"}
     for s in every:  # re-validate: model_copy does not run validators
         RenderSettings(**s.settings.model_dump())
@@ -227,12 +262,14 @@ def _rss_bytes() -> int:
 class TimingWorker:
     """A Ray actor owning the Renderer (and the turbo-LoRA one when a turbo LoRA is given)."""
 
-    def __init__(self, config, turbo_config=None) -> None:
+    def __init__(self, config, turbo_config=None, arcanima_adapters: dict[str, str] | None = None) -> None:
         from snapref_ray.cluster.worker import build_renderer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.base = build_renderer(config)
         self.turbo = build_renderer(turbo_config) if turbo_config is not None else None
+        # ArcAnima rows share the base renderer's model weights, with their own adapter bound.
+        self.arcanima = {kind: self.base.with_adapter(path) for kind, path in (arcanima_adapters or {}).items()}
 
     def environment(self) -> dict:
         """Device, dtype, versions and model identity: what the numbers were measured on."""
@@ -256,6 +293,7 @@ class TimingWorker:
             "model": {"id": r.model_id, "dit": str(r.files.dit), "model_channels": cfg.model_channels,
                       "num_blocks": cfg.num_blocks, "num_heads": cfg.num_heads, "head_dim": cfg.head_dim},
             "adapter": r.adapter.identity if r.adapter is not None else None,
+            "arcanima_adapters": {kind: a.adapter.identity for kind, a in self.arcanima.items()},
             "turbo_model": self.turbo.model_id if self.turbo is not None else None,
         }
 
@@ -266,6 +304,8 @@ class TimingWorker:
         from snapref_ray.requests import RenderRequest
 
         renderer = self.turbo if setting.turbo and self.turbo is not None else self.base
+        if setting.adapter_kind is not None:
+            renderer = self.arcanima[setting.adapter_kind]
         s = setting.settings
         recompute = setting.reference and s.recompute_reference_every_step
         sync = (lambda: torch.cuda.synchronize(renderer.device)) if torch.device(renderer.device).type == "cuda" \
@@ -325,7 +365,8 @@ def run_timing(spec: TimingSpec) -> dict:
     connect(c.address)
     use_gpu = int(ray.cluster_resources().get("GPU", 0)) > 0 and c.device != "cpu"
     actor = ray.remote(TimingWorker).options(num_gpus=1 if use_gpu else 0, num_cpus=c.num_cpus_per_worker,
-                                             max_restarts=0).remote(config, turbo_config)
+                                             max_restarts=0).remote(config, turbo_config,
+                                                                    spec.arcanima_adapters())
     runs: dict[str, list[dict]] = {s.name: [] for s in settings}
     try:
         environment = ray.get(actor.environment.remote(), timeout=900)
@@ -347,6 +388,7 @@ def run_timing(spec: TimingSpec) -> dict:
     finally:
         ray.kill(actor)
     rows = _rows(settings, runs)
+    _add_flop_ratios(rows, settings, spec)
     ref_size = Image.open(io.BytesIO(reference)).size
     summary = {
         "format": FORMAT,
@@ -395,6 +437,25 @@ def _rows(settings: list[TimingSetting], runs: dict[str, list[dict]]) -> list[di
     return rows
 
 
+def _add_flop_ratios(rows: list[dict], settings: list[TimingSetting], spec: TimingSpec) -> None:
+    """Each row's FLOP-model step ratio at 832x1216 (real Anima, 1 MP reference) beside the measured one."""
+    from snapref_ray.adapter.controls import resolve_settings
+    from snapref_ray.pipelines.flop_model import real_size_ratios
+    from snapref_ray.sampling.ref_guidance import plan_step
+    from snapref_ray.sampling.schedules import get_sigmas
+
+    shares = {}
+    for s in settings:
+        resolved = resolve_settings(s.settings, s.adapter_kind or "snapref")
+        sigmas = get_sigmas("simple", resolved.steps)[:-1]
+        active = [plan_step(resolved, float(sig), s.reference).ref_guidance_active for sig in sigmas]
+        shares[s.name] = sum(active) / len(active)
+    ratios = real_size_ratios(shares, steps=spec.steps, cfg=spec.cfg != 1.0)
+    for r in rows:
+        r["flop_step_ratio_832x1216"] = ratios[r["name"]]
+        r["ref_guidance_step_share"] = shares[r["name"]]
+
+
 def _default_title(env: dict) -> str:
     m = env["model"]
     where = "GPU" if env["device"].startswith("cuda") else "CPU"
@@ -440,8 +501,8 @@ def format_markdown(summary: dict) -> str:
         f"- memory: {summary['memory_metric']}",
         "",
         f"| setting | s/image | s/step | x no ref (image) | x no ref (step) | {memory} | RefKV | encode s |"
-        + (" CPU s/step | x no ref (CPU time, step) |" if cpu else ""),
-        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cpu else ""),
+        + (" CPU s/step | x no ref (CPU time, step) |" if cpu else "") + " FLOP model x no ref (step, 832x1216) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cpu else "") + "---:|",
     ]
     for r in summary["settings"]:
         line = (f"| {r['label']} | {_seconds(r['seconds_per_image'])} | {_seconds(r['seconds_per_step'])} | "
@@ -450,6 +511,8 @@ def format_markdown(summary: dict) -> str:
         if cpu:
             ratio = r["cpu_step_ratio_to_no_reference"]
             line += f" {_seconds(r['cpu_seconds_per_step'])} | {'-' if ratio is None else f'{ratio:.2f}'} |"
+        flop = r.get("flop_step_ratio_832x1216")
+        line += f" {'-' if flop is None else f'{flop:.2f}'} |"
         lines.append(line)
     lines += [
         "",
@@ -458,7 +521,10 @@ def format_markdown(summary: dict) -> str:
         "(VAE + caption + reference stream) is the last column. The recompute baseline has no cache: its s/image "
         "includes preparing the reference, and its reference stream runs inside every step. "
         "s/step: the sampling loop only, divided by the steps. x no ref: the medians divided by the no-reference "
-        "row's (the turbo row against the full-step no-reference row).",
+        "row's (the turbo row against the full-step no-reference row). FLOP model: matmul FLOPs of one step "
+        "of real Anima at 832x1216 with a 1 MP reference (`snapref_ray/pipelines/flop_model.py`), against the "
+        "no-reference step; a floor that leaves out memory traffic. ArcAnima rows run their own adapter file "
+        "(the pilot's RefKV column is its reference latent: nothing else is cached).",
         "",
     ]
     if cpu:

@@ -47,14 +47,29 @@ def in_ref_window(settings: RenderSettings, sigma: float) -> bool:
     return percent_to_sigma(settings.ref_end) <= sigma <= percent_to_sigma(settings.ref_start)
 
 
+def _concrete(settings: RenderSettings) -> RenderSettings:
+    """Settings with the kind-dependent fields filled in (SnapRef's defaults when still unset)."""
+    if settings.ref_guidance is None or settings.ref_in_uncond is None or settings.ref_outside is None:
+        from snapref_ray.adapter.controls import resolve_settings
+
+        return resolve_settings(settings, None)
+    return settings
+
+
 def plan_step(settings: RenderSettings, sigma: float, has_reference: bool) -> StepPlan:
-    """The rows this step needs (the uncond pass is skipped at cfg 1, as ComfyUI does)."""
+    """The rows this step needs (the uncond pass is skipped at cfg 1, as ComfyUI does).
+
+    ref_outside="no_reference" (ArcAnima's guider option): outside [ref_start, ref_end] no row
+    reads the reference, so those steps are plain text-to-image steps.
+    """
+    settings = _concrete(settings)
     need_uncond = settings.cfg != 1.0
-    if not has_reference:
+    inside = in_ref_window(settings, sigma)
+    if not has_reference or (settings.ref_outside == "no_reference" and not inside):
         rows = (Row.COND, Row.UNCOND) if need_uncond else (Row.COND,)
         return StepPlan(rows, (False,) * len(rows), False)
     guided = settings.ref_guidance != 1.0 and settings.ref_weight > 0
-    active = guided and in_ref_window(settings, sigma)
+    active = guided and inside
     rows = [Row.COND] + ([Row.UNCOND] if need_uncond else []) + ([Row.COND_NOREF] if active else [])
     uncond_reads = settings.ref_in_uncond or guided
     reads = tuple({Row.COND: True, Row.UNCOND: uncond_reads, Row.COND_NOREF: False}[r] for r in rows)
@@ -67,6 +82,9 @@ class Combiner:
 
     settings: RenderSettings
     _apg: APG = field(default_factory=APG)
+
+    def __post_init__(self) -> None:
+        self.settings = _concrete(self.settings)
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, plan: StepPlan,
                  denoised: dict[Row, torch.Tensor]) -> torch.Tensor:

@@ -203,7 +203,7 @@ def test_plain_lora_named_like_an_adapter_is_rejected(tmp_path):
     assert msg.startswith(f"{path}: looks like a standard LoRA (4 tensors, e.g."
                           " 'diffusion_model.blocks.0.self_attn.q_proj.lora_down.weight'; no 'format' metadata)")
     assert "format='anima_ref_kv/1'" in msg
-    assert msg.endswith("Load it as a LoRA, not as a SnapRef adapter.")
+    assert msg.endswith("A plain LoRA is merged with --lora.")
 
 
 def test_plain_lora_with_kohya_keys_is_rejected(tmp_path):

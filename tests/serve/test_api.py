@@ -273,7 +273,7 @@ def test_json_mode_returns_metadata(client: SnapRefClient, reference_id: str) ->
                            mode="char", ref_weight=0.8, **SMALL)
     assert answer["prompt"] == "1girl, reading" and answer["seeds"] == [3]
     assert answer["settings"]["mode"] == "char" and answer["settings"]["ref_weight"] == 0.8
-    assert answer["settings"]["cfg"] == 4.0  # defaults filled in
+    assert answer["settings"]["cfg"] == 4.5  # defaults filled in
     assert answer["reference_ids"] == [reference_id]
     assert {"encode_s", "text_s", "sample_s", "decode_s", "png_s", "queue_s", "replica_s", "total_s"} <= set(answer["timings"])
     assert answer["batch_size"] >= 1 and answer["batched_requests"] >= 1 and isinstance(answer["cache_hit"], bool)

@@ -1,0 +1,231 @@
+"""Which kind of file an adapter file is, and what each kind is expected to hold: ONE table.
+
+Three kinds of reference adapter load (docs/adapters.md):
+
+- `snapref`: SnapRef's `anima_ref_kv/1` (snapref-adapter.md), recognised by its metadata only.
+- `arcanima-v2`: the ArcAnima Reference Adapter v2 (`anima_ref_adapter_v2_r64.safetensors`, 183 MB):
+  a rank-64 LoRA on the ten linears of the 28 Anima blocks, read with asymmetric attention.
+- `arcanima-pilot`: the ArcAnima pilot (`anima_ref_adapter_pilot_r32.safetensors`): a rank-32
+  LoRA of the same layout, read with the reference as a second latent frame.
+
+The ArcAnima files' exact tensor names and metadata are not available here. A file is
+therefore recognised by metadata first (`format = anima_ref_kv/1`, or this project's own
+`adapter_kind` key, which `make-tiny` and `adapter convert` write), and otherwise by its tensor
+signature: LoRA keys in any spelling the LoRA loader reads (ComfyUI, kohya, PEFT), exactly the
+layout of one `ARCANIMA_LAYOUTS` row. Everything else that parses as a LoRA is a plain LoRA, not
+an adapter. Detection reads the safetensors header only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from snapref_ray.adapter.file import FORMAT as SNAPREF_FORMAT
+from snapref_ray.adapter.file import _not_an_adapter_message
+from snapref_ray.models.checkpoint import CheckpointError, read_header
+from snapref_ray.models.dit import BLOCK_LINEARS
+from snapref_ray.models.lora import KOHYA_PREFIXES, _module_path, _split_key
+
+# Metadata key this project writes into ArcAnima files it makes or converts (and into a plain
+# LoRA whose shape happens to match an adapter signature, to say it is a LoRA).
+KIND_METADATA_KEY = "adapter_kind"
+AdapterKindName = Literal["snapref", "arcanima-v2", "arcanima-pilot"]
+ARCANIMA_KINDS = ("arcanima-v2", "arcanima-pilot")
+ALL_KINDS = ("snapref", *ARCANIMA_KINDS)
+
+
+@dataclass(frozen=True)
+class ArcAnimaLayout:
+    """What an ArcAnima file holds and how it is read. `published` fields are the seed's facts;
+    the rest are this project's documented choices (docs/adapters.md), switchable here."""
+
+    kind: str
+    method: str  # how the reference is read (a sentence for inspect and the docs)
+    rank: int  # published
+    num_blocks: int  # published: trained on the 28-block Anima base
+    linears: tuple[str, ...]  # published: all ten linears of every block (28 x 64 x 51,200 = 91.75 M at rank 64)
+    published_file: str
+    published_size: str
+    # Choice: does the LoRA also act in the v2 reference stream (the seed is silent)? Off: the
+    # reference stream is the base model, and the LoRA acts only in rows that read the reference.
+    lora_in_reference_stream: bool = False
+    # Choice: where the v2 reference sits in RoPE, "past the target grid": shifted by the target's
+    # size on h and w (`after_target`, as SnapRef files state it); t stays 0.
+    rope_offset: tuple[int | str, int | str, int | str] = (0, "after_target", "after_target")
+    # Choice (pilot): the RoPE frame index of the appended reference frame.
+    reference_frame_index: int = 1
+
+
+ARCANIMA_LAYOUTS: dict[str, ArcAnimaLayout] = {
+    "arcanima-v2": ArcAnimaLayout(
+        kind="arcanima-v2",
+        method="asymmetric attention: reference stream once at timestep 0 (self-attention only, no text"
+               " cross-attention), K/V cached per block; target rows read it; LoRA only in reading rows",
+        rank=64, num_blocks=28, linears=BLOCK_LINEARS,
+        published_file="anima_ref_adapter_v2_r64.safetensors", published_size="183 MB"),
+    "arcanima-pilot": ArcAnimaLayout(
+        kind="arcanima-pilot",
+        method="two frames: the reference appended as a second latent frame at the output size,"
+               " recomputed every step; LoRA only in reading rows",
+        rank=32, num_blocks=28, linears=BLOCK_LINEARS,
+        published_file="anima_ref_adapter_pilot_r32.safetensors", published_size="(not published)"),
+}
+
+
+@dataclass(frozen=True)
+class LoRASignature:
+    """The shape of a LoRA-keyed file, from its header: enough to match it against a layout."""
+
+    key_style: str  # ComfyUI, kohya, PEFT, diffusers (or a mix)
+    blocks: tuple[int, ...]  # DiT block indices it touches
+    linears_per_block: dict[int, tuple[str, ...]]
+    other_modules: tuple[str, ...]  # non-block DiT linears (t_embedder, llm_adapter, final_layer, ...)
+    ranks: tuple[int, ...]
+    num_parameters: int
+    dtypes: tuple[str, ...]
+    has_alpha: bool
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        """The block linears touched in any block, in BLOCK_LINEARS order when they are of those."""
+        seen = {lin for lins in self.linears_per_block.values() for lin in lins}
+        return tuple(sorted(seen, key=lambda x: (BLOCK_LINEARS.index(x) if x in BLOCK_LINEARS else 99, x)))
+
+
+@dataclass(frozen=True)
+class Detection:
+    """What a file is and why. `kind` is an adapter kind, or "lora" / "unusable"."""
+
+    path: str
+    kind: str
+    how: str  # "metadata", "tensor signature", "not an adapter"
+    reason: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    signature: LoRASignature | None = None
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.kind in ALL_KINDS
+
+
+def lora_signature(header: dict) -> LoRASignature | None:
+    """The signature of a header whose every tensor is a LoRA part of a DiT linear; None otherwise."""
+    styles: Counter[str] = Counter()
+    per_block: dict[int, set[str]] = {}
+    others: set[str] = set()
+    ranks: set[int] = set()
+    params = 0
+    has_alpha = False
+    for key, entry in header.items():
+        split = _split_key(key)
+        if split is None:
+            return None
+        name, part = split
+        path = _module_path(name)
+        if path is None:
+            return None
+        if part == "alpha":
+            has_alpha = True
+            continue
+        shape = entry["shape"]
+        if len(shape) not in (2, 4):
+            return None
+        params += math.prod(shape)
+        ranks.add(int(shape[0] if part == "down" else shape[1]))
+        styles["kohya" if name.startswith(KOHYA_PREFIXES) else
+               "PEFT" if ".lora_A" in key or ".lora_B" in key else
+               "diffusers" if "transformer_blocks." in name else "ComfyUI"] += 1
+        if m := re.match(r"^blocks\.(\d+)\.(.+)$", path):
+            per_block.setdefault(int(m.group(1)), set()).add(m.group(2))
+        else:
+            others.add(path)
+    if not styles:
+        return None
+    return LoRASignature(
+        key_style="+".join(sorted(styles)), blocks=tuple(sorted(per_block)),
+        linears_per_block={b: tuple(sorted(v)) for b, v in sorted(per_block.items())},
+        other_modules=tuple(sorted(others)), ranks=tuple(sorted(ranks)), num_parameters=params,
+        dtypes=tuple(sorted({e["dtype"] for e in header.values()})), has_alpha=has_alpha)
+
+
+def layout_mismatch(sig: LoRASignature, layout: ArcAnimaLayout, *, published_size: bool = True) -> str | None:
+    """Why `sig` is not `layout` (None when it matches).
+
+    published_size=False (the metadata names the kind): any single rank and any block count (tiny
+    and width-scaled files; the binding checks the block count against the model).
+    """
+    if sig.other_modules:
+        return f"it also adapts {len(sig.other_modules)} non-block module(s), e.g. {sig.other_modules[0]!r}"
+    if len(sig.ranks) != 1:
+        return f"mixed ranks {'/'.join(map(str, sig.ranks))}"
+    if published_size and sig.ranks != (layout.rank,):
+        return f"rank {'/'.join(map(str, sig.ranks))}, expected {layout.rank}"
+    n = len(sig.blocks)
+    if published_size and n != layout.num_blocks:
+        return f"{n} blocks, expected {layout.num_blocks}"
+    if sig.blocks != tuple(range(n)):
+        return f"blocks {list(sig.blocks)[:6]}... are not 0..{n - 1}"
+    wrong = [b for b, lins in sig.linears_per_block.items() if set(lins) != set(layout.linears)]
+    if wrong:
+        return (f"block {wrong[0]} adapts {list(sig.linears_per_block[wrong[0]])}, expected all of"
+                f" {list(layout.linears)}")
+    return None
+
+
+def detect_kind(path: str | os.PathLike) -> Detection:
+    """Metadata first, then the tensor signature (header only, no tensor data read)."""
+    path = Path(path)
+    try:
+        header, metadata = read_header(path)
+    except CheckpointError as e:
+        return Detection(str(path), "unusable", "not an adapter", str(e))
+    if metadata.get("format") == SNAPREF_FORMAT:
+        return Detection(str(path), "snapref", "metadata", f"metadata format = {SNAPREF_FORMAT!r}", metadata)
+    sig = lora_signature(header)
+    declared = metadata.get(KIND_METADATA_KEY)
+    if declared is not None:
+        if declared in ARCANIMA_KINDS:
+            if sig is None:
+                return Detection(str(path), "unusable", "metadata",
+                                 f"metadata {KIND_METADATA_KEY} = {declared!r} but its tensors are not LoRA weights"
+                                 " of DiT linears", metadata)
+            # Metadata names the kind; the layout is still checked (any block count: the binding checks it).
+            problem = layout_mismatch(sig, ARCANIMA_LAYOUTS[declared], published_size=False)
+            if problem:
+                return Detection(str(path), "unusable", "metadata",
+                                 f"metadata {KIND_METADATA_KEY} = {declared!r} but {problem}", metadata, sig)
+            return Detection(str(path), declared, "metadata", f"metadata {KIND_METADATA_KEY} = {declared!r}",
+                             metadata, sig)
+        if declared == "lora":
+            return Detection(str(path), "lora", "metadata",
+                             f"metadata {KIND_METADATA_KEY} = 'lora': a plain LoRA, not a reference adapter",
+                             metadata, sig)
+        return Detection(str(path), "unusable", "metadata",
+                         f"metadata {KIND_METADATA_KEY} = {declared!r} is not one of"
+                         f" {', '.join(ARCANIMA_KINDS)}, lora", metadata, sig)
+    if metadata.get("format", "").startswith("anima_ref_kv/"):
+        return Detection(str(path), "unusable", "metadata",
+                         f"SnapRef format {metadata['format']!r} is not supported; this version reads"
+                         f" {SNAPREF_FORMAT!r} only", metadata)
+    if sig is None:
+        reason = _not_an_adapter_message(path, header, metadata.get("format"), detect=False)
+        return Detection(str(path), "unusable", "not an adapter", reason.split(": ", 1)[-1], metadata)
+    reasons = []
+    for layout in ARCANIMA_LAYOUTS.values():
+        problem = layout_mismatch(sig, layout)
+        if problem is None:
+            return Detection(str(path), layout.kind, "tensor signature",
+                             f"no kind in the metadata; {sig.key_style} LoRA keys with exactly the {layout.kind}"
+                             f" layout: rank {layout.rank} on all {len(layout.linears)} linears of"
+                             f" {layout.num_blocks} blocks", metadata, sig)
+        reasons.append(f"not {layout.kind}: {problem}")
+    return Detection(str(path), "lora", "tensor signature",
+                     f"a plain LoRA ({sig.key_style} keys, {len(sig.blocks)} blocks, rank"
+                     f" {'/'.join(map(str, sig.ranks))}), not a reference adapter ({'; '.join(reasons)})",
+                     metadata, sig)

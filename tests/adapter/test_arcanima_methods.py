@@ -1,0 +1,114 @@
+"""ArcAnima v2 and pilot on the tiny model against the float64 oracle of `arcanima_oracle.py`.
+
+v2: the production path caches the reference K/V once and reads it through the attention seam
+with a row-scaled LoRA; the oracle recomputes the reference inside one joint masked attention
+at every call. Both are compared at every step of a short Euler run, for strength 0, 0.5 and 1,
+with a reading (cond) and a non-reading (uncond) row in one batch.
+pilot: the production path against a direct two-frame forward of the oracle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from snapref_ray.engine import Renderer
+from snapref_ray.sampling.ref_guidance import Row, StepPlan
+from snapref_ray.sampling.schedules import get_sigmas
+from snapref_ray.tiny import TinyConfig, make_tiny, write_tiny_adapter
+from tests.adapter.arcanima_oracle import Oracle
+
+WIDTH = HEIGHT = 256  # latent 32x32 -> 16x16 target tokens
+CONTEXT_ROWS = 7
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Many tiny float64 matmuls: with 2 threads on a shared 2-core machine they spend ~20x longer waiting.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_arc(tmp_path_factory) -> Path:
+    folder = make_tiny(tmp_path_factory.mktemp("arc") / "m", with_adapter=False)
+    for kind in ("arcanima-v2", "arcanima-pilot"):
+        write_tiny_adapter(folder / f"{kind}.safetensors", TinyConfig(), kind)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def renderers(tiny_arc: Path) -> dict[str, Renderer]:
+    base = Renderer.from_folder(tiny_arc, device="cpu")
+    return {kind: base.with_adapter(tiny_arc / f"{kind}.safetensors") for kind in ("arcanima-v2", "arcanima-pilot")}
+
+
+def contexts(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, CONTEXT_ROWS, TinyConfig().text_dim, generator=g) for _ in range(2)]
+
+
+def velocity(renderer, x, sigma, ctx, refkv, reads, strength) -> torch.Tensor:
+    plan = StepPlan((Row.COND, Row.UNCOND), tuple(reads), False)
+    d = renderer.denoise_rows(x, sigma, plan, {Row.COND: [ctx[0]], Row.UNCOND: [ctx[1]]}, refkv, None, None,
+                              strength=strength)
+    return torch.cat([(x - d[Row.COND]) / sigma, (x - d[Row.UNCOND]) / sigma])
+
+
+@pytest.mark.parametrize("strength", [0.0, 0.5, 1.0])
+def test_v2_cached_read_equals_uncached_joint_attention(tiny_arc, renderers, strength):
+    renderer = renderers["arcanima-v2"]
+    oracle = Oracle(tiny_arc / "dit.safetensors", tiny_arc / "arcanima-v2.safetensors")
+    ref = (tiny_arc / "reference.png").read_bytes()
+    prepared = renderer._prepare_reference([ref], "single", "", 1.0, None, (WIDTH, HEIGHT))
+    refkv = renderer._run_reference_stream(prepared, renderer.target_grid(WIDTH, HEIGHT))
+    ref_latent = prepared.latents[0]
+    assert ref_latent.shape[-2:] != (HEIGHT // 8, WIDTH // 8)  # the reference has its own size
+    ctx = contexts(1)
+    x = torch.randn(1, 16, 1, HEIGHT // 8, WIDTH // 8, generator=torch.Generator().manual_seed(2))
+    sigmas = get_sigmas("simple", 4)
+    for i in range(len(sigmas) - 1):
+        sigma = sigmas[i]
+        v_prod = velocity(renderer, x, sigma, ctx, refkv, (True, False), strength)
+        v_oracle = oracle.joint_v2_velocity(torch.cat([x, x]), float(sigma), [c[0] for c in ctx], [True, False],
+                                            ref_latent, strength)
+        scale = v_oracle.abs().max().item()
+        torch.testing.assert_close(v_prod.double(), v_oracle, rtol=0, atol=2e-5 * max(scale, 1.0),
+                                   msg=lambda m: f"step {i} (sigma {float(sigma):.4f}), strength {strength}: {m}")
+        # The read must matter, or the comparison would pass without it.
+        no_ref = oracle.joint_v2_velocity(x, float(sigma), [ctx[0][0]], [False], ref_latent, strength)
+        assert (v_oracle[:1] - no_ref).abs().max() > 1e-3 * scale
+        x = x + (sigmas[i + 1] - sigma) * v_prod[:1]  # Euler on the cond row's velocity
+
+
+def test_v2_strength_is_the_lora_multiplier_in_reading_rows_only(tiny_arc, renderers):
+    renderer = renderers["arcanima-v2"]
+    ref = renderer.encode_reference((tiny_arc / "reference.png").read_bytes(), width=WIDTH, height=HEIGHT)
+    ctx = contexts(3)
+    x = torch.randn(1, 16, 1, HEIGHT // 8, WIDTH // 8, generator=torch.Generator().manual_seed(4))
+    sigma = torch.tensor(0.8)
+    v = {s: velocity(renderer, x, sigma, ctx, ref, (True, False), s) for s in (0.0, 1.0)}
+    assert not torch.allclose(v[0.0][:1], v[1.0][:1])  # the reading row changes with strength
+    assert torch.equal(v[0.0][1:], v[1.0][1:])  # the non-reading row never sees the LoRA
+
+
+def test_pilot_equals_direct_two_frame_forward(tiny_arc, renderers):
+    renderer = renderers["arcanima-pilot"]
+    oracle = Oracle(tiny_arc / "dit.safetensors", tiny_arc / "arcanima-pilot.safetensors")
+    ref = (tiny_arc / "reference.png").read_bytes()
+    frame = renderer.encode_reference(ref, width=WIDTH, height=HEIGHT)
+    assert frame.payload == "frame_latent" and frame.kv_N2HLD.shape == (16, 1, HEIGHT // 8, WIDTH // 8)
+    ctx = contexts(5)
+    x = torch.randn(1, 16, 1, HEIGHT // 8, WIDTH // 8, generator=torch.Generator().manual_seed(6))
+    sigma = torch.tensor(0.7)
+    for strength in (0.5, 1.0):
+        v_prod = velocity(renderer, x, sigma, ctx, frame, (True, False), strength)
+        two_frames = torch.cat([x, frame.kv_N2HLD.unsqueeze(0)], dim=2)  # [1, 16, 2, h, w]
+        v_read = oracle.frames_velocity(two_frames, 0.7, ctx[0][0], strength)[:, :, :1]
+        v_plain = oracle.frames_velocity(x, 0.7, ctx[1][0], 0.0)
+        expected = torch.cat([v_read, v_plain])
+        torch.testing.assert_close(v_prod.double(), expected, rtol=0, atol=2e-5 * max(expected.abs().max().item(), 1))
