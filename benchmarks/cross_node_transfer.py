@@ -44,7 +44,8 @@ FIELDS = ("benchmark", "refkv_shape", "refkv_bytes", "fetch", "encode", "measure
 BREAK_EVEN_FIELDS = ("gbps", "transfer_seconds", "encode_seconds", "choice")
 
 
-@ray.remote(num_gpus=1, num_cpus=1)
+# A node may go away under an actor on an autoscaling cluster: restart it, retry the call.
+@ray.remote(num_gpus=1, num_cpus=1, max_restarts=2, max_task_retries=2)
 class Holder:
     """Node A: makes RefKVs of a given shape with random values; the caller owns what it returns."""
 
@@ -63,7 +64,7 @@ class Holder:
         return RefKV(kv, ((1, side, side),), ((0, 0, 0),), (1, side, side), "benchmark-adapter", f"ref-{seed}")
 
 
-@ray.remote(num_gpus=1, num_cpus=1)
+@ray.remote(num_gpus=1, num_cpus=1, max_restarts=2, max_task_retries=2)
 class Reader:
     """Node B: fetches RefKVs from the object store and runs the reference stream."""
 

@@ -104,11 +104,14 @@ class FakeCluster:
     """A head (no GPU) plus up to `max_gpu_nodes` autoscaled nodes with `GPU: 1` each.
 
     `cpus_per_node` is 1 as the design recipe has it (2-core machines). `head_cpus` may be 0 to
-    keep every actor off the head, as a production head would be.
+    keep every actor off the head, as a production head would be. Idle nodes go after
+    `idle_timeout_minutes`: 1 minute, so that tests of one module reuse the nodes the previous
+    test brought up (the fake provider kills a node without draining it; an actor placed on it
+    in the same second dies with it).
     """
 
     def __init__(self, *, max_gpu_nodes: int = 3, cpus_per_node: int = 1, head_cpus: int = 1,
-                 object_store_bytes: int = 300_000_000, idle_timeout_minutes: float = 0.2,
+                 object_store_bytes: int = 300_000_000, idle_timeout_minutes: float = 1.0,
                  dashboard: bool = False, env: dict[str, str] | None = None, keep_temp_dir: bool = False) -> None:
         self.max_gpu_nodes = max_gpu_nodes
         self.cpus_per_node = cpus_per_node
