@@ -136,7 +136,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     else:
         if not args.models or not args.out:
             raise SystemExit("the quick form needs --models DIR and --out DIR_OR_S3_URI")
-        overrides = {name: getattr(args, name) for name in RenderSettings.model_fields
+        overrides = {name: getattr(args, name) for name in (*RenderSettings.model_fields, "min_workers", "max_workers")
                      if getattr(args, name, None) is not None}
         if args.compile:
             overrides["compile"] = True
@@ -230,7 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help="model folder (quick form)")
     p.add_argument("--adapter", help="SnapRef adapter (quick form; default: adapter.safetensors in --models)")
     p.add_argument("--out", help="output folder or s3://bucket/prefix")
-    p.add_argument("--workers", type=int, help="render workers (default: one per GPU, else 2 CPU workers)")
+    p.add_argument("--workers", type=int, help="exactly N render workers (default: --min-workers/--max-workers)")
+    p.add_argument("--min-workers", type=int, help="start rendering once N workers are ready (default 1)")
+    p.add_argument("--max-workers", type=int,
+                   help="grow the pool up to N workers as the autoscaler adds GPU nodes (default: the GPUs present "
+                        "at start, or 2 CPU workers on a machine without GPUs)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--compile", action="store_true", default=None,
                    help="DiT forward through torch.compile (cluster.compile in a job spec)")

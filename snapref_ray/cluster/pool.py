@@ -1,4 +1,14 @@
-"""Starting Ray and the render workers: one per GPU, or a few CPU workers where there is none."""
+"""Connecting to Ray and creating render workers: what a job asks for, not what happens to be there.
+
+A job on a cluster asks for GPU workers (`num_gpus=1` each) whether or not a GPU node is up yet:
+a pending actor is what makes Ray's autoscaler add a GPU node. Counting the GPUs present at
+start (as an earlier version did) makes a cold autoscaling cluster look GPU-less, and the job
+then ran CPU workers on whatever node was there. CPU workers are only for `device: cpu`, or for
+a local Ray on a machine without GPUs (the demo and the tests).
+
+`WorkerPool` creates actors and reports them as they become ready; it never waits for them. The
+scheduler (cluster/scheduler.py) decides when to start, grow, replace and release them.
+"""
 
 from __future__ import annotations
 
@@ -17,12 +27,55 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PoolShape:
-    num_workers: int | None = None  # None: one per GPU, else cpu_workers
-    cpu_workers: int = 2
+    """What the job spec says about workers (`ClusterSpec`)."""
+
+    num_workers: int | None = None  # exactly N (min = max = N)
+    cpu_workers: int = 2  # workers of a CPU job when max_workers is not given
     num_cpus_per_worker: float = 1.0
     # Ray retries a call once on a restarted actor (this also lets lineage rebuild a lost RefKV);
     # the scheduler's own per-item attempt cap bounds poison items.
     max_task_retries: int = 1
+    min_workers: int = 1
+    max_workers: int | None = None
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """The resolved pool: GPU or CPU workers, and how many (start at min, grow up to max)."""
+
+    use_gpu: bool
+    min_workers: int
+    max_workers: int
+    num_cpus_per_worker: float = 1.0
+    max_task_retries: int = 1
+
+
+def on_a_cluster(address: str | None) -> bool:
+    """Whether the job joins an existing cluster (an address, or RAY_ADDRESS as under `ray job submit`)."""
+    return bool(address or os.environ.get("RAY_ADDRESS"))
+
+
+def plan_pool(shape: PoolShape, device: str, *, on_cluster: bool, gpus_now: int) -> PoolPlan:
+    """GPU workers for `cuda`, and for `auto` on a cluster (the autoscaler brings the GPUs) or on a
+    local machine that has GPUs; CPU workers otherwise.
+
+    Without `max_workers`: a GPU pool is as large as the GPUs present now (at least min_workers,
+    at least 1), so on an autoscaling cluster set `max_workers` to the size you want; a CPU pool
+    has `cpu_workers`.
+    """
+    if device == "cpu":
+        use_gpu = False
+    elif device == "auto" and not on_cluster:
+        use_gpu = gpus_now > 0
+    else:
+        use_gpu = True
+    if shape.num_workers is not None:
+        low = high = shape.num_workers
+    else:
+        default = max(gpus_now, 1) if use_gpu else shape.cpu_workers
+        high = shape.max_workers if shape.max_workers is not None else max(default, shape.min_workers)
+        low = min(shape.min_workers, high)
+    return PoolPlan(use_gpu, low, high, shape.num_cpus_per_worker, shape.max_task_retries)
 
 
 def connect(address: str | None = None, *, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
@@ -38,25 +91,90 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, num_gpus
                  log_to_driver=True)
 
 
+def gpus_in_cluster() -> int:
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+class WorkerPool:
+    """Creates RenderWorker actors and hands them over as their `info()` comes back.
+
+    Actors that wait for resources (a GPU node the autoscaler is still launching) stay in
+    `starting` without blocking anyone; the scheduler waits on `starting_futures()` together with
+    its render calls. Every actor is created with `max_restarts=-1`: a worker whose process or
+    node dies is restarted by Ray wherever a GPU is free (the autoscaler adds a node if none is).
+    """
+
+    def __init__(self, config: WorkerConfig, plan: PoolPlan,
+                 renderer_factory: Callable[[WorkerConfig], object] | None = None) -> None:
+        self.config, self.plan, self.renderer_factory = config, plan, renderer_factory
+        self._actor = ray.remote(RenderWorker).options(
+            num_gpus=1 if plan.use_gpu else 0, num_cpus=plan.num_cpus_per_worker, max_restarts=-1,
+            max_task_retries=plan.max_task_retries, max_concurrency=2)
+        self.starting: dict[ray.ObjectRef, ray.actor.ActorHandle] = {}
+        self.launched = 0
+        self.start_failures: list[str] = []
+
+    def launch(self, count: int) -> None:
+        for _ in range(count):
+            handle = self._actor.remote(self.config, self.renderer_factory)
+            self.starting[handle.info.remote()] = handle
+            self.launched += 1
+        if count:
+            log.info("asked Ray for %d more %s worker(s) (%d starting)", count,
+                     "GPU" if self.plan.use_gpu else "CPU", len(self.starting))
+
+    def starting_futures(self) -> list[ray.ObjectRef]:
+        return list(self.starting)
+
+    def ready(self, future: ray.ObjectRef) -> tuple[ray.actor.ActorHandle, WorkerInfo | None]:
+        """The actor whose `info()` came back, and its info (None when it failed to start: its
+        constructor raised, e.g. a model that does not load; the actor is killed)."""
+        handle = self.starting.pop(future)
+        try:
+            info: WorkerInfo = ray.get(future, timeout=0)
+        except Exception as e:  # noqa: BLE001 — any start failure is counted, the job decides
+            self.start_failures.append(f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            log.error("a worker failed to start: %s", self.start_failures[-1])
+            kill(handle)
+            return handle, None
+        log.info("worker %s ready on %s (load %.1f s)", info.worker_id, info.device, info.load_seconds)
+        return handle, info
+
+    def cancel_starting(self) -> int:
+        """Kill the actors that are not ready yet (no work is left for them); returns how many."""
+        count = len(self.starting)
+        for handle in self.starting.values():
+            kill(handle)
+        self.starting.clear()
+        return count
+
+
+def kill(handle: ray.actor.ActorHandle) -> None:
+    """Kill an actor for good (its model and device cache go, its resources go back to Ray)."""
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception as e:  # noqa: BLE001 — already dead is fine
+        log.debug("could not kill worker: %s", e)
+
+
 def start_workers(config: WorkerConfig, shape: PoolShape,
                   renderer_factory: Callable[[WorkerConfig], object] | None = None,
-                  ready_timeout_s: float = 900.0) -> tuple[list, list[WorkerInfo]]:
-    """Create the worker actors and wait until each has loaded its model and warmed up."""
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    use_gpu = gpus > 0 and config.device != "cpu"
-    count = shape.num_workers or (gpus if use_gpu else shape.cpu_workers)
+                  ready_timeout_s: float = 900.0, *, on_cluster: bool = False) -> tuple[list, list[WorkerInfo]]:
+    """A fixed pool of `max_workers` actors, waited for until each is ready (for jobs without an
+    elastic schedule, e.g. the identity evaluation)."""
+    plan = plan_pool(shape, config.device, on_cluster=on_cluster, gpus_now=gpus_in_cluster())
     actor = ray.remote(RenderWorker).options(
-        num_gpus=1 if use_gpu else 0, num_cpus=shape.num_cpus_per_worker, max_restarts=-1,
-        max_task_retries=shape.max_task_retries, max_concurrency=2)
-    handles = [actor.remote(config, renderer_factory) for _ in range(count)]
+        num_gpus=1 if plan.use_gpu else 0, num_cpus=plan.num_cpus_per_worker, max_restarts=-1,
+        max_task_retries=plan.max_task_retries, max_concurrency=2)
+    handles = [actor.remote(config, renderer_factory) for _ in range(plan.max_workers)]
     try:
         infos = ray.get([h.info.remote() for h in handles], timeout=ready_timeout_s)
     except BaseException:
         # A model that does not load (constructor errors are never retried) or a timeout: do not
         # leave the other workers holding their GPUs.
         for h in handles:
-            ray.kill(h, no_restart=True)
+            kill(h)
         raise
-    log.info("%d %s worker(s) ready: %s", count, "GPU" if use_gpu else "CPU",
+    log.info("%d %s worker(s) ready: %s", len(handles), "GPU" if plan.use_gpu else "CPU",
              ", ".join(f"{i.worker_id} on {i.device} (load {i.load_seconds:.1f} s)" for i in infos))
     return handles, infos

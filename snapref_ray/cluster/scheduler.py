@@ -20,6 +20,17 @@ work (ray-notes.md), so the job runs its own loop over `ray.wait`:
 - A call that fails because its worker died is requeued (attempts are counted per item); the
   actor restarts by itself and is probed before it gets work again (a worker whose probes keep
   failing is retired). An item that keeps failing is reported as an error with its last exception.
+
+With a `WorkerPool` the set of workers is elastic (an autoscaling cluster):
+- rendering starts as soon as `min_workers` are ready; actors still waiting for a node never
+  block, and each one joins the running schedule the moment its `info()` comes back;
+- while items are left that no worker has taken, the pool is kept at `max_workers` (a retired
+  worker is replaced; a worker whose node died is restarted by Ray, which makes the autoscaler
+  add a node);
+- once every remaining item is in flight, idle workers and actors still starting are killed, so
+  the autoscaler can remove their nodes.
+The fetch-or-encode choice across nodes uses the configured bandwidth, else the one measured on
+the first cross-node fetch; the encode time is the one the workers measured.
 """
 
 from __future__ import annotations
@@ -32,10 +43,17 @@ from dataclasses import dataclass, field
 
 import ray
 
+from snapref_ray.cluster.pool import WorkerPool, kill
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.storage.work_items import WorkItem
 
 log = logging.getLogger(__name__)
+
+
+def fetch_is_cheaper(nbytes: int, transfer_bytes_per_s: float, encode_seconds: float) -> bool:
+    """A worker on another node than the RefKV: move its bytes, or run the reference stream again?
+    (benchmarks/cross_node_transfer.py measures both sides and where they break even.)"""
+    return nbytes / transfer_bytes_per_s < encode_seconds
 
 
 @dataclass(frozen=True)
@@ -45,8 +63,13 @@ class SchedulerConfig:
     max_batch: int = 4
     max_open_references: int | None = None  # default: 2 per worker
     wait_timeout_s: float = 1.0
-    # Cross-node transfer rate for the fetch-or-encode decision (10 GbE ~ 1.25 GB/s).
-    transfer_bytes_per_s: float = 1.25e9
+    # Cross-node transfer rate for the fetch-or-encode decision; None = measure it on the first
+    # cross-node fetch (until then, fetching is the choice: it is what gives the measurement).
+    transfer_bytes_per_s: float | None = None
+    # With a WorkerPool: give up when min_workers are not ready after this long (a cluster that
+    # cannot provide the GPUs), and stop relaunching after this many workers failed to start.
+    start_timeout_s: float = 900.0
+    max_start_failures: int = 3
     # A RefKV's size before one is measured: 1 MP at real size in bf16 (ray-notes.md).
     assumed_refkv_bytes: int = 940_000_000
     # Probes that find the actor dead (not merely restarting) before the worker is given up; a
@@ -78,15 +101,23 @@ class _Worker:
     probe: ray.ObjectRef | None = None
     probe_due: float | None = None  # time.monotonic() at which to send the next probe
     probe_failures: int = 0
-    retired: bool = False
+    retired: bool = False  # dead for good, or released: never given work again
+    released: bool = False  # killed by the scheduler because no work was left for it
+
+    @property
+    def live(self) -> bool:
+        return not self.retired
 
 
 @dataclass
 class SchedulerStats:
     dispatched_batches: int = 0
     encodes_requested: int = 0  # encode calls that opened a reference
-    local_encodes: int = 0  # helpers told to encode instead of fetching (cost model)
+    local_encodes: int = 0  # helpers on another node told to encode instead of fetching (cost model)
     fetches: int = 0  # helpers handed the driver's RefKV from the object store
+    same_node_fetches: int = 0  # ... from their own node's object store (shared memory)
+    cross_node_fetches: int = 0  # ... from another node's (a network transfer)
+    measured_transfer_bytes_per_s: float | None = None  # first cross-node fetch: RefKV bytes / seconds
     reference_encodes: int = 0  # reference-stream runs the workers reported (the real count)
     max_encodes_per_reference: int = 0
     worker_failures: int = 0
@@ -95,18 +126,27 @@ class SchedulerStats:
     failed_items: int = 0
     done_items: int = 0
     peak_open_references: int = 0
+    workers_started: int = 0  # workers that became ready (joined the schedule)
+    workers_released: int = 0  # killed because no work was left for them
+    worker_start_failures: int = 0
+    peak_workers: int = 0  # most workers ready at once
 
 
 class BatchScheduler:
-    """Runs work items over a fixed set of RenderWorker actors; see the module docstring."""
+    """Runs work items over RenderWorker actors: a fixed set, or an elastic `WorkerPool`; see the
+    module docstring."""
 
     def __init__(self, workers: Sequence[ray.actor.ActorHandle], infos: Sequence[WorkerInfo | None],
                  config: SchedulerConfig, *, on_done: Callable[[ItemOutcome, WorkItem], None],
                  on_failed: Callable[[ItemOutcome, WorkItem, int], None],
-                 on_progress: Callable[[int], None] | None = None) -> None:
+                 on_progress: Callable[[int], None] | None = None, pool: WorkerPool | None = None,
+                 on_worker: Callable[[ray.actor.ActorHandle, WorkerInfo], None] | None = None) -> None:
         self.workers = [_Worker(h, i) for h, i in zip(workers, infos)]
         self.config = config
-        self.max_open = config.max_open_references or 2 * len(self.workers)
+        self.pool = pool
+        self.on_worker = on_worker  # called for each worker that joins (monitoring, failure tests)
+        self._started = pool is None or pool.plan.min_workers <= len(self.workers)
+        self.transfer_bytes_per_s = config.transfer_bytes_per_s
         self.on_done, self.on_failed, self.on_progress = on_done, on_failed, on_progress
         self.stats = SchedulerStats()
         # Reference-stream runs per reference hash, as reported by the workers.
@@ -126,10 +166,15 @@ class BatchScheduler:
         self._unopened = deque(groups.values())
         self._open = []
         remaining = len(items)
+        self._t_run = time.monotonic()
+        self._count_workers()
         while remaining > 0:
+            self._scale()
             self._send_due_probes()
-            self._dispatch()
-            if not self._futures:
+            if self._started:
+                self._dispatch()
+            starting = self.pool.starting_futures() if self.pool else []
+            if not self._futures and not starting:
                 due = [w.probe_due for w in self.workers if w.probe_due is not None]
                 if due:  # only restarting workers left: wait for the next probe
                     time.sleep(max(0.0, min(due) - time.monotonic()))
@@ -138,11 +183,83 @@ class BatchScheduler:
                     raise RuntimeError(f"every worker died for good ({len(self.workers)} retired); "
                                        f"{remaining} item(s) not rendered")
                 raise RuntimeError("scheduler stalled: items remain but nothing is in flight (no available worker)")
-            ready, _ = ray.wait(list(self._futures), num_returns=1, timeout=self.config.wait_timeout_s)
+            ready, _ = ray.wait(list(self._futures) + starting, num_returns=1, timeout=self.config.wait_timeout_s)
             for ref in ready:
-                remaining -= self._collect(ref)
+                if self.pool and ref in self.pool.starting:
+                    self._join(ref)
+                else:
+                    remaining -= self._collect(ref)
             self._close_finished_references()
+        if self.pool:
+            self.pool.cancel_starting()
         return self.stats
+
+    # -- the elastic pool -------------------------------------------------------------------------
+    @property
+    def max_open(self) -> int:
+        if self.config.max_open_references:
+            return self.config.max_open_references
+        return 2 * max(1, sum(1 for w in self.workers if w.live))
+
+    def _unassigned_work(self) -> bool:
+        return bool(self._unopened) or any(r.pending for r in self._open)
+
+    def _scale(self) -> None:
+        """Keep the pool at max_workers while unassigned work exists; release it when none does."""
+        if self.pool is None:
+            return
+        plan = self.pool.plan
+        if not self._started:
+            if time.monotonic() - self._t_run > self.config.start_timeout_s:
+                raise TimeoutError(
+                    f"only {sum(1 for w in self.workers if w.live and w.info)} of min_workers={plan.min_workers} "
+                    f"{'GPU' if plan.use_gpu else 'CPU'} worker(s) ready after {self.config.start_timeout_s:.0f} s; "
+                    f"can the cluster provide {'a GPU' if plan.use_gpu else 'a CPU slot'} per worker? "
+                    f"(start failures: {self.pool.start_failures[-1:] or 'none'})")
+        if self._unassigned_work():
+            live = sum(1 for w in self.workers if w.live)
+            missing = plan.max_workers - live - len(self.pool.starting)
+            if len(self.pool.start_failures) >= self.config.max_start_failures:
+                if live == 0 and not self.pool.starting:
+                    raise RuntimeError(f"{len(self.pool.start_failures)} workers failed to start; the last: "
+                                       f"{self.pool.start_failures[-1]}")
+                missing = 0  # a model that does not load: do not keep trying
+            if missing > 0:
+                self.pool.launch(missing)
+            return
+        # Every remaining item is in flight: let the autoscaler take back what is idle.
+        cancelled = self.pool.cancel_starting()
+        for index, worker in enumerate(self.workers):
+            if worker.live and worker.in_flight == 0:
+                kill(worker.handle)
+                worker.retired = worker.released = True
+                worker.available = False
+                worker.probe_due = None
+                for r in self._open:
+                    r.holders.discard(index)
+                self.stats.workers_released += 1
+                log.info("released worker %s: no work left for it", worker.info.worker_id if worker.info else index)
+        if cancelled:
+            log.info("cancelled %d worker(s) still starting: no work left for them", cancelled)
+
+    def _join(self, future: ray.ObjectRef) -> None:
+        handle, info = self.pool.ready(future)
+        if info is None:
+            self.stats.worker_start_failures += 1
+            return
+        self.workers.append(_Worker(handle, info))
+        self._count_workers()
+        if not self._started and sum(1 for w in self.workers if w.live) >= self.pool.plan.min_workers:
+            self._started = True
+            log.info("%d worker(s) ready after %.1f s: rendering starts", self.pool.plan.min_workers,
+                     time.monotonic() - self._t_run)
+        if self.on_worker:
+            self.on_worker(handle, info)
+
+    def _count_workers(self) -> None:
+        live = sum(1 for w in self.workers if w.live and w.info is not None)
+        self.stats.workers_started = sum(1 for w in self.workers if w.info is not None)
+        self.stats.peak_workers = max(self.stats.peak_workers, live)
 
     def open_object_refs(self) -> list[ray.ObjectRef]:
         """The RefKVs the driver holds now (one per open reference): what the object store must keep."""
@@ -150,7 +267,7 @@ class BatchScheduler:
 
     def _dispatch(self) -> None:
         for index, worker in enumerate(self.workers):
-            while worker.available and worker.in_flight < self.config.max_in_flight_per_worker:
+            while worker.available and worker.live and worker.in_flight < self.config.max_in_flight_per_worker:
                 if not self._dispatch_one(index, worker):
                     break
 
@@ -175,6 +292,10 @@ class BatchScheduler:
                 handle = [ref.object_ref]
                 if index not in ref.holders:
                     self.stats.fetches += 1
+                    if self._same_node(ref, worker):
+                        self.stats.same_node_fetches += 1
+                    else:
+                        self.stats.cross_node_fetches += 1
             else:
                 self.stats.local_encodes += 1
         ref.holders.add(index)
@@ -213,13 +334,17 @@ class BatchScheduler:
         ref.pending.extendleft(reversed(keep))
         return batch
 
+    @staticmethod
+    def _same_node(ref: _Reference, worker: _Worker) -> bool:
+        return worker.info is None or ref.object_node is None or worker.info.node_id == ref.object_node
+
     def _fetch_is_cheaper(self, ref: _Reference, worker: _Worker) -> bool:
-        if worker.info is None or ref.object_node is None or worker.info.node_id == ref.object_node:
+        if self._same_node(ref, worker):
             return True  # same node: shared memory, no copy over the network
-        if ref.encode_seconds is None:
-            return True  # no measurement yet: moving bytes is the safe default
-        nbytes = ref.nbytes or self.config.assumed_refkv_bytes
-        return nbytes / self.config.transfer_bytes_per_s < ref.encode_seconds
+        if ref.encode_seconds is None or self.transfer_bytes_per_s is None:
+            return True  # nothing measured yet: fetching is what measures the bandwidth
+        return fetch_is_cheaper(ref.nbytes or self.config.assumed_refkv_bytes, self.transfer_bytes_per_s,
+                                ref.encode_seconds)
 
     def _count_encode(self, reference_hash: str) -> None:
         self.encodes_by_reference[reference_hash] += 1
@@ -246,6 +371,8 @@ class BatchScheduler:
             return self._worker_failed(index, ref, task, e)
         if outcomes and outcomes[0].refkv_source == "encoded":
             self._count_encode(ref.task.reference_hash)
+        if outcomes and outcomes[0].refkv_source == "object_store":
+            self._measure_transfer(ref, worker, outcomes[0].fetch_seconds)
         by_id = {i.item_id: i for i in task.items}
         finished = 0
         for outcome in outcomes:
@@ -261,6 +388,15 @@ class BatchScheduler:
         if self.on_progress and finished:
             self.on_progress(finished)
         return finished
+
+    def _measure_transfer(self, ref: _Reference, worker: _Worker, seconds: float) -> None:
+        """The first cross-node fetch sets the bandwidth when none is configured."""
+        if self.transfer_bytes_per_s is not None or self._same_node(ref, worker) or seconds <= 0 or not ref.nbytes:
+            return
+        self.transfer_bytes_per_s = ref.nbytes / seconds
+        self.stats.measured_transfer_bytes_per_s = self.transfer_bytes_per_s
+        log.info("cross-node RefKV fetch: %.1f MB in %.3f s = %.2f Gbit/s; re-encoding on another node is "
+                 "chosen when its encode is faster", ref.nbytes / 1e6, seconds, 8 * self.transfer_bytes_per_s / 1e9)
 
     def _encode_result(self, future: ray.ObjectRef, index: int, ref: _Reference) -> None:
         try:
@@ -294,7 +430,7 @@ class BatchScheduler:
                     len(task.items), type(error).__name__, str(error).splitlines()[0][:200])
         for r in self._open:
             r.holders.discard(index)  # a restarted worker has an empty device cache
-        if worker.available:
+        if worker.available and not worker.retired:
             worker.available = False
             self._send_probe(worker, index)
         message = f"{type(error).__name__}: {str(error).splitlines()[0][:500]}"
@@ -312,10 +448,12 @@ class BatchScheduler:
     def _send_due_probes(self) -> None:
         now = time.monotonic()
         for index, worker in enumerate(self.workers):
-            if worker.probe_due is not None and worker.probe_due <= now:
+            if worker.probe_due is not None and worker.probe_due <= now and not worker.retired:
                 self._send_probe(worker, index)
 
     def _probe_result(self, future: ray.ObjectRef, worker: _Worker, index: int) -> None:
+        if worker.retired:
+            return  # released (no work left) while its probe was out
         try:
             worker.info = ray.get(future, timeout=0)
         except Exception as e:
@@ -326,8 +464,10 @@ class BatchScheduler:
                 if worker.probe_failures >= self.config.max_probe_failures:
                     worker.retired = True
                     self.stats.retired_workers += 1
+                    self._count_workers()
                     log.error("worker %d is dead (%s after %d probes); retiring it", index, type(e).__name__,
                               worker.probe_failures)
+                    kill(worker.handle)
                     return
             worker.probe_due = time.monotonic() + self.config.probe_interval_s
             return

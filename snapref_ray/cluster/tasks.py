@@ -53,6 +53,9 @@ class ItemOutcome:
     # driver-owned copy), "encoded" (this call ran the reference stream); "" when it failed first.
     # The driver counts real encodes from it (a holder that evicted a RefKV re-encodes silently).
     refkv_source: str = ""
+    # Seconds `ray.get` took for the RefKV when it came from the object store (the driver turns
+    # the first cross-node one into a bandwidth for its fetch-or-encode decisions).
+    fetch_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

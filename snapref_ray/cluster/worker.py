@@ -152,7 +152,7 @@ class RenderWorker:
         """
         started = time.time()
         try:
-            kv, source = self._refkv_with_source(task.reference, refkv_handle)
+            kv, source, fetch_s = self._refkv_with_source(task.reference, refkv_handle)
         except Exception as e:  # an unreadable reference fails its items, not the worker
             return self._failed(task, e, "encode")
         (self.metrics.cache_hits if source == "cache" else self.metrics.cache_misses).inc(1, self.tags)
@@ -173,7 +173,7 @@ class RenderWorker:
         outcomes = []
         for item, stored in zip(task.items, stores):
             try:
-                outcomes.append(replace(stored.result(), refkv_source=source))
+                outcomes.append(replace(stored.result(), refkv_source=source, fetch_seconds=fetch_s))
                 self.metrics.images.inc(1, self.tags)
                 self.metrics.image_latency.observe(time.time() - started, self.tags)
             except Exception as e:
@@ -214,25 +214,29 @@ class RenderWorker:
 
     def _refkv_for(self, ref: ReferenceTask, handle: list | None) -> tuple[RefKV, bool]:
         """(RefKV, was it already in this worker's device cache)."""
-        kv, source = self._refkv_with_source(ref, handle)
+        kv, source, _ = self._refkv_with_source(ref, handle)
         return kv, source == "cache"
 
-    def _refkv_with_source(self, ref: ReferenceTask, handle: list | None) -> tuple[RefKV, str]:
-        """(RefKV, "cache" | "object_store" | "encoded"): the device LRU, else the driver's copy, else encode."""
+    def _refkv_with_source(self, ref: ReferenceTask, handle: list | None) -> tuple[RefKV, str, float]:
+        """(RefKV, "cache" | "object_store" | "encoded", seconds spent fetching it from the object
+        store): the device LRU, else the driver's copy, else encode."""
         cached = self.cache.get(ref.key)
         if cached is not None:
-            return cached, "cache"
+            return cached, "cache", 0.0
         source = "cache"  # stays so when another thread of this worker creates the entry first
+        fetch_s = 0.0
 
         def fetch_or_encode() -> RefKV:
-            nonlocal source
+            nonlocal source, fetch_s
             if handle:
                 import ray
 
                 try:
                     # The driver hands out only finished RefKVs, so this never waits on an encode
                     # queued behind this very call (a deadlock with max_concurrency=2).
+                    t0 = time.perf_counter()
                     shared = ray.get(handle[0], timeout=600)
+                    fetch_s = time.perf_counter() - t0
                     kv = shared.to(getattr(self.renderer, "device", None))
                     if kv.kv_N2HLD.data_ptr() == shared.kv_N2HLD.data_ptr():
                         # Same device (CPU): the tensor still maps the object store's shared memory and
@@ -250,7 +254,7 @@ class RenderWorker:
 
         kv, _ = self.cache.get_or_create(ref.key, fetch_or_encode)
         self.metrics.cache_bytes.set(self.cache.nbytes, self.tags)
-        return kv, source
+        return kv, source, fetch_s
 
     def _store(self, task: RenderTask, item, result, kv: RefKV, started: float) -> ItemOutcome:
         t0 = time.perf_counter()

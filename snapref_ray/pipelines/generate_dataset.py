@@ -12,11 +12,12 @@ import argparse
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 
 from snapref_ray.cluster.metrics import job_metrics
-from snapref_ray.cluster.pool import PoolShape, connect, start_workers
+from snapref_ray.cluster.pool import PoolShape, WorkerPool, connect, gpus_in_cluster, kill, on_a_cluster, plan_pool
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig
 from snapref_ray.cluster.tasks import ItemOutcome
 from snapref_ray.cluster.worker import WorkerConfig
@@ -48,7 +49,8 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
 
     `renderer_factory(WorkerConfig)` replaces the real Renderer in each worker (benchmarks);
     `on_progress(n)` is called after n more items are committed or failed for good;
-    `on_workers(handles, infos)` once the workers are ready (monitoring, failure tests). The
+    `on_workers(handles, infos)` each time workers join the schedule (the first `min_workers`
+    together, then one by one as the autoscaler brings nodes; monitoring, failure tests). The
     workers are killed when the job ends, however it ends.
     """
     t_start = time.time()
@@ -76,26 +78,36 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
 
     stats = None
     scheduler = None
-    workers: list = []
+    pool = None
+    images_per_node: Counter[str] = Counter()
     bar = None
     interrupted = False
     timing = {"startup_seconds": 0.0, "render_seconds": 0.0}
     try:
         if todo:
-            connect(spec.cluster.address)
-            shape = PoolShape(spec.cluster.num_workers, spec.cluster.cpu_workers, spec.cluster.num_cpus_per_worker)
-            workers, infos = start_workers(worker_config(spec, warmup=warmup), shape, renderer_factory)
-            if on_workers:
-                on_workers(workers, infos)
-            # The bar starts once the workers are ready, so its rate and ETA are the rendering's.
+            c = spec.cluster
+            connect(c.address)
+            plan = plan_pool(PoolShape(c.num_workers, c.cpu_workers, c.num_cpus_per_worker, min_workers=c.min_workers,
+                                       max_workers=c.max_workers),
+                             c.device, on_cluster=on_a_cluster(c.address), gpus_now=gpus_in_cluster())
+            log.info("worker pool: %d to %d %s worker(s)", plan.min_workers, plan.max_workers,
+                     "GPU" if plan.use_gpu else "CPU")
+            pool = WorkerPool(worker_config(spec, warmup=warmup), plan, renderer_factory)
             bar = _progress_bar(len(validated.items), len(validated.items) - len(todo)) if progress else None
             callbacks = [f for f in (bar.update if bar else None, on_progress) if f is not None]
+
+            def done(outcome: ItemOutcome, item: WorkItem) -> None:
+                images_per_node[outcome.row.get("node_id") or "?"] += 1
+                _commit(metadata, storage, spec, outcome)
+
             scheduler = BatchScheduler(
-                workers, infos, SchedulerConfig(spec.cluster.max_in_flight_per_worker, spec.cluster.max_attempts,
-                                                spec.cluster.max_batch),
-                on_done=lambda outcome, item: _commit(metadata, storage, spec, outcome),
+                [], [], SchedulerConfig(c.max_in_flight_per_worker, c.max_attempts, c.max_batch,
+                                        transfer_bytes_per_s=c.transfer_gbps * 1e9 / 8 if c.transfer_gbps else None,
+                                        start_timeout_s=c.start_timeout_s),
+                on_done=done,
                 on_failed=lambda outcome, item, attempt: _record_failure(errors, outcome, item, attempt),
-                on_progress=(lambda n: [f(n) for f in callbacks]) if callbacks else None)
+                on_progress=(lambda n: [f(n) for f in callbacks]) if callbacks else None, pool=pool,
+                on_worker=(lambda handle, info: on_workers([handle], [info])) if on_workers else None)
             t_render = time.time()
             timing["startup_seconds"] = t_render - t_start
             try:
@@ -107,7 +119,7 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
         log.warning("interrupted: committing what is done; run the same spec again to resume")
         raise
     finally:
-        _release(workers)
+        _release(scheduler, pool)
         if stats is None and scheduler is not None:
             stats = scheduler.stats  # interrupted or failed: count what was done
         metadata.close()
@@ -115,7 +127,7 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
         if bar:
             bar.close()
         summary = _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, interrupted, timing,
-                           scheduler.encodes_by_reference if scheduler else None)
+                           scheduler.encodes_by_reference if scheduler else None, images_per_node)
         write_summary(storage, summary)
     if write_gallery:
         from snapref_ray.report import write_report
@@ -135,18 +147,15 @@ def _recorded_validation_errors(storage) -> set[tuple]:
     return {(r["manifest_row"], r["item_id"], r["error"]) for r in rows if r["stage"] == "validate"}
 
 
-def _release(workers: list) -> None:
-    """Kill the job's workers (their models and device caches) now rather than when the handles
-    are garbage-collected: a driver that runs several jobs, or was interrupted, must not keep them."""
-    if not workers:
-        return
-    import ray
-
-    for handle in workers:
-        try:
-            ray.kill(handle, no_restart=True)
-        except Exception as e:  # noqa: BLE001 — already dead is fine
-            log.debug("could not kill worker: %s", e)
+def _release(scheduler: BatchScheduler | None, pool: WorkerPool | None) -> None:
+    """Kill the job's workers (their models and device caches) and the actors still starting now,
+    rather than when the handles are garbage-collected: a driver that runs several jobs, or was
+    interrupted, must not keep them, and the autoscaler can only remove idle nodes."""
+    if pool is not None:
+        pool.cancel_starting()
+    for worker in scheduler.workers if scheduler else []:
+        if not worker.released:
+            kill(worker.handle)
 
 
 def _commit(metadata: MetadataWriter, storage, spec: JobSpec, outcome: ItemOutcome) -> None:
@@ -170,7 +179,7 @@ def _progress_bar(total: int, initial: int):
 
 
 def _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, interrupted, timing,
-             encodes_by_reference) -> dict:
+             encodes_by_reference, images_per_node) -> dict:
     wall = time.time() - t_start
     done_now = stats.done_items if stats else 0
     references = len({item.reference_hash for item in todo})
@@ -190,8 +199,22 @@ def _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, in
         "references": references, "reference_encodes": encodes,
         "encodes_per_reference": round(encodes / references, 3) if references else 0.0,
         "max_encodes_per_reference": max(encodes_by_reference.values(), default=0) if encodes_by_reference else 0,
+        "images_per_node": dict(sorted(images_per_node.items())), "peak_workers": stats.peak_workers if stats else 0,
+        # How RefKVs reached the workers that did not encode them (see cluster/scheduler.py).
+        "refkv_decisions": {
+            "same_node_fetches": stats.same_node_fetches if stats else 0,
+            "cross_node_fetches": stats.cross_node_fetches if stats else 0,
+            "cross_node_reencodes": stats.local_encodes if stats else 0,
+            "transfer_gbps": _gbps(stats, spec),
+        },
         "scheduler": asdict(stats) if stats else None, "finished_at": time.time(),
     }
+
+
+def _gbps(stats, spec) -> dict:
+    measured = stats.measured_transfer_bytes_per_s if stats else None
+    return {"configured": spec.cluster.transfer_gbps,
+            "measured": round(8 * measured / 1e9, 3) if measured else None}
 
 
 JOB_USAGE = """`ray job submit --working-dir . -- python -m jobs.generate_dataset SPEC.yaml`

@@ -262,7 +262,7 @@ def _dispatch(workers: list, cases: list[dict], per_worker: int, max_attempts: i
 
 def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
     """Run the evaluation on Ray workers; returns what is written to heldout_loss.json."""
-    from snapref_ray.cluster.pool import PoolShape, connect, start_workers
+    from snapref_ray.cluster.pool import PoolShape, connect, on_a_cluster, start_workers
     from snapref_ray.cluster.worker import WorkerConfig
 
     t_start = time.time()
@@ -280,7 +280,7 @@ def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
     import ray
 
     workers, _ = start_workers(config, PoolShape(c.num_workers, c.cpu_workers, c.num_cpus_per_worker),
-                                   renderer_factory)
+                               renderer_factory, on_cluster=on_a_cluster(c.address))
     try:
         results, errors = _dispatch(workers, cases, c.max_in_flight_per_worker, c.max_attempts)
     finally:

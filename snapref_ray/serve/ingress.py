@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+import ray
 from ray import serve
 from ray.serve.exceptions import BackPressureError, RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -300,7 +301,7 @@ class Ingress:
             if isinstance(e, BackPressureError) or isinstance(getattr(e, "cause", None), BackPressureError):
                 raise ApiError(503, None, "the renderers are at capacity; retry after the Retry-After delay",
                                headers={"Retry-After": str(math.ceil(self._config.retry_after_s))}) from None
-            if isinstance(e, RayServeException):
+            if isinstance(e, (RayServeException, ray.exceptions.RayActorError)):  # overloaded, or its replica died
                 raise ApiError(503, None, f"renderer unavailable: {type(e).__name__}",
                                headers={"Retry-After": str(math.ceil(self._config.retry_after_s))}) from None
             raise

@@ -169,9 +169,17 @@ class ClusterSpec(_Section):
         None, description="Ray cluster address (e.g. 'auto', 'ray://head:10001'); None starts Ray locally, so a "
                           "laptop needs no cluster.")
     num_workers: int | None = Field(
-        None, ge=1, description="Render workers; None = one per GPU (one pinned model per GPU), or cpu_workers "
-                                "when the cluster has no GPU.")
-    cpu_workers: int = Field(2, ge=1, description="Workers when there is no GPU; 2 exercises the distributed "
+        None, ge=1, description="Exactly this many render workers (min_workers = max_workers = N); None = use "
+                                "min_workers/max_workers.")
+    min_workers: int = Field(
+        1, ge=1, description="Rendering starts once this many workers are ready; 1 so that a job on a cold "
+                             "autoscaling cluster starts on its first GPU node.")
+    max_workers: int | None = Field(
+        None, ge=1, description="Upper bound of the elastic pool: workers that become ready later (nodes the "
+                                "autoscaler adds) join the running job. None = the GPUs present at start (at "
+                                "least 1), or cpu_workers for CPU workers; set it on an autoscaling cluster.")
+    cpu_workers: int = Field(2, ge=1, description="Workers of a CPU job (device cpu, or a local machine without "
+                                                  "GPUs) when max_workers is not set; 2 exercises the distributed "
                                                   "paths on a laptop without starving it.")
     num_cpus_per_worker: float = Field(
         1.0, gt=0.0, description="CPUs reserved per worker for image encoding and uploads next to the GPU; 1 "
@@ -186,7 +194,14 @@ class ClusterSpec(_Section):
                                                    "a worker death or two without looping on a poison item.")
     max_batch: int = Field(4, ge=1, description="Images of one reference with equal settings sampled in one "
                                                 "batched forward; 4 fills a GPU at 1 MP without running out of memory.")
-    device: str = Field("auto", description="'auto' = the worker's GPU when it has one, else CPU; or 'cpu', 'cuda'.")
+    device: str = Field("auto", description="'auto' = GPU workers (num_gpus=1 each) on a cluster or a local machine "
+                                            "with GPUs, CPU workers on a local machine without; or 'cpu', 'cuda'.")
+    transfer_gbps: float | None = Field(
+        None, gt=0.0, description="Cross-node bandwidth in Gbit/s for the fetch-or-re-encode choice of a RefKV held "
+                                  "on another node; None = measured on the job's first cross-node fetch.")
+    start_timeout_s: float = Field(
+        900.0, gt=0.0, description="Fail the job when min_workers are not ready after this long; 900 s covers a "
+                                   "GPU node boot plus a model load.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="'auto' = bfloat16 on GPUs that support it (as ComfyUI runs Anima), float32 on CPU.")
     compile: bool = Field(
@@ -195,6 +210,15 @@ class ClusterSpec(_Section):
     output_threads: int = Field(
         4, ge=0, description="Threads per worker that encode, upload and describe images while the next batch "
                              "samples; 0 stores inline while the device waits.")
+
+
+    @model_validator(mode="after")
+    def _worker_counts(self) -> "ClusterSpec":
+        if self.num_workers is not None and self.max_workers is not None:
+            raise ValueError("give num_workers (exactly N) or min_workers/max_workers, not both")
+        if self.max_workers is not None and self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers ({self.min_workers}) is above max_workers ({self.max_workers})")
+        return self
 
 
 class JobSpec(_Section):

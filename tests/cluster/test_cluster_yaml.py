@@ -69,8 +69,11 @@ def test_head_runs_no_workers_and_gpu_types_autoscale(config):
     assert {t["node_config"]["InstanceType"] for t in gpu_types.values()} == {"g6e.2xlarge", "p5.48xlarge"}
 
 
-def test_setup_installs_this_project(config):
+def test_setup_installs_only_this_project_over_the_image(config):
+    """torch and every other dependency come from the image (deploy/Dockerfile): a node that boots
+    installs the synced checkout without dependencies, nothing else."""
     (remote, local), = config["file_mounts"].items()
     assert local == "."
-    assert f"pip install --no-cache-dir -e {remote}" in config["setup_commands"]
-    assert config["docker"]["image"].startswith("rayproject/ray:2.60.0-py311")  # the Ray and Python of pyproject
+    assert config["setup_commands"] == [f"pip install --no-cache-dir --no-deps -e {remote}"]
+    assert not any("torch" in c for c in config["setup_commands"] + config["worker_setup_commands"])
+    assert config["docker"]["image"].rsplit("/", 1)[-1].startswith("snapref-ray:")

@@ -1,0 +1,168 @@
+"""Batch jobs on a real multi-node cluster: Ray's autoscaler adds GPU nodes (fake_multinode provider,
+tests/fake_cluster.py) for the job's GPU workers; the workers run the tiny models on CPU.
+
+One cluster for the module (a head with 1 CPU and no GPU, at most 3 autoscaled nodes with 1 CPU
+and `GPU: 1` each); the tests run in file order and each waits for what it needs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import ray
+import yaml
+from PIL import Image
+
+from snapref_ray.pipelines.generate_dataset import run_job
+from snapref_ray.storage.backends import open_storage
+from snapref_ray.storage.metadata import read_item_ids, read_metadata_table
+from tests.cluster.conftest import expected_item_ids, job_spec, make_reference_png, write_manifest
+from tests.fake_cluster import REPO, FakeCluster, fake_cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPTS = ["1girl, city", "1girl, beach", "1girl, forest", "1girl, snow", "1girl, rain", "1girl, cafe"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> FakeCluster:
+    # The dashboard hosts the job server that `ray job submit` talks to.
+    with fake_cluster(max_gpu_nodes=3, dashboard=True) as c, c.connected():
+        yield c
+
+
+def _manifest(folder: Path, references: int, prompts: int) -> Path:
+    rows = []
+    for r in range(references):
+        ref = make_reference_png(folder / "refs" / f"ref{r}.png", (50 * r % 256, 100, 220 - 40 * r))
+        rows += [{"reference": ref.relative_to(folder).as_posix(), "prompt": p, "seed": 100 * r + i}
+                 for i, p in enumerate(PROMPTS[:prompts])]
+    return write_manifest(folder / "manifest.csv", rows)
+
+
+def _cluster_spec(manifest: Path, models: Path, out: Path, cluster: FakeCluster, **shape):
+    """device auto on a cluster: every worker asks for num_gpus=1 (the fake nodes have GPU: 1 and
+    no CUDA, so the tiny models run on CPU there)."""
+    return job_spec(manifest, models, str(out), defaults={"steps": 3},
+                    cluster={"address": cluster.address, "device": "auto", "num_workers": None, "max_batch": 1,
+                             **shape})
+
+
+def _exactly_once(out: Path, expected: set[str]) -> pd.DataFrame:
+    storage = open_storage(str(out))
+    ids = read_item_ids(storage)
+    assert len(ids) == len(set(ids)), f"duplicated items: {[i for i, n in Counter(ids).items() if n > 1]}"
+    assert set(ids) == expected
+    frame = read_metadata_table(storage).to_pandas()
+    for key in frame["image_key"]:
+        Image.open(io.BytesIO(storage.get_bytes(key))).load()  # every committed image exists and decodes
+    return frame
+
+
+def test_job_on_a_cold_cluster_gets_gpu_nodes_and_later_workers_join(cluster, tiny_models, tmp_path):
+    assert cluster.gpu_node_ids() == []  # only the head: no GPU anywhere yet
+    spec = _cluster_spec(_manifest(tmp_path, references=4, prompts=6), tiny_models, tmp_path / "out", cluster,
+                         min_workers=1, max_workers=3)
+    joins: list[tuple[float, str]] = []  # (time, node_id) of each worker joining the schedule
+    first_commit: list[float] = []
+    summary = run_job(spec, progress=False, write_gallery=False,
+                      on_workers=lambda handles, infos: joins.extend((time.monotonic(), i.node_id) for i in infos),
+                      on_progress=lambda n: first_commit or first_commit.append(time.monotonic()))
+
+    frame = _exactly_once(tmp_path / "out", expected_item_ids(spec))
+    assert (summary["images_this_run"], summary["failed_items"]) == (24, 0)
+    nodes = set(frame["node_id"])
+    assert len(nodes) >= 2, f"all images from one node: {nodes}"
+    assert nodes <= set(cluster.gpu_node_ids()) | {n for _, n in joins}
+    assert cluster.raylet_pids().keys() >= nodes  # real, separate raylets
+    # Rendering started with the first worker; workers that joined after it rendered too.
+    late = {node for t, node in joins if t > first_commit[0]}
+    assert late, f"every worker joined before the first image: {joins}, first image at {first_commit[0]}"
+    assert late & nodes, f"late workers on {late} rendered nothing ({Counter(frame['node_id'])})"
+    assert summary["images_per_node"] == dict(Counter(frame["node_id"]))
+    assert summary["peak_workers"] >= 2
+    assert summary["scheduler"]["workers_started"] == len(joins)
+
+
+def test_whole_node_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_models, tmp_path):
+    spec = _cluster_spec(_manifest(tmp_path, references=3, prompts=6), tiny_models, tmp_path / "out", cluster,
+                         min_workers=2, max_workers=2)
+    infos_seen = []
+    committed = threading.Event()
+    killed: dict[str, object] = {}
+
+    def kill_a_node() -> None:
+        if not committed.wait(300):
+            return
+        node = infos_seen[0].node_id
+        killed["node"], killed["pid"] = node, cluster.kill_node(node)
+        killed["at"] = time.time()
+
+    killer = threading.Thread(target=kill_a_node, daemon=True)
+    killer.start()
+    summary = run_job(spec, progress=False, write_gallery=False,
+                      on_workers=lambda handles, infos: infos_seen.extend(infos),
+                      on_progress=lambda n: len(infos_seen) >= 2 and committed.set())
+    killer.join(timeout=60)
+    assert "pid" in killed, "the node was never killed"
+    assert killed["node"] not in cluster.raylet_pids()  # it is gone for good
+    frame = _exactly_once(tmp_path / "out", expected_item_ids(spec))
+    assert (summary["images_this_run"], summary["failed_items"]) == (18, 0)
+    after = frame[frame["finished_at"] > killed["at"]]
+    assert len(after) > 0 and killed["node"] not in set(after["node_id"])
+
+
+def test_ray_job_submit_with_token_auth(cluster, tiny_models, tmp_path):
+    """`ray job submit` of jobs/generate_dataset.py, as the README shows it (RAY_AUTH_MODE=token)."""
+    manifest = _manifest(tmp_path, references=2, prompts=2)
+    out = tmp_path / "out"
+    spec_path = tmp_path / "job.yaml"
+    spec_path.write_text(yaml.safe_dump({
+        "models": {"models_dir": str(tiny_models)}, "manifest": str(manifest), "output": {"uri": str(out)},
+        "defaults": {"width": 256, "height": 256, "steps": 2, "cfg": 1.0, "sampler": "euler"},
+        "cluster": {"max_workers": 2, "max_batch": 1}}))
+    submission = f"snapref-test-{time.time_ns()}"
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", cluster.dashboard_url,
+           "--submission-id", submission, "--working-dir", str(REPO), "--",
+           "python", "-m", "jobs.generate_dataset", str(spec_path), "--no-progress"]
+    done = subprocess.run(cmd, env=cluster.driver_env(), capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"Job '{submission}' succeeded" in done.stdout + done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["images_this_run"], summary["failed_items"]) == (4, 0)
+    # On a cluster, `device: auto` asked for GPU workers: they ran on the GPU nodes, never on the head.
+    assert set(summary["images_per_node"]) <= set(cluster.gpu_node_ids()) | set(cluster.raylet_pids())
+    assert not set(summary["images_per_node"]) & {n["NodeID"] for n in ray.nodes() if not n["Resources"].get("GPU")}
+    # Without the token mode the same CLI is refused (what users of Ray 2.60 clusters meet).
+    env = {k: v for k, v in cluster.driver_env().items() if k != "RAY_AUTH_MODE"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    refused = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "job", "list", "--address",
+                              cluster.dashboard_url], env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
+
+
+def test_cross_node_transfer_benchmark_smoke(cluster):
+    """benchmarks/cross_node_transfer.py --smoke on two nodes of this cluster: a RefKV really moves
+    between object stores, and the break-even table has a decision for every link speed."""
+    from benchmarks import cross_node_transfer
+
+    record = cross_node_transfer.main(["--smoke"])
+    assert set(cross_node_transfer.FIELDS) <= set(record)
+    assert record["nodes"]["holder"] != record["nodes"]["reader"]
+    assert record["refkv_bytes"] > 100 * 1024  # above Ray's inline limit: fetched from the other object store
+    assert record["refkv_bytes"] == 2 * record["encode"]["blocks_real"] * record["refkv_shape"][2] \
+        * record["refkv_shape"][3] * record["refkv_shape"][4] * 2  # bf16 K and V of every block
+    assert [row["gbps"] for row in record["break_even"][:3]] == [10.0, 25.0, 100.0]
+    for row in record["break_even"]:
+        assert set(cross_node_transfer.BREAK_EVEN_FIELDS) <= set(row)
+        expected = "fetch" if row["transfer_seconds"] < row["encode_seconds"] else "re-encode"
+        assert row["choice"] == expected

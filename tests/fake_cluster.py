@@ -1,0 +1,345 @@
+"""A real multi-node Ray cluster on one machine: Ray's autoscaler with its fake_multinode provider.
+
+Every node the autoscaler launches is a real raylet with its own object store and resources
+(`GPU: 1` on a machine without GPUs), joined to a head that this module starts with `ray start`.
+Objects fetched by an actor on another node travel between object stores; a node dies when its
+raylet is killed. Recipe and caveats: shared/design/ray-cluster-testing.md.
+
+The cluster is private to its `FakeCluster`: its own temp dir and ports that nothing else uses,
+so tests can run next to other Ray instances on the same machine. It is stopped by PID (every
+process whose command line names its temp dir, plus the children of its raylets, which do not),
+never with `ray stop`, which would kill every Ray on the machine.
+
+    cluster = FakeCluster(max_gpu_nodes=3).start()
+    with cluster.connected():           # ray.init(cluster.address) with token auth, then shutdown
+        ...
+    cluster.kill_node(node_id)          # SIGKILL one node's raylet
+    cluster.stop()
+
+`fake_cluster_module` is a module-scoped pytest fixture built on it. Drivers in other processes
+(e.g. `ray job submit`) get the environment they need from `driver_env()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+GPU_NODE_TYPE = "gpu"
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _free_port_range(size: int, low: int = 20000, high: int = 32000) -> tuple[int, int]:
+    """`size` consecutive free ports below the kernel's ephemeral range (32768+), so that no
+    random port handed out later by the OS falls inside our worker range."""
+    for _ in range(200):
+        base = random.randrange(low, high - size)
+        if all(_port_is_free(p) for p in range(base, base + size)):
+            return base, base + size - 1
+    raise RuntimeError(f"no {size} consecutive free ports in {low}-{high}")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _set_auth_mode(mode: str | None) -> None:
+    """Switch this process's Ray auth mode. Ray reads RAY_AUTH_MODE into its C++ config once (at
+    import or at a previous `ray.init`), so the config and the token cache are reloaded here, as
+    Ray's own test helpers (`ray._private.authentication_test_utils`) do."""
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
+    if mode is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = mode
+    reset_auth_token_state()
+
+
+def _all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+class FakeCluster:
+    """A head (no GPU) plus up to `max_gpu_nodes` autoscaled nodes with `GPU: 1` each.
+
+    `cpus_per_node` is 1 as the design recipe has it (2-core machines). `head_cpus` may be 0 to
+    keep every actor off the head, as a production head would be. Idle nodes go after
+    `idle_timeout_minutes`: 1 minute, so that tests of one module reuse the nodes the previous
+    test brought up (the fake provider kills a node without draining it; an actor placed on it
+    in the same second dies with it).
+    """
+
+    def __init__(self, *, max_gpu_nodes: int = 3, cpus_per_node: int = 1, head_cpus: int = 1,
+                 object_store_bytes: int = 300_000_000, idle_timeout_minutes: float = 1.0,
+                 dashboard: bool = False, env: dict[str, str] | None = None, keep_temp_dir: bool = False) -> None:
+        self.max_gpu_nodes = max_gpu_nodes
+        self.cpus_per_node = cpus_per_node
+        self.head_cpus = head_cpus
+        self.object_store_bytes = object_store_bytes
+        self.idle_timeout_minutes = idle_timeout_minutes
+        self.dashboard = dashboard
+        self.extra_env = dict(env or {})
+        self.keep_temp_dir = keep_temp_dir  # Ray's logs are under it: keep them to debug a failure
+        # Ray puts sockets under the temp dir: keep its path short (AF_UNIX paths are <108 bytes).
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="rfc-", dir="/tmp"))
+        self.ip = ""
+        self.port = 0
+        self.dashboard_port = 0
+        self._head_proc: subprocess.Popen | None = None
+        self._raylet_children: dict[int, set[int]] = {}
+
+    # -- addresses and environment ---------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """GCS address for `ray.init(address)` and RAY_ADDRESS."""
+        return f"{self.ip}:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        """Job-server address for `ray job submit --address` (only with `dashboard=True`)."""
+        return f"http://{self.ip}:{self.dashboard_port}"
+
+    def driver_env(self) -> dict[str, str]:
+        """Environment for a driver process (pytest, a `ray job submit` CLI): token auth on, the
+        project importable. Ray 2.60's `ray start` turns token authentication on; a driver without
+        RAY_AUTH_MODE=token is refused with InvalidAuthToken."""
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        return {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": pythonpath,
+                "AWS_EC2_METADATA_DISABLED": "true", **self.extra_env}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self, timeout_s: float = 180.0) -> "FakeCluster":
+        import ray._private.services
+
+        self.ip = ray._private.services.get_node_ip_address()
+        self.port = _free_port()
+        self.dashboard_port = _free_port()
+        worker_lo, worker_hi = _free_port_range(200)
+        config_path = self.temp_dir / "autoscaler.json"
+        config_path.write_text(json.dumps(self._autoscaler_config(), indent=1))
+        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={self.port}",
+               f"--num-cpus={self.head_cpus}", "--num-gpus=0", f"--temp-dir={self.temp_dir}",
+               f"--autoscaling-config={config_path}", f"--ray-client-server-port={_free_port()}",
+               f"--min-worker-port={worker_lo}", f"--max-worker-port={worker_hi}",
+               f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
+               f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+               f"--dashboard-agent-grpc-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+               f"--object-store-memory={self.object_store_bytes}", "--disable-usage-stats"]
+        if self.dashboard:
+            cmd += ["--include-dashboard=true", "--dashboard-host=0.0.0.0", f"--dashboard-port={self.dashboard_port}"]
+        else:
+            cmd += ["--include-dashboard=false"]
+        env = {**self.driver_env(), "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+        log = open(self.temp_dir / "ray-start.log", "wb")
+        # `ray start` daemonises the head's processes and returns; they keep our temp dir in their
+        # command lines, which is how stop() finds them.
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        if proc.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"ray start failed ({proc.returncode}): "
+                               f"{(self.temp_dir / 'ray-start.log').read_text()[-3000:]}")
+        self._remember_children()
+        return self
+
+    def _autoscaler_config(self) -> dict:
+        gpu_resources = {"CPU": self.cpus_per_node, "GPU": 1, "object_store_memory": self.object_store_bytes}
+        return {
+            "cluster_name": f"fake-{self.temp_dir.name}", "max_workers": self.max_gpu_nodes,
+            "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                         "disable_launch_config_check": True, "gcs_address": f"{self.ip}:{self.port}"},
+            "available_node_types": {
+                "ray.head.default": {"resources": {"CPU": self.head_cpus}, "node_config": {}, "max_workers": 0},
+                GPU_NODE_TYPE: {"resources": gpu_resources, "node_config": {}, "min_workers": 0,
+                                "max_workers": self.max_gpu_nodes},
+            },
+            "head_node_type": "ray.head.default", "auth": {}, "upscaling_speed": 1.0,
+            "idle_timeout_minutes": self.idle_timeout_minutes, "docker": {}, "initialization_commands": [],
+            "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
+            "head_start_ray_commands": [], "worker_start_ray_commands": [], "file_mounts": {},
+            "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
+            "rsync_filter": [],
+        }
+
+    @contextlib.contextmanager
+    def connected(self) -> Iterator[None]:
+        """`ray.init` this process as a driver of the cluster (token auth, project on the workers'
+        PYTHONPATH); `ray.shutdown` after."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        saved = os.environ.get("RAY_AUTH_MODE")
+        _set_auth_mode("token")
+        env = self.driver_env()
+        try:
+            ray.init(address=self.address, log_to_driver=False, runtime_env={"env_vars": {
+                k: env[k] for k in ("PYTHONPATH", "AWS_EC2_METADATA_DISABLED", *self.extra_env)}})
+            yield
+        finally:
+            ray.shutdown()
+            _set_auth_mode(saved)
+
+    # -- nodes ----------------------------------------------------------------------------------
+    def raylet_pids(self) -> dict[str, int]:
+        """Ray node id (hex) -> raylet PID, for every live raylet of this cluster, head included."""
+        out = {}
+        for pid in self._own_pids():
+            cmd = _cmdline(pid)
+            if "/raylet " not in cmd and not cmd.split(" ", 1)[0].endswith("/raylet"):
+                continue
+            for arg in cmd.split():
+                if arg.startswith("--node_id="):
+                    out[arg.split("=", 1)[1]] = pid
+        return out
+
+    def gpu_node_ids(self) -> list[str]:
+        """Live autoscaled nodes (the fake provider names them fff...00001, 00002, ...)."""
+        import ray
+
+        return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0)
+
+    def kill_node(self, node_id: str) -> int:
+        """SIGKILL the raylet of one node (the whole node is lost: its workers and object store
+        go with it, as when a machine dies). Returns the PID killed."""
+        self._remember_children()
+        pids = self.raylet_pids()
+        if node_id not in pids:
+            raise KeyError(f"no raylet for node {node_id} (live: {sorted(pids)})")
+        pid = pids[node_id]
+        children = _children(pid)
+        os.kill(pid, signal.SIGKILL)
+        for child in children:  # its workers would notice the raylet's death; do not wait for it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        return pid
+
+    def wait_for_gpu_nodes(self, count: int, timeout_s: float = 180.0) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            nodes = self.gpu_node_ids()
+            if len(nodes) >= count:
+                return nodes
+            time.sleep(1.0)
+        raise TimeoutError(f"{count} GPU node(s) did not come up in {timeout_s:.0f} s")
+
+    # -- stopping -------------------------------------------------------------------------------
+    def _own_pids(self) -> list[int]:
+        """Processes naming our temp dir, or our GCS address (the head's Ray Client server names
+        only the address, and is re-parented to PID 1 when `ray start` exits)."""
+        markers = [str(self.temp_dir)] + ([f"--address={self.address}"] if self.port else [])
+        me = os.getpid()
+        return [pid for pid in _all_pids() if pid != me and any(m in _cmdline(pid) for m in markers)]
+
+    def _remember_children(self) -> None:
+        """Workers and agents of our raylets do not name the temp dir and are re-parented to PID 1
+        once their raylet dies: note them while the raylets are alive."""
+        for pid in self.raylet_pids().values():
+            self._raylet_children.setdefault(pid, set()).update(_children(pid))
+
+    def pids(self) -> set[int]:
+        """Every process of this cluster that is alive now (or was noted as one of its raylets' children)."""
+        own = set(self._own_pids())
+        for pid in list(own):
+            own.update(_children(pid))
+        for children in self._raylet_children.values():
+            own.update(children)
+        return {pid for pid in own if Path(f"/proc/{pid}").exists()}
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every process of this cluster, then SIGKILL what is left — by PID only."""
+        self._remember_children()
+        pids = self.pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+            time.sleep(0.2)
+        # The monitor may have launched nodes after we listed; take a second look.
+        for pid in pids | self.pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if not self.keep_temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def fake_cluster(**kwargs) -> Iterator[FakeCluster]:
+    cluster = FakeCluster(**kwargs)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def fake_cluster_module() -> Iterator[FakeCluster]:
+    """A fresh fake cluster per test module (head with 1 CPU and no GPU, ≤3 autoscaled GPU nodes)."""
+    with fake_cluster() as cluster:
+        yield cluster
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m tests.fake_cluster`: a fake autoscaling cluster to try the README's cluster commands
+    on one machine; prints its addresses and stops it (by PID) on Ctrl-C."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--max-gpu-nodes", type=int, default=3)
+    p.add_argument("--no-dashboard", action="store_true", help="no job server (`ray job submit` needs it)")
+    args = p.parse_args(argv)
+    with fake_cluster(max_gpu_nodes=args.max_gpu_nodes, dashboard=not args.no_dashboard) as cluster:
+        print(f"RAY_ADDRESS={cluster.address}  (for ray.init and snapref-ray render)")
+        if not args.no_dashboard:
+            print(f"job server: {cluster.dashboard_url}  (ray job submit --address ...)")
+        print("drivers need RAY_AUTH_MODE=token; Ctrl-C stops the cluster", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()
