@@ -255,10 +255,26 @@ def _identity() -> tuple[str, str]:
 
 
 def _empty_row(row: dict) -> dict[str, Any]:
+    """An output row holding the input's own values of output columns (prompt, seed, settings) where they fit
+    the column's type, so that an error row still shows what was asked; a rendered row overwrites them."""
     out: dict[str, Any] = dict.fromkeys(OUTPUT_SCHEMA.names)
-    prompt = row.get("prompt")
-    out["prompt"] = prompt if isinstance(prompt, str) else None
+    for field in OUTPUT_SCHEMA:
+        value = row.get(field.name)
+        if value is not None and _fits(value, field.type):
+            out[field.name] = value
     return out
+
+
+def _fits(value: Any, kind: pa.DataType) -> bool:
+    if pa.types.is_string(kind):
+        return isinstance(value, str)
+    if pa.types.is_boolean(kind):
+        return isinstance(value, bool)
+    if pa.types.is_integer(kind):
+        return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
+    if pa.types.is_floating(kind):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return False  # lists, binary: only ever ours
 
 
 def _fail(row: dict, message: str, stage: str) -> None:

@@ -40,7 +40,7 @@ def read_results(output: str, *, s3: S3Options | dict | None = None, images: boo
     if not storage.list("metadata/"):
         from snapref_ray.storage.backends import StorageError
 
-        raise StorageError(f"{storage.uri_for('metadata/')} holds no metadata parts: not a snapref-ray job output "
+        raise StorageError(f"{storage.uri_for('metadata')}/ holds no metadata parts: not a snapref-ray job output "
                            "(or no item has been committed yet)")
     table = read_metadata_table(storage)
     embedded = IMAGE_COLUMN in table.column_names
