@@ -312,7 +312,7 @@ class RendererDeployment:
         return encode_rendered_image(
             result.image, prompt=job.prompt, seed=result.request.seed, settings=job.settings.model_dump(),
             model=self._renderer.model_id, adapter=adapter,
-            reference_hash="+".join(reference.content_hashes) if reference else None,
+            reference_hash=_reference_hash(reference) if reference else None,
             extra_info={"reference_ids": list(reference.reference_ids) if reference else [],
                         "content_hashes": list(reference.content_hashes) if reference else []})
 
@@ -334,3 +334,12 @@ class RendererDeployment:
         s = self._cache.stats
         return {"hits": s.hits, "misses": s.misses, "encodes": s.encodes, "evictions": s.evictions,
                 "entries": len(self._cache), "bytes": self._cache.nbytes}
+
+
+def _reference_hash(reference: ReferenceSpec) -> str:
+    """The hash a batch job gives the same reference: the file's content hash, or the pair's combined hash."""
+    from snapref_ray.storage.work_items import combined_reference_hash
+
+    if reference.layout == "single" and len(reference.content_hashes) == 1:
+        return reference.content_hashes[0]
+    return combined_reference_hash(reference.layout, reference.content_hashes)
