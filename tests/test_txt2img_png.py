@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from snapref_ray.adapter.images import content_hash
@@ -12,6 +13,7 @@ from snapref_ray.cli import main
 from snapref_ray.storage.image_files import read_image_info, read_image_parameters
 
 
+@pytest.mark.slow
 def test_txt2img_png_carries_parameters_and_the_reference_hash(tiny_models, tiny_renderer, tmp_path):
     from snapref_ray.requests import RenderRequest, RenderSettings
 

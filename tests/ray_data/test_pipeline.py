@@ -12,7 +12,6 @@ import csv
 import io
 import json
 import re
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -36,11 +35,11 @@ PROMPTS = ["1girl, solo, city street, night", "1girl, solo, beach", "1girl, solo
            "1girl, solo, rain, umbrella"]
 
 
-def readme_pipeline() -> str:
-    """The Python block that follows the ray-data-pipeline marker in README.md, verbatim."""
+def readme_block(marker: str = "ray-data-pipeline") -> str:
+    """The Python block that follows `<!-- marker: ... -->` in README.md, verbatim."""
     text = (REPO / "README.md").read_text()
-    match = re.search(r"<!-- ray-data-pipeline:[^>]*-->\n```python\n(.*?)\n```", text, re.S)
-    assert match, "README.md lost its ray-data-pipeline block"
+    match = re.search(rf"<!-- {marker}:[^>]*-->\n```python\n(.*?)\n```", text, re.S)
+    assert match, f"README.md lost its {marker} block"
     return match.group(1)
 
 
@@ -88,7 +87,7 @@ def inputs(s3_server, tiny_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def rendered(ray_s3_env, s3_server, inputs) -> pa.Table:
     """Run the README block; the Parquet it wrote, read back from S3 with pyarrow."""
-    exec(compile(readme_pipeline(), "README.md:ray-data-pipeline", "exec"), {"__name__": "readme_pipeline"})
+    exec(compile(readme_block(), "README.md:ray-data-pipeline", "exec"), {"__name__": "readme_pipeline"})
     return _read_parquet_prefix(s3_server.client(), "renders/")
 
 
@@ -186,7 +185,7 @@ def test_two_actors_and_their_cache_counters(rendered):
 
 
 def test_readme_block_is_the_one_that_ran():
-    code = readme_pipeline()
+    code = readme_block()
     assert "SnapRefRenderer" in code and "write_parquet(\"s3://my-bucket/renders/\")" in code
     assert "ActorPoolStrategy" in code and "concurrency=" not in code  # Ray 2.60: `concurrency` is deprecated
 
@@ -196,7 +195,7 @@ def test_readme_block_is_the_one_that_ran():
 
 
 @pytest.fixture(scope="module")
-def job_output(ray_s3_env, s3_server, tiny_models, tmp_path_factory):
+def job_output(ray_s3_env, s3_server, inputs, tiny_models, tmp_path_factory):
     """A batch job (2 references x 2 prompts) rendered to S3, then a later duplicate commit of its first
     metadata part, as a job that crashed after committing and was resumed may leave. (spec, output URI)."""
     from snapref_ray.pipelines.generate_dataset import run_job
@@ -207,7 +206,7 @@ def job_output(ray_s3_env, s3_server, tiny_models, tmp_path_factory):
     refs = [make_reference_png(folder / f"{n}.png", c).name for n, c in (("a", (200, 90, 40)), ("b", (40, 90, 200)))]
     manifest = write_manifest(folder / "manifest.csv", [{"reference": r, "prompt": p, "seed": i}
                                                         for r in refs for i, p in enumerate(PROMPTS[:2])])
-    out = f"s3://{s3_server.bucket}/{uuid.uuid4().hex[:8]}/job"
+    out = f"s3://{BUCKET}/run1"  # the README's read_results example reads this
     spec = job_spec(manifest, tiny_models, out)
     summary = run_job(spec, progress=False, write_gallery=False)
     assert summary["images_total"] == 4
@@ -247,3 +246,16 @@ def test_read_results_refuses_a_folder_without_job_output(tmp_path):
 
     with pytest.raises(StorageError, match="holds no metadata parts"):
         read_results(str(tmp_path))
+
+
+def test_readme_read_results_block_runs_as_written(job_output, s3_server):
+    exec(compile(readme_block("ray-data-read-results"), "README.md:ray-data-read-results", "exec"),
+         {"__name__": "readme_read_results"})
+    table = _read_parquet_prefix(s3_server.client(), "run1-cs/")
+    assert table.column_names == ["item_id", "prompt", "image"]
+    client = s3_server.client()
+    rows = table.to_pylist()
+    assert len({r["item_id"] for r in rows}) == len(rows) == 4  # every item of the job once (all mode cs)
+    for row in rows:
+        stored = client.get_object(Bucket=BUCKET, Key=f"run1/images/{row['item_id']}.png")["Body"].read()
+        assert row["image"] == stored
