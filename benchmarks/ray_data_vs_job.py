@@ -22,7 +22,8 @@ LRU holds `--cache-refs` references, as an 8 GiB budget holds ~8 real 1 MP RefKV
 Per runner: wall seconds from the call to the outputs written (worker start included) and images/s
 over it; the rendering span (first batch started to last image finished, from the rows' own
 started_at / finished_at) and images/s over that, which leaves start-up out; reference encodes per
-reference (mean and max); for Ray Data the batched forwards and the mean images per forward. Prints one JSON object (and writes it to --out).
+reference (mean and max); for Ray Data the batched forwards and the mean images per forward.
+Prints one JSON object (and writes it to --out).
 """
 
 from __future__ import annotations

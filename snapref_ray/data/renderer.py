@@ -109,6 +109,9 @@ class SnapRefRenderer:
         self.model_id = str(getattr(self.renderer, "model_id", ""))
         bound = getattr(self.renderer, "adapter", None)
         self.adapter_id = getattr(bound, "identity", None)
+        if self.adapter_id is None and renderer_factory is None:
+            # Every row has a reference: without an adapter each would fail; say so once, at start.
+            raise ValueError("no SnapRef adapter loaded: pass adapter= or put adapter.safetensors in the models folder")
         self._lock = threading.Lock()  # one batch on the device at a time, whatever the pool's concurrency
         self._batches = 0
         self._hinted: set[str] = set()

@@ -135,8 +135,15 @@ def test_an_empty_batch_keeps_the_schema(snapref):
     assert out.num_rows == 0 and out.column_names == ["reference", *OUTPUT_SCHEMA.names]
 
 
-def test_constructor_checks_arguments_by_the_job_spec_rules(tiny_models):
+def test_constructor_checks_arguments_by_the_job_spec_rules(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="max_batch"):
         SnapRefRenderer(str(tiny_models), device="cpu", max_batch=0)
     with pytest.raises(ValueError, match="sampler"):
         SnapRefRenderer(str(tiny_models), device="cpu", defaults={"sampler": "dpmpp_9m"})
+    bare = tmp_path / "no-adapter"
+    bare.mkdir()
+    for path in tiny_models.iterdir():
+        if path.name != "adapter.safetensors":
+            (bare / path.name).symlink_to(path)
+    with pytest.raises(ValueError, match="no SnapRef adapter loaded"):
+        SnapRefRenderer(str(bare), device="cpu")
