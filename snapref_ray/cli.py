@@ -66,6 +66,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 def cmd_txt2img(args: argparse.Namespace) -> int:
     from snapref_ray.engine import Renderer
     from snapref_ray.requests import RenderRequest
+    from snapref_ray.storage.image_files import encode_rendered_image
 
     settings = _settings_from(args)
     renderer = Renderer.from_folder(args.models, adapter=args.adapter,
@@ -94,11 +95,30 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for i, result in enumerate(results):
         path = out if len(results) == 1 else out.with_name(f"{out.stem}_{i:03d}{out.suffix}")
-        result.image.save(path)
+        path.write_bytes(encode_rendered_image(
+            result.image, prompt=result.request.prompt, seed=result.request.seed, settings=settings.model_dump(),
+            model=renderer.model_id, adapter=renderer.adapter.identity if renderer.adapter else None,
+            reference_hash=_reference_hash(references, layout), fmt=_format_of(path)))
         t = result.timings
         print(f"{path}  seed {result.request.seed}  sample {t['sample_s']:.2f} s  decode {t['decode_s']:.2f} s"
               + (f"  reference encode {t['encode_s']:.2f} s" if references else ""))
     return 0
+
+
+def _reference_hash(references: list[bytes] | None, layout: str) -> str | None:
+    """The hash a batch job gives the same reference (one file's content hash, or the pair/multi hash)."""
+    from snapref_ray.adapter.images import content_hash
+    from snapref_ray.storage.work_items import combined_reference_hash
+
+    if not references:
+        return None
+    hashes = [content_hash(data) for data in references]
+    return hashes[0] if layout == "single" else combined_reference_hash(layout, hashes)
+
+
+def _format_of(path: Path) -> str:
+    """png, webp or jpeg from the output file's extension (png when it names none of them)."""
+    return {".webp": "webp", ".jpg": "jpeg", ".jpeg": "jpeg"}.get(path.suffix.lower(), "png")
 
 
 def _parse_lora(text: str) -> tuple[str, float]:

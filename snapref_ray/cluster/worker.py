@@ -28,7 +28,7 @@ from snapref_ray.cluster.output_writer import OutputWriter
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.requests import RenderRequest
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
-from snapref_ray.storage.image_files import a1111_parameters, encode_image, make_thumbnail
+from snapref_ray.storage.image_files import encode_rendered_image, make_thumbnail
 
 log = logging.getLogger(__name__)
 
@@ -260,14 +260,13 @@ class RenderWorker:
         t0 = time.perf_counter()
         s = item.settings
         fmt = self.config.image_format
-        info = {"item_id": item.item_id, "reference_hash": item.reference_hash, "adapter": kv.adapter_id,
-                "model": getattr(self.renderer, "model_id", ""), "seed": item.seed, "prompt": item.prompt,
-                "settings": s.model_dump()}
-        parameters = a1111_parameters(item.prompt, s.negative_prompt, s.model_dump(), item.seed,
-                                      {"SnapRef reference": item.reference_hash[:12], "SnapRef mode": s.mode})
+        image_bytes = encode_rendered_image(
+            result.image, prompt=item.prompt, seed=item.seed, settings=s.model_dump(),
+            model=getattr(self.renderer, "model_id", ""), adapter=kv.adapter_id,
+            reference_hash=item.reference_hash, item_id=item.item_id, fmt=fmt)
         image_key = f"images/{item.item_id}.{'jpg' if fmt == 'jpeg' else fmt}"
         thumb_key = f"thumbs/{item.item_id}.jpg"
-        self.storage.put_bytes(image_key, encode_image(result.image, fmt, parameters=parameters, info=info))
+        self.storage.put_bytes(image_key, image_bytes)
         self.storage.put_bytes(thumb_key, make_thumbnail(result.image))
         reference_key = self._store_reference(task.reference)
         upload_s = time.perf_counter() - t0

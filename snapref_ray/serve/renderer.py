@@ -306,20 +306,16 @@ class RendererDeployment:
         return replies
 
     def _png(self, result, job: RenderJob) -> bytes:
-        from snapref_ray.storage.image_files import a1111_parameters, encode_image
+        from snapref_ray.storage.image_files import encode_rendered_image
 
-        settings = job.settings.model_dump()
-        ref_ids = list(job.reference.reference_ids) if job.reference else []
+        reference = job.reference
         adapter = self._renderer.adapter.identity if self._renderer.adapter is not None else None
-        extra = {"Model": self._renderer.model_id}
-        if ref_ids:
-            extra.update({"SnapRef adapter": (adapter or "")[:16], "Reference": "+".join(ref_ids)})
-        info = {"prompt": job.prompt, "seed": result.request.seed, "settings": settings, "model": self._renderer.model_id,
-                "adapter": adapter, "reference_ids": ref_ids,
-                "content_hashes": list(job.reference.content_hashes) if job.reference else []}
-        return encode_image(result.image, "png", info=info,
-                            parameters=a1111_parameters(job.prompt, job.settings.negative_prompt, settings,
-                                                        result.request.seed, extra))
+        return encode_rendered_image(
+            result.image, prompt=job.prompt, seed=result.request.seed, settings=job.settings.model_dump(),
+            model=self._renderer.model_id, adapter=adapter,
+            reference_hash=_reference_hash(reference) if reference else None,
+            extra_info={"reference_ids": list(reference.reference_ids) if reference else [],
+                        "content_hashes": list(reference.content_hashes) if reference else []})
 
     # -- device bookkeeping -----------------------------------------------------------------
     @contextmanager
@@ -339,3 +335,12 @@ class RendererDeployment:
         s = self._cache.stats
         return {"hits": s.hits, "misses": s.misses, "encodes": s.encodes, "evictions": s.evictions,
                 "entries": len(self._cache), "bytes": self._cache.nbytes}
+
+
+def _reference_hash(reference: ReferenceSpec) -> str:
+    """The hash a batch job gives the same reference: the file's content hash, or the pair's combined hash."""
+    from snapref_ray.storage.work_items import combined_reference_hash
+
+    if reference.layout == "single" and len(reference.content_hashes) == 1:
+        return reference.content_hashes[0]
+    return combined_reference_hash(reference.layout, reference.content_hashes)

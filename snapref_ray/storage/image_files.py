@@ -102,6 +102,31 @@ def encode_image(img: Image.Image, fmt: ImageFormat = "png", *, parameters: str 
     return buf.getvalue()
 
 
+def encode_rendered_image(image: Image.Image, *, prompt: str, seed: int, settings: dict, model: str,
+                          adapter: str | None, reference_hash: str | None = None, item_id: str | None = None,
+                          fmt: ImageFormat = "png", extra_info: dict | None = None) -> bytes:
+    """The one writer of rendered images: job outputs, Ray Data rows, Serve replies and `txt2img` files.
+
+    `settings` is `RenderSettings.model_dump()`. The JSON record holds prompt, seed, settings,
+    model, adapter, and the reference hash and item id where there is one (plus `extra_info`);
+    the A1111 line adds ``Model``, and for renders with a reference ``SnapRef reference`` (hash
+    prefix), ``SnapRef mode`` and ``SnapRef adapter``. Keeping this in one place is what makes every
+    image the project writes readable by the same tools (`read_image_info`, WebUI PNG info).
+    """
+    info: dict = {"prompt": prompt, "seed": seed, "settings": settings, "model": model, "adapter": adapter}
+    extra: dict = {"Model": model}
+    if reference_hash is not None:
+        info["reference_hash"] = reference_hash
+        extra.update({"SnapRef reference": reference_hash[:12], "SnapRef mode": settings.get("mode", "")})
+        if adapter:
+            extra["SnapRef adapter"] = adapter[:16]
+    if item_id is not None:
+        info["item_id"] = item_id
+    info.update(extra_info or {})
+    parameters = a1111_parameters(prompt, settings.get("negative_prompt", ""), settings, seed, extra)
+    return encode_image(image, fmt, parameters=parameters, info=info)
+
+
 def _info_from_xmp(xmp: bytes | str) -> dict:
     root = ET.fromstring(xmp.encode("utf-8") if isinstance(xmp, str) else xmp)
     node = root.find(f".//{{{XMP_NS}}}info")

@@ -14,6 +14,7 @@ from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.image_files import (
     a1111_parameters,
     encode_image,
+    encode_rendered_image,
     make_thumbnail,
     read_image_info,
     read_image_parameters,
@@ -136,3 +137,29 @@ def test_thumbnail_of_rgba_and_colour_kept():
         assert thumb.size == (256, 256)
         r, g, b = thumb.getpixel((128, 128))
         assert abs(r - 200) <= 3 and abs(g - 30) <= 3 and abs(b - 40) <= 3
+
+
+def test_rendered_image_writer_records_reference_and_settings():
+    settings = RenderSettings(negative_prompt="lowres", steps=12, cfg=4.5, mode="char").model_dump()
+    img = _image()
+    data = encode_rendered_image(img, prompt="1girl, cafe", seed=7, settings=settings, model="dit.safetensors",
+                                 adapter="0123456789abcdef0123", reference_hash="cd" * 32, item_id="row-0")
+
+    info = read_image_info(data)
+    assert info == {"prompt": "1girl, cafe", "seed": 7, "settings": settings, "model": "dit.safetensors",
+                    "adapter": "0123456789abcdef0123", "reference_hash": "cd" * 32, "item_id": "row-0"}
+    lines = read_image_parameters(data).split("\n")
+    assert lines[:2] == ["1girl, cafe", "Negative prompt: lowres"]
+    assert lines[2].startswith("Steps: 12, Sampler: er_sde, Schedule type: simple, CFG scale: 4.5, Seed: 7, Size: 1024x1024")
+    assert lines[2].endswith(f"Model: dit.safetensors, SnapRef reference: {'cd' * 6}, SnapRef mode: char, "
+                             "SnapRef adapter: 0123456789abcdef")
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), np.asarray(img))
+
+
+def test_rendered_image_writer_without_reference_names_no_snapref_fields():
+    settings = RenderSettings().model_dump()
+    data = encode_rendered_image(_image(), prompt="1girl", seed=0, settings=settings, model="m", adapter=None,
+                                 fmt="webp", extra_info={"reference_ids": []})
+    assert read_image_info(data) == {"prompt": "1girl", "seed": 0, "settings": settings, "model": "m",
+                                     "adapter": None, "reference_ids": []}
+    assert "SnapRef" not in read_image_parameters(data)
