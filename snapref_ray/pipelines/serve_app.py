@@ -23,7 +23,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
-from snapref_ray.serve.config import ServeConfig
+from snapref_ray.serve.config import ServeConfig, is_loopback
 from snapref_ray.serve.ingress import Ingress
 from snapref_ray.serve.references import ReferenceStore
 from snapref_ray.serve.renderer import RendererDeployment
@@ -105,6 +105,11 @@ def start_local(config: ServeConfig, *, num_cpus: int | None = None, num_gpus: i
     import ray
 
     if not ray.is_initialized():
+        if is_loopback(config.host):
+            # Ray's metrics export port (unauthenticated Prometheus text: request counts per route)
+            # listens on every interface, whatever the node address; a loopback-only server has no
+            # scraper, so it does not start one. Set RAY_enable_metrics_collection=1 to keep it.
+            os.environ.setdefault("RAY_enable_metrics_collection", "0")
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port,
                               "request_timeout_s": config.proxy_timeout_s()})

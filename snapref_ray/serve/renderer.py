@@ -73,6 +73,7 @@ class RenderJob:
     seeds: tuple[int, ...]
     settings: RenderSettings
     reference: ReferenceSpec | None = None
+    ref_megapixels_set: bool = False  # the request chose ref_megapixels (else the upload's value applies)
 
     def group_key(self) -> tuple:
         """Jobs with equal keys can share one batched forward."""
@@ -108,16 +109,18 @@ class _Pending:
         return len(self.job.seeds)
 
 
-def _as_bad_request(e: ValueError) -> Exception:
-    """The engine's input errors (a bad reference image, an impossible setting) as a 400; others unchanged."""
+def _as_bad_request(e: ValueError, job: RenderJob) -> ApiError | None:
+    """The engine's input errors (a bad reference image, an impossible setting) as a 400; None for others."""
     from snapref_ray.adapter.images import ReferenceImageError
     from snapref_ray.engine import RenderError
 
     if isinstance(e, ReferenceImageError):
-        return ApiError(400, "reference_id", str(e))
+        # The upload was checked at its own ref_megapixels, so a reference that fails now fails at the
+        # size this request asked for.
+        return ApiError(400, "ref_megapixels" if job.ref_megapixels_set else "reference_id", str(e))
     if isinstance(e, RenderError):
         return ApiError(400, None, str(e))
-    return e
+    return None
 
 
 class _Evicted(Exception):
@@ -162,7 +165,9 @@ class RendererDeployment:
         log.info("renderer replica %s ready on %s in %.1f s", self._replica, device, self._renderer.load_seconds)
 
     # -- public methods (called through the handle) -----------------------------------------
-    async def render(self, job: RenderJob) -> RenderReply:
+    async def render(self, job: RenderJob) -> RenderReply | ApiError:
+        """The rendered images; bad input is answered with an ApiError *value*, so that Serve does not
+        log a client's mistake as a failed request with a traceback."""
         refkv, hit, encode_s = None, None, 0.0
         try:
             if job.reference is not None:
@@ -171,8 +176,13 @@ class RendererDeployment:
             loop = asyncio.get_running_loop()
             pending = await self._submit(_Pending(job, refkv, hit, encode_s, loop.create_future()))
             return await pending.future
+        except ApiError as e:
+            return e
         except ValueError as e:
-            raise _as_bad_request(e) from None
+            bad_request = _as_bad_request(e, job)
+            if bad_request is None:
+                raise
+            return bad_request
 
     async def info(self) -> dict:
         r = self._renderer
