@@ -53,7 +53,8 @@ def build_app(config: ServeConfig) -> Application:
     retry = BackpressureConfig(status_code=503, retry_after_s=config.retry_after_s)
     # A replica being stopped (downscale, redeploy) finishes what it holds first.
     drain_s = config.request_timeout_s + 10.0
-    store = ReferenceStore.bind(config.reference_store_bytes)
+    store = ReferenceStore.options(num_replicas=config.reference_store_replicas).bind(
+        config.reference_store_bytes, config.references_uri, config.s3_options())
     renderer = RendererDeployment.options(
         ray_actor_options={"num_cpus": config.cpus_per_replica, "num_gpus": gpus},
         autoscaling_config={

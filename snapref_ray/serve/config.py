@@ -192,6 +192,26 @@ class ServeConfig(BaseModel):
         8 * 2**30, gt=0,
         description="RefKV cache per replica (bytes on its device). A 1 MP reference is ~0.94 GB of"
                     " bf16 K/V, so 8 GiB keeps ~8 references next to Anima's ~5 GB on a 24 GB GPU.")
+    references_uri: str | None = Field(
+        None,
+        description="Where uploaded references are kept durably: a local folder (shared by every node, e.g."
+                    " NFS) or s3://bucket/prefix. Content-addressed (files/<sha256>, references/<id>.json), so"
+                    " a restarted store or replica serves old ids without a re-upload; the in-memory LRU"
+                    " (reference_store_bytes) is then only a cache. None: memory only, lost on restart.")
+    reference_store_replicas: int = Field(
+        1, ge=1,
+        description="ReferenceStore replicas. 1 without references_uri (an upload and the replica that"
+                    " encodes it must meet in one memory); with durable storage any number can share it.")
+    s3_endpoint_url: str | None = Field(
+        None,
+        description="S3-compatible endpoint for s3:// models_dir, adapter and references_uri; None: the"
+                    " standard AWS settings ($AWS_ENDPOINT_URL, ...). Credentials come from the node's"
+                    " AWS chain (environment, instance profile), never from this config.")
+    s3_region: str | None = Field(None, description="S3 region; None: $AWS_REGION / $AWS_DEFAULT_REGION.")
+    model_cache_dir: str | None = Field(
+        None,
+        description="Per-node cache for s3:// model files (downloaded once per node however many replicas"
+                    " start); None: $SNAPREF_RAY_CACHE or ~/.cache/snapref-ray/models, as for batch jobs.")
     reference_store_bytes: int = Field(
         1 * 2**30, gt=0,
         description="Uploaded reference files kept for the replicas to encode from (LRU, bytes). 1 GiB"
@@ -207,10 +227,19 @@ class ServeConfig(BaseModel):
         if self.limits.max_n > self.max_batch_size:
             raise ValueError(f"limits.max_n ({self.limits.max_n}) must not exceed max_batch_size"
                              f" ({self.max_batch_size}): one request's images render in one batch")
+        if self.reference_store_replicas > 1 and self.references_uri is None:
+            raise ValueError(f"reference_store_replicas={self.reference_store_replicas} needs references_uri: without"
+                             " durable storage an upload lives in one replica's memory")
         if self.max_slow_bodies >= self.ingress_max_ongoing_requests:
             raise ValueError(f"max_slow_bodies ({self.max_slow_bodies}) must stay below ingress_max_ongoing_requests"
                              f" ({self.ingress_max_ongoing_requests}): slow uploads must never hold every slot")
         return self
+
+    def s3_options(self):
+        """S3Options for the s3:// paths above (endpoint and region; credentials from the environment)."""
+        from snapref_ray.storage.backends import S3Options
+
+        return S3Options(endpoint_url=self.s3_endpoint_url, region=self.s3_region)
 
     def resolved_token(self) -> str | None:
         """The token from the config, else from $SNAPREF_API_TOKEN; None when neither is set."""

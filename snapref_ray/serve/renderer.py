@@ -123,6 +123,19 @@ def _as_bad_request(e: ValueError, job: RenderJob) -> ApiError | None:
     return None
 
 
+def local_model_paths(config: ServeConfig) -> tuple[str, str | None]:
+    """(models folder, adapter file) on this node: s3:// ones are fetched into the per-node model cache
+    once (the same cache and locking as the batch workers), local ones are used as they are."""
+    from snapref_ray.storage.model_cache import ensure_local, ensure_local_folder
+
+    s3 = config.s3_options()
+    models_dir = str(ensure_local_folder(config.models_dir, config.model_cache_dir, s3))
+    adapter = config.adapter
+    if adapter is not None and adapter.startswith("s3://"):
+        adapter = str(ensure_local(adapter, config.model_cache_dir, s3))
+    return models_dir, adapter
+
+
 class _Evicted(Exception):
     """The reference left the cache between the check and the encode; fetch its file and retry."""
 
@@ -142,7 +155,8 @@ class RendererDeployment:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":
             torch.set_num_threads(max(1, int(config.cpus_per_replica)))
-        self._renderer = Renderer.from_folder(config.models_dir, adapter=config.adapter, device=device)
+        models_dir, adapter = local_model_paths(config)
+        self._renderer = Renderer.from_folder(models_dir, adapter=adapter, device=device)
         self._cache = RefKVCache(config.refkv_cache_bytes)
         # Encodes and renders run in these threads so the event loop stays free for routing,
         # batching and health checks; `_device_lock` keeps the device to one of them at a time.
