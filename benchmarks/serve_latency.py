@@ -1,6 +1,7 @@
 """Serve latency benchmark: the HTTP endpoint against the Renderer called in-process.
 
     python benchmarks/serve_latency.py [--models DIR] [--rounds 40] [--out result.json]
+    python benchmarks/serve_latency.py --smoke     # every section at the smallest counts (the tests run it)
 
 With the tiny models on a CPU (made in a temporary folder unless --models is given), one local
 Serve with one CPU replica (one torch thread) and, in the benchmark process, a Renderer on the
@@ -80,7 +81,14 @@ class InProcess:
         self._renderer.encode_reference([self.reference], ref_caption=caption, width=256, height=256)
 
 
-def low_load(client, ref: str, local: InProcess, rounds: int) -> dict:
+# Counts per section: (low-load rounds, warm-up rounds, cache rounds, overload burst, overload steps).
+FULL = {"warmup": 3, "cache_rounds": 8, "burst": 16, "overload_steps": 60}
+SMOKE = {"rounds": 3, "warmup": 1, "cache_rounds": 1, "burst": 4, "overload_steps": 8}
+# Every field the README's table reads; the smoke test checks they are all there.
+FIELDS = ("low_load", "concurrent", "cache", "low_load_no_batch_window", "overload", "environment")
+
+
+def low_load(client, ref: str, local: InProcess, rounds: int, warmup: int = 3) -> dict:
     overhead: list[float] = []
 
     def http() -> None:
@@ -89,7 +97,7 @@ def low_load(client, ref: str, local: InProcess, rounds: int) -> dict:
         # Everything that is not the render's own work: HTTP, proxy, ingress, routing, batch window.
         overhead.append(time.perf_counter() - t0 - sum(answer["timings"][k] for k in COMPUTE))
 
-    times = interleaved({"http": http, "in_process": local}, CPU, rounds=rounds, warmup_rounds=3)
+    times = interleaved({"http": http, "in_process": local}, CPU, rounds=rounds, warmup_rounds=warmup)
     overhead = overhead[-rounds:]  # drop the warm-up rounds
     return {"http": {**_ms(times["http"]), "requests_per_s": len(times["http"]) / sum(times["http"])},
             "in_process": {**_ms(times["in_process"]), "requests_per_s": len(times["in_process"]) / sum(times["in_process"])},
@@ -135,9 +143,9 @@ def cache(client, local: InProcess, rounds: int = 8) -> dict:
             "miss_minus_hit_p50_ms": (statistics.median(miss) - statistics.median(hit)) * 1e3}
 
 
-def overload(url: str, ref: str, burst: int = 16) -> dict:
+def overload(url: str, ref: str, burst: int = 16, steps: int = 60) -> dict:
     barrier = threading.Barrier(burst)
-    body = {"prompt": "1girl", "reference_id": ref, "width": 512, "height": 512, "steps": 60}
+    body = {"prompt": "1girl", "reference_id": ref, "width": 512, "height": 512, "steps": steps}
 
     def one(seed: int) -> tuple[int, float]:
         data = json.dumps({**body, "seed": seed}).encode()
@@ -159,12 +167,16 @@ def overload(url: str, ref: str, burst: int = 16) -> dict:
             "latency_503": _ms(rejected) if rejected else None, "latency_200": _ms(admitted) if admitted else None}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", help="model folder with reference.png (default: a tiny set in a temporary folder)")
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--smoke", action="store_true", help="every section once at the smallest counts (CI)")
     parser.add_argument("--out")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    counts = {**FULL, "rounds": args.rounds}
+    if args.smoke:
+        counts = SMOKE
 
     from ray import serve
 
@@ -180,7 +192,7 @@ def main() -> None:
     os.dup2(2, 1)
     tmp = tempfile.TemporaryDirectory()
     models = Path(args.models) if args.models else make_tiny(Path(tmp.name) / "tiny")
-    result: dict = {"model": str(models) if args.models else "tiny", "size": SMALL}
+    result: dict = {"model": str(models) if args.models else "tiny", "size": SMALL, "smoke": args.smoke}
     base = ServeConfig(models_dir=str(models), port=_free_port(), min_replicas=1, max_replicas=1, cpus_per_replica=1)
     log("starting Serve")
     import ray
@@ -193,16 +205,17 @@ def main() -> None:
         client = SnapRefClient(url, timeout=300)
         ref = client.upload_reference(local.reference)
         log("low load, default batch window")
-        result["low_load"] = {"batch_wait_timeout_s": base.batch_wait_timeout_s, **low_load(client, ref, local, args.rounds)}
+        result["low_load"] = {"batch_wait_timeout_s": base.batch_wait_timeout_s,
+                              **low_load(client, ref, local, counts["rounds"], counts["warmup"])}
         log("concurrency")
-        result["concurrent"] = concurrent(client, ref, args.rounds)
+        result["concurrent"] = concurrent(client, ref, counts["rounds"])
         log("cache hit / miss")
-        result["cache"] = cache(client, local)
+        result["cache"] = cache(client, local, counts["cache_rounds"])
 
         serve.run(build_app(base.model_copy(update={"batch_wait_timeout_s": 0.0})), name=APP_NAME, route_prefix="/")
         ref = client.upload_reference(local.reference)
         log("low load, no batch window")
-        result["low_load_no_batch_window"] = low_load(client, ref, local, args.rounds)
+        result["low_load_no_batch_window"] = low_load(client, ref, local, counts["rounds"], counts["warmup"])
 
         tight = base.model_copy(update={"max_ongoing_requests": 1, "max_queued_requests": 1, "max_batch_size": 1,
                                         "batch_wait_timeout_s": 0.0, "limits": ServeLimits(max_n=1, max_side=512)})
@@ -210,16 +223,18 @@ def main() -> None:
         ref = client.upload_reference(local.reference)
         client.render("warm-up", reference_id=ref, **SMALL)
         log("overload burst")
-        result["overload"] = {"max_ongoing_requests": 1, "max_queued_requests": 1, **overload(url, ref)}
+        result["overload"] = {"max_ongoing_requests": 1, "max_queued_requests": 1,
+                              **overload(url, ref, counts["burst"], counts["overload_steps"])}
         result["environment"] = environment(CPU, torch.float32)
     finally:
         stop_local()
         tmp.cleanup()
         sys.stdout.flush()
         os.dup2(saved_stdout, 1)
-    emit(result, indent=2)
+    printed = emit(result, indent=2)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(printed, indent=2) + "\n")  # the figures as printed
+    return printed
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
-from snapref_ray.serve.config import ServeConfig
+from snapref_ray.serve.config import ServeConfig, is_loopback
 from snapref_ray.serve.ingress import Ingress
 from snapref_ray.serve.references import ReferenceStore
 from snapref_ray.serve.renderer import RendererDeployment
@@ -53,7 +53,8 @@ def build_app(config: ServeConfig) -> Application:
     retry = BackpressureConfig(status_code=503, retry_after_s=config.retry_after_s)
     # A replica being stopped (downscale, redeploy) finishes what it holds first.
     drain_s = config.request_timeout_s + 10.0
-    store = ReferenceStore.bind(config.reference_store_bytes)
+    store = ReferenceStore.options(num_replicas=config.reference_store_replicas).bind(
+        config.reference_store_bytes, config.references_uri, config.s3_options())
     renderer = RendererDeployment.options(
         ray_actor_options={"num_cpus": config.cpus_per_replica, "num_gpus": gpus},
         autoscaling_config={
@@ -105,6 +106,11 @@ def start_local(config: ServeConfig, *, num_cpus: int | None = None, num_gpus: i
     import ray
 
     if not ray.is_initialized():
+        if is_loopback(config.host):
+            # Ray's metrics export port (unauthenticated Prometheus text: request counts per route)
+            # listens on every interface, whatever the node address; a loopback-only server has no
+            # scraper, so it does not start one. Set RAY_enable_metrics_collection=1 to keep it.
+            os.environ.setdefault("RAY_enable_metrics_collection", "0")
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port,
                               "request_timeout_s": config.proxy_timeout_s()})

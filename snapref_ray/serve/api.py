@@ -11,7 +11,8 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-from email.message import Message
+import json
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -160,6 +161,54 @@ def reference_id_for(content_hash: str, options: ReferenceOptions) -> str:
 
 
 # -- parsing helpers --------------------------------------------------------------------------
+ECHO_CHARS = 64  # longest client-supplied text an error message repeats
+
+
+def echo(text: str) -> str:
+    """`text` as an error message repeats it: quoted, at most ECHO_CHARS characters."""
+    return repr(text[:ECHO_CHARS]) + ("..." if len(text) > ECHO_CHARS else "")
+
+
+class _NonFinite(float):
+    """NaN / Infinity / -Infinity as JSON spells them, kept apart from numbers by the parser."""
+
+    def __new__(cls, token: str) -> "_NonFinite":
+        value = super().__new__(cls, token.replace("Infinity", "inf"))
+        value.token = token
+        return value
+
+
+def parse_json_object(raw: bytes, known_fields: set[str]) -> dict:
+    """A JSON body as a dict, with exact types: NaN and Infinity (either spelling) are refused naming the
+    field, and so is any other number too large for a float (1e999)."""
+    try:
+        value = json.loads(raw, parse_constant=_NonFinite)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, "body", f"the body is not UTF-8 JSON (byte {e.start})") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ApiError(400, "body", f"Invalid JSON: {str(e)[:120]}") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "body", f"expected a JSON object, got {type(value).__name__}")
+    for key, item in value.items():
+        if isinstance(item, float) and not math.isfinite(item):
+            token = getattr(item, "token", "Infinity" if item > 0 else "-Infinity") if not math.isnan(item) else "NaN"
+            field = key if key in known_fields else key[:ECHO_CHARS]
+            raise ApiError(400, field, f"{token} is not a number this API accepts (NaN and Infinity are refused);"
+                                       " send a finite number")
+    return value
+
+
+def validate_strict(model: type[BaseModel], raw: bytes):
+    """`model` from a JSON body, strictly typed: booleans are not numbers, numbers are not booleans,
+    strings are not numbers (pydantic's strict mode), with NaN/Infinity refused first."""
+    fields = set(model.model_fields)
+    data = parse_json_object(raw, fields)
+    try:
+        return model.model_validate(data, strict=True)
+    except ValidationError as e:
+        raise validation_error(e, fields) from None
+
+
 def validation_error(exc: ValidationError, known_fields: set[str] | None = None) -> ApiError:
     """A pydantic error as a 400 naming the first field at fault (all of them in the message)."""
     errors = exc.errors()
@@ -167,10 +216,16 @@ def validation_error(exc: ValidationError, known_fields: set[str] | None = None)
     for err in errors:
         # No location: a model-level check (its message starts with the field) or unparsable JSON (the body).
         field = ".".join(str(p) for p in err["loc"]) or _field_in_message(err["msg"], known_fields) or "body"
+        if known_fields is not None and field not in known_fields and field != "body":
+            field = field[:ECHO_CHARS]  # an unknown key: repeat at most ECHO_CHARS of it
         msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        if isinstance(value, float) and not math.isfinite(value):
+            msg = f"{'NaN' if math.isnan(value) else 'Infinity'} is not a number this API accepts; send a finite number"
         messages.append(f"{field}: {msg}" if field else msg)
         first_field = first_field or field
-    return ApiError(400, first_field, "; ".join(messages))
+    extra = f" (and {len(messages) - 3} more)" if len(messages) > 3 else ""
+    return ApiError(400, first_field, "; ".join(messages[:3]) + extra)
 
 
 def _field_in_message(msg: str, known: set[str] | None) -> str | None:
@@ -185,43 +240,6 @@ def decode_base64(text: str, field: str) -> bytes:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ApiError(400, field, f"not valid base64 ({e})") from None
-
-
-def _header_params(name: str, value: str) -> Message:
-    msg = Message()
-    msg[name] = value
-    return msg
-
-
-def parse_multipart(body: bytes, content_type: str) -> dict[str, tuple[bytes, str | None]]:
-    """multipart/form-data -> {name: (content, filename)}. Our own few lines instead of a dependency:
-    uploads are read whole (they are size-bounded) and only form-data names and filenames matter."""
-    boundary = _header_params("content-type", content_type).get_param("boundary", header="content-type")
-    if not boundary:
-        raise ApiError(400, "Content-Type", "multipart/form-data without a boundary parameter")
-    delimiter = b"--" + str(boundary).encode("latin-1")
-    chunks = body.split(delimiter)
-    if len(chunks) < 3:
-        raise ApiError(400, "body", "malformed multipart body: no complete part found")
-    parts: dict[str, tuple[bytes, str | None]] = {}
-    for chunk in chunks[1:]:
-        if chunk.startswith(b"--"):  # the closing delimiter
-            break
-        chunk = chunk.removeprefix(b"\r\n")
-        head, sep, content = chunk.partition(b"\r\n\r\n")
-        if not sep:
-            raise ApiError(400, "body", "malformed multipart part: no blank line after its headers")
-        disposition = ""
-        for line in head.decode("latin-1").split("\r\n"):
-            key, _, value = line.partition(":")
-            if key.strip().lower() == "content-disposition":
-                disposition = value.strip()
-        params = _header_params("content-disposition", disposition)
-        name = params.get_param("name", header="content-disposition")
-        if not name:
-            raise ApiError(400, "body", "multipart part without a form-data name")
-        parts[str(name)] = (content.removesuffix(b"\r\n"), params.get_filename())
-    return parts
 
 
 def check_limits(body: RenderBody, limits: ServeLimits) -> None:

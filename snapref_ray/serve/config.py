@@ -55,6 +55,14 @@ class ServeLimits(BaseModel):
         2048, gt=0,
         description="Longest image side in pixels. 2048 covers Anima's tall/wide buckets; the request"
                     " model itself allows 4096, which a shared endpoint should not.")
+    max_form_parts: int = Field(
+        8, gt=0,
+        description="Most parts in a multipart upload. An upload has at most three (file, ref_caption,"
+                    " ref_megapixels); the bound stops a body of 300,000 tiny parts at its ninth.")
+    max_part_header_bytes: int = Field(
+        4096, gt=0,
+        description="Largest header block of one multipart part (bytes). A Content-Disposition with a long"
+                    " file name fits in a few hundred bytes.")
 
 
 class ServeConfig(BaseModel):
@@ -132,6 +140,31 @@ class ServeConfig(BaseModel):
         256, ge=1,
         description="HTTP requests the proxy queues for the ingress; past it the proxy answers 503 with"
                     " Retry-After itself (Serve's backpressure).")
+    # -- hostile clients: bodies that never finish ------------------------------------------
+    body_timeout_s: float = Field(
+        60.0, gt=0,
+        description="A request body must arrive within this many seconds (else 408). 60 s carries a 20 MiB"
+                    " upload at ~350 kB/s; a client slower than that is better off retrying.")
+    body_min_rate_bytes_s: float = Field(
+        8192.0, ge=0,
+        description="After body_grace_s, a body must keep arriving at least this fast on average (else"
+                    " 408). 8 kB/s is far below any real link and far above a byte every few seconds.")
+    body_grace_s: float = Field(
+        5.0, ge=0, description="Seconds before the minimum rate applies (connection set-up, TCP slow start).")
+    fast_body_s: float = Field(
+        1.0, gt=0,
+        description="A body that arrives within this many seconds needs no slow-upload slot, so well-behaved"
+                    " clients are never refused because slow ones hold the slots.")
+    max_slow_bodies: int = Field(
+        32, ge=1,
+        description="Bodies per ingress replica that may take longer than fast_body_s at once. Past it a"
+                    " slow body is answered 503 + Retry-After by the ingress itself, so slow clients can"
+                    " never fill the ingress's request slots (ingress_max_ongoing_requests) and starve"
+                    " health checks and normal requests.")
+    public_docs: bool = Field(
+        False,
+        description="Serve /docs and /openapi.json without the token. Off: with a token configured they"
+                    " need it too (they list every limit and field of the API).")
     ingress_replicas: int = Field(1, ge=1, description="Ingress replicas; one handles thousands of requests/s of parsing.")
     request_timeout_s: float = Field(
         300.0, gt=0,
@@ -162,6 +195,26 @@ class ServeConfig(BaseModel):
         8 * 2**30, gt=0,
         description="RefKV cache per replica (bytes on its device). A 1 MP reference is ~0.94 GB of"
                     " bf16 K/V, so 8 GiB keeps ~8 references next to Anima's ~5 GB on a 24 GB GPU.")
+    references_uri: str | None = Field(
+        None,
+        description="Where uploaded references are kept durably: a local folder (shared by every node, e.g."
+                    " NFS) or s3://bucket/prefix. Content-addressed (files/<sha256>, references/<id>.json), so"
+                    " a restarted store or replica serves old ids without a re-upload; the in-memory LRU"
+                    " (reference_store_bytes) is then only a cache. None: memory only, lost on restart.")
+    reference_store_replicas: int = Field(
+        1, ge=1,
+        description="ReferenceStore replicas. 1 without references_uri (an upload and the replica that"
+                    " encodes it must meet in one memory); with durable storage any number can share it.")
+    s3_endpoint_url: str | None = Field(
+        None,
+        description="S3-compatible endpoint for s3:// models_dir, adapter and references_uri; None: the"
+                    " standard AWS settings ($AWS_ENDPOINT_URL, ...). Credentials come from the node's"
+                    " AWS chain (environment, instance profile), never from this config.")
+    s3_region: str | None = Field(None, description="S3 region; None: $AWS_REGION / $AWS_DEFAULT_REGION.")
+    model_cache_dir: str | None = Field(
+        None,
+        description="Per-node cache for s3:// model files (downloaded once per node however many replicas"
+                    " start); None: $SNAPREF_RAY_CACHE or ~/.cache/snapref-ray/models, as for batch jobs.")
     reference_store_bytes: int = Field(
         1 * 2**30, gt=0,
         description="Uploaded reference files kept for the replicas to encode from (LRU, bytes). 1 GiB"
@@ -177,7 +230,19 @@ class ServeConfig(BaseModel):
         if self.limits.max_n > self.max_batch_size:
             raise ValueError(f"limits.max_n ({self.limits.max_n}) must not exceed max_batch_size"
                              f" ({self.max_batch_size}): one request's images render in one batch")
+        if self.reference_store_replicas > 1 and self.references_uri is None:
+            raise ValueError(f"reference_store_replicas={self.reference_store_replicas} needs references_uri: without"
+                             " durable storage an upload lives in one replica's memory")
+        if self.max_slow_bodies >= self.ingress_max_ongoing_requests:
+            raise ValueError(f"max_slow_bodies ({self.max_slow_bodies}) must stay below ingress_max_ongoing_requests"
+                             f" ({self.ingress_max_ongoing_requests}): slow uploads must never hold every slot")
         return self
+
+    def s3_options(self):
+        """S3Options for the s3:// paths above (endpoint and region; credentials from the environment)."""
+        from snapref_ray.storage.backends import S3Options
+
+        return S3Options(endpoint_url=self.s3_endpoint_url, region=self.s3_region)
 
     def resolved_token(self) -> str | None:
         """The token from the config, else from $SNAPREF_API_TOKEN; None when neither is set."""

@@ -10,14 +10,17 @@ and PNG-encoded on the renderer replicas.
 # No `from __future__ import annotations`: FastAPI reads the route signatures (Request) at runtime.
 import asyncio
 import base64
+import copy
+import json
 import logging
 import math
 import time
 from collections import OrderedDict
+from contextlib import aclosing
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 import ray
 from ray import serve
@@ -27,10 +30,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.api import (
     ApiError, ErrorResponse, HealthResponse, ImageOut, ModelsResponse, ReferenceInfo, ReferenceOptions, RenderBody,
-    RenderResponse, UploadJSON, as_api_error, check_limits, check_reference_fields, decode_base64, parse_multipart,
-    reference_id_for, validation_error,
+    RenderResponse, UploadJSON, as_api_error, check_limits, check_reference_fields, decode_base64, echo,
+    reference_id_for, validate_strict, validation_error,
 )
 from snapref_ray.serve.auth import BearerAuth
+from snapref_ray.serve.bodies import BodyReceiver
+from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.renderer import ReferenceSpec, RenderJob, RenderReply
 
@@ -39,14 +44,25 @@ log = logging.getLogger(__name__)
 _FORM_OVERHEAD = 64 * 1024  # multipart headers and the small text fields next to the file
 _INFO_CACHE_SIZE = 100_000  # reference infos kept by an ingress (~1 kB each)
 _SETTINGS_FIELDS = set(RenderBody.model_fields)
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503, 504)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 503, 504)}
+_READ = ["GET", "HEAD"]  # every GET route answers HEAD too (same headers, no body)
+# Text fields of a multipart upload: a caption of max_prompt_chars characters is at most 4 bytes each in
+# UTF-8; a number needs a few dozen.
+_MEGAPIXELS_BYTES = 64
+_BEARER = "bearerAuth"
+_SWAGGER_JS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"
+_SWAGGER_CSS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"
 
 app = FastAPI(
     title="snapref-ray",
     version="1",
     description="SnapRef on Anima: upload a character reference once, then render scenes with it.",
-    docs_url="/docs",
-    openapi_url="/openapi.json",
+    # Served by the ingress itself (below), so they can require the token.
+    docs_url=None,
+    openapi_url=None,
+    # Starlette's slash redirect builds its Location from the Host header (an open redirect, before
+    # auth): unknown paths, with or without a trailing slash, are a JSON 404 instead.
+    redirect_slashes=False,
 )
 
 
@@ -69,7 +85,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 @app.exception_handler(Exception)
-async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:  # a bug: log it whole
     log.exception("unexpected error in %s %s", request.method, request.url.path)
     return JSONResponse(ApiError(500, None, f"internal error: {type(exc).__name__}").body(), status_code=500)
 
@@ -84,24 +100,16 @@ def _proxy_host() -> str | None:
         return None
 
 
-async def read_body(request: Request, limit: int, field: str) -> bytes:
-    """The request body, refusing with 413 what exceeds `limit`: from Content-Length before reading a
-    byte, then from the bytes actually received (a missing or lying Content-Length changes nothing)."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise ApiError(400, "Content-Length", f"not an integer: {declared!r}") from None
-        if size > limit:
-            raise ApiError(413, field, f"the body is {size} bytes, more than the {limit} accepted")
-    chunks, received = [], 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > limit:
-            raise ApiError(413, field, f"the body exceeds the {limit} bytes accepted")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _form_number(text: str, field: str) -> float:
+    """A number sent as form text: finite, and spelled as a number (not 'nan', 'inf' or 'true')."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ApiError(400, field, f"not a number: {echo(text)}") from None
+    if not math.isfinite(value):
+        raise ApiError(400, field, f"{'NaN' if math.isnan(value) else 'Infinity'} is not a number this API"
+                                   " accepts; send a finite number")
+    return value
 
 
 def _json_limit(file_limit: int) -> int:
@@ -145,54 +153,62 @@ class Ingress:
         self._renderer = renderer
         self._store = store
         self._auth = BearerAuth(config.resolved_token())
+        self._bodies = BodyReceiver(config)
         self._models: dict | None = None
+        self._openapi: dict | None = None
         # Reference infos by id. An id is a content hash, so its info never changes: caching it saves
         # a store round trip per render. If the store has evicted the file meanwhile, the replica
         # that needs to encode it answers 404.
         self._infos: OrderedDict[str, ReferenceInfo] = OrderedDict()
 
     # -- endpoints --------------------------------------------------------------------------
-    @app.get("/v1/health", response_model=HealthResponse, summary="Liveness of the ingress (no token needed)")
+    @app.api_route("/v1/health", methods=_READ, response_model=HealthResponse,
+                   summary="Liveness of the ingress (no token needed)")
     async def health(self) -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models", response_model=ModelsResponse, responses=_ERRORS,
-             summary="The loaded model and adapter, the modes and this server's limits")
+    @app.api_route("/v1/models", methods=_READ, response_model=ModelsResponse, responses=_ERRORS,
+                   summary="The loaded model and adapter, the modes and this server's limits")
     async def models(self, request: Request) -> dict:
         self._auth.check(request.headers.get("authorization"))
         if self._models is None:
             self._models = await self._call(self._renderer.info.remote())
         return {**self._models, "limits": self._limits, "max_batch_size": self._config.max_batch_size}
 
+    @app.api_route("/openapi.json", methods=_READ, include_in_schema=False)
+    async def openapi(self, request: Request) -> JSONResponse:
+        self._docs_auth(request)
+        return JSONResponse(self._openapi_spec())
+
+    @app.api_route("/docs", methods=_READ, include_in_schema=False)
+    async def docs(self, request: Request) -> HTMLResponse:
+        self._docs_auth(request)
+        # The spec is inlined: with a token configured the browser could not fetch /openapi.json itself.
+        spec = json.dumps(self._openapi_spec()).replace("</", "<\\/")
+        return HTMLResponse(f"""<!doctype html><html><head><title>snapref-ray API</title>
+<link rel="stylesheet" href="{_SWAGGER_CSS}"></head><body><div id="swagger-ui"></div>
+<script src="{_SWAGGER_JS}"></script>
+<script>SwaggerUIBundle({{spec: {spec}, dom_id: "#swagger-ui", persistAuthorization: true}});</script>
+</body></html>""")
+
     @app.post("/v1/references", response_model=ReferenceInfo, responses=_ERRORS, openapi_extra=_upload_openapi(),
               summary="Upload a reference image (multipart field `file`, or JSON with base64 `image`)")
     async def upload_reference(self, request: Request) -> ReferenceInfo:
         self._auth.check(request.headers.get("authorization"))
         content_type = request.headers.get("content-type", "")
-        file_limit = self._limits.max_upload_bytes
-        if content_type.startswith("multipart/form-data"):
+        media = content_type.partition(";")[0].strip().lower()
+        if media == "multipart/form-data":
             field = "file"
-            parts = parse_multipart(await read_body(request, file_limit + _FORM_OVERHEAD, field), content_type)
-            if "file" not in parts:
-                raise ApiError(400, "file", f"multipart body without a 'file' part (parts: {sorted(parts)})")
-            data = parts.pop("file")[0]
-            try:
-                options = ReferenceOptions(**{k: v.decode("utf-8") for k, (v, _) in parts.items()})
-            except UnicodeDecodeError as e:
-                raise ApiError(400, None, f"form fields must be UTF-8 text ({e})") from None
-            except ValidationError as e:
-                raise validation_error(e) from None
-        elif content_type.startswith("application/json"):
+            data, options = await self._read_form(request, content_type)
+        elif media == "application/json":
             field = "image"
-            raw = await read_body(request, _json_limit(file_limit), field)
-            try:
-                upload = UploadJSON.model_validate_json(raw)
-            except ValidationError as e:
-                raise validation_error(e) from None
+            raw = await self._bodies.read(request, _json_limit(self._limits.max_upload_bytes), field)
+            upload = validate_strict(UploadJSON, raw)
             data = decode_base64(upload.image, field)
             options = ReferenceOptions(ref_caption=upload.ref_caption, ref_megapixels=upload.ref_megapixels)
         else:
-            raise ApiError(400, "Content-Type", f"expected multipart/form-data or application/json, got {content_type!r}")
+            raise ApiError(415, "Content-Type", f"expected multipart/form-data or application/json,"
+                                                f" got {echo(content_type)}")
         return await self._store_reference(data, options, field)
 
     @app.post("/v1/render", responses={**_ERRORS, 200: {"model": RenderResponse, "content": {"image/png": {}}}},
@@ -201,11 +217,11 @@ class Ingress:
     async def render(self, request: Request) -> Response:
         started = time.perf_counter()
         self._auth.check(request.headers.get("authorization"))
-        raw = await read_body(request, _json_limit(self._limits.max_upload_bytes), "body")
-        try:
-            body = RenderBody.model_validate_json(raw)
-        except ValidationError as e:
-            raise validation_error(e, _SETTINGS_FIELDS) from None
+        content_type = request.headers.get("content-type", "")
+        if content_type.partition(";")[0].strip().lower() != "application/json":
+            raise ApiError(415, "Content-Type", f"/v1/render takes application/json, got {echo(content_type)}")
+        raw = await self._bodies.read(request, _json_limit(self._limits.max_upload_bytes), "body")
+        body = validate_strict(RenderBody, raw)
         check_reference_fields(body)
         check_limits(body, self._limits)
         if body.seed + body.n > 2**63:
@@ -214,13 +230,59 @@ class Ingress:
         reference = await self._reference_spec(body)
         settings = body.settings(ref_caption=reference.ref_caption, ref_megapixels=reference.ref_megapixels) \
             if reference else body.settings()
-        job = RenderJob(body.prompt, tuple(range(body.seed, body.seed + body.n)), settings, reference)
+        job = RenderJob(body.prompt, tuple(range(body.seed, body.seed + body.n)), settings, reference,
+                        ref_megapixels_set="ref_megapixels" in body.model_fields_set)
         handle = self._renderer.options(multiplexed_model_id=reference.key if reference else "")
         reply: RenderReply = await self._call(handle.render.remote(job))
         reply.timings["total_s"] = time.perf_counter() - started
         if fmt == "png":
             return Response(reply.pngs[0], media_type="image/png", headers=self._metadata_headers(reply, reference))
         return JSONResponse(self._json_reply(body, settings, reference, reply).model_dump(mode="json"))
+
+    # -- docs -------------------------------------------------------------------------------
+    def _docs_auth(self, request: Request) -> None:
+        if not self._config.public_docs:
+            self._auth.check(request.headers.get("authorization"))
+
+    def _openapi_spec(self) -> dict:
+        """FastAPI's spec plus the bearer scheme on every operation that checks the token."""
+        if self._openapi is None:
+            spec = copy.deepcopy(app.openapi())
+            if self._auth.enabled:
+                spec.setdefault("components", {})["securitySchemes"] = {
+                    _BEARER: {"type": "http", "scheme": "bearer",
+                              "description": "The server's token: `Authorization: Bearer <token>`."}}
+                for path, operations in spec["paths"].items():
+                    if path != "/v1/health":
+                        for operation in operations.values():
+                            operation["security"] = [{_BEARER: []}]
+            self._openapi = spec
+        return self._openapi
+
+    # -- uploads ----------------------------------------------------------------------------
+    async def _read_form(self, request: Request, content_type: str) -> tuple[bytes, ReferenceOptions]:
+        """The multipart upload, parsed as it streams in: (file bytes, options)."""
+        limits = self._limits
+        form = MultipartForm(content_type, {"file": limits.max_upload_bytes, "ref_caption": 4 * limits.max_prompt_chars,
+                                            "ref_megapixels": _MEGAPIXELS_BYTES},
+                             max_parts=limits.max_form_parts, max_header_bytes=limits.max_part_header_bytes,
+                             too_large_status={"file": 413})
+        async with aclosing(self._bodies.chunks(request, limits.max_upload_bytes + _FORM_OVERHEAD, "file")) as chunks:
+            await form.feed(chunks)
+        if "file" not in form.parts:
+            raise ApiError(400, "file", f"the multipart body has no 'file' part ({form.count} parts)")
+        values: dict = {}
+        caption = form.text("ref_caption")
+        if caption is not None:
+            values["ref_caption"] = caption
+        megapixels = form.text("ref_megapixels")
+        if megapixels is not None:
+            values["ref_megapixels"] = _form_number(megapixels, "ref_megapixels")
+        try:
+            options = ReferenceOptions(**values)
+        except ValidationError as e:
+            raise validation_error(e, set(ReferenceOptions.model_fields)) from None
+        return bytes(form.parts["file"].data), options
 
     # -- references -------------------------------------------------------------------------
     async def _store_reference(self, data: bytes, options: ReferenceOptions, field: str) -> ReferenceInfo:
@@ -279,7 +341,7 @@ class Ingress:
                     self._remember(info)
         for reference_id, field in zip(ids, fields):
             if reference_id not in self._infos:
-                raise ApiError(404, field, f"unknown reference id {reference_id!r}: upload the image to"
+                raise ApiError(404, field, f"unknown reference id {echo(reference_id)}: upload the image to"
                                            " /v1/references first (ids are kept while the server has room)")
         for reference_id in ids:
             self._infos.move_to_end(reference_id)
@@ -289,7 +351,7 @@ class Ingress:
     async def _call(self, response):
         """Await a deployment call, translating overload, timeouts and replica errors into ApiErrors."""
         try:
-            return await asyncio.wait_for(response, timeout=self._config.request_timeout_s)
+            result = await asyncio.wait_for(response, timeout=self._config.request_timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
             raise ApiError(504, None, f"the render did not finish within request_timeout_s="
@@ -305,6 +367,9 @@ class Ingress:
                 raise ApiError(503, None, f"renderer unavailable: {type(e).__name__}",
                                headers={"Retry-After": str(math.ceil(self._config.retry_after_s))}) from None
             raise
+        if isinstance(result, ApiError):  # a replica answers bad input with a value, not a crash
+            raise result
+        return result
 
     @staticmethod
     def _response_format(body: RenderBody, accept: str) -> str:

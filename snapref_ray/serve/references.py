@@ -1,27 +1,67 @@
 """Where uploaded reference files live so that any renderer replica can encode them.
 
-Design: one small Serve deployment, `ReferenceStore`, holds the files in memory in an LRU
-bounded in bytes, keyed by content hash, plus the reference ids (file hash + caption +
-megapixels) that point at each file.
+Design: a small Serve deployment, `ReferenceStore`, in front of two layers:
 
-- Why not on the ingress: there may be several ingress replicas, and the replica that encodes
-  a reference is chosen by the router, not by who received the upload.
-- Why not the object store: an object `ray.put` by the ingress dies with it, and pinning
-  thousands of refs from a driver-less process has no natural owner or eviction.
-- Why one replica: a put and a later get must meet; files are small (at most
-  `limits.max_upload_bytes`) and each is fetched once per renderer replica that encodes it
-  (the RefKV cache does the rest), so one process on a CPU carries the traffic.
-- What it costs: the store is in memory; if it restarts (or evicts an old file) a render naming
-  that id gets 404 and the client uploads it again.
+- `DurableReferences` (when `references_uri` is set): a local folder or s3://bucket/prefix,
+  content-addressed — `files/<sha256 of the file>` and `references/<reference_id>.json` (the
+  ReferenceInfo). Every write is put-if-absent: an id is a hash of what it names, so two
+  replicas writing the same id write the same bytes. This is the source of truth: a restarted
+  store, ingress or renderer finds old ids there without a re-upload, and any number of store
+  replicas can share it.
+- `ReferenceLRU`: the files in memory, bounded in bytes, keyed by content hash, plus the ids that
+  point at each. With durable storage it is only a cache; without it, it is all there is (one
+  replica, and a restart or an eviction answers 404 until the client uploads again).
+
+Why not on the ingress: there may be several ingress replicas, and the replica that encodes a
+reference is chosen by the router, not by who received the upload. Why not the object store: an
+object `ray.put` by the ingress dies with it, and pinning thousands of refs from a driver-less
+process has no natural owner or eviction.
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
 from collections import OrderedDict
 
 from ray import serve
 
-from snapref_ray.serve.api import ReferenceInfo
+from snapref_ray.serve.api import ApiError, ReferenceInfo
+from snapref_ray.storage.backends import S3Options, StorageError, open_storage
+
+_REFERENCE_ID = re.compile(r"[0-9a-f]{32}")  # reference_id_for: 32 hex digits
+_CONTENT_HASH = re.compile(r"[0-9a-f]{64}")  # sha256 of the file
+
+
+class DurableReferences:
+    """Reference files and infos under a storage root (a folder or s3:// prefix), content-addressed.
+
+    Blocking I/O: call from a worker thread. Only well-formed ids and hashes become keys, so a
+    client's `reference_id` can never name another path in the store.
+    """
+
+    def __init__(self, uri: str, s3: S3Options | None = None) -> None:
+        self.uri = uri
+        self._storage = open_storage(uri, s3)
+
+    def put(self, info: ReferenceInfo, data: bytes) -> None:
+        self._storage.put_if_absent(f"files/{info.content_hash}", data)
+        # The info last: an id that can be found always has its file.
+        self._storage.put_if_absent(f"references/{info.reference_id}.json", info.model_dump_json().encode())
+
+    def info(self, reference_id: str) -> ReferenceInfo | None:
+        if not _REFERENCE_ID.fullmatch(reference_id):
+            return None
+        key = f"references/{reference_id}.json"
+        if not self._storage.exists(key):
+            return None
+        return ReferenceInfo.model_validate_json(self._storage.get_bytes(key))
+
+    def file(self, content_hash: str) -> bytes | None:
+        if not _CONTENT_HASH.fullmatch(content_hash):
+            return None
+        key = f"files/{content_hash}"
+        return self._storage.get_bytes(key) if self._storage.exists(key) else None
 
 
 class ReferenceLRU:
@@ -76,17 +116,50 @@ class ReferenceLRU:
 @serve.deployment(name="ReferenceStore", num_replicas=1, max_ongoing_requests=128,
                   ray_actor_options={"num_cpus": 0})
 class ReferenceStore:
-    """The Serve deployment around a ReferenceLRU. Methods are async without awaits: they run on the
-    replica's event loop one at a time, so the LRU needs no lock."""
+    """The Serve deployment around a ReferenceLRU and, when configured, DurableReferences.
 
-    def __init__(self, max_bytes: int) -> None:
+    LRU operations run on the replica's event loop between awaits, so it needs no lock; storage
+    I/O runs in worker threads. A storage failure answers 503 (the client may retry), never 404.
+    """
+
+    def __init__(self, max_bytes: int, uri: str | None = None, s3: S3Options | None = None) -> None:
         self._lru = ReferenceLRU(max_bytes)
+        self._durable = DurableReferences(uri, s3) if uri else None
 
     async def put(self, info: ReferenceInfo, data: bytes) -> ReferenceInfo:
+        if self._durable is not None:
+            await self._storage(self._durable.put, info, data)
         return self._lru.put(info, data)
 
     async def describe(self, reference_ids: list[str]) -> list[ReferenceInfo | None]:
-        return [self._lru.describe(r) for r in reference_ids]
+        infos = [self._lru.describe(r) for r in reference_ids]
+        if self._durable is not None:
+            for i, reference_id in enumerate(reference_ids):
+                if infos[i] is None:
+                    infos[i] = await self._load(reference_id)
+        return infos
 
     async def get_bytes(self, content_hashes: list[str]) -> list[bytes | None]:
-        return [self._lru.get_bytes(h) for h in content_hashes]
+        files = [self._lru.get_bytes(h) for h in content_hashes]
+        if self._durable is not None:
+            for i, content_hash in enumerate(content_hashes):
+                if files[i] is None:
+                    files[i] = await self._storage(self._durable.file, content_hash)
+        return files
+
+    async def _load(self, reference_id: str) -> ReferenceInfo | None:
+        """An id from durable storage, its file into the cache (the renderer will ask for it next)."""
+        info = await self._storage(self._durable.info, reference_id)
+        if info is None:
+            return None
+        data = await self._storage(self._durable.file, info.content_hash)
+        if data is None:
+            return None
+        return self._lru.put(info, data) if len(data) <= self._lru.max_bytes else info
+
+    async def _storage(self, fn, *args):
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except StorageError as e:
+            raise ApiError(503, None, f"the reference store is unavailable ({type(e).__name__}); retry later",
+                           headers={"Retry-After": "5"}) from None

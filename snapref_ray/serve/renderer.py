@@ -73,6 +73,7 @@ class RenderJob:
     seeds: tuple[int, ...]
     settings: RenderSettings
     reference: ReferenceSpec | None = None
+    ref_megapixels_set: bool = False  # the request chose ref_megapixels (else the upload's value applies)
 
     def group_key(self) -> tuple:
         """Jobs with equal keys can share one batched forward."""
@@ -108,16 +109,31 @@ class _Pending:
         return len(self.job.seeds)
 
 
-def _as_bad_request(e: ValueError) -> Exception:
-    """The engine's input errors (a bad reference image, an impossible setting) as a 400; others unchanged."""
+def _as_bad_request(e: ValueError, job: RenderJob) -> ApiError | None:
+    """The engine's input errors (a bad reference image, an impossible setting) as a 400; None for others."""
     from snapref_ray.adapter.images import ReferenceImageError
     from snapref_ray.engine import RenderError
 
     if isinstance(e, ReferenceImageError):
-        return ApiError(400, "reference_id", str(e))
+        # The upload was checked at its own ref_megapixels, so a reference that fails now fails at the
+        # size this request asked for.
+        return ApiError(400, "ref_megapixels" if job.ref_megapixels_set else "reference_id", str(e))
     if isinstance(e, RenderError):
         return ApiError(400, None, str(e))
-    return e
+    return None
+
+
+def local_model_paths(config: ServeConfig) -> tuple[str, str | None]:
+    """(models folder, adapter file) on this node: s3:// ones are fetched into the per-node model cache
+    once (the same cache and locking as the batch workers), local ones are used as they are."""
+    from snapref_ray.storage.model_cache import ensure_local, ensure_local_folder
+
+    s3 = config.s3_options()
+    models_dir = str(ensure_local_folder(config.models_dir, config.model_cache_dir, s3))
+    adapter = config.adapter
+    if adapter is not None and adapter.startswith("s3://"):
+        adapter = str(ensure_local(adapter, config.model_cache_dir, s3))
+    return models_dir, adapter
 
 
 class _Evicted(Exception):
@@ -139,8 +155,8 @@ class RendererDeployment:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":
             torch.set_num_threads(max(1, int(config.cpus_per_replica)))
-        self._renderer = Renderer.from_folder(config.models_dir, adapter=config.adapter, device=device,
-                                              compile=config.compile)
+        models_dir, adapter = local_model_paths(config)
+        self._renderer = Renderer.from_folder(models_dir, adapter=adapter, device=device, compile=config.compile)
         self._cache = RefKVCache(config.refkv_cache_bytes)
         # Encodes and renders run in these threads so the event loop stays free for routing,
         # batching and health checks; `_device_lock` keeps the device to one of them at a time.
@@ -163,7 +179,9 @@ class RendererDeployment:
         log.info("renderer replica %s ready on %s in %.1f s", self._replica, device, self._renderer.load_seconds)
 
     # -- public methods (called through the handle) -----------------------------------------
-    async def render(self, job: RenderJob) -> RenderReply:
+    async def render(self, job: RenderJob) -> RenderReply | ApiError:
+        """The rendered images; bad input is answered with an ApiError *value*, so that Serve does not
+        log a client's mistake as a failed request with a traceback."""
         refkv, hit, encode_s = None, None, 0.0
         try:
             if job.reference is not None:
@@ -172,8 +190,13 @@ class RendererDeployment:
             loop = asyncio.get_running_loop()
             pending = await self._submit(_Pending(job, refkv, hit, encode_s, loop.create_future()))
             return await pending.future
+        except ApiError as e:
+            return e
         except ValueError as e:
-            raise _as_bad_request(e) from None
+            bad_request = _as_bad_request(e, job)
+            if bad_request is None:
+                raise
+            return bad_request
 
     async def info(self) -> dict:
         r = self._renderer

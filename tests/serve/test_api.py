@@ -21,9 +21,10 @@ from PIL import Image
 from snapref_ray.client import ApiError as ClientError
 from snapref_ray.client import SnapRefClient, _multipart
 from snapref_ray.serve.api import (
-    ApiError, ReferenceInfo, ReferenceOptions, RenderBody, check_limits, check_reference_fields, parse_multipart,
-    reference_id_for, validation_error,
+    ApiError, ReferenceInfo, ReferenceOptions, RenderBody, check_limits, check_reference_fields, reference_id_for,
+    validation_error,
 )
+from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.config import ServeConfig, ServeLimits
 from snapref_ray.serve.references import ReferenceLRU
 from snapref_ray.storage.image_files import read_image_info
@@ -86,15 +87,27 @@ def _render_error(client: SnapRefClient, **body) -> ClientError:
 
 
 # -- no server: parsing and identity ---------------------------------------------------------
+def _parse_form(body: bytes, content_type: str, chunk: int = 7) -> MultipartForm:
+    async def chunks():
+        for i in range(0, len(body), chunk):
+            yield body[i:i + chunk]
+
+    form = MultipartForm(content_type, {"file": 10_000, "ref_caption": 100, "ref_megapixels": 64}, max_parts=4,
+                         max_header_bytes=256, too_large_status={"file": 413})
+    asyncio.run(form.feed(chunks()))
+    return form
+
+
 def test_multipart_round_trip_keeps_binary_content() -> None:
     data = b"\x89PNG\r\n\x1a\n\r\n--not-a-boundary\r\n\x00\xff" * 50
     body, content_type = _multipart({"ref_caption": "blue hair, ünïcode", "ref_megapixels": "0.5"}, "file", "a.png", data)
-    parts = parse_multipart(body, content_type)
-    assert parts["file"] == (data, "a.png")
-    assert parts["ref_caption"] == ("blue hair, ünïcode".encode(), None)
-    assert parts["ref_megapixels"] == (b"0.5", None)
+    for chunk in (1, 7, len(body)):  # streamed in pieces that split boundaries and headers anywhere
+        form = _parse_form(body, content_type, chunk)
+        assert (bytes(form.parts["file"].data), form.parts["file"].filename) == (data, "a.png")
+        assert form.text("ref_caption") == "blue hair, ünïcode" and form.text("ref_megapixels") == "0.5"
+        assert form.count == 3
     with pytest.raises(ApiError, match="without a boundary"):
-        parse_multipart(body, "multipart/form-data")
+        _parse_form(body, "multipart/form-data")
 
 
 def test_reference_id_is_a_hash_of_file_and_options() -> None:
@@ -200,12 +213,14 @@ def test_renderer_timeout_becomes_504() -> None:
 
 # -- the live server ---------------------------------------------------------------------------
 @pytest.mark.slow
-def test_health_and_docs_need_no_token(server: str) -> None:
+def test_health_needs_no_token_and_docs_do(server: str) -> None:
     status, _, body = _raw(server + "/v1/health", token=None)
     assert (status, json.loads(body)) == (200, {"status": "ok"})
-    status, headers, _ = _raw(server + "/docs", token=None)
+    for path in ("/docs", "/openapi.json"):  # a token is configured: the docs need it too
+        assert _raw(server + path, token=None)[0] == 401
+    status, headers, _ = _raw(server + "/docs")
     assert status == 200 and headers["Content-Type"].startswith("text/html")
-    status, _, body = _raw(server + "/openapi.json", token=None)
+    status, _, body = _raw(server + "/openapi.json")
     spec = json.loads(body)
     assert {"/v1/render", "/v1/references", "/v1/health", "/v1/models"} <= set(spec["paths"])
     render_schema = spec["paths"]["/v1/render"]["post"]["requestBody"]["content"]["application/json"]["schema"]
@@ -349,7 +364,7 @@ def test_malformed_bodies_are_400(server: str) -> None:
                            {"Content-Type": "application/json"})
     assert (status, _error(body)[0]) == (400, "reference_image") and "not valid base64" in _error(body)[1]
     status, _, body = _raw(server + "/v1/references", "POST", b"raw", {"Content-Type": "image/png"})
-    assert (status, _error(body)[0]) == (400, "Content-Type")
+    assert (status, _error(body)[0]) == (415, "Content-Type")
 
 
 @pytest.mark.slow
@@ -379,7 +394,8 @@ def test_oversized_upload_is_413(client: SnapRefClient, server: str) -> None:
     assert (status, _error(answer)[0]) == (413, "image")
     assert f"{len(too_big)} bytes, more than the {LIMITS.max_upload_bytes} accepted" in _error(answer)[1]
     # No Content-Length (chunked): refused from the bytes actually received.
-    chunks = iter([b"\x00" * 100_000] * 5)
+    head = b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.png"\r\n\r\n'
+    chunks = iter([head] + [b"\x00" * 100_000] * 5)
     status, _, answer = _raw(server + "/v1/references", "POST", chunks,
                              {"Content-Type": "multipart/form-data; boundary=b"})
     assert (status, _error(answer)[0]) == (413, "file")

@@ -1,0 +1,49 @@
+"""benchmarks/serve_latency.py --smoke runs end to end (a real local Serve, tiny models) and prints
+every section the benchmarks README reads. No timing thresholds: only that each figure exists and
+is a real measurement (positive, finite, counts that add up)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _latency(record: dict, where: str) -> None:
+    assert record["n"] >= 1, where
+    for key in ("p50_ms", "p95_ms"):
+        assert math.isfinite(record[key]) and record[key] > 0, (where, record)
+
+
+@pytest.mark.slow
+def test_serve_latency_smoke_prints_every_section(tmp_path: Path) -> None:
+    from benchmarks import serve_latency
+
+    out = tmp_path / "serve.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_latency.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # stdout is the JSON alone
+    assert result == json.loads(out.read_text())
+    assert result["smoke"] is True and set(serve_latency.FIELDS) <= set(result)
+    for section in ("low_load", "low_load_no_batch_window"):
+        low = result[section]
+        _latency(low["http"], section)
+        _latency(low["in_process"], section)
+        assert low["http"]["n"] == low["in_process"]["n"] == serve_latency.SMOKE["rounds"]
+        assert math.isfinite(low["overhead_vs_in_process_p50_ms"]) and math.isfinite(low["overhead_measured_p50_ms"])
+    _latency(result["concurrent"], "concurrent")
+    assert result["concurrent"]["requests_per_s"] > 0 and result["concurrent"]["mean_batch_size"] >= 1
+    for key in ("miss", "hit", "replica_encode", "in_process_encode"):
+        _latency(result["cache"][key], key)
+    overload = result["overload"]
+    assert overload["ok"] >= 1 and overload["ok"] + overload["rejected_503"] == serve_latency.SMOKE["burst"]
+    assert result["environment"]["device"] == "cpu"
