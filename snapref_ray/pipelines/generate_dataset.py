@@ -67,7 +67,8 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
     log.info("%d manifest rows -> %d items (%d invalid rows); %d already committed, %d to render",
              validated.rows, len(validated.items), len(validated.errors), len(validated.items) - len(todo), len(todo))
 
-    metadata = MetadataWriter(storage, embed_images=spec.output.embed_images)
+    metadata = MetadataWriter(storage, embed_images=spec.output.embed_images,
+                              flush_seconds=spec.output.metadata_flush_seconds)
     errors = ErrorWriter(storage)
     # A resumed job validates the same manifest again: record each invalid row once per output.
     recorded = _recorded_validation_errors(storage) if validated.errors else set()

@@ -93,6 +93,13 @@ class Storage(Protocol):
         """The absolute location of `key`: a filesystem path or ``s3://bucket/prefix/key``."""
 
 
+def _botocore_retries(response: object) -> int:
+    """How many times botocore retried the request behind `response` (0 for non-dict results)."""
+    if isinstance(response, dict):
+        return int(response.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
+    return 0
+
+
 def _check_key(key: str) -> str:
     if not key or key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in key.split("/")):
         raise StorageError(f"invalid storage key {key!r}: expected a relative path like 'images/x.png' without '.', '..' or empty parts")
@@ -308,7 +315,7 @@ class S3Storage:
         attempt = 0
         while True:
             try:
-                return fn()
+                result = fn()
             except Exception as e:  # noqa: BLE001 — classified below, re-raised when not transient
                 if not _is_transient(e):
                     raise
@@ -322,6 +329,12 @@ class S3Storage:
                 attempt += 1
                 log.warning("S3 %s %s: %s; retrying in %.1f s", what, where, e, delay)
                 time.sleep(min(delay, max(deadline - now, 0.0)))
+                continue
+            # botocore's own retries ride out short outages inside one call; say so, with the count.
+            retries = attempt + _botocore_retries(result)
+            if retries:
+                log.warning("S3 %s %s succeeded after %d retries", what, where, retries)
+            return result
 
     def _client_error(self, what: str, key: str, e: Exception) -> StorageError:
         return StorageError(f"{what} {self.uri_for(key)} failed (storage {self.uri}, key {key!r}): {e}")

@@ -160,6 +160,11 @@ class OutputSpec(_Section):
         False, description="Allow a spec that differs from the one that made the output to add to it; off so that "
                            "one output holds one configuration.")
     s3: S3Spec = Field(default_factory=S3Spec, description="S3 client settings, used for every s3:// URI of the job.")
+    metadata_flush_seconds: float = Field(
+        30.0, gt=0.0, le=3600.0,
+        description="Buffered metadata rows are written as a Parquet part at least this often (and every 256 rows); "
+                    "a driver killed outright loses at most this long of commits (those items are rendered again on "
+                    "resume). Shorter means more, smaller parts.")
 
 
 class ClusterSpec(_Section):

@@ -1,8 +1,10 @@
-"""Failures during a batch job, with real render workers: a killed worker, an interrupted driver, an S3
-outage and a poison item. In every case the output lists each item exactly once and loses none."""
+"""Failures during a batch job, with real render workers: a killed worker, an interrupted driver, a
+driver killed with SIGKILL, an S3 outage and a poison item. In every case the output lists each item exactly once and loses none."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 import signal
@@ -11,6 +13,7 @@ import sys
 import threading
 import time
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
@@ -138,35 +141,103 @@ def test_interrupted_driver_resumes_and_renders_only_what_was_missing(tmp_path, 
 
 
 @pytest.mark.slow
-def test_s3_outage_mid_job_is_retried_and_the_job_completes(tmp_path, tiny_models, s3_server):
+def test_killed_driver_sigkill_resumes_with_the_same_command_every_item_once(tmp_path, tiny_models):
+    """`kill -9` of the driver (no handler runs, buffered rows are lost), then the same command again."""
+    manifest = _manifest(tmp_path, "m.csv", references=3, prompts=6)
+    out = tmp_path / "out"
+    # Parts every 0.5 s, so that some items are committed when the driver dies.
+    spec = job_spec(manifest, tiny_models, str(out), defaults={"steps": 4}, cluster={"max_batch": 1},
+                    output={"metadata_flush_seconds": 0.5})
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    expected = expected_item_ids(spec)
+    assert len(expected) == 18
+    command = [sys.executable, "-m", "jobs.generate_dataset", str(spec_file), "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
+    env["PYTHONPATH"] = str(REPO)
+    storage = open_storage(str(out))
+    with open(tmp_path / "driver.log", "wb") as log:
+        # Its own session: whatever the dead driver leaves behind is killed by group at the end.
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and proc.poll() is None:
+                if (out / "metadata").is_dir() and len(read_item_ids(storage)) >= 2:
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None, "the job ended before it could be killed:\n" + \
+                (tmp_path / "driver.log").read_text()[-3000:]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    committed = read_item_ids(storage)
+    assert 2 <= len(committed) < 18 and len(set(committed)) == len(committed)
+    before = pd.read_parquet(out / "metadata").set_index("item_id")["finished_at"]
+
+    resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = read_summary(storage)
+    assert (summary["skipped_already_done"], summary["images_this_run"], summary["images_total"]) == (
+        len(committed), 18 - len(committed), 18)
+    frame = _assert_exactly_once(str(out), expected).set_index("item_id")
+    assert frame.loc[before.index, "finished_at"].tolist() == before.tolist()  # not rendered again
+
+
+def _part_time(key: str) -> float:
+    """The UTC time a metadata part's write began, from its name (part-YYYYmmddTHHMMSSffffffZ-uuid)."""
+    stamp = re.search(r"part-(\d{8}T\d{12}Z)-", key).group(1)
+    return datetime.strptime(stamp, "%Y%m%dT%H%M%S%fZ").replace(tzinfo=timezone.utc).timestamp()
+
+
+@pytest.mark.slow
+def test_s3_outage_mid_job_commits_metadata_during_it_after_retries(tmp_path, tiny_models, s3_server, caplog):
     manifest = _manifest(tmp_path, "m.csv", references=3, prompts=4)
-    out_uri = f"s3://{s3_server.bucket}/outage-{uuid.uuid4().hex[:8]}"
+    prefix = f"outage-{uuid.uuid4().hex[:8]}"
+    out_uri = f"s3://{s3_server.bucket}/{prefix}"
+    # The first commit starts the 2 s flush timer and, at once, the outage: the flush that falls inside
+    # the 6 s outage has to ride it out (the driver's S3 retries) and lands after the restart.
     spec = job_spec(manifest, tiny_models, out_uri, defaults={"steps": 3}, cluster={"max_batch": 1},
-                    output={"s3": {"endpoint_url": s3_server.endpoint_url}})
+                    output={"s3": {"endpoint_url": s3_server.endpoint_url}, "metadata_flush_seconds": 2.0})
     first_commit = threading.Event()
     outage: dict[str, float] = {}
 
-    def outage_of_3_s() -> None:
+    def outage_of_6_s() -> None:
         if not first_commit.wait(120):
             return
+        s3_server.stop(graceful=False)
         outage["stopped"] = time.time()
-        s3_server.stop()
-        time.sleep(3)
+        time.sleep(6)
+        outage["restarting"] = time.time()
         s3_server.start()
-        outage["restarted"] = time.time()
 
-    thread = threading.Thread(target=outage_of_3_s, daemon=True)
+    thread = threading.Thread(target=outage_of_6_s, daemon=True)
     thread.start()
+    caplog.set_level(logging.WARNING, logger="snapref_ray.storage.backends")
     try:
         summary = run_job(spec, progress=False, write_gallery=False, on_progress=lambda n: first_commit.set())
     finally:
         thread.join(timeout=120)
         s3_server.start()  # whatever happened, the session's server is up for the next test
-    assert set(outage) == {"stopped", "restarted"}
+    assert set(outage) == {"stopped", "restarting"}
     assert (summary["images_this_run"], summary["failed_items"]) == (12, 0)
     frame = _assert_exactly_once(out_uri, expected_item_ids(spec), s3_server.s3_options())
-    # The job spanned the outage: a result came in before it, and images were stored after it.
-    assert frame["finished_at"].max() > outage["restarted"]
+    assert frame["finished_at"].max() > outage["restarting"]
+    # A metadata part whose write began during the outage was committed (it is listed and read above) ...
+    listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/metadata/")["Contents"]
+    during = [o["Key"] for o in listed if outage["stopped"] < _part_time(o["Key"]) < outage["restarting"]]
+    assert during, (outage, [o["Key"] for o in listed])
+    # ... after retries of that very PUT, which the driver logs with their count.
+    retried = [int(m.group(1)) for r in caplog.records if any(key in r.getMessage() for key in during)
+               for m in [re.search(r"succeeded after (\d+) retries", r.getMessage())] if m]
+    print(f"\nmetadata parts written during the outage: {len(during)}; retries of their PUTs: {retried}")
+    assert retried and min(retried) >= 1
 
 
 @pytest.mark.slow

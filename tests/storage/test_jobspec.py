@@ -61,7 +61,8 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
         "max_batch": 4, "device": "auto", "dtype": "auto", "transfer_gbps": None, "start_timeout_s": 900.0}
     assert spec.output.model_dump() == {
         "uri": "./output", "image_format": "png", "embed_images": False, "append": False,
-        "s3": {"endpoint_url": None, "region": None, "retry_mode": "adaptive", "max_attempts": 10}}
+        "s3": {"endpoint_url": None, "region": None, "retry_mode": "adaptive", "max_attempts": 10},
+        "metadata_flush_seconds": 30.0}
     assert (spec.adapter, spec.loras, spec.strict, spec.allow_empty_prompt) == (None, [], False, False)
 
 
