@@ -63,7 +63,7 @@ def server(tiny_models: Path):
 
     config = ServeConfig(models_dir=str(tiny_models), port=free_port(), **CONFIG)
     try:
-        url = start_local(config, num_cpus=6)
+        start_local(config, num_cpus=6)
         yield config.port
     finally:
         stop_local()
@@ -179,7 +179,7 @@ class HealthProbe:
             try:
                 answer = _get(self.port, "/v1/health", token=False)
                 self.results.append((answer.status, answer.seconds))
-            except OSError as e:  # a refused or reset connection is a failed probe, not a test crash
+            except OSError:  # a refused or reset connection is a failed probe, not a test crash
                 self.results.append((-1, float("nan")))
             self._stop.wait(self.interval)
 
