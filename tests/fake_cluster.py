@@ -96,6 +96,14 @@ def _set_auth_mode(mode: str | None) -> None:
     reset_auth_token_state()
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie is dead already: only its parent or init can reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
@@ -284,7 +292,7 @@ class FakeCluster:
             own.update(_children(pid))
         for children in self._raylet_children.values():
             own.update(children)
-        return {pid for pid in own if Path(f"/proc/{pid}").exists()}
+        return {pid for pid in own if _alive(pid)}
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every process of this cluster, then SIGKILL what is left — by PID only."""
@@ -294,7 +302,7 @@ class FakeCluster:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.2)
         # The monitor may have launched nodes after we listed; take a second look.
         for pid in pids | self.pids():
@@ -322,13 +330,18 @@ def fake_cluster_module() -> Iterator[FakeCluster]:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m tests.fake_cluster`: a fake autoscaling cluster to try the README's cluster commands
-    on one machine; prints its addresses and stops it (by PID) on Ctrl-C."""
+    on one machine; prints its addresses and stops it (by PID) on Ctrl-C or SIGTERM."""
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--max-gpu-nodes", type=int, default=3)
     p.add_argument("--no-dashboard", action="store_true", help="no job server (`ray job submit` needs it)")
     args = p.parse_args(argv)
+
+    def stop(signum, frame):  # `kill PID` (a background job ignores Ctrl-C) stops it cleanly too
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     with fake_cluster(max_gpu_nodes=args.max_gpu_nodes, dashboard=not args.no_dashboard) as cluster:
         print(f"RAY_ADDRESS={cluster.address}  (for ray.init and snapref-ray render)")
         if not args.no_dashboard:

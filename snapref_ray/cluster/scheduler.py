@@ -130,6 +130,7 @@ class SchedulerStats:
     workers_released: int = 0  # killed because no work was left for them
     worker_start_failures: int = 0
     peak_workers: int = 0  # most workers ready at once
+    seconds_to_start: float = 0.0  # from run() until min_workers were ready and rendering began
 
 
 class BatchScheduler:
@@ -168,6 +169,8 @@ class BatchScheduler:
         remaining = len(items)
         self._t_run = time.monotonic()
         self._count_workers()
+        if self._started:
+            self.stats.seconds_to_start = 0.0
         while remaining > 0:
             self._scale()
             self._send_due_probes()
@@ -251,8 +254,9 @@ class BatchScheduler:
         self._count_workers()
         if not self._started and sum(1 for w in self.workers if w.live) >= self.pool.plan.min_workers:
             self._started = True
+            self.stats.seconds_to_start = time.monotonic() - self._t_run
             log.info("%d worker(s) ready after %.1f s: rendering starts", self.pool.plan.min_workers,
-                     time.monotonic() - self._t_run)
+                     self.stats.seconds_to_start)
         if self.on_worker:
             self.on_worker(handle, info)
 

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import ray
 from ray import serve
 
 from snapref_ray.client import ApiError, SnapRefClient
