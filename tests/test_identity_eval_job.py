@@ -84,7 +84,7 @@ def job_result(ray_local, eval_dir: Path):
 def test_example_spec_and_manifest_load():
     spec = load_eval_spec(str(JOBS / "example_eval_spec.yaml"))
     assert spec.manifest == str(JOBS / "example_eval_manifest.csv")
-    assert spec.models.models_dir == str(JOBS.parent / "tiny")
+    assert spec.models.models_dir == str(JOBS.parents[1] / "tiny")  # tiny/ in the repository root
     assert (spec.sigmas, spec.noise_seeds) == ([0.2, 0.4, 0.6, 0.8], [0, 1, 2, 3])
     cases = build_cases(spec)
     assert len(cases) == 6 and len({c["character"] for c in cases}) == 3
