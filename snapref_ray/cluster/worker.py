@@ -213,7 +213,7 @@ class RenderWorker:
 
     def _store(self, task: RenderTask, item, result, kv: RefKV, started: float) -> ItemOutcome:
         t0 = time.perf_counter()
-        s = item.settings
+        s = result.request.settings  # as rendered: the adapter kind's defaults filled in
         fmt = self.config.image_format
         info = {"item_id": item.item_id, "reference_hash": item.reference_hash, "adapter": kv.adapter_id,
                 "model": getattr(self.renderer, "model_id", ""), "seed": item.seed, "prompt": item.prompt,
