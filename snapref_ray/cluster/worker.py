@@ -258,7 +258,7 @@ class RenderWorker:
 
     def _store(self, task: RenderTask, item, result, kv: RefKV, started: float) -> ItemOutcome:
         t0 = time.perf_counter()
-        s = item.settings
+        s = result.request.settings  # as rendered: the adapter kind's defaults filled in
         fmt = self.config.image_format
         image_bytes = encode_rendered_image(
             result.image, prompt=item.prompt, seed=item.seed, settings=s.model_dump(),

@@ -59,7 +59,9 @@ def a1111_parameters(prompt: str, negative: str, settings: dict, seed: int, extr
     fields.append(("Seed", seed))
     if "width" in settings and "height" in settings:
         fields.append(("Size", f"{settings['width']}x{settings['height']}"))
-    fields += [(k.replace("_", " ").capitalize(), v) for k, v in settings.items() if k not in _NOT_IN_LINE]
+    # Unset (None) settings say nothing: they took the adapter kind's default, which a resolved copy names.
+    fields += [(k.replace("_", " ").capitalize(), v) for k, v in settings.items()
+               if k not in _NOT_IN_LINE and v is not None]
     fields += list(extra.items())
     lines = [prompt]
     if negative:

@@ -126,8 +126,9 @@ def item_id_for(explicit_id: str | None, image_index: int, reference_hash: str, 
     """Stable item id: "<id>-<image index>" for rows with an id, else a hash of what makes the image."""
     if explicit_id is not None:
         return f"{explicit_id}-{image_index}"
-    canonical = json.dumps({"reference": reference_hash, "prompt": prompt, "seed": seed,
-                            "settings": settings.model_dump(mode="json")},
+    # Unset (None) settings are left out, so adding an optional setting keeps existing ids.
+    chosen = {k: v for k, v in settings.model_dump(mode="json").items() if v is not None}
+    canonical = json.dumps({"reference": reference_hash, "prompt": prompt, "seed": seed, "settings": chosen},
                            sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 

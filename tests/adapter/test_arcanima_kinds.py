@@ -232,3 +232,16 @@ def test_arcanima_guidance_rows_and_the_outside_option():
     # SnapRef keeps its own default: only the cond row reads, no extra row.
     snap = plan_step(resolve_settings(RenderSettings(), "snapref"), 0.99, True)
     assert snap.rows == (Row.COND, Row.UNCOND) and snap.reads == (True, False)
+
+
+def test_two_characters_stitched_and_no_multi_reference(files):
+    ref = (files["models"] / "reference.png").read_bytes()  # 128 x 192
+    base = Renderer.from_folder(files["models"], device="cpu")
+    v2, pilot = base.with_adapter(files["arcanima-v2"]), base.with_adapter(files["arcanima-pilot"])
+    one = v2.encode_reference(ref, width=256, height=256)
+    pair = v2.encode_reference([ref, ref], layout="pair", width=256, height=256)
+    assert pair.grids[0][2] == 2 * one.grids[0][2] and pair.offsets[0] == (0, 16, 16)  # past the 16x16 target grid
+    frame = pilot.encode_reference([ref, ref], layout="pair", width=384, height=256)
+    assert frame.payload == "frame_latent" and frame.kv_N2HLD.shape[-2:] == (32, 48)  # the output size
+    with pytest.raises(RenderError, match="layout: several references of one character are a SnapRef feature"):
+        v2.encode_reference([ref, ref], layout="multi", width=256, height=256)

@@ -62,8 +62,9 @@ def test_a1111_parameters_without_negative_from_render_settings():
     text = a1111_parameters("scene", "", RenderSettings(width=512, height=768).model_dump(), 7, {})
     prompt, line = text.split("\n")
     assert prompt == "scene"
-    assert line.startswith("Steps: 30, Sampler: er_sde, Schedule type: simple, CFG scale: 4.0, Seed: 7, Size: 512x768, ")
-    assert "Ref guidance: 1.0" in line and "Negative prompt" not in text
+    assert line.startswith("Steps: 30, Sampler: er_sde, Schedule type: simple, CFG scale: 4.5, Seed: 7, Size: 512x768, ")
+    assert "Ref weight: 1.0" in line and "Negative prompt" not in text
+    assert "Ref guidance" not in line  # unset: the adapter kind's default, named once resolved
 
 
 def test_png_round_trip_chunks_and_pixels():

@@ -105,7 +105,11 @@ def test_ids_are_stable_and_independent_of_row_order(job_dir):
 
 def test_item_id_formula_is_pinned():
     # Changing this value breaks resuming every existing output: only on purpose.
-    assert item_id_for(None, 0, "ab" * 32, "1girl, solo", 5, RenderSettings()) == "b0742deb984c5f11c6b6"
+    assert item_id_for(None, 0, "ab" * 32, "1girl, solo", 5, RenderSettings()) == "b3272c79ffaf7f5e2cc3"
+    # Unset optional settings are left out of the hash: the settings that were the defaults before issue 10
+    # (cfg 4.0, ref_guidance 1, ref_in_uncond off), given explicitly, keep their old id.
+    old_defaults = RenderSettings(cfg=4.0, ref_guidance=1.0, ref_in_uncond=False)
+    assert item_id_for(None, 0, "ab" * 32, "1girl, solo", 5, old_defaults) == "b0742deb984c5f11c6b6"
     assert item_id_for("hero_01", 2, "ab" * 32, "ignored", 5, RenderSettings()) == "hero_01-2"
 
 
