@@ -145,9 +145,15 @@ def _take_rows(t_B: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
 def _lse_read(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, ref: RefRead) -> torch.Tensor:
     out_t, lse_t = sdpa_with_lse(q_BHLD, k_BHLD, v_BHLD)
     runs = _row_runs(ref.reading)
-    q_R = _take_rows(q_BHLD, runs)
-    R = q_R.shape[0]
-    out_r, lse_r = sdpa_with_lse(q_R, _expand_ref(ref.k_HLD, R, q_BHLD.dtype), _expand_ref(ref.v_HLD, R, v_BHLD.dtype))
+    q_RHLD = _take_rows(q_BHLD, runs)
+    R, H, L, D = q_RHLD.shape
+    # Every reading row attends to the same reference keys: fold the rows into the query axis
+    # ([1, H, R*L, D]) rather than expanding K/V to R rows (stride-0 batches, or R copies).
+    q_1HQD = q_RHLD.transpose(0, 1).reshape(1, H, R * L, D)
+    out_1HQD, lse_1HQ = sdpa_with_lse(q_1HQD, ref.k_HLD.to(q_BHLD.dtype).unsqueeze(0),
+                                      ref.v_HLD.to(v_BHLD.dtype).unsqueeze(0))
+    out_r = out_1HQD.reshape(H, R, L, D).transpose(0, 1)
+    lse_r = lse_1HQ.reshape(H, R, L).transpose(0, 1)
     # share of the reference keys in the union's softmax: w e^lse_r / (e^lse_t + w e^lse_r)
     share_R = torch.sigmoid(lse_r + ref.log_weight - _take_rows(lse_t, runs))[..., None]
     merged_R = torch.lerp(_take_rows(out_t, runs).float(), out_r.float(), share_R).to(out_t.dtype)

@@ -58,7 +58,8 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
     assert spec.cluster.model_dump() == {
         "address": None, "num_workers": None, "min_workers": 1, "max_workers": None, "cpu_workers": 2,
         "num_cpus_per_worker": 1.0, "refkv_cache_bytes": 8 * 2**30, "max_in_flight_per_worker": 2, "max_attempts": 3,
-        "max_batch": 4, "device": "auto", "dtype": "auto", "transfer_gbps": None, "start_timeout_s": 900.0}
+        "max_batch": 4, "device": "auto", "dtype": "auto", "transfer_gbps": None, "start_timeout_s": 900.0,
+        "compile": False, "output_threads": 4}
     assert spec.output.model_dump() == {
         "uri": "./output", "image_format": "png", "embed_images": False, "append": False,
         "s3": {"endpoint_url": None, "region": None, "retry_mode": "adaptive", "max_attempts": 10},
