@@ -49,7 +49,11 @@ ReferenceLayout = str  # "single" | "pair" | "multi"
 
 
 class RenderError(ValueError):
-    """A render request that cannot be carried out; the message names the field."""
+    """A render request that cannot be carried out; the message names the field, `field` too when known."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def default_device_and_dtype() -> tuple[torch.device, torch.dtype]:
@@ -155,7 +159,7 @@ class Renderer:
         try:
             return resolve_settings(settings, self.adapter_kind)
         except SettingsError as e:
-            raise RenderError(str(e)) from None
+            raise RenderError(str(e), field=e.field) from None
 
     # -- references -----------------------------------------------------------------------
     def target_grid(self, width: int, height: int) -> tuple[int, int, int]:

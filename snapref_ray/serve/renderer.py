@@ -119,7 +119,7 @@ def _as_bad_request(e: ValueError, job: RenderJob) -> ApiError | None:
         # size this request asked for.
         return ApiError(400, "ref_megapixels" if job.ref_megapixels_set else "reference_id", str(e))
     if isinstance(e, RenderError):
-        return ApiError(400, None, str(e))
+        return ApiError(400, e.field, str(e))
     return None
 
 

@@ -48,3 +48,4 @@ def test_endpoint_renders_with_the_file_kind(served, tiny_models):
     with pytest.raises(ClientError) as e:
         client.render("1girl", reference_id=ref, width=256, height=256, steps=1, mode="char")
     assert e.value.status == 400 and f"does not apply to {kind} adapters" in e.value.message
+    assert e.value.field == "mode"
