@@ -361,7 +361,7 @@ class Renderer:
             return combine(x_B, sigma, plan, denoised)
 
         t1 = time.perf_counter()
-        x = sample(denoise, x, sigmas.to(self.device), sampler=s.sampler, seed=seeds, callback=progress)
+        x = sample(denoise, x, sigmas, sampler=s.sampler, seed=seeds, callback=progress)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         sample_s = time.perf_counter() - t1
@@ -391,7 +391,8 @@ class Renderer:
         rows_x = x_B.repeat(len(plan.rows), 1, 1, 1, 1)
         contexts = [ctx for row in plan.rows for ctx in ctx_for[row]]
         reads = [read for read in plan.reads for _ in range(n)]  # host data: the forward never reads it back
-        sigma_rows = sigma.to(self.device, torch.float32).reshape(1).expand(len(contexts))
+        # σ is a host scalar (the samplers keep the schedule on the CPU): a fill, not a copy or a read-back.
+        sigma_rows = torch.full((len(contexts),), float(sigma), device=self.device)
         lengths = sorted({c.shape[1] for c in contexts})
         if len(lengths) == 1:  # the usual case: one forward over every row, no gathers
             v = self._forward_rows(rows_x, sigma_rows, torch.cat(contexts), tuple(reads), refkv, weights,

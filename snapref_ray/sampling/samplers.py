@@ -5,6 +5,10 @@ composition in the caller). Both samplers reproduce ComfyUI's `sample_euler` (s_
 `sample_er_sde` (s_noise 1, max_stage 3, default noise scaler) for a flow (CONST) model, see
 anima-model.md §6.5/§6.6.
 
+The schedule stays on the host. `sigmas` is moved to the CPU once, so every σ the loop branches
+on, passes to `denoise` or multiplies into x is a host number (a CPU 0-dim tensor in device
+arithmetic is read on the host, not copied back): a step never waits for the device to read σ.
+
 Seeds of er_sde. ComfyUI seeds one generator with the KSampler seed (seed + 1 when x is on the CPU)
 and draws one randn of the whole batch per stochastic step: that is what one int seed does here.
 A list of seeds gives every batch row its own generator (seeded the same way from that row's seed)
@@ -37,12 +41,15 @@ class StepNoise:
         seeds = [seed] if isinstance(seed, int) else [int(s) for s in seed]
         if not isinstance(seed, int) and len(seeds) != x.shape[0]:
             raise ValueError(f"got {len(seeds)} seeds for a batch of {x.shape[0]} rows")
-        self.generators = [torch.Generator(device=x.device).manual_seed(s + offset) for s in seeds]
+        self.seeds = [s + offset for s in seeds]
+        self.generators: list[torch.Generator] = []  # made at the first draw (none when s_noise is 0)
         self.whole_batch = isinstance(seed, int)
         self.shape = tuple(x.shape) if self.whole_batch else tuple(x.shape[1:])
         self.device, self.dtype = x.device, x.dtype
 
     def draw(self) -> torch.Tensor:
+        if not self.generators:
+            self.generators = [torch.Generator(device=self.device).manual_seed(s) for s in self.seeds]
         draws = [torch.randn(self.shape, generator=g, device=self.device, dtype=self.dtype) for g in self.generators]
         return draws[0] if self.whole_batch else torch.stack(draws)
 
@@ -50,7 +57,7 @@ class StepNoise:
 def sample_euler(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor,
                  callback: Callback | None = None) -> torch.Tensor:
     """Euler steps on the probability-flow ODE: x ← x + (x − D)/σ_i · (σ_{i+1} − σ_i)."""
-    sigmas = sigmas.to(device=x.device, dtype=torch.float32)
+    sigmas = host_schedule(sigmas)
     steps = len(sigmas) - 1
     for i in range(steps):
         denoised = denoise(x, sigmas[i])
@@ -59,6 +66,11 @@ def sample_euler(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor,
         if callback is not None:
             callback(i, steps)
     return x
+
+
+def host_schedule(sigmas: torch.Tensor) -> torch.Tensor:
+    """The σ schedule as a CPU float32 tensor (one copy per render when it was on a device)."""
+    return sigmas.to(device="cpu", dtype=torch.float32)
 
 
 def _er_sde_noise_scaler(lam: torch.Tensor) -> torch.Tensor:
@@ -72,21 +84,21 @@ def sample_er_sde(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed
 
     `shift` only sets the replacement first σ (percent_to_sigma(1e-4)) when the schedule starts at σ = 1.
     """
-    sigmas = sigmas.to(device=x.device, dtype=torch.float32)
-    if len(sigmas) > 1 and sigmas[0] >= 1:
+    sigmas = host_schedule(sigmas)
+    if len(sigmas) > 1 and sigmas[0].item() >= 1:
         # The first model call runs at this σ, while x was initialised for σ = 1.
         sigmas = sigmas.clone()
         sigmas[0] = percent_to_sigma(ER_SDE_FIRST_SIGMA_PERCENT, shift)
     lambdas = torch.logit(sigmas).exp()  # λ = σ/(1−σ) = σ/α; λ_N = 0 at σ = 0
     noise = StepNoise(x, seed)
-    point_index = torch.arange(0, ER_SDE_POINTS, dtype=torch.float32, device=x.device)
+    point_index = torch.arange(0, ER_SDE_POINTS, dtype=torch.float32)  # the integrals are host scalars too
 
     steps = len(sigmas) - 1
     old_denoised = old_denoised_d = None
     for i in range(steps):
         denoised = denoise(x, sigmas[i])
         stage = min(max_stage, i + 1)
-        if sigmas[i + 1] == 0:
+        if sigmas[i + 1].item() == 0:
             x = denoised
         else:
             lam_s, lam_t = lambdas[i], lambdas[i + 1]

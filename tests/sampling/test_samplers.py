@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from snapref_ray.sampling.noise import initial_noise, noise_scaling
-from snapref_ray.sampling.samplers import sample, sample_er_sde, sample_euler
+from snapref_ray.sampling.samplers import SAMPLERS, sample, sample_er_sde, sample_euler
 from snapref_ray.sampling.schedules import get_sigmas
 
 ROW_SHAPE = (4, 1, 3, 5)  # [C, T, H, W], a tiny latent
@@ -232,3 +232,21 @@ def test_noise_scaling():
     assert torch.allclose(noise_scaling(torch.tensor(0.25), noise, latent), torch.full((1, 2), 0.25 * 2 - 0.75))
     per_row = noise_scaling(torch.tensor([1.0, 0.0]), torch.ones(2, 3), torch.zeros(2, 3))
     assert per_row.tolist() == [[1.0] * 3, [0.0] * 3]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_samplers_never_read_the_latent_back(sampler):
+    """On the meta device any host read (`.item()`, `bool(t)`, a branch on σ kept beside the latent)
+    raises, so a loop over a meta latent proves every read is of the host schedule (CPU stand-in for
+    a GPU sync check). er_sde runs with s_noise 0: meta tensors have no generator."""
+    x = torch.empty(2, 16, 1, 8, 8, device="meta")
+    seen: list[torch.Tensor] = []
+
+    def denoise(x_B, sigma):
+        seen.append(sigma)
+        return x_B * 0.5
+
+    sigmas = get_sigmas("simple", 5)
+    out = sample_euler(denoise, x, sigmas) if sampler == "euler" else sample_er_sde(denoise, x, sigmas, s_noise=0.0)
+    assert out.device.type == "meta" and out.shape == x.shape
+    assert len(seen) == 5 and all(s.device.type == "cpu" and s.ndim == 0 for s in seen)
