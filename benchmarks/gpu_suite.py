@@ -31,6 +31,7 @@ import argparse
 import json
 import resource
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.arcanima_steps import arcanima_rows
 from benchmarks.common import environment, interleaved, log, parse_dtype, paired_ratio, resolve_device, summarize
 from benchmarks.snapref_steps import ENCODE, GEOMETRIES, SETTINGS, StepBench, StepsGeometry
 from snapref_ray.models.attention import read_form
@@ -46,7 +48,7 @@ from snapref_ray.models.compiled import compile_forward
 RECIPE_STEPS = 30
 RECIPE_CFG = 4.5  # the same rows as any CFG != 1: the step's cost does not depend on the scale
 PFLOP_PER_IMAGE_NOTE = "about 1.16 PFLOP of DiT work per image at real size (30 CFG steps with a reference)"
-FIELDS = ("benchmark", "geometry", "device", "dtype", "read_form", "batch", "step", "snapref", "encode",
+FIELDS = ("benchmark", "geometry", "device", "dtype", "read_form", "batch", "step", "host_syncs", "snapref", "encode",
           "memory", "images_per_gpu_hour", "extra_rows", "skipped", "seconds_total", "environment")
 
 
@@ -65,6 +67,32 @@ _EXTRA_ROWS: dict[str, Callable[[SuiteContext], dict[str, Any]]] = {}
 def register_rows(name: str, fn: Callable[[SuiteContext], dict[str, Any]]) -> None:
     """Add a section to the suite (e.g. ArcAnima's step ratios); fn returns flat figures."""
     _EXTRA_ROWS[name] = fn
+
+
+register_rows("ArcAnima", arcanima_rows)
+
+
+def host_syncs(bench: StepBench, device: torch.device) -> dict[str, Any]:
+    """Device syncs in one step of each setting, counted by CUDA's sync debug mode ("warn")."""
+    if device.type != "cuda":
+        return {"checked": False, "why": "no CUDA device (the CPU tests trace the forward with fullgraph instead)"}
+    counts: dict[str, Any] = {"checked": True}
+    for name in SETTINGS:
+        fn = bench.step_fn(name)
+        fn()
+        torch.cuda.synchronize(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        # Only "called a synchronizing CUDA operation" is a sync; the mode's first use also warns that it is
+        # a prototype, which is not one.
+        syncs = [str(w.message).splitlines()[0] for w in caught if "called a synchronizing" in str(w.message)]
+        counts[name] = {"syncs": len(syncs), "first": syncs[0] if syncs else None}
+    return counts
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -111,6 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rec["percent_of_peak"] = 100 * flops / seconds / peak
         return rec
 
+    syncs = host_syncs(bench, device)
     step = {"eager": step_record(_median(times["no_reference"]), "no_reference")}
     snapref = {name: {"seconds": _median(times[name]), "ratio_to_no_reference": paired_ratio(times[name],
                                                                                              times["no_reference"]),
@@ -169,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                    "ref_tokens": geo.ref_tokens},
             "device": device.type, "dtype": str(dtype).removeprefix("torch."), "read_form": read_form(),
             "batch": args.batch, "rounds": args.rounds, "peak_tflops": args.peak_tflops,
-            "step": step, "snapref": snapref, "encode": encode, "memory": memory,
+            "step": step, "host_syncs": syncs, "snapref": snapref, "encode": encode, "memory": memory,
             "images_per_gpu_hour": images, "extra_rows": extra, "skipped": skipped,
             "seconds_total": time.perf_counter() - t_start, "environment": environment(device, dtype)}
 
@@ -199,6 +228,12 @@ def markdown(result: dict[str, Any]) -> str:
         comp = f"{s['compiled_ratio_to_no_reference']:.3f}" if "compiled_ratio_to_no_reference" in s else ""
         lines.append(f"| {name} | {s['rows']} | {s['reading_rows']} | {s['seconds']:.4f} | "
                      f"{s['ratio_to_no_reference']:.3f} | {s['flop_ratio_to_no_reference']:.3f} | {comp} |")
+    hs = result["host_syncs"]
+    if hs.get("checked"):
+        lines += ["", "Device syncs per step (CUDA sync debug mode): " + ", ".join(
+            f"{k} {v['syncs']}" for k, v in hs.items() if k != "checked") + "."]
+    else:
+        lines += ["", f"Device syncs per step: not checked ({hs['why']})."]
     e, m, i = result["encode"], result["memory"], result["images_per_gpu_hour"]
     lines += ["", f"Reference encode: {e['seconds']:.3f} s ({e['ref_tokens']} tokens, RefKV {e['refkv_bytes'] / 1e9:.3f} GB).",
               "", "Peak memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in m.items()) + ".",

@@ -119,7 +119,7 @@ class StepBench:
         gen = torch.Generator().manual_seed(1)
         h, w = g.latent_hw
         self.x = torch.randn(batch, 16, 1, h, w, generator=gen).to(device)  # the sampler's latent stays fp32
-        self.sigma = torch.tensor(SIGMA, device=device)
+        self.sigma = torch.tensor(SIGMA)  # a host scalar, as the samplers pass it (no read-back per step)
         ctx = torch.randn(2, g.context_rows, g.context_dim, generator=gen).to(device, dtype)
         # Per row kind, one [1, S, C] context per request (one request here), as _render_batch builds it.
         self.ctx_for = {Row.COND: [ctx[:1]] * batch, Row.UNCOND: [ctx[1:]] * batch, Row.COND_NOREF: [ctx[:1]] * batch}

@@ -221,15 +221,22 @@ def test_gpu_suite_smoke_writes_json_and_markdown(tmp_path, capsys):
     assert "Images per GPU-hour" in markdown and "| snapref_default | 2 | 1 |" in markdown
 
 
-def test_gpu_suite_takes_extra_rows(tmp_path, capsys):
-    """The hook ArcAnima's rows will use: a registered function's figures land in JSON and Markdown."""
+def test_gpu_suite_has_arcanima_rows_and_takes_more(tmp_path, capsys):
+    """Both ArcAnima kinds are measured beside the plain step; a registered function's figures land too."""
     from benchmarks import gpu_suite
 
-    gpu_suite.register_rows("ArcAnima (example)", lambda ctx: {"blocks": ctx.bench.geo.dit.num_blocks})
+    registered = dict(gpu_suite._EXTRA_ROWS)
+    gpu_suite.register_rows("Example rows", lambda ctx: {"blocks": ctx.bench.geo.dit.num_blocks})
     try:
         result = gpu_suite.main(["--smoke", "--no-compile", "--out-dir", str(tmp_path)])
     finally:
         gpu_suite._EXTRA_ROWS.clear()
-    assert result["extra_rows"] == {"ArcAnima (example)": {"blocks": 2}}
+        gpu_suite._EXTRA_ROWS.update(registered)
+    assert result["extra_rows"]["Example rows"] == {"blocks": 2}
+    arc = result["extra_rows"]["ArcAnima"]
+    for kind, rank in (("arcanima-v2", 64), ("arcanima-pilot", 32)):
+        assert arc[f"{kind} s/step"] > 0 and arc[f"{kind} x no reference"] > 0 and arc[f"{kind} rank"] == rank
+    assert result["host_syncs"]["checked"] is False  # CUDA only
     assert result["skipped"] == ["compiled steps (--no-compile)"]
-    assert "## ArcAnima (example)" in (tmp_path / "gpu_suite.md").read_text()
+    markdown = (tmp_path / "gpu_suite.md").read_text()
+    assert "## Example rows" in markdown and "| arcanima-pilot x no reference |" in markdown
