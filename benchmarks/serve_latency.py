@@ -9,8 +9,10 @@ same files and threads. It measures (medians; see benchmarks/common.py for the t
 - low load, interleaved round by round: one request through HTTP (JSON answer) against
   Renderer.render + PNG encoding in-process (the server does both). The Serve overhead is the
   median of the per-round differences, and also, per HTTP request, the latency minus the
-  replica's own work timings (text, sample, decode, png, encode). Once with the default batch
-  window and once with none (`batch_wait_timeout_s=0`), since a lone request waits the window.
+  replica's own work timings (text, sample, decode, png, encode). Once with the default (no batch
+  window) and once with a 10 ms window (`batch_wait_timeout_s=0.01`, the old default), which a lone
+  request waits in full. Beside it, GET /v1/health: the proxy -> replica -> client round trip with
+  no work at all, i.e. Serve's own floor on this machine.
 - concurrency (4 clients): requests/s, latency, mean batch size;
 - cache: a reference already on the replica (hit) against one it must encode (miss);
 - overload: a burst against max_ongoing_requests=1, max_queued_requests=1: how fast 503s return.
@@ -85,7 +87,7 @@ class InProcess:
 FULL = {"warmup": 3, "cache_rounds": 8, "burst": 16, "overload_steps": 60}
 SMOKE = {"rounds": 3, "warmup": 1, "cache_rounds": 1, "burst": 4, "overload_steps": 8}
 # Every field the README's table reads; the smoke test checks they are all there.
-FIELDS = ("low_load", "concurrent", "cache", "low_load_no_batch_window", "overload", "environment")
+FIELDS = ("low_load", "concurrent", "cache", "low_load_10ms_batch_window", "overload", "environment")
 
 
 def low_load(client, ref: str, local: InProcess, rounds: int, warmup: int = 3) -> dict:
@@ -97,9 +99,15 @@ def low_load(client, ref: str, local: InProcess, rounds: int, warmup: int = 3) -
         # Everything that is not the render's own work: HTTP, proxy, ingress, routing, batch window.
         overhead.append(time.perf_counter() - t0 - sum(answer["timings"][k] for k in COMPUTE))
 
-    times = interleaved({"http": http, "in_process": local}, CPU, rounds=rounds, warmup_rounds=warmup)
+    def health() -> None:
+        with urlopen(client.base_url + "/v1/health", timeout=60) as r:
+            r.read()
+
+    times = interleaved({"http": http, "in_process": local, "health": health}, CPU, rounds=rounds,
+                        warmup_rounds=warmup)
     overhead = overhead[-rounds:]  # drop the warm-up rounds
     return {"http": {**_ms(times["http"]), "requests_per_s": len(times["http"]) / sum(times["http"])},
+            "health_floor": _ms(times["health"]),
             "in_process": {**_ms(times["in_process"]), "requests_per_s": len(times["in_process"]) / sum(times["in_process"])},
             "overhead_vs_in_process_p50_ms": statistics.median(a - b for a, b in zip(times["http"], times["in_process"])) * 1e3,
             "overhead_measured_p50_ms": statistics.median(overhead) * 1e3}
@@ -204,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         local = InProcess(models, (models / "reference.png").read_bytes())
         client = SnapRefClient(url, timeout=300)
         ref = client.upload_reference(local.reference)
-        log("low load, default batch window")
+        log("low load, default (no batch window)")
         result["low_load"] = {"batch_wait_timeout_s": base.batch_wait_timeout_s,
                               **low_load(client, ref, local, counts["rounds"], counts["warmup"])}
         log("concurrency")
@@ -212,10 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
         log("cache hit / miss")
         result["cache"] = cache(client, local, counts["cache_rounds"])
 
-        serve.run(build_app(base.model_copy(update={"batch_wait_timeout_s": 0.0})), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(base.model_copy(update={"batch_wait_timeout_s": 0.01})), name=APP_NAME, route_prefix="/")
         ref = client.upload_reference(local.reference)
-        log("low load, no batch window")
-        result["low_load_no_batch_window"] = low_load(client, ref, local, counts["rounds"], counts["warmup"])
+        log("low load, 10 ms batch window")
+        result["low_load_10ms_batch_window"] = low_load(client, ref, local, counts["rounds"], counts["warmup"])
 
         tight = base.model_copy(update={"max_ongoing_requests": 1, "max_queued_requests": 1, "max_batch_size": 1,
                                         "batch_wait_timeout_s": 0.0, "limits": ServeLimits(max_n=1, max_side=512)})

@@ -187,10 +187,12 @@ class ServeConfig(BaseModel):
         description="Images per batched forward. 4 fills an H100 at 1 MP with CFG's two rows without"
                     " running out of memory; more gives little throughput for a lot of latency.")
     batch_wait_timeout_s: float = Field(
-        0.01, ge=0,
-        description="How long an idle replica waits for more compatible requests before rendering."
-                    " 10 ms is noise next to a render but catches requests sent together; while the"
-                    " device is busy, waiting requests are merged anyway.")
+        0.0, ge=0,
+        description="How long an idle replica waits for more compatible requests before rendering. 0:"
+                    " a lone request starts at once (a window is pure latency for it), and requests"
+                    " that queue while the device is busy are merged into the next forward anyway,"
+                    " which is where batching pays. A few ms helps only when clients send bursts of"
+                    " compatible requests to an idle replica.")
     refkv_cache_bytes: int = Field(
         8 * 2**30, gt=0,
         description="RefKV cache per replica (bytes on its device). A 1 MP reference is ~0.94 GB of"

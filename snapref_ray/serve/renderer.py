@@ -9,7 +9,7 @@ A request's path through a replica:
    a miss fetches the file from the ReferenceStore and encodes it. Concurrent misses on one
    key encode once; the others wait and count as hits.
 3. `_submit` (`@serve.batch`): requests that arrive within `batch_wait_timeout_s` of each
-   other enter the device queue together (Serve splits them by reference id first).
+   other (0 by default: none is held back) enter the device queue together (Serve splits them by reference id first).
 4. One device loop renders the oldest waiting request together with every waiting request
    that can share its forward (same reference, same `RenderSettings.batch_key()`, same negative
    prompt), up to `max_batch_size` images. Requests that queued while the device was busy are
@@ -261,7 +261,7 @@ class RendererDeployment:
         return files
 
     # -- batching ---------------------------------------------------------------------------
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)  # both set from the config in __init__
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.0)  # both set from the config in __init__
     async def _submit(self, pending: list[_Pending]) -> list[_Pending]:
         """Requests that arrived within the wait window join the device queue together."""
         self._waiting.extend(pending)

@@ -34,10 +34,11 @@ def test_serve_latency_smoke_prints_every_section(tmp_path: Path) -> None:
     result = json.loads(proc.stdout)  # stdout is the JSON alone
     assert result == json.loads(out.read_text())
     assert result["smoke"] is True and set(serve_latency.FIELDS) <= set(result)
-    for section in ("low_load", "low_load_no_batch_window"):
+    for section in ("low_load", "low_load_10ms_batch_window"):
         low = result[section]
         _latency(low["http"], section)
         _latency(low["in_process"], section)
+        _latency(low["health_floor"], section)
         assert low["http"]["n"] == low["in_process"]["n"] == serve_latency.SMOKE["rounds"]
         assert math.isfinite(low["overhead_vs_in_process_p50_ms"]) and math.isfinite(low["overhead_measured_p50_ms"])
     _latency(result["concurrent"], "concurrent")
