@@ -125,6 +125,10 @@ def test_render_spec_writes_images_metadata_and_summary(local_job):
     table = pq.read_table(local_job / "metadata")
     assert table.num_rows == 2 and sorted(table.column("prompt").to_pylist()) == ["1boy, park", "1girl, solo, smile"]
     assert len(list((local_job / "images").iterdir())) == 2
+    # The batch each image was rendered in is recorded, and summed up in the summary.
+    batches = table.column("forward_batch").to_pylist()
+    assert all(b >= 1 for b in batches)
+    assert summary["forward_batches"] == {str(b): batches.count(b) for b in set(batches)}
 
 
 @pytest.mark.slow

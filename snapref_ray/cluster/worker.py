@@ -160,14 +160,14 @@ class RenderWorker:
         try:
             t0 = time.perf_counter()
             with self._device_lock:
-                results = self._render_fitted(requests, kv)
+                results, forward_batches = self._render_fitted(requests, kv)
                 sample_wall = time.perf_counter() - t0
                 if not self.writer.overlaps:  # no output threads: store while the device waits
-                    stores = self._submit_stores(task, results, kv, started)
+                    stores = self._submit_stores(task, results, forward_batches, kv, started)
         except Exception as e:
             return self._failed(task, e, "sample", source)
         if self.writer.overlaps:  # encode + upload on the writer's threads; the next batch can sample
-            stores = self._submit_stores(task, results, kv, started)
+            stores = self._submit_stores(task, results, forward_batches, kv, started)
         steps = max(1, task.items[0].settings.steps)
         self.metrics.step_latency.observe(results[0].timings.get("sample_s", sample_wall) / steps, self.tags)
         outcomes = []
@@ -180,25 +180,30 @@ class RenderWorker:
                 outcomes.append(ItemOutcome(item.item_id, error=_describe(e), stage="write", refkv_source=source))
         return outcomes
 
-    def _render_fitted(self, requests: list[RenderRequest], kv: RefKV) -> list:
-        """Render in chunks of the largest batch that fits this resolution on the device (CPU: all at once)."""
+    def _render_fitted(self, requests: list[RenderRequest], kv: RefKV) -> tuple[list, list[int]]:
+        """Render in chunks of the largest batch that fits this resolution on the device (CPU: all at once).
+
+        Returns the results and, per result, how many images its forward rendered (the batch chosen)."""
         s = requests[0].settings
         rows = 1 + (s.cfg != 1.0) + (s.ref_guidance != 1.0 and s.ref_weight > 0)
         probe_request = RenderRequest(prompt="batch-size probe", settings=s.model_copy(update={"steps": 1}))
         limit = self.batch_fit.limit(s.width, s.height, rows, len(requests),
                                      probe=lambda: self.renderer.render([probe_request], refkv=kv))
-        results = []
+        results, forward_batches = [], []
         for start in range(0, len(requests), limit):
-            results += self.renderer.render(requests[start:start + limit], refkv=kv)
-        return results
+            chunk = requests[start:start + limit]
+            results += self.renderer.render(chunk, refkv=kv)
+            forward_batches += [len(chunk)] * len(chunk)
+        return results, forward_batches
 
     def batch_limits(self) -> list[dict]:
         """The batch this worker chose per resolution (empty on a CPU worker)."""
         return [dataclasses.asdict(limit) for limit in self.batch_fit.limits.values()]
 
-    def _submit_stores(self, task: RenderTask, results: list, kv: RefKV, started: float) -> list:
-        return self.writer.submit_all([functools.partial(self._store, task, item, result, kv, started)
-                                       for item, result in zip(task.items, results)])
+    def _submit_stores(self, task: RenderTask, results: list, forward_batches: list[int], kv: RefKV,
+                       started: float) -> list:
+        return self.writer.submit_all([functools.partial(self._store, task, item, result, batch, kv, started)
+                                       for item, result, batch in zip(task.items, results, forward_batches)])
 
     # -- internals -------------------------------------------------------------------------------
     def _encode(self, task: ReferenceTask) -> RefKV:
@@ -256,7 +261,7 @@ class RenderWorker:
         self.metrics.cache_bytes.set(self.cache.nbytes, self.tags)
         return kv, source, fetch_s
 
-    def _store(self, task: RenderTask, item, result, kv: RefKV, started: float) -> ItemOutcome:
+    def _store(self, task: RenderTask, item, result, forward_batch: int, kv: RefKV, started: float) -> ItemOutcome:
         t0 = time.perf_counter()
         s = result.request.settings  # as rendered: the adapter kind's defaults filled in
         fmt = self.config.image_format
@@ -283,6 +288,7 @@ class RenderWorker:
             "image_format": fmt, "adapter": kv.adapter_id, "model": getattr(self.renderer, "model_id", ""),
             "worker_id": self.worker_id, "node_id": self.node_id, "encode_s": kv.encode_seconds,
             "sample_s": t.get("sample_s", 0.0), "decode_s": t.get("decode_s", 0.0), "upload_s": upload_s,
+            "forward_batch": forward_batch,
             "attempt": task.attempts.get(item.item_id, 1), "started_at": started, "finished_at": time.time(),
         }
         return ItemOutcome(item.item_id, row=row)

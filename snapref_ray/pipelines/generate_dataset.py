@@ -81,6 +81,7 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
     scheduler = None
     pool = None
     images_per_node: Counter[str] = Counter()
+    forward_batches: Counter[int] = Counter()
     bar = None
     interrupted = False
     timing = {"startup_seconds": 0.0, "render_seconds": 0.0}
@@ -99,6 +100,7 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
 
             def done(outcome: ItemOutcome, item: WorkItem) -> None:
                 images_per_node[outcome.row.get("node_id") or "?"] += 1
+                forward_batches[outcome.row.get("forward_batch") or 0] += 1
                 _commit(metadata, storage, spec, outcome)
 
             scheduler = BatchScheduler(
@@ -130,7 +132,7 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
         if bar:
             bar.close()
         summary = _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, interrupted, timing,
-                           scheduler.encodes_by_reference if scheduler else None, images_per_node)
+                           scheduler.encodes_by_reference if scheduler else None, images_per_node, forward_batches)
         write_summary(storage, summary)
     if write_gallery:
         from snapref_ray.report import write_report
@@ -182,7 +184,7 @@ def _progress_bar(total: int, initial: int):
 
 
 def _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, interrupted, timing,
-             encodes_by_reference, images_per_node) -> dict:
+             encodes_by_reference, images_per_node, forward_batches) -> dict:
     wall = time.time() - t_start
     done_now = stats.done_items if stats else 0
     references = len({item.reference_hash for item in todo})
@@ -203,6 +205,9 @@ def _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, in
         "encodes_per_reference": round(encodes / references, 3) if references else 0.0,
         "max_encodes_per_reference": max(encodes_by_reference.values(), default=0) if encodes_by_reference else 0,
         "images_per_node": dict(sorted(images_per_node.items())), "peak_workers": stats.peak_workers if stats else 0,
+        # Images by the size of the forward that rendered them: the batch the workers chose (on a GPU, the
+        # largest that fits the resolution, capped by max_batch; see cluster/batch_fit.py).
+        "forward_batches": {str(k): v for k, v in sorted(forward_batches.items())},
         # How RefKVs reached the workers that did not encode them (see cluster/scheduler.py).
         "refkv_decisions": {
             "same_node_fetches": stats.same_node_fetches if stats else 0,

@@ -92,6 +92,7 @@ METADATA_SCHEMA = pa.schema([
     ("sample_s", pa.float32()),
     ("decode_s", pa.float32()),
     ("upload_s", pa.float32()),
+    ("forward_batch", pa.int32()),  # images in the forward that rendered this one (the batch the worker chose)
     ("attempt", pa.int32()),
     ("started_at", pa.float64()),
     ("finished_at", pa.float64()),

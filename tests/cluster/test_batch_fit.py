@@ -51,3 +51,34 @@ def test_cpu_worker_keeps_the_requested_batch_and_never_probes():
         raise AssertionError("a CPU worker must not probe")
 
     assert fitter.limit(256, 256, 2, requested=4, probe=probe) == 4 and fitter.limits == {}
+
+
+class RecordingRenderer:
+    """Renders nothing: returns one marker per request and records each forward's size."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cuda")  # only its type is read
+        self.forwards: list[int] = []
+
+    def render(self, requests, refkv=None):
+        self.forwards.append(len(requests))
+        return [r.prompt for r in requests]
+
+
+def test_worker_renders_in_chunks_of_the_fitted_batch_and_reports_it():
+    from snapref_ray.cluster.worker import RenderWorker
+    from snapref_ray.requests import RenderRequest, RenderSettings
+
+    worker = RenderWorker.__new__(RenderWorker)  # no Ray, no model: only the chunking is under test
+    worker.renderer = RecordingRenderer()
+    memory = LinearMemory(free=40 * GiB, per_image=12 * GiB)  # 34 GiB usable: 2 images per forward
+    worker.batch_fit = BatchFitter(worker.renderer.device, memory)
+    settings = RenderSettings(width=832, height=1216, cfg=4.5)
+    requests = [RenderRequest(prompt=f"p{i}", seed=i, settings=settings) for i in range(5)]
+
+    results, forward_batches = worker._render_fitted(requests, kv=None)
+
+    assert results == [f"p{i}" for i in range(5)]  # in order
+    assert worker.renderer.forwards == [1, 2, 2, 1]  # the probe (one image), then chunks of 2
+    assert forward_batches == [2, 2, 2, 2, 1]
+    assert [limit["batch"] for limit in worker.batch_limits()] == [2]
