@@ -45,7 +45,7 @@ def make_row(i: int, **overrides) -> dict:
         "ref_caption": s.ref_caption, "settings_json": s.model_dump_json(), "image_key": image_key(item_id),
         "image_uri": f"/out/{image_key(item_id)}", "thumb_key": thumb_key(item_id), "image_format": "png",
         "adapter": "snapref.safetensors", "model": "anima-tiny", "worker_id": f"w{i % 2}", "node_id": "node-a",
-        "encode_s": 0.5, "sample_s": 2.25, "decode_s": 0.125, "upload_s": 0.0625, "attempt": 1,
+        "encode_s": 0.5, "sample_s": 2.25, "decode_s": 0.125, "upload_s": 0.0625, "forward_batch": 4, "attempt": 1,
         "started_at": 1_800_000_000.5 + i, "finished_at": 1_800_000_003.25 + i,
     }
     row.update(overrides)
@@ -76,7 +76,7 @@ def test_schema_columns_exactly():
         "negative_prompt", "seed", "width", "height", "steps", "cfg", "sampler", "scheduler", "mode", "ref_weight",
         "ref_guidance", "ref_in_uncond", "correction", "ref_start", "ref_end", "ref_caption", "settings_json",
         "image_key", "image_uri", "thumb_key", "image_format", "adapter", "model", "worker_id", "node_id", "encode_s",
-        "sample_s", "decode_s", "upload_s", "attempt", "started_at", "finished_at"]
+        "sample_s", "decode_s", "upload_s", "forward_batch", "attempt", "started_at", "finished_at"]
     assert METADATA_SCHEMA.field("reference_uris").type == pa.list_(pa.string())
     assert METADATA_SCHEMA.field("width").type == pa.int32() and METADATA_SCHEMA.field("cfg").type == pa.float32()
     assert ERRORS_SCHEMA.names == ["item_id", "manifest_row", "error", "stage", "attempt", "at"]
