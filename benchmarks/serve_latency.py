@@ -15,13 +15,17 @@ same files and threads. It measures (medians; see benchmarks/common.py for the t
   no work at all, i.e. Serve's own floor on this machine.
 - concurrency (4 clients): requests/s, latency, mean batch size;
 - cache: a reference already on the replica (hit) against one it must encode (miss);
-- overload: a burst against max_ongoing_requests=1, max_queued_requests=1: how fast 503s return.
+- overload: a burst against max_ongoing_requests=1, max_queued_requests=1: how fast 503s return;
+- Serve's floor: a no-op app answering a PNG-sized body (160 kB) from the replica the proxy calls
+  (one hop, what a merged ingress + renderer would pay) and through a second deployment behind it
+  (two hops, the ingress -> renderer layout this server has): what Serve itself costs here.
 Prints one JSON object (and writes it to --out if given).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -87,7 +91,8 @@ class InProcess:
 FULL = {"warmup": 3, "cache_rounds": 8, "burst": 16, "overload_steps": 60}
 SMOKE = {"rounds": 3, "warmup": 1, "cache_rounds": 1, "burst": 4, "overload_steps": 8}
 # Every field the README's table reads; the smoke test checks they are all there.
-FIELDS = ("low_load", "concurrent", "cache", "low_load_10ms_batch_window", "overload", "environment")
+FIELDS = ("low_load", "concurrent", "cache", "low_load_10ms_batch_window", "overload", "serve_floor", "environment")
+PNG_BYTES = 160_000  # a 256x256 PNG of the tiny model, as the low-load requests return
 
 
 def low_load(client, ref: str, local: InProcess, rounds: int, warmup: int = 3) -> dict:
@@ -175,6 +180,42 @@ def overload(url: str, ref: str, burst: int = 16, steps: int = 60) -> dict:
             "latency_503": _ms(rejected) if rejected else None, "latency_200": _ms(admitted) if admitted else None}
 
 
+def serve_floor(url: str, rounds: int) -> dict:
+    """HTTP latency of no-op Serve apps: proxy -> replica (one hop) and proxy -> replica -> replica (two)."""
+    from ray import serve
+    from starlette.responses import Response
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Payload:
+        async def get(self, n: int) -> bytes:
+            return b"x" * n
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Front:
+        def __init__(self, behind=None) -> None:
+            self._behind = behind
+
+        async def __call__(self, request) -> Response:
+            n = int(request.query_params.get("bytes", "0"))
+            body = b"x" * n if self._behind is None else await self._behind.get.remote(n)
+            return Response(body, media_type="application/octet-stream")
+
+    result = {"payload_bytes": PNG_BYTES}
+    for name, app in (("one_hop", Front.bind()), ("two_hops", Front.bind(Payload.bind()))):
+        serve.run(app, name=f"floor-{name}", route_prefix=f"/floor-{name}")
+
+    def get(name: str) -> None:
+        with urlopen(f"{url}/floor-{name}?bytes={PNG_BYTES}", timeout=60) as r:
+            r.read()
+
+    times = interleaved({name: functools.partial(get, name) for name in ("one_hop", "two_hops")}, CPU,
+                        rounds=rounds, warmup_rounds=3)
+    for name in ("one_hop", "two_hops"):
+        result[name] = _ms(times[name])
+        serve.delete(f"floor-{name}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", help="model folder with reference.png (default: a tiny set in a temporary folder)")
@@ -233,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
         log("overload burst")
         result["overload"] = {"max_ongoing_requests": 1, "max_queued_requests": 1,
                               **overload(url, ref, counts["burst"], counts["overload_steps"])}
+        log("Serve's floor: no-op apps, one and two hops")
+        result["serve_floor"] = serve_floor(url, 2 * counts["rounds"])
         result["environment"] = environment(CPU, torch.float32)
     finally:
         stop_local()

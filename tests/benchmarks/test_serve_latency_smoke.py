@@ -48,3 +48,5 @@ def test_serve_latency_smoke_prints_every_section(tmp_path: Path) -> None:
     overload = result["overload"]
     assert overload["ok"] >= 1 and overload["ok"] + overload["rejected_503"] == serve_latency.SMOKE["burst"]
     assert result["environment"]["device"] == "cpu"
+    for hops in ("one_hop", "two_hops"):
+        _latency(result["serve_floor"][hops], hops)
