@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["serve_floor"] = serve_floor(url, 2 * counts["rounds"])
         result["environment"] = environment(CPU, torch.float32)
     finally:
-        stop_local()
+        stop_local(drain=False)
         tmp.cleanup()
         sys.stdout.flush()
         os.dup2(saved_stdout, 1)

@@ -45,7 +45,7 @@ def server(tiny_models: Path):
     try:
         yield start_local(config, num_cpus=6)
     finally:
-        stop_local()
+        stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def served(request, tiny_models: Path, tmp_path_factory):
         url = start_local(config, num_cpus=4)
         yield kind, SnapRefClient(url, token=TOKEN, timeout=600)
     finally:
-        stop_local()
+        stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
 
 
 def test_endpoint_renders_with_the_file_kind(served, tiny_models):

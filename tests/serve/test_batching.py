@@ -28,7 +28,7 @@ def client(tiny_models: Path):
     try:
         yield SnapRefClient(start_local(config, num_cpus=6), timeout=120)
     finally:
-        stop_local()
+        stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
 
 
 @pytest.fixture(scope="module")

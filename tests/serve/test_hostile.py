@@ -66,7 +66,7 @@ def server(tiny_models: Path):
         start_local(config, num_cpus=6)
         yield config.port
     finally:
-        stop_local()
+        stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
 
 
 @pytest.fixture(scope="module")
