@@ -11,14 +11,18 @@ same files and threads. It measures (medians; see benchmarks/common.py for the t
   median of the per-round differences, and also, per HTTP request, the latency minus the
   replica's own work timings (text, sample, decode, png, encode). Once with the default (no batch
   window) and once with a 10 ms window (`batch_wait_timeout_s=0.01`, the old default), which a lone
-  request waits in full. Beside it, GET /v1/health: the proxy -> replica -> client round trip with
+  request waits in full. Beside it, GET /v1/health: the front -> ingress -> client round trip with
   no work at all, i.e. Serve's own floor on this machine.
 - concurrency (4 clients): requests/s, latency, mean batch size;
 - cache: a reference already on the replica (hit) against one it must encode (miss);
 - overload: a burst against max_ongoing_requests=1, max_queued_requests=1: how fast 503s return;
-- Serve's floor: a no-op app answering a PNG-sized body (160 kB) from the replica the proxy calls
+- Serve's floor: a no-op app answering a PNG-sized body (160 kB) from the replica the front calls
   (one hop, what a merged ingress + renderer would pay) and through a second deployment behind it
   (two hops, the ingress -> renderer layout this server has): what Serve itself costs here.
+The server's front door is HAProxy with direct ingress when haproxy is installed (the default,
+`--front haproxy`), or Serve's own HTTP proxy (`--front serve_proxy`, the layout before direct
+ingress): run both for a before/after, e.g. `--front serve_proxy --out before.json` and
+`--out after.json`. The JSON's `front` says which one ran.
 Prints one JSON object (and writes it to --out if given).
 """
 
@@ -91,7 +95,7 @@ class InProcess:
 FULL = {"warmup": 3, "cache_rounds": 8, "burst": 16, "overload_steps": 60}
 SMOKE = {"rounds": 3, "warmup": 1, "cache_rounds": 1, "burst": 4, "overload_steps": 8}
 # Every field the README's table reads; the smoke test checks they are all there.
-FIELDS = ("low_load", "concurrent", "cache", "low_load_10ms_batch_window", "overload", "serve_floor", "environment")
+FIELDS = ("front", "low_load", "concurrent", "cache", "low_load_10ms_batch_window", "overload", "serve_floor", "environment")
 PNG_BYTES = 160_000  # a 256x256 PNG of the tiny model, as the low-load requests return
 
 
@@ -193,7 +197,10 @@ def serve_floor(url: str, rounds: int) -> dict:
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class Front:
         def __init__(self, behind=None) -> None:
-            self._behind = behind
+            from snapref_ray.serve.direct_ingress import over_this_replicas_transport
+
+            # The server's own transport between deployments (gRPC behind HAProxy, actor calls otherwise).
+            self._behind = None if behind is None else over_this_replicas_transport(behind)
 
         async def __call__(self, request) -> Response:
             n = int(request.query_params.get("bytes", "0"))
@@ -221,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--models", help="model folder with reference.png (default: a tiny set in a temporary folder)")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--smoke", action="store_true", help="every section once at the smallest counts (CI)")
+    parser.add_argument("--front", choices=("haproxy", "serve_proxy"), default="haproxy",
+                        help="HAProxy + direct ingress (the server's default; needs haproxy installed) or Serve's proxy")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     counts = {**FULL, "rounds": args.rounds}
@@ -229,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from ray import serve
 
-    from snapref_ray.pipelines.serve_app import APP_NAME, build_app, start_local, stop_local
+    from snapref_ray.pipelines.serve_app import APP_NAME, build_app, http_front, start_local, stop_local
     from snapref_ray.client import SnapRefClient
     from snapref_ray.serve.config import ServeConfig, ServeLimits
     from snapref_ray.tiny import make_tiny
@@ -242,14 +251,15 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = tempfile.TemporaryDirectory()
     models = Path(args.models) if args.models else make_tiny(Path(tmp.name) / "tiny")
     result: dict = {"model": str(models) if args.models else "tiny", "size": SMALL, "smoke": args.smoke}
-    base = ServeConfig(models_dir=str(models), port=_free_port(), min_replicas=1, max_replicas=1, cpus_per_replica=1)
-    log("starting Serve")
-    import ray
-
+    base = ServeConfig(models_dir=str(models), port=_free_port(), min_replicas=1, max_replicas=1, cpus_per_replica=1,
+                       direct_ingress=args.front == "haproxy")
+    log(f"starting Serve ({args.front})")
     # Replica logs stay in Ray's log files, so stdout holds only the JSON.
-    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
-    url = start_local(base)
+    url = start_local(base, num_cpus=6, log_to_driver=False)
     try:
+        result["front"] = http_front()
+        if result["front"] != args.front:
+            raise SystemExit(f"asked for --front {args.front}, but the server runs {result['front']} (is haproxy installed?)")
         local = InProcess(models, (models / "reference.png").read_bytes())
         client = SnapRefClient(url, timeout=300)
         ref = client.upload_reference(local.reference)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -24,6 +26,7 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
 from snapref_ray.serve.config import ServeConfig, is_loopback
+from snapref_ray.serve.direct_ingress import direct_ingress_env, environment, haproxy_binary
 from snapref_ray.serve.ingress import Ingress
 from snapref_ray.serve.references import ReferenceStore
 from snapref_ray.serve.renderer import RendererDeployment
@@ -98,25 +101,60 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def start_local(config: ServeConfig, *, num_cpus: int | None = None, num_gpus: int | None = None) -> str:
-    """Start Ray (locally, unless already up), Serve's proxy on config.host:config.port, and the app.
+def start_local(config: ServeConfig, *, num_cpus: int | None = None, num_gpus: int | None = None,
+                log_to_driver: bool = True) -> str:
+    """Start Ray (locally, unless already up), Serve and the app; answer HTTP on config.host:config.port.
 
-    Returns the base URL once every replica is ready.
+    With `config.direct_ingress` (the default), Ray started here and HAProxy installed, HAProxy answers
+    the port and forwards straight to the ingress replica (snapref_ray/serve/direct_ingress.py);
+    otherwise Serve's own proxy does, one actor hop more. Returns the base URL once every replica is
+    ready.
     """
     import ray
 
+    env: dict[str, str] = {}
     if not ray.is_initialized():
+        if config.direct_ingress:
+            env = _direct_ingress_env(config)
         if is_loopback(config.host):
             # Ray's metrics export port (unauthenticated Prometheus text: request counts per route)
             # listens on every interface, whatever the node address; a loopback-only server has no
             # scraper, so it does not start one. Set RAY_enable_metrics_collection=1 to keep it.
-            os.environ.setdefault("RAY_enable_metrics_collection", "0")
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False)
+            env["RAY_enable_metrics_collection"] = os.environ.get("RAY_enable_metrics_collection", "0")
+        with environment(env):  # Ray's processes inherit it; this process gets its own back
+            ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                     log_to_driver=log_to_driver)
+    elif config.direct_ingress:
+        log.info("Ray was already running: its own environment decides between Serve's proxy and direct ingress")
     serve.start(http_options={"host": config.host, "port": config.port,
                               "request_timeout_s": config.proxy_timeout_s()})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     host = f"[{config.host}]" if ":" in config.host else config.host
     return f"http://{host}:{config.port}"
+
+
+_haproxy_dir: tempfile.TemporaryDirectory | None = None  # HAProxy's files for the local server
+
+
+def http_front() -> str:
+    """What answers the local server's port: "haproxy" (direct ingress) or "serve_proxy"."""
+    return "haproxy" if _haproxy_dir is not None else "serve_proxy"
+
+
+def _direct_ingress_env(config: ServeConfig) -> dict[str, str]:
+    """The HAProxy + direct ingress environment, or {} (Serve's proxy) when HAProxy is not installed.
+    Settings already in the environment win: the operator's own RAY_SERVE_* choices."""
+    global _haproxy_dir
+    haproxy = haproxy_binary()
+    if haproxy is None:
+        log.warning("haproxy is not installed, so Serve's own proxy answers the port (one actor hop more,"
+                    " ~20 ms per request on 2 cores); install it (apt-get install haproxy) for direct ingress")
+        return {}
+    # Short and under /tmp: HAProxy caps unix socket paths at 97 bytes, and Serve adds a 56-character
+    # node id folder below this one.
+    _haproxy_dir = tempfile.TemporaryDirectory(prefix="srhap-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    env = direct_ingress_env(config, haproxy, Path(_haproxy_dir.name))
+    return {name: value for name, value in env.items() if name not in os.environ}
 
 
 def stop_local(*, drain: bool = True) -> None:
@@ -127,8 +165,12 @@ def stop_local(*, drain: bool = True) -> None:
     benchmarks)."""
     import ray
 
+    global _haproxy_dir
     try:
         if drain:
             serve.shutdown()
     finally:
         ray.shutdown()
+        if _haproxy_dir is not None:
+            _haproxy_dir.cleanup()
+            _haproxy_dir = None

@@ -55,7 +55,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from snapref_ray.pipelines.serve_app import start_local, stop_local
+    from snapref_ray.pipelines.serve_app import http_front, start_local, stop_local
 
     config = config_from_args(args)
     config.check_security()
@@ -65,7 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         url = start_local(config)
         auth = "bearer token required" if config.resolved_token() else "no token (loopback only)"
-        print(f"serving on {url} ({auth}); API docs at {url}/docs; Ctrl-C stops", flush=True)
+        front = "HAProxy -> ingress (direct ingress)" if http_front() == "haproxy" else "Serve's proxy -> ingress"
+        print(f"serving on {url} ({auth}; {front}); API docs at {url}/docs; Ctrl-C stops", flush=True)
         stop.wait()
     finally:
         print("stopping: replicas finish what they hold", flush=True)

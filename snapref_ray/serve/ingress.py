@@ -37,6 +37,7 @@ from snapref_ray.serve.auth import BearerAuth
 from snapref_ray.serve.bodies import BodyReceiver
 from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.config import ServeConfig
+from snapref_ray.serve.direct_ingress import over_this_replicas_transport
 from snapref_ray.serve.renderer import ReferenceSpec, RenderJob, RenderReply
 
 log = logging.getLogger(__name__)
@@ -150,8 +151,8 @@ class Ingress:
         config.check_security(_proxy_host() or config.host)  # refuse to start exposed without a token
         self._config = config
         self._limits = config.limits
-        self._renderer = renderer
-        self._store = store
+        self._renderer = over_this_replicas_transport(renderer)
+        self._store = over_this_replicas_transport(store)
         self._auth = BearerAuth(config.resolved_token())
         self._bodies = BodyReceiver(config)
         self._models: dict | None = None
@@ -233,11 +234,17 @@ class Ingress:
         job = RenderJob(body.prompt, tuple(range(body.seed, body.seed + body.n)), settings, reference,
                         ref_megapixels_set="ref_megapixels" in body.model_fields_set)
         handle = self._renderer.options(multiplexed_model_id=reference.key if reference else "")
+        called = time.perf_counter()
         reply: RenderReply = await self._call(handle.render.remote(job))
-        reply.timings["total_s"] = time.perf_counter() - started
+        finished = time.perf_counter()
+        # call_s - replica_s is the hop to the renderer and back; total_s - call_s the ingress's own work.
+        reply.timings.update(call_s=finished - called, total_s=finished - started)
         if fmt == "png":
             return Response(reply.pngs[0], media_type="image/png", headers=self._metadata_headers(reply, reference))
-        return JSONResponse(self._json_reply(body, settings, reference, reply).model_dump(mode="json"))
+        # pydantic's own serializer: ~5x faster than JSONResponse's json.dumps on the base64 images
+        # (0.24 ms against 1.1 ms for one 160 kB PNG), the same JSON.
+        return Response(self._json_reply(body, settings, reference, reply).model_dump_json(),
+                        media_type="application/json")
 
     # -- docs -------------------------------------------------------------------------------
     def _docs_auth(self, request: Request) -> None:

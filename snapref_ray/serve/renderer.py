@@ -37,6 +37,7 @@ from ray import serve
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.api import ApiError
 from snapref_ray.serve.config import ServeConfig
+from snapref_ray.serve.direct_ingress import over_this_replicas_transport
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class RendererDeployment:
         from snapref_ray.engine import Renderer
 
         self._config = config
-        self._store = store
+        self._store = over_this_replicas_transport(store)
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":
             torch.set_num_threads(max(1, int(config.cpus_per_replica)))

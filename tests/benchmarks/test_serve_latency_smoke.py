@@ -25,6 +25,10 @@ def _latency(record: dict, where: str) -> None:
 @pytest.mark.slow
 def test_serve_latency_smoke_prints_every_section(tmp_path: Path) -> None:
     from benchmarks import serve_latency
+    from snapref_ray.serve.direct_ingress import haproxy_binary
+
+    if haproxy_binary() is None:
+        pytest.skip("haproxy is not installed (apt-get install haproxy): the benchmark measures the server behind it")
 
     out = tmp_path / "serve.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -34,6 +38,7 @@ def test_serve_latency_smoke_prints_every_section(tmp_path: Path) -> None:
     result = json.loads(proc.stdout)  # stdout is the JSON alone
     assert result == json.loads(out.read_text())
     assert result["smoke"] is True and set(serve_latency.FIELDS) <= set(result)
+    assert result["front"] == "haproxy"  # the server's default front door, measured
     for section in ("low_load", "low_load_10ms_batch_window"):
         low = result[section]
         _latency(low["http"], section)

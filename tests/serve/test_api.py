@@ -290,7 +290,9 @@ def test_json_mode_returns_metadata(client: SnapRefClient, reference_id: str) ->
     assert answer["settings"]["mode"] == "char" and answer["settings"]["ref_weight"] == 0.8
     assert answer["settings"]["cfg"] == 4.5  # defaults filled in
     assert answer["reference_ids"] == [reference_id]
-    assert {"encode_s", "text_s", "sample_s", "decode_s", "png_s", "queue_s", "replica_s", "total_s"} <= set(answer["timings"])
+    assert {"encode_s", "text_s", "sample_s", "decode_s", "png_s", "queue_s", "replica_s", "call_s", "total_s"} <= set(answer["timings"])
+    timings = answer["timings"]  # nested spans: the replica's work inside the ingress's call inside the request
+    assert 0 < timings["sample_s"] < timings["replica_s"] <= timings["call_s"] <= timings["total_s"]
     assert answer["batch_size"] >= 1 and answer["batched_requests"] >= 1 and isinstance(answer["cache_hit"], bool)
     (image,) = answer["images"]
     assert (image["seed"], image["width"], image["height"]) == (3, 256, 256)

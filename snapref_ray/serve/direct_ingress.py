@@ -1,0 +1,121 @@
+"""Ray Serve's direct ingress for the local server: HAProxy in front, HTTP straight into the ingress.
+
+By default a request crosses three actors: Serve's HTTP proxy -> SnapRefIngress -> SnapRefRenderer,
+each hop an actor call. In Serve's HAProxy mode (Ray 2.60: `RAY_SERVE_ENABLE_HA_PROXY`, which implies
+direct ingress) the ingress replica runs its own HTTP server on a port of its own, HAProxy listens on
+the public port and forwards to it, and with Serve's "throughput optimized" settings the ingress ->
+renderer call goes over gRPC instead of an actor task. On 2 CPU cores a no-op app answering 160 kB
+costs 10.6-13.4 ms p50 through Serve's proxy and 1.8-2.0 ms through HAProxy; behind a second
+deployment 20-27 ms against 5-8 ms, and a render request's overhead falls from 24-33 ms to
+10-13 ms (`benchmarks/serve_latency.py`; benchmarks/README.md, Serve latency).
+
+HAProxy (not Serve's proxy) owns the public port, so a restarted or redeployed ingress replica may
+come back on any port of its range: HAProxy follows it, retries refused connections and keeps the
+public address. (Direct ingress without HAProxy would bind the public port from the replica itself,
+without SO_REUSEADDR: after a restart the port stays refused while the old connections sit in
+TIME_WAIT, and Serve then blocks it for good.)
+
+These are process environment settings that Serve's controller and replicas read when they start,
+so they must be in place before Ray starts: `start_local` applies them to the local Ray it creates
+when the `haproxy` binary is installed (Debian/Ubuntu: `apt-get install haproxy`). A cluster started
+otherwise (`ray start`, KubeRay) decides for itself; see README.md, Serving.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from snapref_ray.serve.config import ServeConfig
+
+# The ingress -> renderer and ingress -> store calls carry uploads (up to max_upload_bytes, 20 MiB by
+# default) and replies of up to max_n PNGs; Serve's replica-side gRPC default (4 MiB) would refuse them.
+_MIN_GRPC_MESSAGE_BYTES = 256 * 2**20
+# A stopping ingress replica keeps answering this long so HAProxy, told by the controller at once,
+# stops sending to it first. Serve's default (30 s) is for external load balancers; here the only
+# balancer is the local HAProxy, which also retries a refused connection on another replica.
+_DRAIN_S = 2.0
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy executable: $RAY_SERVE_HAPROXY_BINARY_PATH, else `haproxy` on PATH (or /usr/sbin)."""
+    configured = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if configured:
+        return configured
+    return shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
+
+
+def grpc_message_limit(config: ServeConfig) -> int:
+    """Bytes one inter-deployment gRPC message may hold: a pair upload or a full reply, with room to spare."""
+    limits = config.limits
+    largest_png = int(limits.max_megapixels * 1e6 * 3) + 2**20  # 8-bit RGB, stored: PNG's worst case
+    return max(_MIN_GRPC_MESSAGE_BYTES, 4 * limits.max_upload_bytes, 2 * limits.max_n * largest_png)
+
+
+def direct_ingress_env(config: ServeConfig, haproxy: str, workdir: Path) -> dict[str, str]:
+    """The environment under which HAProxy answers `config.port` and forwards to the ingress replica.
+
+    `workdir` holds HAProxy's configuration, sockets and state: one folder per server, so that two
+    local servers on one machine (tests, a second user) never share them."""
+    return {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy,
+        # gRPC between deployments, user code and router on the replicas' main loops.
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        # ...but replica logs stay on stderr, where `ray logs` and the driver show them, and reach their
+        # files line by line (that mode buffers 1,000 lines, so a quiet server's log would lag for hours).
+        "RAY_SERVE_LOG_TO_STDERR": "1",
+        "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(workdir / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(workdir / "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(workdir),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(workdir / "server-state"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(workdir / "metrics.sock"),
+        # HAProxy's stats page and Prometheus exporter, and the Serve proxy HAProxy falls back to while
+        # no ingress replica is up, have fixed default ports (8404, 9101, 8500, 9500): free ones, so
+        # that a second server on the machine starts too.
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(_DRAIN_S),
+        "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(grpc_message_limit(config)),
+    }
+
+
+def over_this_replicas_transport(handle):
+    """`handle`, calling over the transport this replica's Serve is set up for.
+
+    A handle passed to a deployment was built in the driver and carries the driver's choice between
+    actor calls and gRPC; the driver of a local server does not run under the throughput settings
+    (only Ray's processes do), so each replica re-applies its own."""
+    from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT
+
+    return handle.options(_by_reference=not RAY_SERVE_USE_GRPC_BY_DEFAULT)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` that nothing listens on right now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ for the duration (Ray's processes inherit them when it starts)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,189 @@
+"""The local server's front door: HAProxy on the port, forwarding straight to the ingress replica.
+
+A real local Serve in HAProxy mode (snapref_ray/serve/direct_ingress.py) with the tiny models. The
+rest of tests/serve runs its HTTP behaviours through the same front (it is the default); this module
+checks what is particular to it: who answers the port, what listens where, uploads larger than
+Serve's gRPC default crossing deployments, and an ingress replica that dies and comes back on the
+same public address.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import socket
+import time
+from pathlib import Path
+from urllib.error import HTTPError, URLError
+from urllib.request import urlopen
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from snapref_ray.client import SnapRefClient
+from snapref_ray.serve.config import ServeConfig, ServeLimits
+from snapref_ray.serve.direct_ingress import direct_ingress_env, environment, grpc_message_limit, haproxy_binary
+from tests.serve.conftest import free_port
+
+SMALL = {"width": 256, "height": 256, "steps": 2}
+# Larger than Serve's replica-side gRPC default (4 MiB), which the ingress -> store call must pass.
+BIG_UPLOAD_BYTES = 6 * 2**20
+LIMITS = ServeLimits(max_upload_bytes=8 * 2**20)
+
+needs_haproxy = pytest.mark.skipif(haproxy_binary() is None, reason="haproxy is not installed (apt-get install haproxy)")
+
+
+# -- without a server ----------------------------------------------------------------------------
+def test_environment_restores_what_it_changed(monkeypatch) -> None:
+    monkeypatch.setenv("SNAPREF_TEST_KEEP", "before")
+    monkeypatch.delenv("SNAPREF_TEST_NEW", raising=False)
+    with environment({"SNAPREF_TEST_KEEP": "during", "SNAPREF_TEST_NEW": "x"}):
+        assert os.environ["SNAPREF_TEST_KEEP"] == "during" and os.environ["SNAPREF_TEST_NEW"] == "x"
+    assert os.environ["SNAPREF_TEST_KEEP"] == "before" and "SNAPREF_TEST_NEW" not in os.environ
+
+
+def test_grpc_limit_carries_the_largest_upload_and_reply() -> None:
+    config = ServeConfig(models_dir="m", limits=ServeLimits(max_upload_bytes=100 * 2**20, max_megapixels=4.0, max_n=4),
+                         max_batch_size=4, reference_store_bytes=2**30)
+    limit = grpc_message_limit(config)
+    assert limit >= 2 * config.limits.max_upload_bytes  # a pair of uploads read back by a renderer
+    assert limit >= 4 * 4.0e6 * 3  # four stored 4 MP RGB PNGs in one reply
+    assert grpc_message_limit(ServeConfig(models_dir="m")) > 4 * 2**20  # above Serve's own default
+
+
+def test_each_server_gets_its_own_haproxy_files_and_ports(tmp_path: Path) -> None:
+    config = ServeConfig(models_dir="m", port=free_port())
+    a = direct_ingress_env(config, "/usr/sbin/haproxy", tmp_path / "a")
+    b = direct_ingress_env(config, "/usr/sbin/haproxy", tmp_path / "b")
+    assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and a["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/usr/sbin/haproxy"
+    for name in ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_SERVER_STATE_BASE",
+                 "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"):
+        assert a[name].startswith(str(tmp_path / "a")) and b[name].startswith(str(tmp_path / "b"))
+    # Serve's defaults (8404, 9101) would make a second server on the machine fail to start its HAProxy.
+    ports = {a[f"RAY_SERVE_{name}_PORT"] for name in ("HAPROXY_STATS", "HAPROXY_METRICS", "FALLBACK_PROXY_HTTP",
+                                                        "FALLBACK_PROXY_GRPC")}
+    assert len(ports) == 4 and ports.isdisjoint({"8404", "9101", "8500", "9500"})
+
+
+# -- a running server ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_models: Path):
+    if haproxy_binary() is None:
+        pytest.skip("haproxy is not installed (apt-get install haproxy)")
+    from snapref_ray.pipelines import serve_app
+
+    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), limits=LIMITS, min_replicas=1, max_replicas=1,
+                         reference_store_bytes=64 * 2**20)
+    try:
+        url = serve_app.start_local(config, num_cpus=6)
+        yield url, config, Path(serve_app._haproxy_dir.name)
+    finally:
+        serve_app.stop_local(drain=False)
+
+
+def _haproxy_cfg(workdir: Path) -> str:
+    (path,) = workdir.glob("*/haproxy.cfg")  # Serve writes it under a folder named by the node id
+    return path.read_text()
+
+
+def _ingress_servers(workdir: Path) -> list[tuple[str, int]]:
+    """(host, port) of the ingress replicas HAProxy forwards the app's requests to."""
+    # Beside them HAProxy keeps Serve's proxy as a backup server (for while no replica is up).
+    servers = re.findall(r"^\s*server\s+SERVE_REPLICA\S+\s+([\d.]+):(\d+)", _haproxy_cfg(workdir), flags=re.M)
+    return [(host, int(port)) for host, port in servers]
+
+
+def _health(base: str) -> int:
+    with urlopen(f"{base}/v1/health", timeout=10) as r:
+        return r.status
+
+
+@needs_haproxy
+def test_haproxy_answers_the_port_and_forwards_to_the_ingress_itself(server) -> None:
+    from snapref_ray.pipelines.serve_app import http_front
+
+    url, config, workdir = server
+    assert http_front() == "haproxy"
+    cfg = _haproxy_cfg(workdir)
+    assert re.search(rf"^\s*bind\s+127\.0\.0\.1:{config.port}\s*$", cfg, flags=re.M), cfg
+    servers = _ingress_servers(workdir)
+    assert len(servers) == 1, cfg
+    host, port = servers[0]
+    assert port != config.port
+    # The ingress replica is an HTTP server of its own: no proxy actor between HAProxy and the app.
+    assert _health(f"http://{host}:{port}") == 200
+    assert _health(url) == 200
+
+
+def _other_address() -> str | None:
+    """An address of this machine that is not loopback, if it has one."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
+
+
+@needs_haproxy
+def test_the_api_listens_on_loopback_only(server) -> None:
+    url, config, workdir = server
+    (host, ingress_port), = _ingress_servers(workdir)
+    assert host == "127.0.0.1"
+    other = _other_address()
+    if other is None:
+        pytest.skip("this machine has no non-loopback address to try")
+    for port in (config.port, ingress_port):
+        with socket.socket() as s, pytest.raises(OSError):
+            s.settimeout(5)
+            s.connect((other, port))
+
+
+def _noise_png(nbytes: int) -> bytes:
+    """A PNG of random pixels (incompressible) of at least `nbytes` bytes."""
+    side = int((nbytes / 3) ** 0.5) + 8
+    pixels = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG", compress_level=0)
+    assert nbytes <= len(buf.getvalue()) <= LIMITS.max_upload_bytes
+    return buf.getvalue()
+
+
+@needs_haproxy
+def test_an_upload_larger_than_grpcs_default_crosses_the_deployments(server) -> None:
+    url, config, _ = server
+    client = SnapRefClient(url, timeout=300)
+    data = _noise_png(BIG_UPLOAD_BYTES)
+    reference_id = client.upload_reference(data)  # ingress -> ReferenceStore over gRPC
+    png = client.render("a girl in a garden", reference_id=reference_id, **SMALL)  # store -> renderer
+    assert Image.open(io.BytesIO(png)).size == (256, 256)
+
+
+def _ingress_actor_names() -> list[str]:
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "SnapRefIngress" in a["name"]]
+
+
+@needs_haproxy
+def test_a_killed_ingress_replica_comes_back_behind_the_same_address(server, tiny_models: Path) -> None:
+    import ray
+
+    url, config, workdir = server
+    (name,) = _ingress_actor_names()
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 120
+    while True:  # back when HAProxy forwards to a new replica (meanwhile Serve's proxy, its backup, may answer)
+        try:
+            if _ingress_actor_names() not in ([], [name]) and len(_ingress_servers(workdir)) == 1 and _health(url) == 200:
+                break
+        except (HTTPError, URLError, ConnectionError, TimeoutError):
+            pass
+        assert time.monotonic() < deadline, "the server did not come back within 120 s"
+        time.sleep(0.5)
+    client = SnapRefClient(url, timeout=300)
+    reference_id = client.upload_reference((tiny_models / "reference.png").read_bytes())
+    assert client.render("after the restart", reference_id=reference_id, **SMALL)[:8] == b"\x89PNG\r\n\x1a\n"
