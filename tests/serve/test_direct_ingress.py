@@ -67,6 +67,33 @@ def test_each_server_gets_its_own_haproxy_files_and_ports(tmp_path: Path) -> Non
     assert len(ports) == 4 and ports.isdisjoint({"8404", "9101", "8500", "9500"})
 
 
+def test_without_haproxy_the_server_keeps_serves_proxy_and_says_so(monkeypatch, caplog) -> None:
+    from snapref_ray.pipelines import serve_app
+
+    monkeypatch.setattr(serve_app, "haproxy_binary", lambda: None)
+    with caplog.at_level("WARNING", logger=serve_app.__name__):
+        assert serve_app._direct_ingress_env(ServeConfig(models_dir="m")) == {}
+    assert "haproxy is not installed" in caplog.text and serve_app.http_front() == "serve_proxy"
+
+
+def test_the_operators_own_serve_settings_win(monkeypatch) -> None:
+    from snapref_ray.pipelines import serve_app
+
+    monkeypatch.setattr(serve_app, "haproxy_binary", lambda: "/opt/haproxy/bin/haproxy")
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "30")
+    try:
+        env = serve_app._direct_ingress_env(ServeConfig(models_dir="m"))
+        assert "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" not in env  # left as the operator set it
+        assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/opt/haproxy/bin/haproxy"
+        # HAProxy refuses unix socket paths over 97 bytes; Serve puts a 56-character node id folder
+        # between this folder and the socket name.
+        longest = max(len(env[name]) for name in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"))
+        assert longest + 57 <= 97
+    finally:
+        serve_app._haproxy_dir.cleanup()
+        serve_app._haproxy_dir = None
+
+
 # -- a running server ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_models: Path):
