@@ -32,7 +32,6 @@ import argparse
 import functools
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -54,12 +53,6 @@ from benchmarks.common import emit, environment, interleaved, log  # noqa: E402
 SMALL = {"width": 256, "height": 256, "steps": 2}
 COMPUTE = ("text_s", "sample_s", "decode_s", "png_s", "encode_s")  # replica timings that are the work itself
 CPU = torch.device("cpu")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ms(seconds: list[float]) -> dict:
@@ -241,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     from snapref_ray.pipelines.serve_app import APP_NAME, build_app, http_front, start_local, stop_local
     from snapref_ray.client import SnapRefClient
     from snapref_ray.serve.config import ServeConfig, ServeLimits
+    from snapref_ray.serve.direct_ingress import free_port
     from snapref_ray.tiny import make_tiny
 
     # Ray prints to fd 1 (worker logs, shutdown notices) from threads and child processes: send fd 1 to
@@ -251,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = tempfile.TemporaryDirectory()
     models = Path(args.models) if args.models else make_tiny(Path(tmp.name) / "tiny")
     result: dict = {"model": str(models) if args.models else "tiny", "size": SMALL, "smoke": args.smoke}
-    base = ServeConfig(models_dir=str(models), port=_free_port(), min_replicas=1, max_replicas=1, cpus_per_replica=1,
+    base = ServeConfig(models_dir=str(models), port=free_port(), min_replicas=1, max_replicas=1, cpus_per_replica=1,
                        direct_ingress=args.front == "haproxy")
     log(f"starting Serve ({args.front})")
     # Replica logs stay in Ray's log files, so stdout holds only the JSON.

@@ -11,7 +11,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import torch
 import yaml
 from PIL import Image
 from safetensors.torch import save_file
+
+from snapref_ray.serve.direct_ingress import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "snapref_ray" / "examples"
@@ -189,15 +190,9 @@ def test_timing(models, tmp_path):
     assert all(row["label"] in out for row in rows)  # the Markdown table printed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_serve_answers_the_readme_curl_example(models, tmp_path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                SNAPREF_API_TOKEN="secret")
     log = (tmp_path / "serve.log").open("w")

@@ -2,11 +2,4 @@
 
 from __future__ import annotations
 
-import socket
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from snapref_ray.serve.direct_ingress import free_port  # noqa: F401  (a port on 127.0.0.1 nothing listens on)
