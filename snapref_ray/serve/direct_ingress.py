@@ -83,6 +83,13 @@ def direct_ingress_env(config: ServeConfig, haproxy: str, workdir: Path) -> dict
         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
         "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(_DRAIN_S),
+        # A replica that died (node lost, OOM, killed) leaves HAProxy's pooled connections to it open
+        # until a health check fails; a request sent on one gets no answer, which Serve's default
+        # (retry refused connections only) turns into a 500. Every API call may be sent twice: a render
+        # is a function of its request, an upload is stored by content hash. So HAProxy retries it on
+        # another replica (requests up to its 16 kB buffer, which holds every render body without an
+        # inline image).
+        "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
         "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(grpc_message_limit(config)),
     }
 
