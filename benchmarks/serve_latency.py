@@ -21,8 +21,10 @@ same files and threads. It measures (medians; see benchmarks/common.py for the t
   (two hops, the ingress -> renderer layout this server has): what Serve itself costs here.
 The server's front door is HAProxy with direct ingress when haproxy is installed (the default,
 `--front haproxy`), or Serve's own HTTP proxy (`--front serve_proxy`, the layout before direct
-ingress): run both for a before/after, e.g. `--front serve_proxy --out before.json` and
-`--out after.json`. The JSON's `front` says which one ran.
+ingress). Behind it the ingress renders itself (`--topology fused`, the default for one renderer
+replica) or calls a renderer deployment (`--topology split`, one hop more). Run them side by side
+for a before/after, e.g. `--topology split --out before.json` and `--out after.json`. The JSON's
+`front` and `topology` say which ran.
 Prints one JSON object (and writes it to --out if given).
 """
 
@@ -88,7 +90,7 @@ class InProcess:
 FULL = {"warmup": 3, "cache_rounds": 8, "burst": 16, "overload_steps": 60}
 SMOKE = {"rounds": 3, "warmup": 1, "cache_rounds": 1, "burst": 4, "overload_steps": 8}
 # Every field the README's table reads; the smoke test checks they are all there.
-FIELDS = ("front", "low_load", "concurrent", "cache", "low_load_10ms_batch_window", "overload", "serve_floor", "environment")
+FIELDS = ("front", "topology", "low_load", "concurrent", "cache", "low_load_10ms_batch_window", "overload", "serve_floor", "environment")
 PNG_BYTES = 160_000  # a 256x256 PNG of the tiny model, as the low-load requests return
 
 
@@ -112,7 +114,8 @@ def low_load(client, ref: str, local: InProcess, rounds: int, warmup: int = 3) -
             "health_floor": _ms(times["health"]),
             "in_process": {**_ms(times["in_process"]), "requests_per_s": len(times["in_process"]) / sum(times["in_process"])},
             "overhead_vs_in_process_p50_ms": statistics.median(a - b for a, b in zip(times["http"], times["in_process"])) * 1e3,
-            "overhead_measured_p50_ms": statistics.median(overhead) * 1e3}
+            "overhead_measured_p50_ms": statistics.median(overhead) * 1e3,
+            "overhead_measured": _ms(overhead)}
 
 
 def concurrent(client, ref: str, requests: int, clients: int = 4) -> dict:
@@ -223,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="every section once at the smallest counts (CI)")
     parser.add_argument("--front", choices=("haproxy", "serve_proxy"), default="haproxy",
                         help="HAProxy + direct ingress (the server's default; needs haproxy installed) or Serve's proxy")
+    parser.add_argument("--topology", choices=("fused", "split"), default="fused",
+                        help="the ingress renders itself (the default for one renderer replica) or calls a renderer"
+                             " deployment (the layout for several replicas, one hop more)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     counts = {**FULL, "rounds": args.rounds}
@@ -246,8 +252,9 @@ def main(argv: list[str] | None = None) -> dict:
     models = Path(args.models) if args.models else make_tiny(Path(tmp.name) / "tiny")
     result: dict = {"model": str(models) if args.models else "tiny", "size": SMALL, "smoke": args.smoke}
     base = ServeConfig(models_dir=str(models), port=free_port(), min_replicas=1, max_replicas=1, cpus_per_replica=1,
-                       direct_ingress=args.front == "haproxy")
-    log(f"starting Serve ({args.front})")
+                       direct_ingress=args.front == "haproxy", topology=args.topology)
+    result["topology"] = args.topology
+    log(f"starting Serve ({args.front}, {args.topology})")
     # Replica logs stay in Ray's log files, so stdout holds only the JSON.
     url = start_local(base, num_cpus=6, log_to_driver=False)
     try:

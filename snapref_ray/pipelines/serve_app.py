@@ -1,4 +1,5 @@
-"""The Serve application: ingress + renderer + reference store, wired from one ServeConfig.
+"""The Serve application: ingress + renderer + reference store, wired from one ServeConfig
+(`ServeConfig.topology`: the renderers behind the ingress, or the ingress replicas rendering).
 
 - `build_app(config)`: the Application, for `serve.run` in Python (the CLI and the tests).
 - `app_builder`: an application builder for Serve's own tools, taking the ServeConfig fields as
@@ -50,7 +51,9 @@ def _cluster_has_gpus() -> bool:
 
 
 def build_app(config: ServeConfig) -> Application:
-    """The application: SnapRefIngress -> SnapRefRenderer (autoscaled, one per GPU) + ReferenceStore."""
+    """The application. Split topology: SnapRefIngress -> SnapRefRenderer (autoscaled, one per GPU) +
+    ReferenceStore. Fused: SnapRefIngress replicas that render themselves (autoscaled, one per GPU)
+    + ReferenceStore."""
     config.check_security()
     gpus = config.gpus_per_replica if config.gpus_per_replica is not None else (1.0 if _cluster_has_gpus() else 0.0)
     retry = BackpressureConfig(status_code=503, retry_after_s=config.retry_after_s)
@@ -58,9 +61,9 @@ def build_app(config: ServeConfig) -> Application:
     drain_s = config.request_timeout_s + 10.0
     store = ReferenceStore.options(num_replicas=config.reference_store_replicas).bind(
         config.reference_store_bytes, config.references_uri, config.s3_options())
-    renderer = RendererDeployment.options(
-        ray_actor_options={"num_cpus": config.cpus_per_replica, "num_gpus": gpus},
-        autoscaling_config={
+    rendering = {
+        "ray_actor_options": {"num_cpus": config.cpus_per_replica, "num_gpus": gpus},
+        "autoscaling_config": {
             "min_replicas": config.min_replicas,
             "initial_replicas": max(config.min_replicas, 1),
             "max_replicas": config.max_replicas,
@@ -68,21 +71,30 @@ def build_app(config: ServeConfig) -> Application:
             "upscale_delay_s": config.upscale_delay_s,
             "downscale_delay_s": config.downscale_delay_s,
         },
+        "health_check_period_s": config.health_check_period_s,
+        "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
+    }
+    # The HTTP side: many cheap requests per replica, Serve's own queue in front of them.
+    http = {"max_ongoing_requests": config.ingress_max_ongoing_requests,
+            "max_queued_requests": config.ingress_max_queued_requests,
+            "backpressure_config": retry, "graceful_shutdown_timeout_s": drain_s}
+    if config.fused():
+        # The renders' own admission (max_ongoing_requests + max_queued_requests) is the ingress's.
+        return Ingress.options(**rendering, **http).bind(config, None, store)
+    renderer = RendererDeployment.options(
+        **rendering,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
         backpressure_config=retry,
-        health_check_period_s=config.health_check_period_s,
-        health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_timeout_s=drain_s,
     ).bind(config, store)
-    return Ingress.options(
-        num_replicas=config.ingress_replicas,
-        max_ongoing_requests=config.ingress_max_ongoing_requests,
-        max_queued_requests=config.ingress_max_queued_requests,
-        backpressure_config=retry,
-        graceful_shutdown_timeout_s=drain_s,
-        ray_actor_options={"num_cpus": 0.5},
-    ).bind(config, renderer, store)
+    return Ingress.options(num_replicas=config.ingress_replicas, ray_actor_options={"num_cpus": 0.5},
+                           **http).bind(config, renderer, store)
+
+
+def rendering_deployment(config: ServeConfig) -> str:
+    """The deployment whose replicas render (and log renders) under `config`."""
+    return "SnapRefIngress" if config.fused() else "SnapRefRenderer"
 
 
 def app_builder(args: dict[str, Any]) -> Application:
@@ -126,6 +138,12 @@ def start_local(config: ServeConfig, *, num_cpus: int | None = None, num_gpus: i
                      log_to_driver=log_to_driver)
     elif config.direct_ingress:
         log.info("Ray was already running: its own environment decides between Serve's proxy and direct ingress")
+    if config.topology == "auto" and not config.fused() and _renderers_that_fit(config) == 1:
+        # One GPU here: a second renderer replica could never start, so there is nothing to route.
+        config = config.model_copy(update={"topology": "fused"})
+        log.info("one renderer replica fits this machine's GPUs: the ingress renders itself (topology fused)")
+    global _topology
+    _topology = "fused" if config.fused() else "split"
     serve.start(http_options={"host": config.host, "port": config.port,
                               "request_timeout_s": config.proxy_timeout_s()})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
@@ -134,6 +152,23 @@ def start_local(config: ServeConfig, *, num_cpus: int | None = None, num_gpus: i
 
 
 _haproxy_dir: tempfile.TemporaryDirectory | None = None  # HAProxy's files for the local server
+_topology: str | None = None  # what start_local deployed
+
+
+def local_topology() -> str | None:
+    """The topology start_local deployed ("fused" or "split"), None before it ran."""
+    return _topology
+
+
+def _renderers_that_fit(config: ServeConfig) -> int | None:
+    """Renderer replicas the running Ray's GPUs hold at most; None for CPU replicas (bounded by config)."""
+    import ray
+
+    gpus_per_replica = config.gpus_per_replica if config.gpus_per_replica is not None else (
+        1.0 if _cluster_has_gpus() else 0.0)
+    if gpus_per_replica <= 0:
+        return None
+    return int(ray.cluster_resources().get("GPU", 0) // gpus_per_replica)
 
 
 def http_front() -> str:
@@ -165,7 +200,8 @@ def stop_local(*, drain: bool = True) -> None:
     benchmarks)."""
     import ray
 
-    global _haproxy_dir
+    global _haproxy_dir, _topology
+    _topology = None
     try:
         if drain:
             serve.shutdown()

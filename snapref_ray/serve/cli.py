@@ -55,7 +55,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from snapref_ray.pipelines.serve_app import http_front, start_local, stop_local
+    from snapref_ray.pipelines.serve_app import http_front, local_topology, start_local, stop_local
 
     config = config_from_args(args)
     config.check_security()
@@ -66,6 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         url = start_local(config)
         auth = "bearer token required" if config.resolved_token() else "no token (loopback only)"
         front = "HAProxy -> ingress (direct ingress)" if http_front() == "haproxy" else "Serve's proxy -> ingress"
+        front += " that renders" if local_topology() == "fused" else " -> renderers"
         print(f"serving on {url} ({auth}; {front}); API docs at {url}/docs; Ctrl-C stops", flush=True)
         stop.wait()
     finally:

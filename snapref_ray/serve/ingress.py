@@ -2,9 +2,14 @@
 
 Every answer that is not a success is `{"error": {"field": ..., "message": ...}}`: 400 bad input,
 401 no valid token, 404 unknown reference, 413 body or file too large, 503 (+ Retry-After) when
-the renderers' queue is full, 504 when a render outlives `request_timeout_s`. The ingress does
-only cheap work (parsing, one decode of an uploaded image to validate it); images are rendered
-and PNG-encoded on the renderer replicas.
+the renderers' queue is full, 504 when a render outlives `request_timeout_s`.
+
+Two topologies (`ServeConfig.topology`). Split: the ingress does only cheap work (parsing, one
+decode of an uploaded image to validate it) and calls the renderer replicas, where images are
+rendered and PNG-encoded; Serve's router picks the replica by reference and queues for all of them.
+Fused: each ingress replica holds a `ReplicaRenderer` and renders in-process, one hop less; it
+admits at most `max_ongoing_requests + max_queued_requests` renders and answers 503 past them, as
+the split router would.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route signatures (Request) at runtime.
@@ -38,7 +43,7 @@ from snapref_ray.serve.bodies import BodyReceiver
 from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
-from snapref_ray.serve.renderer import ReferenceSpec, RenderJob, RenderReply
+from snapref_ray.serve.renderer import ReferenceSpec, RenderJob, RenderReply, ReplicaRenderer
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +150,20 @@ def _inspect_image(data: bytes, megapixels: float, field: str) -> tuple[int, int
 @serve.deployment(name="SnapRefIngress")
 @serve.ingress(app)
 class Ingress:
-    """One ingress replica; the renderer and store handles come from `build_app`."""
+    """One ingress replica; the renderer and store handles come from `build_app`. `renderer` None:
+    the fused topology, in which this replica renders itself."""
 
     def __init__(self, config: ServeConfig, renderer, store) -> None:
         config.check_security(_proxy_host() or config.host)  # refuse to start exposed without a token
         self._config = config
         self._limits = config.limits
-        self._renderer = over_this_replicas_transport(renderer)
         self._store = over_this_replicas_transport(store)
+        self._renderer = over_this_replicas_transport(renderer) if renderer is not None else None
+        self._local = ReplicaRenderer(config, store) if renderer is None else None
+        # Fused: renders this replica admits (rendering, waiting for the device, forming a batch, queued);
+        # the split topology's per-replica slots plus its router's queue.
+        self._render_slots = config.max_ongoing_requests + config.max_queued_requests
+        self._rendering = 0
         self._auth = BearerAuth(config.resolved_token())
         self._bodies = BodyReceiver(config)
         self._models: dict | None = None
@@ -173,7 +184,7 @@ class Ingress:
     async def models(self, request: Request) -> dict:
         self._auth.check(request.headers.get("authorization"))
         if self._models is None:
-            self._models = await self._call(self._renderer.info.remote())
+            self._models = await self._call(self._local.info() if self._local else self._renderer.info.remote())
         return {**self._models, "limits": self._limits, "max_batch_size": self._config.max_batch_size}
 
     @app.api_route("/openapi.json", methods=_READ, include_in_schema=False)
@@ -233,9 +244,8 @@ class Ingress:
             if reference else body.settings()
         job = RenderJob(body.prompt, tuple(range(body.seed, body.seed + body.n)), settings, reference,
                         ref_megapixels_set="ref_megapixels" in body.model_fields_set)
-        handle = self._renderer.options(multiplexed_model_id=reference.key if reference else "")
         called = time.perf_counter()
-        reply: RenderReply = await self._call(handle.render.remote(job))
+        reply = await self._render(job)
         finished = time.perf_counter()
         # call_s - replica_s is the hop to the renderer and back; total_s - call_s the ingress's own work.
         reply.timings.update(call_s=finished - called, total_s=finished - started)
@@ -354,13 +364,36 @@ class Ingress:
             self._infos.move_to_end(reference_id)
         return [self._infos[r] for r in ids]
 
-    # -- calls and answers ------------------------------------------------------------------
+    # -- rendering, calls and answers -------------------------------------------------------
+    def check_health(self) -> None:
+        """Serve's health check: a fused replica is unhealthy when its device is stuck."""
+        if self._local is not None:
+            self._local.check_health()
+
+    async def _render(self, job: RenderJob) -> RenderReply:
+        if self._local is None:  # split: Serve's router picks a renderer, preferring one that holds the reference
+            handle = self._renderer.options(multiplexed_model_id=job.reference.key if job.reference else "")
+            return await self._call(handle.render.remote(job))
+        if self._rendering >= self._render_slots:
+            raise self._at_capacity()
+        self._rendering += 1
+        try:
+            return await self._call(self._local.render(job))
+        finally:
+            self._rendering -= 1
+
+    def _at_capacity(self) -> ApiError:
+        return ApiError(503, None, "the renderers are at capacity; retry after the Retry-After delay",
+                        headers={"Retry-After": str(math.ceil(self._config.retry_after_s))})
+
     async def _call(self, response):
-        """Await a deployment call, translating overload, timeouts and replica errors into ApiErrors."""
+        """Await a deployment call (or, fused, a coroutine of this replica's renderer), translating
+        overload, timeouts and replica errors into ApiErrors."""
         try:
             result = await asyncio.wait_for(response, timeout=self._config.request_timeout_s)
         except asyncio.TimeoutError:
-            response.cancel()
+            if hasattr(response, "cancel"):  # a deployment call; wait_for has cancelled a coroutine already
+                response.cancel()
             raise ApiError(504, None, f"the render did not finish within request_timeout_s="
                                       f"{self._config.request_timeout_s:g} s") from None
         except Exception as e:  # noqa: BLE001 -- sorted below; anything unknown is re-raised as a 500
@@ -368,8 +401,7 @@ class Ingress:
             if api_error is not None:
                 raise api_error from None
             if isinstance(e, BackPressureError) or isinstance(getattr(e, "cause", None), BackPressureError):
-                raise ApiError(503, None, "the renderers are at capacity; retry after the Retry-After delay",
-                               headers={"Retry-After": str(math.ceil(self._config.retry_after_s))}) from None
+                raise self._at_capacity() from None
             if isinstance(e, (RayServeException, ray.exceptions.RayActorError)):  # overloaded, or its replica died
                 raise ApiError(503, None, f"renderer unavailable: {type(e).__name__}",
                                headers={"Retry-After": str(math.ceil(self._config.retry_after_s))}) from None

@@ -1,10 +1,14 @@
-"""The renderer deployment: one resident Renderer per replica (one per GPU), a RefKV cache,
-routing by reference, and batching of compatible requests.
+"""Rendering replicas: one resident Renderer per replica (one per GPU), a RefKV cache, routing by
+reference, and batching of compatible requests.
+
+`ReplicaRenderer` is what a rendering replica holds. In the split topology it lives in a
+`RendererDeployment` replica, which the ingress calls through a handle; in the fused topology the
+ingress replica holds one itself and renders in-process (snapref_ray/serve/ingress.py).
 
 A request's path through a replica:
-1. `_advertise(key)` (`@serve.multiplexed`) tells Serve's router this replica holds the
-   reference `key`, so later requests for it come here first (soft affinity). The key holds
-   everything the K/V depends on: layout, file hashes, target size, ref_megapixels, caption.
+1. Split topology only: `_advertise(key)` (`@serve.multiplexed`) tells Serve's router this replica
+   holds the reference `key`, so later requests for it come here first (soft affinity). The key
+   holds everything the K/V depends on: layout, file hashes, target size, ref_megapixels, caption.
 2. The RefKV comes from the replica's `RefKVCache` (LRU bounded in bytes, on the device);
    a miss fetches the file from the ReferenceStore and encodes it. Concurrent misses on one
    key encode once; the others wait and count as hits.
@@ -141,9 +145,10 @@ class _Evicted(Exception):
     """The reference left the cache between the check and the encode; fetch its file and retry."""
 
 
-@serve.deployment(name="SnapRefRenderer")
-class RendererDeployment:
-    """A Serve replica owning one Renderer; see the module docstring for the request path."""
+class ReplicaRenderer:
+    """One resident Renderer with its RefKV cache, batching and device loop: what a replica that
+    renders holds, whether it is a SnapRefRenderer (split topology) or an ingress that renders
+    itself (fused topology). `store` is the ReferenceStore's handle, for cache misses."""
 
     def __init__(self, config: ServeConfig, store) -> None:
         import torch
@@ -179,14 +184,12 @@ class RendererDeployment:
             self._replica = "local"
         log.info("renderer replica %s ready on %s in %.1f s", self._replica, device, self._renderer.load_seconds)
 
-    # -- public methods (called through the handle) -----------------------------------------
     async def render(self, job: RenderJob) -> RenderReply | ApiError:
         """The rendered images; bad input is answered with an ApiError *value*, so that Serve does not
         log a client's mistake as a failed request with a traceback."""
         refkv, hit, encode_s = None, None, 0.0
         try:
             if job.reference is not None:
-                await self._advertise(job.reference.key)
                 refkv, hit, encode_s = await self._reference_kv(job.reference)
             loop = asyncio.get_running_loop()
             pending = await self._submit(_Pending(job, refkv, hit, encode_s, loop.create_future()))
@@ -220,10 +223,6 @@ class RendererDeployment:
                                f" (stall_timeout_s={self._config.stall_timeout_s})")
 
     # -- references -------------------------------------------------------------------------
-    @serve.multiplexed(max_num_models_per_replica=MAX_ADVERTISED_REFERENCES)
-    async def _advertise(self, key: str) -> str:
-        return key
-
     async def _reference_kv(self, spec: ReferenceSpec):
         """(RefKV, cache_hit, encode seconds) for `spec`, encoding it on a miss."""
         kv = self._cache.get(spec.key)
@@ -359,6 +358,31 @@ class RendererDeployment:
         s = self._cache.stats
         return {"hits": s.hits, "misses": s.misses, "encodes": s.encodes, "evictions": s.evictions,
                 "entries": len(self._cache), "bytes": self._cache.nbytes}
+
+
+@serve.deployment(name="SnapRefRenderer")
+class RendererDeployment:
+    """A renderer replica of the split topology: the ingress calls `render` through a handle whose
+    multiplexed id is the reference key, and `_advertise` tells Serve's router which references this
+    replica holds (see the module docstring)."""
+
+    def __init__(self, config: ServeConfig, store) -> None:
+        self._core = ReplicaRenderer(config, store)
+
+    async def render(self, job: RenderJob) -> RenderReply | ApiError:
+        if job.reference is not None:
+            await self._advertise(job.reference.key)
+        return await self._core.render(job)
+
+    async def info(self) -> dict:
+        return await self._core.info()
+
+    def check_health(self) -> None:
+        self._core.check_health()
+
+    @serve.multiplexed(max_num_models_per_replica=MAX_ADVERTISED_REFERENCES)
+    async def _advertise(self, key: str) -> str:
+        return key
 
 
 def _reference_hash(reference: ReferenceSpec) -> str:

@@ -38,7 +38,8 @@ def test_serve_latency_smoke_prints_every_section(tmp_path: Path) -> None:
     result = json.loads(proc.stdout)  # stdout is the JSON alone
     assert result == json.loads(out.read_text())
     assert result["smoke"] is True and set(serve_latency.FIELDS) <= set(result)
-    assert result["front"] == "haproxy"  # the server's default front door, measured
+    # The server's defaults for one replica, measured: HAProxy's front door, an ingress that renders itself.
+    assert (result["front"], result["topology"]) == ("haproxy", "fused")
     for section in ("low_load", "low_load_10ms_batch_window"):
         low = result[section]
         _latency(low["http"], section)
@@ -46,6 +47,7 @@ def test_serve_latency_smoke_prints_every_section(tmp_path: Path) -> None:
         _latency(low["health_floor"], section)
         assert low["http"]["n"] == low["in_process"]["n"] == serve_latency.SMOKE["rounds"]
         assert math.isfinite(low["overhead_vs_in_process_p50_ms"]) and math.isfinite(low["overhead_measured_p50_ms"])
+        _latency(low["overhead_measured"], section)  # per request: latency minus the replica's own work
     _latency(result["concurrent"], "concurrent")
     assert result["concurrent"]["requests_per_s"] > 0 and result["concurrent"]["mean_batch_size"] >= 1
     for key in ("miss", "hit", "replica_encode", "in_process_encode"):

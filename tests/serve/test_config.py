@@ -117,6 +117,49 @@ def test_cpu_replicas_without_gpus() -> None:
     assert deployments["SnapRefRenderer"]["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
 
 
+def test_topology_auto_fuses_only_a_single_renderer() -> None:
+    assert ServeConfig(models_dir="m", max_replicas=1).fused()
+    assert not ServeConfig(models_dir="m").fused()  # max_replicas 4: Serve's router routes by reference
+    assert not ServeConfig(models_dir="m", max_replicas=1, ingress_replicas=2).fused()
+    assert not ServeConfig(models_dir="m", max_replicas=1, topology="split").fused()
+    assert ServeConfig(models_dir="m", max_replicas=3, topology="fused").fused()
+    with pytest.raises(ValidationError, match="ingress_replicas=2 applies to the split topology"):
+        ServeConfig(models_dir="m", topology="fused", ingress_replicas=2)
+
+
+def test_fused_app_is_ingress_replicas_that_render() -> None:
+    config = ServeConfig(models_dir="m", topology="fused", gpus_per_replica=1, min_replicas=2, max_replicas=6,
+                         target_ongoing_requests=3, max_ongoing_requests=9, max_queued_requests=11,
+                         ingress_max_ongoing_requests=120, ingress_max_queued_requests=99, retry_after_s=2.5,
+                         request_timeout_s=50, health_check_period_s=4)
+    deployments = _deployments(build_app(config))
+    assert set(deployments) == {"SnapRefIngress", "ReferenceStore"}
+    ingress = deployments["SnapRefIngress"]
+    assert ingress["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert ingress["autoscaling_config"]["min_replicas"] == 2 and ingress["autoscaling_config"]["max_replicas"] == 6
+    assert ingress["autoscaling_config"]["target_ongoing_requests"] == 3.0
+    # Serve's slots are HTTP requests (bodies, health checks); the renders' 9 + 11 are admitted in the replica.
+    assert (ingress["max_ongoing_requests"], ingress["max_queued_requests"]) == (120, 99)
+    assert ingress["backpressure_config"] == {"status_code": 503, "retry_after_s": 2.5}
+    assert ingress["health_check_period_s"] == 4.0 and ingress["graceful_shutdown_timeout_s"] == 60.0
+
+
+def test_renderers_that_fit_counts_the_local_gpus(monkeypatch) -> None:
+    import ray
+
+    from snapref_ray.pipelines import serve_app
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    monkeypatch.setattr(serve_app, "_cluster_has_gpus", lambda: True)
+    # One GPU: start_local fuses an 'auto' server even with max_replicas 4 (a second replica could never start).
+    assert serve_app._renderers_that_fit(ServeConfig(models_dir="m")) == 1
+    assert serve_app._renderers_that_fit(ServeConfig(models_dir="m", gpus_per_replica=0.5)) == 2
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})
+    assert serve_app._renderers_that_fit(ServeConfig(models_dir="m")) == 8
+    monkeypatch.setattr(serve_app, "_cluster_has_gpus", lambda: False)
+    assert serve_app._renderers_that_fit(ServeConfig(models_dir="m")) is None  # CPU replicas: the config bounds them
+
+
 def _subset(expected, actual, where: str) -> None:
     if isinstance(expected, dict):
         for key, value in expected.items():

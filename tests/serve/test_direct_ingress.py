@@ -1,22 +1,25 @@
-"""The local server's front door: HAProxy on the port, forwarding straight to the ingress replica.
+"""The local server's front door: HAProxy on the port, forwarding straight to the ingress replicas.
 
-A real local Serve in HAProxy mode (snapref_ray/serve/direct_ingress.py) with the tiny models. The
-rest of tests/serve runs its HTTP behaviours through the same front (it is the default); this module
-checks what is particular to it: who answers the port, what listens where, uploads larger than
-Serve's gRPC default crossing deployments, and an ingress replica that dies and comes back on the
-same public address.
+A real local Serve in HAProxy mode (snapref_ray/serve/direct_ingress.py) with the tiny models and
+two fused replicas (ingress replicas that render). The rest of tests/serve runs its HTTP behaviours
+through the same front (it is the default); this module checks what is particular to it: who
+answers the port, what listens where, renders spread over the replicas, uploads larger than Serve's
+gRPC default crossing deployments, and a replica that dies and comes back behind the same public
+address while the other keeps answering.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.error import HTTPError, URLError
-from urllib.request import urlopen
+from urllib.request import Request, urlopen
 
 import numpy as np
 import pytest
@@ -31,6 +34,7 @@ SMALL = {"width": 256, "height": 256, "steps": 2}
 # Larger than Serve's replica-side gRPC default (4 MiB), which the ingress -> store call must pass.
 BIG_UPLOAD_BYTES = 6 * 2**20
 LIMITS = ServeLimits(max_upload_bytes=8 * 2**20)
+REPLICAS = 2
 
 needs_haproxy = pytest.mark.skipif(haproxy_binary() is None, reason="haproxy is not installed (apt-get install haproxy)")
 
@@ -101,8 +105,8 @@ def server(tiny_models: Path):
         pytest.skip("haproxy is not installed (apt-get install haproxy)")
     from snapref_ray.pipelines import serve_app
 
-    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), limits=LIMITS, min_replicas=1, max_replicas=1,
-                         reference_store_bytes=64 * 2**20)
+    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), limits=LIMITS, topology="fused",
+                         min_replicas=REPLICAS, max_replicas=REPLICAS, reference_store_bytes=64 * 2**20)
     try:
         url = serve_app.start_local(config, num_cpus=6)
         yield url, config, Path(serve_app._haproxy_dir.name)
@@ -122,26 +126,55 @@ def _ingress_servers(workdir: Path) -> list[tuple[str, int]]:
     return [(host, int(port)) for host, port in servers]
 
 
+def _listed_replicas(workdir: Path, timeout_s: float = 60.0) -> list[tuple[str, int]]:
+    """The ingress replicas in HAProxy's configuration once it lists all REPLICAS of them. Serve gathers
+    replica changes for a moment before it rewrites the file, so a replica that just became ready (and
+    let start_local return) may be missing for a second or two; meanwhile HAProxy uses the others."""
+    deadline = time.monotonic() + timeout_s
+    while len(set(servers := _ingress_servers(workdir))) < REPLICAS:
+        assert time.monotonic() < deadline, _haproxy_cfg(workdir)
+        time.sleep(0.2)
+    return servers
+
+
 def _health(base: str) -> int:
     with urlopen(f"{base}/v1/health", timeout=10) as r:
         return r.status
 
 
 @needs_haproxy
-def test_haproxy_answers_the_port_and_forwards_to_the_ingress_itself(server) -> None:
+def test_haproxy_answers_the_port_and_forwards_to_each_replica_itself(server) -> None:
     from snapref_ray.pipelines.serve_app import http_front
 
     url, config, workdir = server
     assert http_front() == "haproxy"
     cfg = _haproxy_cfg(workdir)
     assert re.search(rf"^\s*bind\s+127\.0\.0\.1:{config.port}\s*$", cfg, flags=re.M), cfg
-    servers = _ingress_servers(workdir)
-    assert len(servers) == 1, cfg
-    host, port = servers[0]
-    assert port != config.port
-    # The ingress replica is an HTTP server of its own: no proxy actor between HAProxy and the app.
-    assert _health(f"http://{host}:{port}") == 200
+    servers = _listed_replicas(workdir)
+    for host, port in servers:
+        assert port != config.port
+        # Each replica is an HTTP server of its own: no proxy actor between HAProxy and the app.
+        assert _health(f"http://{host}:{port}") == 200
     assert _health(url) == 200
+
+
+@needs_haproxy
+def test_haproxy_spreads_renders_over_the_fused_replicas(server, tiny_models: Path) -> None:
+    url, _, _ = server
+    client = SnapRefClient(url, timeout=300)
+    reference_id = client.upload_reference((tiny_models / "reference.png").read_bytes())
+
+    def render(seed: int) -> str:
+        body = json.dumps({"prompt": "a girl", "seed": seed, "reference_id": reference_id, "width": 256,
+                           "height": 256, "steps": 4}).encode()
+        request = Request(f"{url}/v1/render", data=body, headers={"Content-Type": "application/json"})
+        with urlopen(request, timeout=300) as r:
+            assert r.headers["Content-Type"] == "image/png" and r.read()[:4] == b"\x89PNG"
+            return r.headers["X-Replica"]
+
+    with ThreadPoolExecutor(4) as pool:  # concurrent: HAProxy's leastconn gives the second to the idle replica
+        replicas = list(pool.map(render, range(8)))
+    assert len(set(replicas)) == REPLICAS, replicas
 
 
 def _other_address() -> str | None:
@@ -158,12 +191,12 @@ def _other_address() -> str | None:
 @needs_haproxy
 def test_the_api_listens_on_loopback_only(server) -> None:
     url, config, workdir = server
-    (host, ingress_port), = _ingress_servers(workdir)
-    assert host == "127.0.0.1"
+    servers = _listed_replicas(workdir)
+    assert all(host == "127.0.0.1" for host, _ in servers), servers
     other = _other_address()
     if other is None:
         pytest.skip("this machine has no non-loopback address to try")
-    for port in (config.port, ingress_port):
+    for port in (config.port, *(port for _, port in servers)):
         with socket.socket() as s, pytest.raises(OSError):
             s.settimeout(5)
             s.connect((other, port))
@@ -196,21 +229,26 @@ def _ingress_actor_names() -> list[str]:
 
 
 @needs_haproxy
-def test_a_killed_ingress_replica_comes_back_behind_the_same_address(server, tiny_models: Path) -> None:
+def test_a_killed_replica_comes_back_behind_the_same_address(server, tiny_models: Path) -> None:
     import ray
 
     url, config, workdir = server
-    (name,) = _ingress_actor_names()
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    names = _ingress_actor_names()
+    assert len(names) == REPLICAS, names
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    client = SnapRefClient(url, timeout=300)
+    reference_id = client.upload_reference((tiny_models / "reference.png").read_bytes())
+    # The other replica answers meanwhile (HAProxy re-dispatches a refused connection).
+    assert client.render("during the restart", reference_id=reference_id, **SMALL)[:4] == b"\x89PNG"
     deadline = time.monotonic() + 120
-    while True:  # back when HAProxy forwards to a new replica (meanwhile Serve's proxy, its backup, may answer)
+    while True:  # back when HAProxy forwards to a new replica beside the survivor
         try:
-            if _ingress_actor_names() not in ([], [name]) and len(_ingress_servers(workdir)) == 1 and _health(url) == 200:
+            live = _ingress_actor_names()
+            if names[0] not in live and len(live) == REPLICAS and len(set(_ingress_servers(workdir))) == REPLICAS \
+                    and all(_health(f"http://{h}:{p}") == 200 for h, p in _ingress_servers(workdir)):
                 break
         except (HTTPError, URLError, ConnectionError, TimeoutError):
             pass
-        assert time.monotonic() < deadline, "the server did not come back within 120 s"
+        assert time.monotonic() < deadline, "the replica did not come back within 120 s"
         time.sleep(0.5)
-    client = SnapRefClient(url, timeout=300)
-    reference_id = client.upload_reference((tiny_models / "reference.png").read_bytes())
     assert client.render("after the restart", reference_id=reference_id, **SMALL)[:8] == b"\x89PNG\r\n\x1a\n"

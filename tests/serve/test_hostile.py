@@ -518,7 +518,9 @@ def test_disconnect_mid_body_is_an_info_line_and_replica_400s_are_not_crashes(se
                                                **SMALL})
     assert answer.status == 400 and answer.error()["field"] == "ref_megapixels"
     time.sleep(1.0)  # log lines are flushed asynchronously
-    renderer_log = _replica_logs("SnapRefRenderer")
+    from snapref_ray.pipelines.serve_app import rendering_deployment
+
+    renderer_log = _replica_logs(rendering_deployment(ServeConfig(models_dir="m", **CONFIG)))
     assert "Traceback" not in renderer_log and " ERROR " not in renderer_log, renderer_log[-3000:]
     assert "ApiError" not in _worker_stderr()
     _assert_serving(server, reference_id)

@@ -3,6 +3,7 @@ the admitted ones complete."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import threading
@@ -16,6 +17,7 @@ import pytest
 from PIL import Image
 
 from snapref_ray.client import SnapRefClient
+from snapref_ray.serve.api import ApiError
 from snapref_ray.serve.config import ServeConfig, ServeLimits
 from tests.serve.conftest import free_port
 
@@ -25,11 +27,13 @@ BURST = 8
 SLOW = {"width": 512, "height": 512, "steps": 100}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_models: Path):
+# Both topologies refuse alike: the split ingress through Serve's router queue, the fused replica
+# through its own admission count.
+@pytest.fixture(scope="module", params=["fused", "split"])
+def server(request, tiny_models: Path):
     from snapref_ray.pipelines.serve_app import start_local, stop_local
 
-    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), min_replicas=1, max_replicas=1,
+    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), topology=request.param, min_replicas=1, max_replicas=1,
                          max_ongoing_requests=1, max_queued_requests=1, max_batch_size=1, batch_wait_timeout_s=0,
                          retry_after_s=RETRY_AFTER_S, limits=ServeLimits(max_n=1, max_steps=200, max_side=512),
                          request_timeout_s=120)
@@ -70,7 +74,8 @@ def test_burst_gets_prompt_503s_while_admitted_requests_complete(server: str, re
     ok = [r for r in results if r[0] == 200]
     rejected = [r for r in results if r[0] == 503]
     assert len(ok) + len(rejected) == BURST, statuses
-    # One renders and one waits (max_ongoing_requests=1, max_queued_requests=1): the rest are refused.
+    # One renders and one waits (max_ongoing_requests=1, max_queued_requests=1): the rest are refused (a split
+    # ingress may also hold one on its way to the router).
     assert 1 <= len(ok) <= 3 and len(rejected) >= BURST - 3, statuses
     for _, headers, body, _ in rejected:
         assert headers["Retry-After"] == str(RETRY_AFTER_S)
@@ -90,9 +95,9 @@ def test_server_recovers_after_the_burst(server: str, reference_id: str) -> None
 
 
 def test_check_health_fails_only_when_the_device_is_stuck() -> None:
-    from snapref_ray.serve.renderer import RendererDeployment
+    from snapref_ray.serve.renderer import ReplicaRenderer
 
-    replica = object.__new__(RendererDeployment.func_or_class)  # the health logic alone, no model
+    replica = object.__new__(ReplicaRenderer)  # the health logic alone, no model
     replica._config = ServeConfig(models_dir="m", stall_timeout_s=60)
     now = time.monotonic()
     replica._busy_since, replica._last_progress = None, now - 3600
@@ -103,3 +108,41 @@ def test_check_health_fails_only_when_the_device_is_stuck() -> None:
     with pytest.raises(RuntimeError, match=r"renderer stalled: the device has made no progress for 12\d s"):
         replica.check_health()
 
+
+
+def test_a_fused_replica_admits_renders_up_to_its_slots_and_cancels_them_on_timeout() -> None:
+    from snapref_ray.serve.ingress import Ingress
+
+    class _SlowRenderer:  # the replica's own renderer, stuck on the device
+        started = cancelled = 0
+
+        async def render(self, job):
+            self.started += 1
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+
+    config = ServeConfig(models_dir="m", topology="fused", max_ongoing_requests=1, max_queued_requests=1,
+                         request_timeout_s=0.3, retry_after_s=2)
+    wrapped = Ingress.func_or_class
+
+    class _FusedIngress:  # the admission logic alone: no model, no ASGI app
+        _render, _call, _at_capacity = wrapped._render, wrapped._call, wrapped._at_capacity
+
+    ingress = _FusedIngress()
+    ingress._config, ingress._renderer, ingress._local = config, None, _SlowRenderer()
+    ingress._render_slots, ingress._rendering = config.max_ongoing_requests + config.max_queued_requests, 0
+
+    async def burst():
+        return await asyncio.gather(*(ingress._render(None) for _ in range(5)), return_exceptions=True)
+
+    results = asyncio.run(burst())
+    assert all(isinstance(r, ApiError) for r in results), results
+    assert sorted(r.status for r in results) == [503, 503, 503, 504, 504]
+    for refused in (r for r in results if r.status == 503):
+        assert refused.headers == {"Retry-After": "2"} and "at capacity" in refused.message
+    # The two admitted renders were cancelled at request_timeout_s (the device loop then drops them),
+    # and their slots are free again.
+    assert (ingress._local.started, ingress._local.cancelled, ingress._rendering) == (2, 2, 0)
