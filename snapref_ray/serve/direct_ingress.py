@@ -7,7 +7,8 @@ the public port and forwards to it, and with Serve's "throughput optimized" sett
 renderer call goes over gRPC instead of an actor task. On 2 CPU cores a no-op app answering 160 kB
 costs 10.6-13.4 ms p50 through Serve's proxy and 1.8-2.0 ms through HAProxy; behind a second
 deployment 20-27 ms against 5-8 ms, and a render request's overhead falls from 24-33 ms to
-10-13 ms (`benchmarks/serve_latency.py`; benchmarks/README.md, Serve latency).
+10-13 ms; with the fused topology (the ingress renders itself, no second deployment) to 5-6 ms
+(`benchmarks/serve_latency.py`; benchmarks/README.md, Serve latency).
 
 HAProxy (not Serve's proxy) owns the public port, so a restarted or redeployed ingress replica may
 come back on any port of its range: HAProxy follows it, retries refused connections and keeps the
