@@ -138,7 +138,8 @@ def start_local(config: ServeConfig, *, num_cpus: int | None = None, num_gpus: i
                      log_to_driver=log_to_driver)
     elif config.direct_ingress:
         log.info("Ray was already running: its own environment decides between Serve's proxy and direct ingress")
-    if config.topology == "auto" and not config.fused() and _renderers_that_fit(config) == 1:
+    if config.topology == "auto" and not config.fused() and config.min_replicas >= 1 \
+            and _renderers_that_fit(config) == 1:
         # One GPU here: a second renderer replica could never start, so there is nothing to route.
         config = config.model_copy(update={"topology": "fused"})
         log.info("one renderer replica fits this machine's GPUs: the ingress renders itself (topology fused)")

@@ -113,8 +113,8 @@ class ServeConfig(BaseModel):
                     " 'fused': each renderer replica is also the HTTP ingress and renders in-process, one"
                     " hop less per request (~5 ms on 2 CPU cores), but the front balances by open"
                     " connections, not by reference, and each replica queues for itself. 'auto': fused"
-                    " when max_replicas and ingress_replicas are 1 (one renderer: nothing to route),"
-                    " else split.")
+                    " when max_replicas, min_replicas and ingress_replicas are 1 (one renderer that never"
+                    " scales to zero: nothing to route), else split.")
     gpus_per_replica: float | None = Field(
         None, ge=0,
         description="GPUs per renderer replica. None: 1 when the cluster has GPUs (one resident model"
@@ -267,7 +267,8 @@ class ServeConfig(BaseModel):
     def fused(self) -> bool:
         """Whether the ingress replicas render themselves (topology, with 'auto' resolved)."""
         if self.topology == "auto":
-            return self.max_replicas == 1 and self.ingress_replicas == 1
+            # min_replicas 0: a CPU ingress stays up to answer health, docs and uploads while no renderer runs.
+            return self.max_replicas == 1 and self.ingress_replicas == 1 and self.min_replicas >= 1
         return self.topology == "fused"
 
     def s3_options(self):

@@ -121,6 +121,7 @@ def test_topology_auto_fuses_only_a_single_renderer() -> None:
     assert ServeConfig(models_dir="m", max_replicas=1).fused()
     assert not ServeConfig(models_dir="m").fused()  # max_replicas 4: Serve's router routes by reference
     assert not ServeConfig(models_dir="m", max_replicas=1, ingress_replicas=2).fused()
+    assert not ServeConfig(models_dir="m", min_replicas=0, max_replicas=1).fused()  # scales to zero: keep an ingress
     assert not ServeConfig(models_dir="m", max_replicas=1, topology="split").fused()
     assert ServeConfig(models_dir="m", max_replicas=3, topology="fused").fused()
     with pytest.raises(ValidationError, match="ingress_replicas=2 applies to the split topology"):
