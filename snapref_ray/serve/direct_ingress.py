@@ -84,13 +84,15 @@ def direct_ingress_env(config: ServeConfig, haproxy: str, workdir: Path) -> dict
         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
         "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(_DRAIN_S),
-        # A replica that died (node lost, OOM, killed) leaves HAProxy's pooled connections to it open
-        # until a health check fails; a request sent on one gets no answer, which Serve's default
-        # (retry refused connections only) turns into a 500. Every API call may be sent twice: a render
-        # is a function of its request, an upload is stored by content hash. So HAProxy retries it on
-        # another replica (requests up to its 16 kB buffer, which holds every render body without an
-        # inline image).
-        "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
+        # A replica that dies (node lost, OOM, killed) may still take a connection, or leave a pooled one
+        # open, and then close it without an answer: a clean close ("empty-response") or a reset that
+        # HAProxy counts as a broken answer ("junk-response"; its log says SH--, 0 retries). Serve's
+        # default retries refused connections only, and HAProxy answers the others 502, which Serve
+        # turns into a plain 500. Every API call may be sent twice (a render is a function of its
+        # request, an upload is stored by content hash), so HAProxy re-sends it to another replica,
+        # up to 3 times (requests that fit its 16 kB buffer: every render body without an inline
+        # image). The price: a request that crashes its replica would be tried on 3 more.
+        "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response junk-response",
         "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(grpc_message_limit(config)),
     }
 
