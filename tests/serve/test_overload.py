@@ -24,7 +24,7 @@ from tests.serve.conftest import free_port
 RETRY_AFTER_S = 3
 BURST = 8
 # Slow enough (seconds on a CPU) that the burst arrives while the first admitted request renders.
-SLOW = {"width": 512, "height": 512, "steps": 100}
+SLOW = {"width": 512, "height": 512, "steps": 50}
 
 
 # Both topologies refuse alike: the split ingress through Serve's router queue, the fused replica
