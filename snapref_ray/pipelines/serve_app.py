@@ -50,12 +50,19 @@ def _cluster_has_gpus() -> bool:
     return torch.cuda.is_available()
 
 
+def _gpus_per_replica(config: ServeConfig) -> float:
+    """The config's GPUs per renderer replica; unset: 1 when the cluster has GPUs, else 0."""
+    if config.gpus_per_replica is not None:
+        return config.gpus_per_replica
+    return 1.0 if _cluster_has_gpus() else 0.0
+
+
 def build_app(config: ServeConfig) -> Application:
     """The application. Split topology: SnapRefIngress -> SnapRefRenderer (autoscaled, one per GPU) +
     ReferenceStore. Fused: SnapRefIngress replicas that render themselves (autoscaled, one per GPU)
     + ReferenceStore."""
     config.check_security()
-    gpus = config.gpus_per_replica if config.gpus_per_replica is not None else (1.0 if _cluster_has_gpus() else 0.0)
+    gpus = _gpus_per_replica(config)
     retry = BackpressureConfig(status_code=503, retry_after_s=config.retry_after_s)
     # A replica being stopped (downscale, redeploy) finishes what it holds first.
     drain_s = config.request_timeout_s + 10.0
@@ -165,8 +172,7 @@ def _renderers_that_fit(config: ServeConfig) -> int | None:
     """Renderer replicas the running Ray's GPUs hold at most; None for CPU replicas (bounded by config)."""
     import ray
 
-    gpus_per_replica = config.gpus_per_replica if config.gpus_per_replica is not None else (
-        1.0 if _cluster_has_gpus() else 0.0)
+    gpus_per_replica = _gpus_per_replica(config)
     if gpus_per_replica <= 0:
         return None
     return int(ray.cluster_resources().get("GPU", 0) // gpus_per_replica)

@@ -384,7 +384,10 @@ class Ingress:
 
     def _at_capacity(self) -> ApiError:
         return ApiError(503, None, "the renderers are at capacity; retry after the Retry-After delay",
-                        headers={"Retry-After": str(math.ceil(self._config.retry_after_s))})
+                        headers=self._retry_after())
+
+    def _retry_after(self) -> dict[str, str]:
+        return {"Retry-After": str(math.ceil(self._config.retry_after_s))}
 
     async def _call(self, response):
         """Await a deployment call (or, fused, a coroutine of this replica's renderer), translating
@@ -404,7 +407,7 @@ class Ingress:
                 raise self._at_capacity() from None
             if isinstance(e, (RayServeException, ray.exceptions.RayActorError)):  # overloaded, or its replica died
                 raise ApiError(503, None, f"renderer unavailable: {type(e).__name__}",
-                               headers={"Retry-After": str(math.ceil(self._config.retry_after_s))}) from None
+                               headers=self._retry_after()) from None
             raise
         if isinstance(result, ApiError):  # a replica answers bad input with a value, not a crash
             raise result

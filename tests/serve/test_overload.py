@@ -129,7 +129,8 @@ def test_a_fused_replica_admits_renders_up_to_its_slots_and_cancels_them_on_time
     wrapped = Ingress.func_or_class
 
     class _FusedIngress:  # the admission logic alone: no model, no ASGI app
-        _render, _call, _at_capacity = wrapped._render, wrapped._call, wrapped._at_capacity
+        _render, _call, _at_capacity, _retry_after = (wrapped._render, wrapped._call, wrapped._at_capacity,
+                                                      wrapped._retry_after)
 
     ingress = _FusedIngress()
     ingress._config, ingress._renderer, ingress._local = config, None, _SlowRenderer()
