@@ -228,6 +228,29 @@ def _ingress_actor_names() -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "SnapRefIngress" in a["name"]]
 
 
+def _port_of_replica(workdir: Path, actor_name: str) -> int:
+    """The port HAProxy forwards to for the ingress replica whose actor is `actor_name`
+    ("SERVE_REPLICA::<app>#<deployment>#<id>"; HAProxy names it SERVE_REPLICA_<app>-<deployment>-<id>)."""
+    replica_id = actor_name.rsplit("#", 1)[-1]
+    match = re.search(rf"^\s*server\s+SERVE_REPLICA\S*-{re.escape(replica_id)}\s+[\d.]+:(\d+)", _haproxy_cfg(workdir),
+                      flags=re.M)
+    assert match, (actor_name, _haproxy_cfg(workdir))
+    return int(match.group(1))
+
+
+def _wait_until_refused(host: str, port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+        except ConnectionRefusedError:
+            return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{host}:{port} still accepts connections"
+        time.sleep(0.05)
+
+
 @needs_haproxy
 def test_a_killed_replica_comes_back_behind_the_same_address(server, tiny_models: Path) -> None:
     import ray
@@ -235,7 +258,13 @@ def test_a_killed_replica_comes_back_behind_the_same_address(server, tiny_models
     url, config, workdir = server
     names = _ingress_actor_names()
     assert len(names) == REPLICAS, names
+    _listed_replicas(workdir)  # HAProxy knows the survivor (with only the dead one listed, it has no other)
+    victim_port = _port_of_replica(workdir, names[0])
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    # ray.kill returns before the process is gone; a request HAProxy forwards to a replica that dies
+    # while reading it is not retried (see README, Serving), so first wait until it is dead: its port
+    # refuses connections, as after a crash.
+    _wait_until_refused("127.0.0.1", victim_port)
     client = SnapRefClient(url, timeout=300)
     reference_id = client.upload_reference((tiny_models / "reference.png").read_bytes())
     # The other replica answers meanwhile (HAProxy re-dispatches a refused connection).
