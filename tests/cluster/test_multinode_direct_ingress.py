@@ -68,7 +68,7 @@ def server(haproxy_dir: Path, tiny_models: Path, tmp_path_factory) -> Iterator[t
 
 @pytest.fixture(scope="module")
 def client(server) -> SnapRefClient:
-    return SnapRefClient(server[1], token=TOKEN, timeout=120)
+    return SnapRefClient(server[1], token=TOKEN, timeout=120, retries=0)
 
 
 def _haproxy_servers(haproxy_dir: Path, count: int, timeout_s: float = 60.0) -> list[str]:

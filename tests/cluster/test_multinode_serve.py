@@ -59,7 +59,7 @@ def server(cluster: FakeCluster, tiny_models: Path) -> str:
 
 @pytest.fixture(scope="module")
 def client(server: str) -> SnapRefClient:
-    return SnapRefClient(server, token=TOKEN, timeout=120)
+    return SnapRefClient(server, token=TOKEN, timeout=120, retries=0)
 
 
 def _renderer_replicas(cluster: FakeCluster) -> dict[str, dict]:

@@ -1,4 +1,7 @@
-"""Shared by the Serve test modules (each starts its own real local Serve)."""
+"""Shared by the Serve test modules (each starts its own real local Serve).
+
+Their SnapRefClients run with retries=0: what they check is the server's behaviour, which the
+client's own re-sends of calls that met a lost replica (tests/test_client.py) would otherwise mask."""
 
 from __future__ import annotations
 

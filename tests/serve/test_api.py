@@ -50,7 +50,7 @@ def server(tiny_models: Path):
 
 @pytest.fixture(scope="module")
 def client(server: str) -> SnapRefClient:
-    return SnapRefClient(server, token=TOKEN, timeout=TIMEOUT)
+    return SnapRefClient(server, token=TOKEN, timeout=TIMEOUT, retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def served(request, tiny_models: Path, tmp_path_factory):
                          min_replicas=1, max_replicas=1, max_batch_size=4, request_timeout_s=300)
     try:
         url = start_local(config, num_cpus=4)
-        yield kind, SnapRefClient(url, token=TOKEN, timeout=600)
+        yield kind, SnapRefClient(url, token=TOKEN, timeout=600, retries=0)
     finally:
         stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
 

@@ -26,7 +26,7 @@ def client(tiny_models: Path):
                          max_batch_size=MAX_BATCH, max_ongoing_requests=12, max_queued_requests=32,
                          batch_wait_timeout_s=0.5, limits=ServeLimits(max_n=MAX_BATCH), request_timeout_s=120)
     try:
-        yield SnapRefClient(start_local(config, num_cpus=6), timeout=120)
+        yield SnapRefClient(start_local(config, num_cpus=6), timeout=120, retries=0)
     finally:
         stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
 

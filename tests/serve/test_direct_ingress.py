@@ -161,7 +161,7 @@ def test_haproxy_answers_the_port_and_forwards_to_each_replica_itself(server) ->
 @needs_haproxy
 def test_haproxy_spreads_renders_over_the_fused_replicas(server, tiny_models: Path) -> None:
     url, _, _ = server
-    client = SnapRefClient(url, timeout=300)
+    client = SnapRefClient(url, timeout=300, retries=0)
     reference_id = client.upload_reference((tiny_models / "reference.png").read_bytes())
 
     def render(seed: int) -> str:
@@ -215,7 +215,7 @@ def _noise_png(nbytes: int) -> bytes:
 @needs_haproxy
 def test_an_upload_larger_than_grpcs_default_crosses_the_deployments(server) -> None:
     url, config, _ = server
-    client = SnapRefClient(url, timeout=300)
+    client = SnapRefClient(url, timeout=300, retries=0)
     data = _noise_png(BIG_UPLOAD_BYTES)
     reference_id = client.upload_reference(data)  # ingress -> ReferenceStore over gRPC
     png = client.render("a girl in a garden", reference_id=reference_id, **SMALL)  # store -> renderer
@@ -265,7 +265,7 @@ def test_a_killed_replica_comes_back_behind_the_same_address(server, tiny_models
     # while reading it is not retried (see README, Serving), so first wait until it is dead: its port
     # refuses connections, as after a crash.
     _wait_until_refused("127.0.0.1", victim_port)
-    client = SnapRefClient(url, timeout=300)
+    client = SnapRefClient(url, timeout=300, retries=0)
     reference_id = client.upload_reference((tiny_models / "reference.png").read_bytes())
     # The other replica answers meanwhile (HAProxy re-dispatches a refused connection).
     assert client.render("during the restart", reference_id=reference_id, **SMALL)[:4] == b"\x89PNG"

@@ -76,7 +76,7 @@ def s3_serve(tiny_models: Path, s3_server, tmp_path_factory):
                          request_timeout_s=120)
     try:
         url = start_local(config, num_cpus=6)
-        yield SnapRefClient(url, timeout=120), config, f"refs-{run}"
+        yield SnapRefClient(url, timeout=120, retries=0), config, f"refs-{run}"
     finally:
         stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
         for key, value in saved.items():

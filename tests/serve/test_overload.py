@@ -45,7 +45,7 @@ def server(request, tiny_models: Path):
 
 @pytest.fixture(scope="module")
 def reference_id(server: str, tiny_models: Path) -> str:
-    client = SnapRefClient(server, timeout=120)
+    client = SnapRefClient(server, timeout=120, retries=0)
     ref = client.upload_reference((tiny_models / "reference.png").read_bytes())
     client.render("warm-up", reference_id=ref, width=256, height=256, steps=1)  # encode before the burst
     return ref
