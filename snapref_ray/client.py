@@ -111,14 +111,15 @@ class SnapRefClient:
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
         request = Request(self.base_url + path, data=data, headers=headers, method=method)
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        while True:
             try:
                 return self._send(request)
             except _LostReplica as lost:
-                if attempt == self.retries:
+                if attempt >= self.retries:
                     raise lost.error from None
                 time.sleep(self.retry_wait_s * 2**attempt)
-        raise AssertionError("unreachable")
+                attempt += 1
 
     def _send(self, request: Request) -> tuple[str, bytes]:
         try:

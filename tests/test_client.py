@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import pytest
 
 from snapref_ray.client import ApiError, SnapRefClient
+from tests.raw_http import read_head, read_request, reset
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
 
@@ -37,18 +38,6 @@ API_500 = _response(500, "Internal Server Error",
 API_503 = _response(503, "Service Unavailable",
                     json.dumps({"error": {"field": None, "message": "at capacity, retry later"}}).encode(),
                     "application/json", "Retry-After: 2\r\n")
-
-
-def _read_request(conn: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += conn.recv(65536)
-    head, body = data.split(b"\r\n\r\n", 1)
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), 0)
-    while len(body) < length:
-        body += conn.recv(65536)
-    return head + b"\r\n\r\n" + body
 
 
 @contextmanager
@@ -73,9 +62,12 @@ def scripted_server(*answers: bytes | str) -> Iterator[tuple[str, list[bytes]]]:
                         return
             conn.settimeout(None)
             with conn:
-                seen.append(_read_request(conn))
-                if answer == DROP:  # reset, as a killed process's socket does
-                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                head = read_head(conn)
+                if head is None:
+                    continue
+                seen.append(read_request(conn, head))
+                if answer == DROP:
+                    reset(conn)
                 elif answer == HANG:
                     release.wait(30)
                 else:

@@ -29,6 +29,7 @@ import pytest
 from snapref_ray.client import SnapRefClient
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import direct_ingress_env, free_port, haproxy_binary
+from tests.raw_http import read_head, read_request, reset
 
 pytestmark = pytest.mark.skipif(haproxy_binary() is None, reason="haproxy is not installed (apt-get install haproxy)")
 
@@ -63,21 +64,14 @@ class _Server:
             served = 0  # requests other than health checks answered on this connection
             try:
                 while True:  # HAProxy keeps server connections open between requests
-                    head = b""
-                    while b"\r\n\r\n" not in head:
-                        chunk = conn.recv(65536)
-                        if not chunk:
-                            return
-                        head += chunk
+                    head = read_head(conn)
+                    if head is None:
+                        return
                     if self.dying and not head.startswith(b"GET /-/healthz") and served >= 1:
                         self.read += 1
-                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                        return  # closed with linger 0: a reset, as a killed process's socket
-                    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                                   if line.lower().startswith(b"content-length:")), 0)
-                    body = head.split(b"\r\n\r\n", 1)[1]
-                    while len(body) < length:
-                        body += conn.recv(65536)
+                        reset(conn)
+                        return
+                    read_request(conn, head)
                     served += 0 if head.startswith(b"GET /-/healthz") else 1
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: 4\r\n\r\n\x89PNG")
             except OSError:
