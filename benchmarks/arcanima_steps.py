@@ -31,17 +31,24 @@ if TYPE_CHECKING:
     from benchmarks.gpu_suite import SuiteContext
 
 
-def _arcanima_step(ctx: "SuiteContext", kind: str) -> tuple[Callable[[], torch.Tensor], Callable[[], Any], BoundArcAnima]:
+def _arcanima_step(ctx: SuiteContext, kind: str) -> tuple[Callable[[], torch.Tensor], Callable[[], Any], BoundArcAnima]:
     """(one CFG step, the reference encode, the bound adapter) of `kind` on the suite's renderer."""
     bench, g = ctx.bench, ctx.bench.geo.dit
-    adapter = make_arcanima(kind, num_blocks=g.num_blocks, model_channels=g.model_channels,
-                            context_dim=g.context_dim, mlp_hidden=4 * g.model_channels, seed=5)
+    adapter = make_arcanima(
+        kind,
+        num_blocks=g.num_blocks,
+        model_channels=g.model_channels,
+        context_dim=g.context_dim,
+        mlp_hidden=4 * g.model_channels,
+        seed=5,
+    )
     bound = BoundArcAnima.bind(adapter, g.num_blocks, ctx.device, bench.dtype)
     h, w = g.latent_hw
     gen = torch.Generator().manual_seed(7)
     # v2 reads the suite's 1 MP reference; the pilot's frame must have the target's size.
-    latent = (bench.prepared.latents[0] if kind == "arcanima-v2"
-              else torch.randn(1, 16, h, w, generator=gen).to(ctx.device))
+    latent = (
+        bench.prepared.latents[0] if kind == "arcanima-v2" else torch.randn(1, 16, h, w, generator=gen).to(ctx.device)
+    )
     prepared = _PreparedReference((latent,), None, f"benchmark-{kind}")
     settings = RenderSettings(width=g.width_px, height=g.height_px, cfg=CFG)
     plan = plan_step(settings, SIGMA, True)
@@ -55,6 +62,7 @@ def _arcanima_step(ctx: "SuiteContext", kind: str) -> tuple[Callable[[], torch.T
                 return fn()
             finally:
                 renderer.adapter = saved
+
         return run
 
     encode = with_adapter(lambda: renderer._run_reference_stream(prepared, bench.grid))
@@ -62,14 +70,15 @@ def _arcanima_step(ctx: "SuiteContext", kind: str) -> tuple[Callable[[], torch.T
 
     @torch.inference_mode()
     def step() -> torch.Tensor:
-        denoised = renderer.denoise_rows(bench.x, bench.sigma, plan, bench.ctx_for, refkv, None, None, None,
-                                         strength=1.0)
+        denoised = renderer.denoise_rows(
+            bench.x, bench.sigma, plan, bench.ctx_for, refkv, None, None, None, strength=1.0
+        )
         return combine(bench.x, bench.sigma, plan, denoised)
 
     return with_adapter(step), encode, bound
 
 
-def arcanima_rows(ctx: "SuiteContext") -> dict[str, Any]:
+def arcanima_rows(ctx: SuiteContext) -> dict[str, Any]:
     """Seconds per step and ratio to the plain step for both ArcAnima kinds (+ encode seconds)."""
     cases: dict[str, Callable[[], Any]] = {"no_reference": ctx.bench.step_fn("no_reference")}
     encodes: dict[str, Callable[[], Any]] = {}

@@ -24,6 +24,7 @@ form's largest deviation from `concat` on the same inputs.
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import torch
@@ -65,24 +66,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ref = RefRead(ref_k, ref_v, rows, weight)
         calls = {}
         for form in forms:
-            fn = (lambda form=form: attention(q, k, v, ref, form=form))
+
+            def fn(form=form, q=q, k=k, v=v, ref=ref):
+                return attention(q, k, v, ref, form=form)
+
             if form == "flex" and flex_compiled:
-                fn = torch.compile(lambda: attention(q, k, v, ref, form="flex"), fullgraph=True)
+                fn = torch.compile(functools.partial(fn, form="flex"), fullgraph=True)
             calls[form] = fn
         with torch.inference_mode():
             outputs = {form: fn().float() for form, fn in calls.items()}
             times = interleaved(calls, device, rounds=args.rounds, warmup_rounds=1)
         base = "concat" if "concat" in forms else forms[0]
         table[name] = {
-            "rows": B, "reading_rows": sum(rows), "weight": weight,
+            "rows": B,
+            "reading_rows": sum(rows),
+            "weight": weight,
             "seconds": {f: sorted(t)[len(t) // 2] for f, t in times.items()},
             "ratio_to_concat": {f: paired_ratio(t, times[base]) for f, t in times.items()},
             "max_abs_diff_to_concat": {f: (o - outputs[base]).abs().max().item() for f, o in outputs.items()},
         }
         log(f"{name}: " + ", ".join(f"{f} {s * 1e3:.2f} ms" for f, s in table[name]["seconds"].items()))
-    return {"benchmark": "attention_forms", "shape": args.shape, "heads": H, "tokens": L, "ref_tokens": Lr,
-            "head_dim": D, "forms": forms, "flex_compiled": flex_compiled, "settings": table,
-            "environment": environment(device, dtype)}
+    return {
+        "benchmark": "attention_forms",
+        "shape": args.shape,
+        "heads": H,
+        "tokens": L,
+        "ref_tokens": Lr,
+        "head_dim": D,
+        "forms": forms,
+        "flex_compiled": flex_compiled,
+        "settings": table,
+        "environment": environment(device, dtype),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -44,6 +44,7 @@ def tokens_for(width_px: int, height_px: int) -> int:
 
 # --- geometries and models ------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class DiTGeometry:
     """A DiT shape plus the token counts one benchmark runs it at.
@@ -76,49 +77,105 @@ class DiTGeometry:
     @property
     def config(self) -> DiTConfig:
         """The DiTConfig `build_dit` makes (for FLOP counts and sizes without building anything)."""
-        return tiny_dit_config(model_channels=self.model_channels, num_blocks=self.num_blocks,
-                               head_dim=self.head_dim, context_dim=self.context_dim,
-                               adaln_lora_dim=self.adaln_lora_dim, adapter_dim=self.context_dim,
-                               adapter_heads=self.adapter_heads, adapter_blocks=self.adapter_blocks,
-                               t5_vocab=self.t5_vocab)
+        return tiny_dit_config(
+            model_channels=self.model_channels,
+            num_blocks=self.num_blocks,
+            head_dim=self.head_dim,
+            context_dim=self.context_dim,
+            adaln_lora_dim=self.adaln_lora_dim,
+            adapter_dim=self.context_dim,
+            adapter_heads=self.adapter_heads,
+            adapter_blocks=self.adapter_blocks,
+            t5_vocab=self.t5_vocab,
+        )
 
-    def with_blocks(self, num_blocks: int) -> "DiTGeometry":
+    def with_blocks(self, num_blocks: int) -> DiTGeometry:
         return replace(self, num_blocks=num_blocks)
 
-    def with_size(self, width_px: int, height_px: int) -> "DiTGeometry":
+    def with_size(self, width_px: int, height_px: int) -> DiTGeometry:
         return replace(self, width_px=width_px, height_px=height_px)
 
     def describe(self) -> dict[str, Any]:
-        return {"model_channels": self.model_channels, "num_heads": self.model_channels // self.head_dim,
-                "head_dim": self.head_dim, "mlp_hidden": 4 * self.model_channels, "blocks": self.num_blocks,
-                "context_dim": self.context_dim, "context_rows": self.context_rows,
-                "adaln_lora_dim": self.adaln_lora_dim, "width_px": self.width_px, "height_px": self.height_px,
-                "tokens": self.tokens}
+        return {
+            "model_channels": self.model_channels,
+            "num_heads": self.model_channels // self.head_dim,
+            "head_dim": self.head_dim,
+            "mlp_hidden": 4 * self.model_channels,
+            "blocks": self.num_blocks,
+            "context_dim": self.context_dim,
+            "context_rows": self.context_rows,
+            "adaln_lora_dim": self.adaln_lora_dim,
+            "width_px": self.width_px,
+            "height_px": self.height_px,
+            "tokens": self.tokens,
+        }
 
 
 # Anima at real size (2048 wide, 16 x 128 heads, MLP 8192, context 512 x 1024), at 832x1216 px (3,952 tokens).
-REAL = DiTGeometry(name="real", model_channels=2048, head_dim=128, num_blocks=28, context_dim=1024, context_rows=512,
-                   adaln_lora_dim=256, adapter_heads=16, adapter_blocks=6, t5_vocab=32128, width_px=832,
-                   height_px=1216)
+REAL = DiTGeometry(
+    name="real",
+    model_channels=2048,
+    head_dim=128,
+    num_blocks=28,
+    context_dim=1024,
+    context_rows=512,
+    adaln_lora_dim=256,
+    adapter_heads=16,
+    adapter_blocks=6,
+    t5_vocab=32128,
+    width_px=832,
+    height_px=1216,
+)
 # Width-scaled: every length divided by 4 (width 512 = 4 x 128 heads, MLP 2048, 988 tokens = a quarter of
 # 3,952, context 128 rows x 256, adaLN bottleneck 64). Every FLOP term of a forward (linears ~ L*D^2,
 # attention ~ L^2*D, cross-attention ~ L*S*D, context projections ~ S*C*D) then shrinks by exactly 64, so
 # the balance between attention and linear work (and the reference's share of it) is the real one.
-SCALED = DiTGeometry(name="scaled", model_channels=512, head_dim=128, num_blocks=28, context_dim=256,
-                     context_rows=128, adaln_lora_dim=64, adapter_heads=4, adapter_blocks=1, t5_vocab=1024,
-                     width_px=416, height_px=608)
+SCALED = DiTGeometry(
+    name="scaled",
+    model_channels=512,
+    head_dim=128,
+    num_blocks=28,
+    context_dim=256,
+    context_rows=128,
+    adaln_lora_dim=64,
+    adapter_heads=4,
+    adapter_blocks=1,
+    t5_vocab=1024,
+    width_px=416,
+    height_px=608,
+)
 # For the smoke tests: every code path, in milliseconds.
-SMOKE = DiTGeometry(name="smoke", model_channels=64, head_dim=32, num_blocks=2, context_dim=32, context_rows=8,
-                    adaln_lora_dim=16, adapter_heads=2, adapter_blocks=1, t5_vocab=64, width_px=64, height_px=48)
+SMOKE = DiTGeometry(
+    name="smoke",
+    model_channels=64,
+    head_dim=32,
+    num_blocks=2,
+    context_dim=32,
+    context_rows=8,
+    adaln_lora_dim=16,
+    adapter_heads=2,
+    adapter_blocks=1,
+    t5_vocab=64,
+    width_px=64,
+    height_px=48,
+)
 
 
 def build_dit(geometry: DiTGeometry, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> AnimaDiT:
     """Random seeded weights at `geometry`'s shape, loaded through `load_dit` onto device/dtype."""
-    sd = make_tiny_dit_state_dict(model_channels=geometry.model_channels, num_blocks=geometry.num_blocks,
-                                  head_dim=geometry.head_dim, context_dim=geometry.context_dim,
-                                  adaln_lora_dim=geometry.adaln_lora_dim, adapter_dim=geometry.context_dim,
-                                  adapter_heads=geometry.adapter_heads, adapter_blocks=geometry.adapter_blocks,
-                                  t5_vocab=geometry.t5_vocab, seed=seed, dtype=dtype)
+    sd = make_tiny_dit_state_dict(
+        model_channels=geometry.model_channels,
+        num_blocks=geometry.num_blocks,
+        head_dim=geometry.head_dim,
+        context_dim=geometry.context_dim,
+        adaln_lora_dim=geometry.adaln_lora_dim,
+        adapter_dim=geometry.context_dim,
+        adapter_heads=geometry.adapter_heads,
+        adapter_blocks=geometry.adapter_blocks,
+        t5_vocab=geometry.t5_vocab,
+        seed=seed,
+        dtype=dtype,
+    )
     dit = load_dit(sd, dtype=dtype, device=device)
     del sd
     return dit
@@ -136,6 +193,7 @@ def dit_parameter_bytes(geometry: DiTGeometry, dtype: torch.dtype) -> tuple[int,
 
 # --- FLOP model ------------------------------------------------------------------------------
 
+
 def _linear_flops(tokens: int, fan_in: int, fan_out: int) -> float:
     return 2.0 * tokens * fan_in * fan_out
 
@@ -150,18 +208,30 @@ def block_linear_dims(config: DiTConfig) -> dict[str, tuple[int, int]]:
     D, C, M = config.model_channels, config.context_dim, config.mlp_hidden
     inner = config.num_heads * config.head_dim
     return {
-        "self_attn.q_proj": (D, inner), "self_attn.k_proj": (D, inner), "self_attn.v_proj": (D, inner),
+        "self_attn.q_proj": (D, inner),
+        "self_attn.k_proj": (D, inner),
+        "self_attn.v_proj": (D, inner),
         "self_attn.output_proj": (inner, D),
-        "cross_attn.q_proj": (D, inner), "cross_attn.k_proj": (C, inner), "cross_attn.v_proj": (C, inner),
+        "cross_attn.q_proj": (D, inner),
+        "cross_attn.k_proj": (C, inner),
+        "cross_attn.v_proj": (C, inner),
         "cross_attn.output_proj": (inner, D),
-        "mlp.layer1": (D, M), "mlp.layer2": (M, D),
+        "mlp.layer1": (D, M),
+        "mlp.layer2": (M, D),
     }
 
 
-def dit_forward_flop_breakdown(config: DiTConfig, *, rows: int, tokens: int, context_rows: int,
-                               reading_rows: int = 0, ref_tokens: int = 0,
-                               lora_ranks: Mapping[str, int] | None = None,
-                               final_layer: bool = True) -> dict[str, float]:
+def dit_forward_flop_breakdown(
+    config: DiTConfig,
+    *,
+    rows: int,
+    tokens: int,
+    context_rows: int,
+    reading_rows: int = 0,
+    ref_tokens: int = 0,
+    lora_ranks: Mapping[str, int] | None = None,
+    final_layer: bool = True,
+) -> dict[str, float]:
     """Matmul FLOPs of one DiT forward over `rows` batch rows, as {"linear": ..., "attention": ...}.
 
     tokens: target tokens per row; context_rows: cross-attention context rows per row;
@@ -203,6 +273,7 @@ def dit_forward_flops(config: DiTConfig, **shape: Any) -> float:
 
 # --- timing ----------------------------------------------------------------------------------
 
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so wall-clock times cover it (no-op on the CPU)."""
     if device.type == "cuda":
@@ -233,8 +304,14 @@ def time_repeats(fn: Callable[[], Any], device: torch.device, *, repeats: int, w
     return [time_once(fn, device) for _ in range(repeats)]
 
 
-def interleaved(cases: Mapping[str, Callable[[], Any]], device: torch.device, *, rounds: int,
-                warmup_rounds: int = 1, cpu_times: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+def interleaved(
+    cases: Mapping[str, Callable[[], Any]],
+    device: torch.device,
+    *,
+    rounds: int,
+    warmup_rounds: int = 1,
+    cpu_times: dict[str, list[float]] | None = None,
+) -> dict[str, list[float]]:
     """Time every case once per round, the order rotated each round; returns wall seconds per case, by round.
 
     Round r runs the cases starting at index r mod n, so over n rounds every case has held every
@@ -257,8 +334,7 @@ def interleaved(cases: Mapping[str, Callable[[], Any]], device: torch.device, *,
 
 def summarize(seconds: list[float]) -> dict[str, float]:
     """Median (the figure), min, max and count of a list of timings."""
-    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds),
-            "n": len(seconds)}
+    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds), "n": len(seconds)}
 
 
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
@@ -267,6 +343,7 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
 
 
 # --- machine ---------------------------------------------------------------------------------
+
 
 def available_memory_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (None where there is none)."""
@@ -314,6 +391,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 # --- output ----------------------------------------------------------------------------------
+
 
 def _round(value: Any) -> Any:
     if isinstance(value, float) and math.isfinite(value):

@@ -39,8 +39,17 @@ REAL_BLOCKS, REAL_HEADS, REAL_HEAD_DIM = REAL.num_blocks, REAL.model_channels //
 REAL_REF_PX = (1024, 1024)  # 1 MP reference: 64 x 64 = 4,096 tokens
 LINK_GBPS = (10.0, 25.0, 100.0)
 
-FIELDS = ("benchmark", "refkv_shape", "refkv_bytes", "fetch", "encode", "measured_gbps", "break_even",
-          "nodes", "environment")
+FIELDS = (
+    "benchmark",
+    "refkv_shape",
+    "refkv_bytes",
+    "fetch",
+    "encode",
+    "measured_gbps",
+    "break_even",
+    "nodes",
+    "environment",
+)
 BREAK_EVEN_FIELDS = ("gbps", "transfer_seconds", "encode_seconds", "choice")
 
 
@@ -60,7 +69,7 @@ class Holder:
         gen = torch.Generator().manual_seed(seed)
         kv = torch.randn(shape, generator=gen, dtype=torch.float32).to(torch.bfloat16)
         tokens = shape[3]
-        side = int(tokens ** 0.5)
+        side = int(tokens**0.5)
         return RefKV(kv, ((1, side, side),), ((0, 0, 0),), (1, side, side), "benchmark-adapter", f"ref-{seed}")
 
 
@@ -98,8 +107,13 @@ class Reader:
     def encode(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         kv = self.bench.encode()
-        return {"seconds": time.perf_counter() - t0, "blocks": kv.num_blocks, "tokens": kv.num_tokens,
-                "heads": kv.kv_N2HLD.shape[2], "head_dim": kv.kv_N2HLD.shape[4]}
+        return {
+            "seconds": time.perf_counter() - t0,
+            "blocks": kv.num_blocks,
+            "tokens": kv.num_tokens,
+            "heads": kv.kv_N2HLD.shape[2],
+            "head_dim": kv.kv_N2HLD.shape[4],
+        }
 
 
 def refkv_shape(smoke: bool) -> tuple[int, int, int, int, int]:
@@ -129,8 +143,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         nbytes = fetched["nbytes"]
         encode_info = ray.get(reader.encode.remote(), timeout=1800)
         encodes.append(encode_info["seconds"])
-        log(f"round {r}: fetch {fetched['seconds']:.3f} s, encode ({encode_info['blocks']} blocks) "
-            f"{encode_info['seconds']:.3f} s")
+        log(
+            f"round {r}: fetch {fetched['seconds']:.3f} s, encode ({encode_info['blocks']} blocks) "
+            f"{encode_info['seconds']:.3f} s"
+        )
     scale = shape[0] / encode_info["blocks"]  # smoke: the tiny DiT encodes every one of its blocks
     encode_s = statistics.median(encodes) * scale
     fetch_s = statistics.median(fetches)
@@ -139,17 +155,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for gbps in (*LINK_GBPS, 8 * measured_bps / 1e9):
         transfer_s = nbytes * 8 / (gbps * 1e9)
         choice = "fetch" if fetch_is_cheaper(nbytes, gbps * 1e9 / 8, encode_s) else "re-encode"
-        break_even.append({"gbps": gbps, "transfer_seconds": transfer_s, "encode_seconds": encode_s,
-                           "choice": choice})
+        break_even.append({"gbps": gbps, "transfer_seconds": transfer_s, "encode_seconds": encode_s, "choice": choice})
     import torch
 
     return {
-        "benchmark": "cross_node_transfer", "smoke": args.smoke,
-        "refkv_shape": list(shape), "refkv_bytes": nbytes,
+        "benchmark": "cross_node_transfer",
+        "smoke": args.smoke,
+        "refkv_shape": list(shape),
+        "refkv_bytes": nbytes,
         "fetch": summarize(fetches),
-        "encode": {**summarize(encodes), "blocks_run": encode_info["blocks"], "blocks_real": shape[0],
-                   "scaled_median_s": encode_s, "ref_tokens": encode_info["tokens"],
-                   "threads": args.encode_threads, "device": "cpu", "dtype": "float32"},
+        "encode": {
+            **summarize(encodes),
+            "blocks_run": encode_info["blocks"],
+            "blocks_real": shape[0],
+            "scaled_median_s": encode_s,
+            "ref_tokens": encode_info["tokens"],
+            "threads": args.encode_threads,
+            "device": "cpu",
+            "dtype": "float32",
+        },
         "measured_gbps": 8 * measured_bps / 1e9,
         "break_even": break_even,
         "nodes": {"holder": node_a, "reader": node_b},
@@ -162,8 +186,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny RefKV and DiT: checks every code path in seconds")
     p.add_argument("--address", help="a running cluster with two nodes offering GPU: 1 (default: start the fake one)")
     p.add_argument("--rounds", type=int, default=None, help="fetch + encode rounds (default 3, smoke 1)")
-    p.add_argument("--encode-blocks", type=int, default=1,
-                   help="real-width blocks the CPU encode runs (scaled to 28); default 1")
+    p.add_argument(
+        "--encode-blocks", type=int, default=1, help="real-width blocks the CPU encode runs (scaled to 28); default 1"
+    )
     p.add_argument("--encode-threads", type=int, default=2, help="torch threads of the encode; default 2")
     args = p.parse_args(argv)
     if args.rounds is None:

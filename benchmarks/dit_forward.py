@@ -25,9 +25,22 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    REAL, SCALED, SMOKE, DiTGeometry, available_memory_bytes, build_dit, dit_forward_flop_breakdown,
-    dit_forward_flops, dit_parameter_bytes,
-    emit, environment, interleaved, log, parse_dtype, resolve_device, summarize,
+    REAL,
+    SCALED,
+    SMOKE,
+    DiTGeometry,
+    available_memory_bytes,
+    build_dit,
+    dit_forward_flop_breakdown,
+    dit_forward_flops,
+    dit_parameter_bytes,
+    emit,
+    environment,
+    interleaved,
+    log,
+    parse_dtype,
+    resolve_device,
+    summarize,
 )
 from snapref_ray.models.dit import AnimaDiT, real_dit_config
 from snapref_ray.sampling.guidance import cfg as cfg_combine
@@ -37,10 +50,31 @@ SIGMA = 0.5
 CFG = 4.0
 MEMORY_MARGIN_BYTES = 2 * 1024**3  # activations, the allocator, the rest of the process
 # Every record has these fields (the smoke test checks them; numbers are positive).
-FIELDS = ("benchmark", "case", "model_channels", "num_heads", "head_dim", "mlp_hidden", "blocks",
-          "blocks_measured", "extrapolated", "context_dim", "context_rows", "width_px", "height_px", "tokens",
-          "seconds_per_forward", "seconds_per_cfg_step", "gflop_per_forward", "gflop_per_cfg_step",
-          "gflops_forward", "gflops_cfg_step", "attention_flop_share", "repeats", "environment")
+FIELDS = (
+    "benchmark",
+    "case",
+    "model_channels",
+    "num_heads",
+    "head_dim",
+    "mlp_hidden",
+    "blocks",
+    "blocks_measured",
+    "extrapolated",
+    "context_dim",
+    "context_rows",
+    "width_px",
+    "height_px",
+    "tokens",
+    "seconds_per_forward",
+    "seconds_per_cfg_step",
+    "gflop_per_forward",
+    "gflop_per_cfg_step",
+    "gflops_forward",
+    "gflops_cfg_step",
+    "attention_flop_share",
+    "repeats",
+    "environment",
+)
 CPU_FIELDS = ("cpu_seconds_per_forward", "cpu_seconds_per_cfg_step")  # process CPU time, CPU runs only
 CUDA_FIELDS = ("peak_tflops", "percent_of_peak")
 
@@ -49,15 +83,22 @@ def blocks_that_fit(geometry: DiTGeometry, dtype: torch.dtype, requested: int | 
     """Blocks to measure: `requested`, or as many of the geometry's as free memory holds."""
     block_bytes, other_bytes = dit_parameter_bytes(geometry, dtype)
     available = available_memory_bytes()
-    fit = geometry.num_blocks if available is None else int((available - MEMORY_MARGIN_BYTES - other_bytes)
-                                                             // block_bytes)
+    fit = (
+        geometry.num_blocks
+        if available is None
+        else int((available - MEMORY_MARGIN_BYTES - other_bytes) // block_bytes)
+    )
     blocks = min(geometry.num_blocks, fit) if requested is None else requested
     if blocks < 1:
-        raise SystemExit(f"not enough free memory for even one block at width {geometry.model_channels}"
-                         f" ({block_bytes / 1e9:.2f} GB per block, {(available or 0) / 1e9:.1f} GB available)")
+        raise SystemExit(
+            f"not enough free memory for even one block at width {geometry.model_channels}"
+            f" ({block_bytes / 1e9:.2f} GB per block, {(available or 0) / 1e9:.1f} GB available)"
+        )
     if requested is not None and requested > fit:
-        log(f"warning: --blocks {requested} needs ~{(other_bytes + requested * block_bytes) / 1e9:.1f} GB,"
-            f" {(available or 0) / 1e9:.1f} GB available")
+        log(
+            f"warning: --blocks {requested} needs ~{(other_bytes + requested * block_bytes) / 1e9:.1f} GB,"
+            f" {(available or 0) / 1e9:.1f} GB available"
+        )
     return blocks
 
 
@@ -69,8 +110,17 @@ def cfg_step(dit: AnimaDiT, x_B: torch.Tensor, sigma: float, ctx_2B: torch.Tenso
     return cfg_combine(d_cond, d_uncond, CFG)
 
 
-def run_case(case: str, geometry: DiTGeometry, *, device: torch.device, dtype: torch.dtype, blocks: int,
-             repeats: int, warmup: int, peak_tflops: float | None) -> dict[str, Any]:
+def run_case(
+    case: str,
+    geometry: DiTGeometry,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    blocks: int,
+    repeats: int,
+    warmup: int,
+    peak_tflops: float | None,
+) -> dict[str, Any]:
     """Build the DiT at `geometry` with `blocks` blocks, time a forward and a CFG step (interleaved)."""
     measured = geometry.with_blocks(blocks)
     log(f"[{case}] building width {geometry.model_channels}, {blocks} blocks, {dtype} on {device} ...")
@@ -85,9 +135,16 @@ def run_case(case: str, geometry: DiTGeometry, *, device: torch.device, dtype: t
 
     cpu_times: dict[str, list[float]] = {}
     with torch.inference_mode():
-        times = interleaved({"forward": lambda: dit(x.to(dtype), sigma_1, ctx[:1]),
-                             "cfg_step": lambda: cfg_step(dit, x.to(dtype), SIGMA, ctx)},
-                            device, rounds=repeats, warmup_rounds=warmup, cpu_times=cpu_times)
+        times = interleaved(
+            {
+                "forward": lambda: dit(x.to(dtype), sigma_1, ctx[:1]),
+                "cfg_step": lambda: cfg_step(dit, x.to(dtype), SIGMA, ctx),
+            },
+            device,
+            rounds=repeats,
+            warmup_rounds=warmup,
+            cpu_times=cpu_times,
+        )
 
     shape = dict(tokens=geometry.tokens, context_rows=geometry.context_rows)
     flops_1 = dit_forward_flops(measured.config, rows=1, **shape)
@@ -99,17 +156,23 @@ def run_case(case: str, geometry: DiTGeometry, *, device: torch.device, dtype: t
     t_fwd = summarize(times["forward"])["median_s"]
     t_cfg = summarize(times["cfg_step"])["median_s"]
     record: dict[str, Any] = {
-        "benchmark": "dit_forward", "case": case, **geometry.describe(), "blocks_measured": blocks,
+        "benchmark": "dit_forward",
+        "case": case,
+        **geometry.describe(),
+        "blocks_measured": blocks,
         "extrapolated": blocks != geometry.num_blocks,
         # Times are for the geometry's full block count (scaled by the FLOP ratio when fewer were measured).
         "seconds_per_forward": t_fwd * full_1 / flops_1,
         "seconds_per_cfg_step": t_cfg * full_2 / flops_2,
-        "measured_seconds_per_forward": t_fwd, "measured_seconds_per_cfg_step": t_cfg,
+        "measured_seconds_per_forward": t_fwd,
+        "measured_seconds_per_cfg_step": t_cfg,
         "seconds_per_forward_min_max": [min(times["forward"]), max(times["forward"])],
         "seconds_per_cfg_step_min_max": [min(times["cfg_step"]), max(times["cfg_step"])],
-        "gflop_per_forward": full_1 / 1e9, "gflop_per_cfg_step": full_2 / 1e9,
+        "gflop_per_forward": full_1 / 1e9,
+        "gflop_per_cfg_step": full_2 / 1e9,
         # Achieved rate of what was measured (independent of the extrapolation).
-        "gflops_forward": flops_1 / t_fwd / 1e9, "gflops_cfg_step": flops_2 / t_cfg / 1e9,
+        "gflops_forward": flops_1 / t_fwd / 1e9,
+        "gflops_cfg_step": flops_2 / t_cfg / 1e9,
         "attention_flop_share": attention_share,
         "repeats": repeats,
         "environment": environment(device, dtype),
@@ -124,20 +187,37 @@ def run_case(case: str, geometry: DiTGeometry, *, device: torch.device, dtype: t
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu", help="cpu (both CPU cases) or cuda (real size, 832x1216, bf16)")
-    p.add_argument("--case", choices=("all", "real_arch", "width_scaled"), default="all",
-                   help="CPU cases to run (default all; ignored with --device cuda)")
-    p.add_argument("--blocks", type=int, default=None,
-                   help="blocks to measure in the real-architecture CPU case (default: 28, or as many as free"
-                        " memory holds); times are scaled to 28 blocks by the FLOP ratio")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                   help="compute dtype (default fp32 on CPU, bf16 on CUDA)")
+    p.add_argument(
+        "--case",
+        choices=("all", "real_arch", "width_scaled"),
+        default="all",
+        help="CPU cases to run (default all; ignored with --device cuda)",
+    )
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=None,
+        help="blocks to measure in the real-architecture CPU case (default: 28, or as many as free"
+        " memory holds); times are scaled to 28 blocks by the FLOP ratio",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default=None,
+        help="compute dtype (default fp32 on CPU, bf16 on CUDA)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported), default 5")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds, default 1")
-    p.add_argument("--peak-tflops", type=float, default=H100_H200_BF16_DENSE_TFLOPS,
-                   help="the GPU's dense bf16 peak in TFLOP/s for %% of peak (default 989: H100/H200 SXM)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=H100_H200_BF16_DENSE_TFLOPS,
+        help="the GPU's dense bf16 peak in TFLOP/s for %% of peak (default 989: H100/H200 SXM)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat: checks the script, measures nothing")
     return p.parse_args(argv)
@@ -158,14 +238,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         # The real architecture at 256x256 px (256 tokens): small enough for a CPU.
         real_arch = SMOKE.with_size(32, 32) if args.smoke else REAL.with_size(256, 256)
         scaled = SMOKE if args.smoke else SCALED
-        cases = [c for c in (("real_arch", real_arch, args.blocks), ("width_scaled", scaled, None))
-                 if args.case in ("all", c[0])]
+        cases = [
+            c
+            for c in (("real_arch", real_arch, args.blocks), ("width_scaled", scaled, None))
+            if args.case in ("all", c[0])
+        ]
     records = []
     for case, geometry, requested_blocks in cases:
-        blocks = (blocks_that_fit(geometry, dtype, requested_blocks) if device.type == "cpu"
-                  else requested_blocks or geometry.num_blocks)
-        record = run_case(case, geometry, device=device, dtype=dtype, blocks=blocks, repeats=args.repeats,
-                          warmup=args.warmup, peak_tflops=args.peak_tflops if device.type == "cuda" else None)
+        blocks = (
+            blocks_that_fit(geometry, dtype, requested_blocks)
+            if device.type == "cpu"
+            else requested_blocks or geometry.num_blocks
+        )
+        record = run_case(
+            case,
+            geometry,
+            device=device,
+            dtype=dtype,
+            blocks=blocks,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            peak_tflops=args.peak_tflops if device.type == "cuda" else None,
+        )
         records.append(emit(record))
     return records
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from benchmarks.arcanima_steps import arcanima_rows
-from benchmarks.common import environment, interleaved, log, parse_dtype, paired_ratio, resolve_device, summarize
+from benchmarks.common import environment, interleaved, log, paired_ratio, parse_dtype, resolve_device, summarize
 from benchmarks.snapref_steps import ENCODE, GEOMETRIES, SETTINGS, StepBench, StepsGeometry
 from snapref_ray.models.attention import read_form
 from snapref_ray.models.compiled import compile_forward
@@ -48,8 +48,24 @@ from snapref_ray.models.compiled import compile_forward
 RECIPE_STEPS = 30
 RECIPE_CFG = 4.5  # the same rows as any CFG != 1: the step's cost does not depend on the scale
 PFLOP_PER_IMAGE_NOTE = "about 1.16 PFLOP of DiT work per image at real size (30 CFG steps with a reference)"
-FIELDS = ("benchmark", "geometry", "device", "dtype", "read_form", "batch", "step", "host_syncs", "snapref", "encode",
-          "memory", "images_per_gpu_hour", "extra_rows", "skipped", "seconds_total", "environment")
+FIELDS = (
+    "benchmark",
+    "geometry",
+    "device",
+    "dtype",
+    "read_form",
+    "batch",
+    "step",
+    "host_syncs",
+    "snapref",
+    "encode",
+    "memory",
+    "images_per_gpu_hour",
+    "extra_rows",
+    "skipped",
+    "seconds_total",
+    "environment",
+)
 
 
 @dataclass
@@ -116,10 +132,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = parse_dtype(args.dtype)
     geo: StepsGeometry = GEOMETRIES[args.geometry]
     if args.blocks:
-        geo = StepsGeometry(geo.dit.with_blocks(args.blocks), geo.ref_width_px, geo.ref_height_px, geo.ref_rank,
-                            geo.target_rank)
-    log(f"gpu_suite: {geo.dit.name}, {geo.dit.num_blocks} blocks, {geo.dit.tokens} + {geo.ref_tokens} tokens, "
-        f"{dtype} on {device}, batch {args.batch}, read form {read_form()}")
+        geo = StepsGeometry(
+            geo.dit.with_blocks(args.blocks), geo.ref_width_px, geo.ref_height_px, geo.ref_rank, geo.target_rank
+        )
+    log(
+        f"gpu_suite: {geo.dit.name}, {geo.dit.num_blocks} blocks, {geo.dit.tokens} + {geo.ref_tokens} tokens, "
+        f"{dtype} on {device}, batch {args.batch}, read form {read_form()}"
+    )
     bench = StepBench(geo, device, dtype, batch=args.batch)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     skipped: list[str] = []
@@ -141,25 +160,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     syncs = host_syncs(bench, device)
     step = {"eager": step_record(_median(times["no_reference"]), "no_reference")}
-    snapref = {name: {"seconds": _median(times[name]), "ratio_to_no_reference": paired_ratio(times[name],
-                                                                                             times["no_reference"]),
-                      "flop_ratio_to_no_reference": bench.step_flops(name) / bench.step_flops("no_reference"),
-                      "rows": bench.plan(name)[0] * args.batch, "reading_rows": bench.plan(name)[1] * args.batch}
-               for name in SETTINGS}
-    encode = {"seconds": _median(times[ENCODE]), "refkv_bytes": bench.refkv.nbytes,
-              "ref_tokens": geo.ref_tokens}
+    snapref = {
+        name: {
+            "seconds": _median(times[name]),
+            "ratio_to_no_reference": paired_ratio(times[name], times["no_reference"]),
+            "flop_ratio_to_no_reference": bench.step_flops(name) / bench.step_flops("no_reference"),
+            "rows": bench.plan(name)[0] * args.batch,
+            "reading_rows": bench.plan(name)[1] * args.batch,
+        }
+        for name in SETTINGS
+    }
+    encode = {"seconds": _median(times[ENCODE]), "refkv_bytes": bench.refkv.nbytes, "ref_tokens": geo.ref_tokens}
 
     # -- compiled: the plain step and SnapRef default -----------------------------------------------
     best_default = snapref["snapref_default"]["seconds"]
     if args.no_compile:
         skipped.append("compiled steps (--no-compile)")
     elif time.perf_counter() - t_start > args.budget_s / 2:
-        skipped.append(f"compiled steps (eager phase took {time.perf_counter() - t_start:.0f} s of the "
-                       f"{args.budget_s:.0f} s budget)")
+        skipped.append(
+            f"compiled steps (eager phase took {time.perf_counter() - t_start:.0f} s of the "
+            f"{args.budget_s:.0f} s budget)"
+        )
     else:
         eager_forward = bench.renderer.forward
-        bench.renderer.forward = compile_forward(bench.renderer.dit, mode=args.compile_mode,
-                                                 backend=args.compile_backend)
+        bench.renderer.forward = compile_forward(
+            bench.renderer.dit, mode=args.compile_mode, backend=args.compile_backend
+        )
         try:
             _reset_peak(device)
             compiled_cases = {name: bench.step_fn(name) for name in ("no_reference", "snapref_default")}
@@ -174,71 +200,113 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             step["compiled_speedup"] = paired_ratio(times["no_reference"][: args.rounds], ctimes["no_reference"])
             snapref["snapref_default"]["compiled_seconds"] = _median(ctimes["snapref_default"])
             snapref["snapref_default"]["compiled_ratio_to_no_reference"] = paired_ratio(
-                ctimes["snapref_default"], ctimes["no_reference"])
+                ctimes["snapref_default"], ctimes["no_reference"]
+            )
             best_default = min(best_default, _median(ctimes["snapref_default"]))
         finally:
             bench.renderer.forward = eager_forward
 
     # -- throughput of the recipe ----------------------------------------------------------------------
-    seconds_per_image = (RECIPE_STEPS * best_default + encode["seconds"] / args.prompts_per_reference * args.batch
-                         ) / args.batch
-    images = {"recipe": f"{RECIPE_STEPS} steps, {geo.dit.width_px}x{geo.dit.height_px}, CFG {RECIPE_CFG}, SnapRef "
-                        f"default, {args.prompts_per_reference} images per reference, batch {args.batch}",
-              "seconds_per_image": seconds_per_image, "images_per_gpu_hour": 3600 / seconds_per_image,
-              "includes": "DiT sampling steps (fastest of eager/compiled) + the reference encode's share",
-              "excludes": "text encoding, VAE decode, I/O (the worker overlaps I/O)",
-              "note": PFLOP_PER_IMAGE_NOTE}
+    seconds_per_image = (
+        RECIPE_STEPS * best_default + encode["seconds"] / args.prompts_per_reference * args.batch
+    ) / args.batch
+    images = {
+        "recipe": f"{RECIPE_STEPS} steps, {geo.dit.width_px}x{geo.dit.height_px}, CFG {RECIPE_CFG}, SnapRef "
+        f"default, {args.prompts_per_reference} images per reference, batch {args.batch}",
+        "seconds_per_image": seconds_per_image,
+        "images_per_gpu_hour": 3600 / seconds_per_image,
+        "includes": "DiT sampling steps (fastest of eager/compiled) + the reference encode's share",
+        "excludes": "text encoding, VAE decode, I/O (the worker overlaps I/O)",
+        "note": PFLOP_PER_IMAGE_NOTE,
+    }
 
     extra = {}
     for name, fn in _EXTRA_ROWS.items():
         extra[name] = fn(SuiteContext(bench, args, device))
     memory["peak"] = max(memory.values())
-    return {"benchmark": "gpu_suite", "compile_backend": None if args.no_compile else args.compile_backend,
-            "geometry": {**geo.dit.describe(), "name": geo.dit.name,
-                                                   "ref_tokens": geo.ref_tokens},
-            "device": device.type, "dtype": str(dtype).removeprefix("torch."), "read_form": read_form(),
-            "batch": args.batch, "rounds": args.rounds, "peak_tflops": args.peak_tflops,
-            "step": step, "host_syncs": syncs, "snapref": snapref, "encode": encode, "memory": memory,
-            "images_per_gpu_hour": images, "extra_rows": extra, "skipped": skipped,
-            "seconds_total": time.perf_counter() - t_start, "environment": environment(device, dtype)}
+    return {
+        "benchmark": "gpu_suite",
+        "compile_backend": None if args.no_compile else args.compile_backend,
+        "geometry": {**geo.dit.describe(), "name": geo.dit.name, "ref_tokens": geo.ref_tokens},
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "read_form": read_form(),
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "peak_tflops": args.peak_tflops,
+        "step": step,
+        "host_syncs": syncs,
+        "snapref": snapref,
+        "encode": encode,
+        "memory": memory,
+        "images_per_gpu_hour": images,
+        "extra_rows": extra,
+        "skipped": skipped,
+        "seconds_total": time.perf_counter() - t_start,
+        "environment": environment(device, dtype),
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
     """The suite as a Markdown page (what goes into a closing note)."""
     g, env = result["geometry"], result["environment"]
-    lines = [f"# GPU suite — {env.get('gpu', env['device'])}, {result['dtype']}",
-             "",
-             f"Geometry {g['name']}: width {g['model_channels']}, {g['blocks']} blocks, {g['width_px']}x{g['height_px']}"
-             f" px ({g['tokens']} tokens), reference {g['ref_tokens']} tokens; batch {result['batch']}; read form "
-             f"`{result['read_form']}`; torch {env['torch']}; {result['seconds_total']:.0f} s in all.",
-             "", "## DiT CFG step (no reference)", "",
-             "| | s / step | TFLOP/s | % of peak |", "|---|---|---|---|"]
+    lines = [
+        f"# GPU suite — {env.get('gpu', env['device'])}, {result['dtype']}",
+        "",
+        f"Geometry {g['name']}: width {g['model_channels']}, {g['blocks']} blocks, {g['width_px']}x{g['height_px']}"
+        f" px ({g['tokens']} tokens), reference {g['ref_tokens']} tokens; batch {result['batch']}; read form "
+        f"`{result['read_form']}`; torch {env['torch']}; {result['seconds_total']:.0f} s in all.",
+        "",
+        "## DiT CFG step (no reference)",
+        "",
+        "| | s / step | TFLOP/s | % of peak |",
+        "|---|---|---|---|",
+    ]
     for kind in ("eager", "compiled"):
         if kind in result["step"]:
             s = result["step"][kind]
             pct = f"{s['percent_of_peak']:.1f} %" if "percent_of_peak" in s else "—"
             lines.append(f"| {kind} | {s['seconds']:.4f} | {s['tflops']:.3g} | {pct} |")
     if "compiled_speedup" in result["step"]:
-        lines += ["", f"Compiled speed-up: {result['step']['compiled_speedup']:.3f}x "
-                      f"(compile {result['step']['compiled']['compile_seconds']:.0f} s)."]
-    lines += ["", "## SnapRef settings (eager, interleaved)", "",
-              "| setting | rows | reading | s / step | x no reference | FLOP model | compiled x |",
-              "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Compiled speed-up: {result['step']['compiled_speedup']:.3f}x "
+            f"(compile {result['step']['compiled']['compile_seconds']:.0f} s).",
+        ]
+    lines += [
+        "",
+        "## SnapRef settings (eager, interleaved)",
+        "",
+        "| setting | rows | reading | s / step | x no reference | FLOP model | compiled x |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, s in result["snapref"].items():
         comp = f"{s['compiled_ratio_to_no_reference']:.3f}" if "compiled_ratio_to_no_reference" in s else ""
-        lines.append(f"| {name} | {s['rows']} | {s['reading_rows']} | {s['seconds']:.4f} | "
-                     f"{s['ratio_to_no_reference']:.3f} | {s['flop_ratio_to_no_reference']:.3f} | {comp} |")
+        lines.append(
+            f"| {name} | {s['rows']} | {s['reading_rows']} | {s['seconds']:.4f} | "
+            f"{s['ratio_to_no_reference']:.3f} | {s['flop_ratio_to_no_reference']:.3f} | {comp} |"
+        )
     hs = result["host_syncs"]
     if hs.get("checked"):
-        lines += ["", "Device syncs per step (CUDA sync debug mode): " + ", ".join(
-            f"{k} {v['syncs']}" for k, v in hs.items() if k != "checked") + "."]
+        lines += [
+            "",
+            "Device syncs per step (CUDA sync debug mode): "
+            + ", ".join(f"{k} {v['syncs']}" for k, v in hs.items() if k != "checked")
+            + ".",
+        ]
     else:
         lines += ["", f"Device syncs per step: not checked ({hs['why']})."]
     e, m, i = result["encode"], result["memory"], result["images_per_gpu_hour"]
-    lines += ["", f"Reference encode: {e['seconds']:.3f} s ({e['ref_tokens']} tokens, RefKV {e['refkv_bytes'] / 1e9:.3f} GB).",
-              "", "Peak memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in m.items()) + ".",
-              "", f"**Images per GPU-hour: {i['images_per_gpu_hour']:.0f}** ({i['recipe']}; {i['includes']}; "
-                  f"excludes {i['excludes']}).", ""]
+    lines += [
+        "",
+        f"Reference encode: {e['seconds']:.3f} s ({e['ref_tokens']} tokens, RefKV {e['refkv_bytes'] / 1e9:.3f} GB).",
+        "",
+        "Peak memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in m.items()) + ".",
+        "",
+        f"**Images per GPU-hour: {i['images_per_gpu_hour']:.0f}** ({i['recipe']}; {i['includes']}; "
+        f"excludes {i['excludes']}).",
+        "",
+    ]
     for name, rows in result["extra_rows"].items():
         lines += [f"## {name}", "", "| figure | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in rows.items()] + [""]
@@ -256,16 +324,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch", type=int, default=None, help="images per forward (default 4 on CUDA, 1 on CPU)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompts-per-reference", type=int, default=8)
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="dense peak for %% of peak (default 989 on CUDA = H100/H200 SXM bf16; none on CPU)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="dense peak for %% of peak (default 989 on CUDA = H100/H200 SXM bf16; none on CPU)",
+    )
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: inductor's default)")
-    p.add_argument("--compile-backend", default="inductor",
-                   help="torch.compile backend (the smoke run uses 'eager': dynamo's full-graph trace, no codegen)")
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend (the smoke run uses 'eager': dynamo's full-graph trace, no codegen)",
+    )
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--budget-s", type=float, default=420.0, help="compiled phases only if eager took < half of it")
     p.add_argument("--out-dir", default="gpu-suite", help="writes gpu_suite.json and gpu_suite.md here")
-    p.add_argument("--smoke", action="store_true",
-                   help="CPU, tiny geometry, 1 round, the compiled phase traced with the 'eager' backend")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, tiny geometry, 1 round, the compiled phase traced with the 'eager' backend",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.geometry, args.rounds, args.batch = args.device or "cpu", "smoke", 1, args.batch or 1

@@ -63,6 +63,7 @@ MiB = 2**20
 
 # --- the simulated GPU --------------------------------------------------------------------------
 
+
 class SimulatedRenderer:
     """Renderer's interface (encode_reference, render, device, model_id, load_seconds) with sleeps.
 
@@ -70,8 +71,9 @@ class SimulatedRenderer:
     its size) and the images are real PIL images (small: PNG encoding is worker CPU, not GPU).
     """
 
-    def __init__(self, config, *, encode_s: float, step_s: float, refkv_bytes: int, image_side: int,
-                 noise_images: bool = False) -> None:
+    def __init__(
+        self, config, *, encode_s: float, step_s: float, refkv_bytes: int, image_side: int, noise_images: bool = False
+    ) -> None:
         import torch
         from PIL import Image
 
@@ -81,11 +83,15 @@ class SimulatedRenderer:
         self.encode_s, self.step_s, self.refkv_bytes, self.image_side = encode_s, step_s, refkv_bytes, image_side
         # Made once here, not per render: only the sleep stands for device time.
         size = (image_side, image_side)
-        self.noise = ([Image.merge("RGB", [Image.effect_noise(size, sigma) for sigma in (24 + k, 40, 56)])
-                       for k in range(4)] if noise_images else None)
+        self.noise = (
+            [Image.merge("RGB", [Image.effect_noise(size, sigma) for sigma in (24 + k, 40, 56)]) for k in range(4)]
+            if noise_images
+            else None
+        )
 
-    def encode_reference(self, images, *, layout="single", ref_caption="", ref_megapixels=1.0, width=1024,
-                         height=1024, sources=None):
+    def encode_reference(
+        self, images, *, layout="single", ref_caption="", ref_megapixels=1.0, width=1024, height=1024, sources=None
+    ):
         import torch
 
         from snapref_ray.adapter.refkv import RefKV
@@ -94,8 +100,9 @@ class SimulatedRenderer:
         digest = hashlib.sha256(b"".join(images)).hexdigest()[:32]
         tokens = max(1, self.refkv_bytes // (2 * 2 * 64 * 2))  # [blocks=2, K/V, heads=1, tokens, 64] bf16
         kv = torch.zeros((2, 2, 1, tokens, 64), dtype=torch.bfloat16)
-        return RefKV(kv, ((1, 1, 1),), ((0, 0, 0),), (1, height // 16, width // 16), "simulated-adapter", digest,
-                     self.encode_s)
+        return RefKV(
+            kv, ((1, 1, 1),), ((0, 0, 0),), (1, height // 16, width // 16), "simulated-adapter", digest, self.encode_s
+        )
 
     def render(self, requests, *, refkv=None, references=None, layout="single", init_image=None, progress=None):
         from PIL import Image
@@ -105,14 +112,19 @@ class SimulatedRenderer:
         steps = requests[0].settings.steps
         time.sleep(steps * self.step_s)
         side = self.image_side
-        images = ([self.noise[r.seed % len(self.noise)].copy() for r in requests] if self.noise else
-                  [Image.new("RGB", (side, side), (r.seed % 256, 40, 90)) for r in requests])
-        return [RenderResult(image, r,
-                             {"sample_s": steps * self.step_s, "decode_s": 0.0, "encode_s": 0.0})
-                for image, r in zip(images, requests)]
+        images = (
+            [self.noise[r.seed % len(self.noise)].copy() for r in requests]
+            if self.noise
+            else [Image.new("RGB", (side, side), (r.seed % 256, 40, 90)) for r in requests]
+        )
+        return [
+            RenderResult(image, r, {"sample_s": steps * self.step_s, "decode_s": 0.0, "encode_s": 0.0})
+            for image, r in zip(images, requests)
+        ]
 
 
 # --- measurement --------------------------------------------------------------------------------
+
 
 def _store_bytes_used() -> int:
     import ray
@@ -150,13 +162,13 @@ class Sampler:
             if time.monotonic() - last_store >= 0.2:
                 try:
                     self.peak_store = max(self.peak_store, _store_bytes_used())
-                except Exception:  # noqa: BLE001 — Ray shutting down
+                except Exception:
                     pass
                 last_store = time.monotonic()
             time.sleep(0.02)
         self.own_cpu = time.thread_time() - t0
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         self._thread.start()
         return self
 
@@ -167,6 +179,7 @@ class Sampler:
 
 # --- one run ------------------------------------------------------------------------------------
 
+
 def _write_job(folder: Path, references: int, prompts: int) -> Path:
     from PIL import Image
 
@@ -175,8 +188,10 @@ def _write_job(folder: Path, references: int, prompts: int) -> Path:
         ref = folder / "refs" / f"ref{r:04d}.png"
         ref.parent.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (64, 64), (r % 256, (r // 256) % 256, 120)).save(ref)
-        rows += [{"reference": ref.relative_to(folder).as_posix(), "prompt": f"scene {p}", "seed": r * 1000 + p}
-                 for p in range(prompts)]
+        rows += [
+            {"reference": ref.relative_to(folder).as_posix(), "prompt": f"scene {p}", "seed": r * 1000 + p}
+            for p in range(prompts)
+        ]
     manifest = folder / "manifest.csv"
     with open(manifest, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["reference", "prompt", "seed"])
@@ -185,8 +200,7 @@ def _write_job(folder: Path, references: int, prompts: int) -> Path:
     return manifest
 
 
-def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, overlap: bool = True,
-            s3=None) -> dict:
+def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, overlap: bool = True, s3=None) -> dict:
     from snapref_ray.pipelines.generate_dataset import run_job
     from snapref_ray.storage.jobspec import JobSpec
 
@@ -194,19 +208,37 @@ def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, o
     images = references * prompts
     folder = root / f"n{workers}-p{prompts}-{'overlap' if overlap else 'inline'}"
     manifest = _write_job(folder, references, prompts)
-    spec = JobSpec.model_validate({
-        "models": {"models_dir": str(models_dir)}, "manifest": str(manifest),
-        "defaults": {"width": 256, "height": 256, "steps": args.steps, "cfg": 1.0, "sampler": "euler"},
-        "output": ({"uri": str(folder / "out")} if s3 is None else
-                   {"uri": f"s3://{s3.bucket}/{folder.name}-{time.time_ns()}",
-                    "s3": {"endpoint_url": s3.endpoint_url, "region": "us-east-1"}}),
-        "cluster": {"num_workers": workers, "max_batch": args.max_batch, "device": "cpu",
-                    "max_in_flight_per_worker": args.in_flight, "num_cpus_per_worker": 1,
-                    "output_threads": args.output_threads if overlap else 0},
-    })
-    factory = functools.partial(SimulatedRenderer, encode_s=args.encode_s, step_s=args.step_s,
-                                refkv_bytes=args.refkv_kib * 1024, image_side=args.image_side,
-                                noise_images=args.noise_images)
+    spec = JobSpec.model_validate(
+        {
+            "models": {"models_dir": str(models_dir)},
+            "manifest": str(manifest),
+            "defaults": {"width": 256, "height": 256, "steps": args.steps, "cfg": 1.0, "sampler": "euler"},
+            "output": (
+                {"uri": str(folder / "out")}
+                if s3 is None
+                else {
+                    "uri": f"s3://{s3.bucket}/{folder.name}-{time.time_ns()}",
+                    "s3": {"endpoint_url": s3.endpoint_url, "region": "us-east-1"},
+                }
+            ),
+            "cluster": {
+                "num_workers": workers,
+                "max_batch": args.max_batch,
+                "device": "cpu",
+                "max_in_flight_per_worker": args.in_flight,
+                "num_cpus_per_worker": 1,
+                "output_threads": args.output_threads if overlap else 0,
+            },
+        }
+    )
+    factory = functools.partial(
+        SimulatedRenderer,
+        encode_s=args.encode_s,
+        step_s=args.step_s,
+        refkv_bytes=args.refkv_kib * 1024,
+        image_side=args.image_side,
+        noise_images=args.noise_images,
+    )
     marks: dict[str, float] = {}
 
     def workers_ready(handles, infos) -> None:
@@ -220,8 +252,7 @@ def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, o
         time.sleep(0.1)
     rss_before = _rss_bytes()
     with Sampler() as sampler:
-        summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False,
-                          on_workers=workers_ready)
+        summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False, on_workers=workers_ready)
         cpu = _cpu_seconds() - marks["cpu0"]
     sched = summary["scheduler"]
     gpu_seconds = sched["dispatched_batches"] * args.steps * args.step_s + sched["reference_encodes"] * args.encode_s
@@ -230,10 +261,15 @@ def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, o
     assert done == images and summary["failed_items"] == 0, summary
     shutil.rmtree(folder, ignore_errors=True)
     return {
-        "workers": workers, "prompts_per_reference": prompts, "output_overlap": overlap,
-        "output": "s3" if s3 is not None else "local", "images": done, "references": references,
+        "workers": workers,
+        "prompts_per_reference": prompts,
+        "output_overlap": overlap,
+        "output": "s3" if s3 is not None else "local",
+        "images": done,
+        "references": references,
         "batches": sched["dispatched_batches"],
-        "render_seconds": round(render_s, 3), "worker_start_seconds": round(summary["startup_seconds"], 2),
+        "render_seconds": round(render_s, 3),
+        "worker_start_seconds": round(summary["startup_seconds"], 2),
         "images_per_s": round(done / render_s, 3),
         "workers_busy": round(gpu_seconds / (workers * render_s), 4),
         "driver_cpu_ms_per_image": round(1000 * max(0.0, cpu - sampler.own_cpu) / done, 3),
@@ -242,11 +278,13 @@ def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, o
         "driver_rss_before_mib": round(rss_before / MiB, 1),
         "encodes_per_reference": summary["encodes_per_reference"],
         "max_encodes_per_reference": summary["max_encodes_per_reference"],
-        "object_store_fetches": sched["fetches"], "peak_open_references": sched["peak_open_references"],
+        "object_store_fetches": sched["fetches"],
+        "peak_open_references": sched["peak_open_references"],
     }
 
 
 # --- start-up: `snapref-ray render` to the first image -----------------------------------------------
+
 
 def time_to_first_image(models_dir: Path, root: Path) -> dict:
     from PIL import Image
@@ -260,9 +298,27 @@ def time_to_first_image(models_dir: Path, root: Path) -> dict:
     out = folder / "out"
     exe = shutil.which("snapref-ray")
     base = [exe] if exe else [sys.executable, "-m", "snapref_ray.cli"]
-    command = base + ["render", str(manifest), "--models", str(models_dir), "--out", str(out), "--workers", "2",
-                      "--no-progress", "--width", "256", "--height", "256", "--steps", "2", "--cfg", "1",
-                      "--sampler", "euler"]
+    command = base + [
+        "render",
+        str(manifest),
+        "--models",
+        str(models_dir),
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+        "--no-progress",
+        "--width",
+        "256",
+        "--height",
+        "256",
+        "--steps",
+        "2",
+        "--cfg",
+        "1",
+        "--sampler",
+        "euler",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     t0 = time.monotonic()
@@ -277,13 +333,18 @@ def time_to_first_image(models_dir: Path, root: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{(folder / 'render.log').read_text()[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return {"command": " ".join(["snapref-ray" if exe else "python -m snapref_ray.cli"] + command[len(base):]),
-            "seconds_to_first_image": round(first if first is not None else total, 2),
-            "seconds_total": round(total, 2), "images": summary["images_this_run"],
-            "job_startup_seconds": summary["startup_seconds"], "job_render_seconds": summary["render_seconds"]}
+    return {
+        "command": " ".join(["snapref-ray" if exe else "python -m snapref_ray.cli"] + command[len(base) :]),
+        "seconds_to_first_image": round(first if first is not None else total, 2),
+        "seconds_total": round(total, 2),
+        "images": summary["images_this_run"],
+        "job_startup_seconds": summary["startup_seconds"],
+        "job_render_seconds": summary["render_seconds"],
+    }
 
 
 # --- main ---------------------------------------------------------------------------------------
+
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -294,23 +355,40 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-batch", type=int, default=2)
     p.add_argument("--in-flight", type=int, default=2, help="max_in_flight_per_worker")
     p.add_argument("--batches-per-worker", type=int, default=32)
-    p.add_argument("--prompts", default="8,128",
-                   help="prompts per reference, comma-separated: one scenario each (8: about two references per "
-                        "worker, each encoded where it is sampled; 128: fewer references than workers, so most "
-                        "workers read a RefKV another one encoded from the object store)")
+    p.add_argument(
+        "--prompts",
+        default="8,128",
+        help="prompts per reference, comma-separated: one scenario each (8: about two references per "
+        "worker, each encoded where it is sampled; 128: fewer references than workers, so most "
+        "workers read a RefKV another one encoded from the object store)",
+    )
     p.add_argument("--refkv-kib", type=int, default=1024, help="size of each simulated RefKV")
     p.add_argument("--image-side", type=int, default=64, help="side of the returned images (PNG work per image)")
-    p.add_argument("--noise-images", action="store_true",
-                   help="images with noise in them (PNG encoding costs what a real render's does)")
-    p.add_argument("--overlap", choices=("on", "off", "both"), default="on",
-                   help="output overlap: on = output threads (the default worker), off = stores inline, both = each")
+    p.add_argument(
+        "--noise-images",
+        action="store_true",
+        help="images with noise in them (PNG encoding costs what a real render's does)",
+    )
+    p.add_argument(
+        "--overlap",
+        choices=("on", "off", "both"),
+        default="on",
+        help="output overlap: on = output threads (the default worker), off = stores inline, both = each",
+    )
     p.add_argument("--output-threads", type=int, default=4, help="output threads per worker when overlapping")
-    p.add_argument("--output", choices=("local", "s3"), default="local",
-                   help="local folder, or a SeaweedFS S3 server started for the run")
+    p.add_argument(
+        "--output",
+        choices=("local", "s3"),
+        default="local",
+        help="local folder, or a SeaweedFS S3 server started for the run",
+    )
     p.add_argument("--no-startup", action="store_true", help="skip timing `snapref-ray render` to the first image")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny and quick: 1 worker, 8 prompts, 2 batches of 2, 2 steps, overlap on and off, S3, "
-                        "no start-up timing (what tests/benchmarks runs)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny and quick: 1 worker, 8 prompts, 2 batches of 2, 2 steps, overlap on and off, S3, "
+        "no start-up timing (what tests/benchmarks runs)",
+    )
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     if args.smoke:
@@ -344,14 +422,25 @@ def main(argv: list[str] | None = None) -> dict:
                 saved_env = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
                 os.environ.update(AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
             # More logical CPUs than workers: each worker reserves one; the driver and Ray need none.
-            ray.init(address="local", num_cpus=max(counts) + 2, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": env_vars})
+            ray.init(
+                address="local",
+                num_cpus=max(counts) + 2,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": env_vars},
+            )
             runs = []
             try:
                 # A small job first, not reported: the first job in a driver pays one-off imports
                 # (pyarrow's Parquet writer, boto3, ...) that would be charged to N = 1.
-                run_one(1, scenarios[0], argparse.Namespace(**{**vars(args), "batches_per_worker": 2}), models_dir,
-                        root, s3=s3)
+                run_one(
+                    1,
+                    scenarios[0],
+                    argparse.Namespace(**{**vars(args), "batches_per_worker": 2}),
+                    models_dir,
+                    root,
+                    s3=s3,
+                )
                 for prompts in scenarios:
                     for n in counts:
                         for overlap in overlaps:  # side by side, so load drift hits both alike
@@ -364,8 +453,9 @@ def main(argv: list[str] | None = None) -> dict:
                         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         for prompts in scenarios:
             group = [r for r in runs if r["prompts_per_reference"] == prompts]
-            single = next((r["images_per_s"] for r in group if r["workers"] == 1 and r["output_overlap"] == overlaps[0]),
-                          None)
+            single = next(
+                (r["images_per_s"] for r in group if r["workers"] == 1 and r["output_overlap"] == overlaps[0]), None
+            )
             for r in group:
                 if single:
                     r["ideal_images_per_s"] = round(r["workers"] * single, 3)
@@ -373,8 +463,12 @@ def main(argv: list[str] | None = None) -> dict:
         result = {
             "benchmark": "orchestration",
             "command": "python benchmarks/orchestration.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "ray": ray.__version__,
-                        "platform": platform.platform()},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "ray": ray.__version__,
+                "platform": platform.platform(),
+            },
             "params": {k: v for k, v in vars(args).items() if k not in ("out",)},
             "gpu_seconds_per_batch": round(args.steps * args.step_s, 4),
             "object_store_metric": "get_memory_info_reply().store_stats.object_store_bytes_used, sampled every 0.2 s",
@@ -382,10 +476,16 @@ def main(argv: list[str] | None = None) -> dict:
         }
         if len(overlaps) == 2:  # the output overlap's effect, per worker count and scenario
             result["overlap"] = [
-                {"workers": on["workers"], "prompts_per_reference": on["prompts_per_reference"],
-                 "workers_busy_with_overlap": on["workers_busy"], "workers_busy_without_overlap": off["workers_busy"],
-                 "images_per_s_with_overlap": on["images_per_s"], "images_per_s_without_overlap": off["images_per_s"]}
-                for on, off in zip(runs[::2], runs[1::2])]
+                {
+                    "workers": on["workers"],
+                    "prompts_per_reference": on["prompts_per_reference"],
+                    "workers_busy_with_overlap": on["workers_busy"],
+                    "workers_busy_without_overlap": off["workers_busy"],
+                    "images_per_s_with_overlap": on["images_per_s"],
+                    "images_per_s_without_overlap": off["images_per_s"],
+                }
+                for on, off in zip(runs[::2], runs[1::2])
+            ]
         if not args.no_startup:
             result["startup"] = time_to_first_image(models_dir, root)
     finally:

@@ -47,8 +47,18 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from benchmarks.orchestration import SimulatedRenderer  # noqa: E402
 
 RUNNERS = ("job", "ray_data_ungrouped", "ray_data_grouped")
-FIELDS = ("runner", "images", "failed", "wall_s", "images_per_s", "render_span_s", "rendering_images_per_s",
-          "reference_encodes", "encodes_per_reference", "max_encodes_per_reference")
+FIELDS = (
+    "runner",
+    "images",
+    "failed",
+    "wall_s",
+    "images_per_s",
+    "render_span_s",
+    "rendering_images_per_s",
+    "reference_encodes",
+    "encodes_per_reference",
+    "max_encodes_per_reference",
+)
 RAY_DATA_FIELDS = ("forwards", "images_per_forward", "actors")
 
 
@@ -79,8 +89,11 @@ def write_manifest(folder: Path, references: int, prompts: int) -> Path:
     with open(manifest, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["reference", "prompt", "seed"])
         writer.writeheader()
-        writer.writerows({"reference": paths[r], "prompt": f"1girl, scene {p}", "seed": 1000 * r + p}
-                         for p in range(prompts) for r in range(references))
+        writer.writerows(
+            {"reference": paths[r], "prompt": f"1girl, scene {p}", "seed": 1000 * r + p}
+            for p in range(prompts)
+            for r in range(references)
+        )
     return manifest
 
 
@@ -90,8 +103,14 @@ def _settings(args) -> dict:
 
 def _factory(args):
     refkv_bytes = args.refkv_kib * 1024
-    return functools.partial(BatchCostRenderer, row_cost=args.row_cost, encode_s=args.encode_s, step_s=args.step_s,
-                             refkv_bytes=refkv_bytes, image_side=args.image_side)
+    return functools.partial(
+        BatchCostRenderer,
+        row_cost=args.row_cost,
+        encode_s=args.encode_s,
+        step_s=args.step_s,
+        refkv_bytes=refkv_bytes,
+        image_side=args.image_side,
+    )
 
 
 def _cache_bytes(args) -> int:
@@ -114,22 +133,36 @@ def run_job_runner(manifest: Path, models_dir: Path, out: Path, args) -> dict:
     from snapref_ray.pipelines.generate_dataset import run_job
     from snapref_ray.storage.jobspec import JobSpec
 
-    spec = JobSpec.model_validate({
-        "models": {"models_dir": str(models_dir)}, "manifest": str(manifest), "defaults": _settings(args),
-        "output": {"uri": str(out)},
-        "cluster": {"num_workers": args.workers, "max_batch": args.max_batch, "device": "cpu",
-                    "refkv_cache_bytes": _cache_bytes(args), "num_cpus_per_worker": 1},
-    })
+    spec = JobSpec.model_validate(
+        {
+            "models": {"models_dir": str(models_dir)},
+            "manifest": str(manifest),
+            "defaults": _settings(args),
+            "output": {"uri": str(out)},
+            "cluster": {
+                "num_workers": args.workers,
+                "max_batch": args.max_batch,
+                "device": "cpu",
+                "refkv_cache_bytes": _cache_bytes(args),
+                "num_cpus_per_worker": 1,
+            },
+        }
+    )
     t0 = time.perf_counter()
     summary = run_job(spec, progress=False, renderer_factory=_factory(args), write_gallery=False)
     wall = time.perf_counter() - t0
-    return {"runner": "job", "images": summary["images_this_run"], "failed": summary["failed_items"],
-            "wall_s": round(wall, 3), "images_per_s": round(summary["images_this_run"] / wall, 3),
-            "reference_encodes": summary["reference_encodes"],
-            "encodes_per_reference": round(summary["encodes_per_reference"], 3),
-            "max_encodes_per_reference": summary["max_encodes_per_reference"],
-            "render_seconds": round(summary["render_seconds"], 3),
-            **_span(pq.read_table(str(out / "metadata"), columns=["started_at", "finished_at"]))}
+    return {
+        "runner": "job",
+        "images": summary["images_this_run"],
+        "failed": summary["failed_items"],
+        "wall_s": round(wall, 3),
+        "images_per_s": round(summary["images_this_run"] / wall, 3),
+        "reference_encodes": summary["reference_encodes"],
+        "encodes_per_reference": round(summary["encodes_per_reference"], 3),
+        "max_encodes_per_reference": summary["max_encodes_per_reference"],
+        "render_seconds": round(summary["render_seconds"], 3),
+        **_span(pq.read_table(str(out / "metadata"), columns=["started_at", "finished_at"])),
+    }
 
 
 def run_ray_data(manifest: Path, models_dir: Path, out: Path, args, *, grouped: bool) -> dict:
@@ -145,28 +178,44 @@ def run_ray_data(manifest: Path, models_dir: Path, out: Path, args, *, grouped: 
         ds = ds.sort("reference")
     ds = ds.repartition(target_num_rows_per_block=args.rows_per_block).map_batches(
         SnapRefRenderer,
-        fn_constructor_kwargs={"models": str(models_dir), "defaults": _settings(args), "device": "cpu",
-                               "max_batch": args.max_batch, "refkv_cache_bytes": _cache_bytes(args),
-                               "renderer_factory": _factory(args)},
-        compute=ray.data.ActorPoolStrategy(size=args.workers), num_cpus=1, batch_size=args.max_batch,
-        udf_modifying_row_count=False)
+        fn_constructor_kwargs={
+            "models": str(models_dir),
+            "defaults": _settings(args),
+            "device": "cpu",
+            "max_batch": args.max_batch,
+            "refkv_cache_bytes": _cache_bytes(args),
+            "renderer_factory": _factory(args),
+        },
+        compute=ray.data.ActorPoolStrategy(size=args.workers),
+        num_cpus=1,
+        batch_size=args.max_batch,
+        udf_modifying_row_count=False,
+    )
     ds.write_parquet(str(out))
     wall = time.perf_counter() - t0
-    table = pq.read_table(str(out), columns=["reference", "worker_id", "batch_id", "refkv_cache_hit", "error",
-                                             "started_at", "finished_at"])
+    table = pq.read_table(
+        str(out),
+        columns=["reference", "worker_id", "batch_id", "refkv_cache_hit", "error", "started_at", "finished_at"],
+    )
     rows = [r for r in table.to_pylist() if r["error"] is None]
     forwards = {r["batch_id"] for r in rows}
     # A forward that missed the cache encoded its reference on its actor: encodes per reference.
     encodes = Counter(ref for ref, _ in {(r["reference"], r["batch_id"]) for r in rows if not r["refkv_cache_hit"]})
     references = len({r["reference"] for r in rows})
-    return {"runner": "ray_data_grouped" if grouped else "ray_data_ungrouped", "images": len(rows),
-            "failed": table.num_rows - len(rows), "wall_s": round(wall, 3), "images_per_s": round(len(rows) / wall, 3),
-            "reference_encodes": sum(encodes.values()),
-            "encodes_per_reference": round(sum(encodes.values()) / max(1, references), 3),
-            "max_encodes_per_reference": max(encodes.values(), default=0), "forwards": len(forwards),
-            **_span(table.filter(pc.is_null(table.column("error")))),
-            "images_per_forward": round(len(rows) / max(1, len(forwards)), 3),
-            "actors": len({r["worker_id"] for r in rows})}
+    return {
+        "runner": "ray_data_grouped" if grouped else "ray_data_ungrouped",
+        "images": len(rows),
+        "failed": table.num_rows - len(rows),
+        "wall_s": round(wall, 3),
+        "images_per_s": round(len(rows) / wall, 3),
+        "reference_encodes": sum(encodes.values()),
+        "encodes_per_reference": round(sum(encodes.values()) / max(1, references), 3),
+        "max_encodes_per_reference": max(encodes.values(), default=0),
+        "forwards": len(forwards),
+        **_span(table.filter(pc.is_null(table.column("error")))),
+        "images_per_forward": round(len(rows) / max(1, len(forwards)), 3),
+        "actors": len({r["worker_id"] for r in rows}),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -177,8 +226,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--encode-s", type=float, default=0.5, help="simulated GPU seconds per reference encode")
     p.add_argument("--step-s", type=float, default=0.025, help="simulated GPU seconds per sampling step")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--row-cost", type=float, default=0.5, help="extra cost of each further image in a batch, "
-                                                                "as a fraction of a single image's")
+    p.add_argument(
+        "--row-cost",
+        type=float,
+        default=0.5,
+        help="extra cost of each further image in a batch, as a fraction of a single image's",
+    )
     p.add_argument("--max-batch", type=int, default=4, help="job max_batch = Ray Data batch_size and max_batch")
     p.add_argument("--rows-per-block", type=int, default=8, help="Ray Data repartition(target_num_rows_per_block)")
     p.add_argument("--cache-refs", type=int, default=4, help="RefKVs each worker's LRU holds")
@@ -204,8 +257,13 @@ def main(argv: list[str] | None = None) -> dict:
         models_dir = make_tiny(root / "tiny-models")  # the job spec resolves a models folder; the GPU is simulated
         manifest = write_manifest(root, args.references, args.prompts)
         if started_ray:
-            ray.init(address="local", num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+            ray.init(
+                address="local",
+                num_cpus=args.workers + 2,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+            )
         ray.data.DataContext.get_current().enable_progress_bars = False
         runs = [run_job_runner(manifest, models_dir, root / "job", args)]
         for grouped in (False, True):
@@ -220,14 +278,20 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "ray_data_vs_job",
         "command": "python benchmarks/ray_data_vs_job.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "ray": ray.__version__,
-                    "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "ray": ray.__version__,
+            "platform": platform.platform(),
+        },
         "params": {k: v for k, v in vars(args).items() if k != "out"},
         "simulated_gpu_seconds": {"encode": args.encode_s, "single_image_forward": round(args.steps * args.step_s, 4)},
         "runs": runs,
-        "ratios": {f"{a}_vs_{b}_{field}": round(by[a][field] / by[b][field], 3)
-                   for a, b in (("job", "ray_data_grouped"), ("ray_data_grouped", "ray_data_ungrouped"))
-                   for field in ("images_per_s", "rendering_images_per_s")},
+        "ratios": {
+            f"{a}_vs_{b}_{field}": round(by[a][field] / by[b][field], 3)
+            for a, b in (("job", "ray_data_grouped"), ("ray_data_grouped", "ray_data_ungrouped"))
+            for field in ("images_per_s", "rendering_images_per_s")
+        },
     }
     text = json.dumps(result, indent=2)
     print(text)

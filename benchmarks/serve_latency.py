@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 # Ray gives each worker OMP_NUM_THREADS=1; the in-process baseline must run under the same threading.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.common import emit, environment, interleaved, log  # noqa: E402
+from benchmarks.common import emit, environment, interleaved, log
 
 SMALL = {"width": 256, "height": 256, "steps": 2}
 COMPUTE = ("text_s", "sample_s", "decode_s", "png_s", "encode_s")  # replica timings that are the work itself
@@ -90,7 +90,17 @@ class InProcess:
 FULL = {"warmup": 3, "cache_rounds": 8, "burst": 16, "overload_steps": 60}
 SMOKE = {"rounds": 3, "warmup": 1, "cache_rounds": 1, "burst": 4, "overload_steps": 8}
 # Every field the README's table reads; the smoke test checks they are all there.
-FIELDS = ("front", "topology", "low_load", "concurrent", "cache", "low_load_10ms_batch_window", "overload", "serve_floor", "environment")
+FIELDS = (
+    "front",
+    "topology",
+    "low_load",
+    "concurrent",
+    "cache",
+    "low_load_10ms_batch_window",
+    "overload",
+    "serve_floor",
+    "environment",
+)
 PNG_BYTES = 160_000  # a 256x256 PNG of the tiny model, as the low-load requests return
 
 
@@ -107,15 +117,20 @@ def low_load(client, ref: str, local: InProcess, rounds: int, warmup: int = 3) -
         with urlopen(client.base_url + "/v1/health", timeout=60) as r:
             r.read()
 
-    times = interleaved({"http": http, "in_process": local, "health": health}, CPU, rounds=rounds,
-                        warmup_rounds=warmup)
+    times = interleaved({"http": http, "in_process": local, "health": health}, CPU, rounds=rounds, warmup_rounds=warmup)
     overhead = overhead[-rounds:]  # drop the warm-up rounds
-    return {"http": {**_ms(times["http"]), "requests_per_s": len(times["http"]) / sum(times["http"])},
-            "health_floor": _ms(times["health"]),
-            "in_process": {**_ms(times["in_process"]), "requests_per_s": len(times["in_process"]) / sum(times["in_process"])},
-            "overhead_vs_in_process_p50_ms": statistics.median(a - b for a, b in zip(times["http"], times["in_process"])) * 1e3,
-            "overhead_measured_p50_ms": statistics.median(overhead) * 1e3,
-            "overhead_measured": _ms(overhead)}
+    return {
+        "http": {**_ms(times["http"]), "requests_per_s": len(times["http"]) / sum(times["http"])},
+        "health_floor": _ms(times["health"]),
+        "in_process": {
+            **_ms(times["in_process"]),
+            "requests_per_s": len(times["in_process"]) / sum(times["in_process"]),
+        },
+        "overhead_vs_in_process_p50_ms": statistics.median(a - b for a, b in zip(times["http"], times["in_process"]))
+        * 1e3,
+        "overhead_measured_p50_ms": statistics.median(overhead) * 1e3,
+        "overhead_measured": _ms(overhead),
+    }
 
 
 def concurrent(client, ref: str, requests: int, clients: int = 4) -> dict:
@@ -132,8 +147,13 @@ def concurrent(client, ref: str, requests: int, clients: int = 4) -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(one, range(requests)))
-    return {**_ms(latencies), "clients": clients, "requests_per_s": requests / (time.perf_counter() - t0),
-            "mean_batch_size": statistics.fmean(batch_sizes), "max_batch_size": max(batch_sizes)}
+    return {
+        **_ms(latencies),
+        "clients": clients,
+        "requests_per_s": requests / (time.perf_counter() - t0),
+        "mean_batch_size": statistics.fmean(batch_sizes),
+        "max_batch_size": max(batch_sizes),
+    }
 
 
 def cache(client, local: InProcess, rounds: int = 8) -> dict:
@@ -151,9 +171,13 @@ def cache(client, local: InProcess, rounds: int = 8) -> dict:
         t0 = time.perf_counter()
         local.encode(caption)
         in_process_encode.append(time.perf_counter() - t0)
-    return {"miss": _ms(miss), "hit": _ms(hit), "replica_encode": _ms(encode),
-            "in_process_encode": _ms(in_process_encode),
-            "miss_minus_hit_p50_ms": (statistics.median(miss) - statistics.median(hit)) * 1e3}
+    return {
+        "miss": _ms(miss),
+        "hit": _ms(hit),
+        "replica_encode": _ms(encode),
+        "in_process_encode": _ms(in_process_encode),
+        "miss_minus_hit_p50_ms": (statistics.median(miss) - statistics.median(hit)) * 1e3,
+    }
 
 
 def overload(url: str, ref: str, burst: int = 16, steps: int = 60) -> dict:
@@ -176,8 +200,13 @@ def overload(url: str, ref: str, burst: int = 16, steps: int = 60) -> dict:
         results = list(pool.map(one, range(burst)))
     rejected = [s for code, s in results if code == 503]
     admitted = [s for code, s in results if code == 200]
-    return {"burst": burst, "ok": len(admitted), "rejected_503": len(rejected),
-            "latency_503": _ms(rejected) if rejected else None, "latency_200": _ms(admitted) if admitted else None}
+    return {
+        "burst": burst,
+        "ok": len(admitted),
+        "rejected_503": len(rejected),
+        "latency_503": _ms(rejected) if rejected else None,
+        "latency_200": _ms(admitted) if admitted else None,
+    }
 
 
 def serve_floor(url: str, rounds: int) -> dict:
@@ -211,8 +240,9 @@ def serve_floor(url: str, rounds: int) -> dict:
         with urlopen(f"{url}/floor-{name}?bytes={PNG_BYTES}", timeout=60) as r:
             r.read()
 
-    times = interleaved({name: functools.partial(get, name) for name in ("one_hop", "two_hops")}, CPU,
-                        rounds=rounds, warmup_rounds=3)
+    times = interleaved(
+        {name: functools.partial(get, name) for name in ("one_hop", "two_hops")}, CPU, rounds=rounds, warmup_rounds=3
+    )
     for name in ("one_hop", "two_hops"):
         result[name] = _ms(times[name])
         serve.delete(f"floor-{name}")
@@ -224,11 +254,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--models", help="model folder with reference.png (default: a tiny set in a temporary folder)")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--smoke", action="store_true", help="every section once at the smallest counts (CI)")
-    parser.add_argument("--front", choices=("haproxy", "serve_proxy"), default="haproxy",
-                        help="HAProxy + direct ingress (the server's default; needs haproxy installed) or Serve's proxy")
-    parser.add_argument("--topology", choices=("fused", "split"), default="fused",
-                        help="the ingress renders itself (the default for one renderer replica) or calls a renderer"
-                             " deployment (the layout for several replicas, one hop more)")
+    parser.add_argument(
+        "--front",
+        choices=("haproxy", "serve_proxy"),
+        default="haproxy",
+        help="HAProxy + direct ingress (the server's default; needs haproxy installed) or Serve's proxy",
+    )
+    parser.add_argument(
+        "--topology",
+        choices=("fused", "split"),
+        default="fused",
+        help="the ingress renders itself (the default for one renderer replica) or calls a renderer"
+        " deployment (the layout for several replicas, one hop more)",
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     counts = {**FULL, "rounds": args.rounds}
@@ -237,8 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from ray import serve
 
-    from snapref_ray.pipelines.serve_app import APP_NAME, build_app, http_front, start_local, stop_local
     from snapref_ray.client import SnapRefClient
+    from snapref_ray.pipelines.serve_app import APP_NAME, build_app, http_front, start_local, stop_local
     from snapref_ray.serve.config import ServeConfig, ServeLimits
     from snapref_ray.serve.direct_ingress import free_port
     from snapref_ray.tiny import make_tiny
@@ -251,8 +289,15 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = tempfile.TemporaryDirectory()
     models = Path(args.models) if args.models else make_tiny(Path(tmp.name) / "tiny")
     result: dict = {"model": str(models) if args.models else "tiny", "size": SMALL, "smoke": args.smoke}
-    base = ServeConfig(models_dir=str(models), port=free_port(), min_replicas=1, max_replicas=1, cpus_per_replica=1,
-                       direct_ingress=args.front == "haproxy", topology=args.topology)
+    base = ServeConfig(
+        models_dir=str(models),
+        port=free_port(),
+        min_replicas=1,
+        max_replicas=1,
+        cpus_per_replica=1,
+        direct_ingress=args.front == "haproxy",
+        topology=args.topology,
+    )
     result["topology"] = args.topology
     log(f"starting Serve ({args.front}, {args.topology})")
     # Replica logs stay in Ray's log files, so stdout holds only the JSON.
@@ -260,13 +305,17 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         result["front"] = http_front()
         if result["front"] != args.front:
-            raise SystemExit(f"asked for --front {args.front}, but the server runs {result['front']} (is haproxy installed?)")
+            raise SystemExit(
+                f"asked for --front {args.front}, but the server runs {result['front']} (is haproxy installed?)"
+            )
         local = InProcess(models, (models / "reference.png").read_bytes())
         client = SnapRefClient(url, timeout=300)
         ref = client.upload_reference(local.reference)
         log("low load, default (no batch window)")
-        result["low_load"] = {"batch_wait_timeout_s": base.batch_wait_timeout_s,
-                              **low_load(client, ref, local, counts["rounds"], counts["warmup"])}
+        result["low_load"] = {
+            "batch_wait_timeout_s": base.batch_wait_timeout_s,
+            **low_load(client, ref, local, counts["rounds"], counts["warmup"]),
+        }
         log("concurrency")
         result["concurrent"] = concurrent(client, ref, counts["rounds"])
         log("cache hit / miss")
@@ -277,14 +326,24 @@ def main(argv: list[str] | None = None) -> dict:
         log("low load, 10 ms batch window")
         result["low_load_10ms_batch_window"] = low_load(client, ref, local, counts["rounds"], counts["warmup"])
 
-        tight = base.model_copy(update={"max_ongoing_requests": 1, "max_queued_requests": 1, "max_batch_size": 1,
-                                        "batch_wait_timeout_s": 0.0, "limits": ServeLimits(max_n=1, max_side=512)})
+        tight = base.model_copy(
+            update={
+                "max_ongoing_requests": 1,
+                "max_queued_requests": 1,
+                "max_batch_size": 1,
+                "batch_wait_timeout_s": 0.0,
+                "limits": ServeLimits(max_n=1, max_side=512),
+            }
+        )
         serve.run(build_app(tight), name=APP_NAME, route_prefix="/")
         ref = client.upload_reference(local.reference)
         client.render("warm-up", reference_id=ref, **SMALL)
         log("overload burst")
-        result["overload"] = {"max_ongoing_requests": 1, "max_queued_requests": 1,
-                              **overload(url, ref, counts["burst"], counts["overload_steps"])}
+        result["overload"] = {
+            "max_ongoing_requests": 1,
+            "max_queued_requests": 1,
+            **overload(url, ref, counts["burst"], counts["overload_steps"]),
+        }
         log("Serve's floor: no-op apps, one and two hops")
         result["serve_floor"] = serve_floor(url, 2 * counts["rounds"])
         result["environment"] = environment(CPU, torch.float32)

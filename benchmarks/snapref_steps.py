@@ -40,8 +40,23 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    REAL, SCALED, SMOKE, DiTGeometry, block_linear_dims, build_dit, dit_forward_flops, emit, environment,
-    interleaved, log, paired_ratio, parse_dtype, resolve_device, summarize, time_once, tokens_for,
+    REAL,
+    SCALED,
+    SMOKE,
+    DiTGeometry,
+    block_linear_dims,
+    build_dit,
+    dit_forward_flops,
+    emit,
+    environment,
+    interleaved,
+    log,
+    paired_ratio,
+    parse_dtype,
+    resolve_device,
+    summarize,
+    time_once,
+    tokens_for,
 )
 from snapref_ray.adapter.binding import BoundAdapter
 from snapref_ray.adapter.generate import make_adapter
@@ -87,10 +102,29 @@ SETTINGS: dict[str, tuple[dict[str, Any], bool]] = {
 }
 ENCODE = "reference_encode"
 # Every table has these fields, and every setting these (the smoke test checks them; numbers are positive).
-FIELDS = ("benchmark", "geometry", "device", "dtype", "rounds", "settings", "encode_seconds", "refkv_bytes",
-          "targets", "environment")
-SETTING_FIELDS = ("rows", "reading_rows", "seconds_per_step", "seconds_min", "seconds_max", "ratio_to_no_reference",
-                  "flop_ratio_to_no_reference", "gflop_per_step", "gflops")
+FIELDS = (
+    "benchmark",
+    "geometry",
+    "device",
+    "dtype",
+    "rounds",
+    "settings",
+    "encode_seconds",
+    "refkv_bytes",
+    "targets",
+    "environment",
+)
+SETTING_FIELDS = (
+    "rows",
+    "reading_rows",
+    "seconds_per_step",
+    "seconds_min",
+    "seconds_max",
+    "ratio_to_no_reference",
+    "flop_ratio_to_no_reference",
+    "gflop_per_step",
+    "gflops",
+)
 TARGET_FIELDS = ("measured", "limit", "flop_model", "met", "measured_from_minimums")
 # Process CPU time figures, on CPU runs only (see common.time_once).
 CPU_SETTING_FIELDS = ("cpu_seconds_per_step", "cpu_ratio_to_no_reference")
@@ -100,8 +134,9 @@ CPU_TARGET_FIELDS = ("measured_cpu_time",)
 class StepBench:
     """The engine's step for every setting, on a Renderer holding only a DiT and a bound adapter."""
 
-    def __init__(self, geo: StepsGeometry, device: torch.device, dtype: torch.dtype, *, compile: bool = False,
-                 batch: int = 1) -> None:
+    def __init__(
+        self, geo: StepsGeometry, device: torch.device, dtype: torch.dtype, *, compile: bool = False, batch: int = 1
+    ) -> None:
         """`batch`: images (requests) per step, each with its cond/uncond rows; `compile`: forward compiled."""
         self.geo, self.device, self.dtype, self.batch = geo, device, dtype, batch
         g = geo.dit
@@ -109,9 +144,16 @@ class StepBench:
         renderer.device, renderer.dtype = device, dtype
         renderer.dit = build_dit(g, device=device, dtype=dtype)
         renderer.forward = compile_forward(renderer.dit) if compile else renderer.dit
-        adapter = make_adapter(num_blocks=g.num_blocks, model_channels=g.model_channels, context_dim=g.context_dim,
-                               mlp_hidden=4 * g.model_channels, ref_rank=geo.ref_rank, target_rank=geo.target_rank,
-                               init="random", seed=0)
+        adapter = make_adapter(
+            num_blocks=g.num_blocks,
+            model_channels=g.model_channels,
+            context_dim=g.context_dim,
+            mlp_hidden=4 * g.model_channels,
+            ref_rank=geo.ref_rank,
+            target_rank=geo.target_rank,
+            init="random",
+            seed=0,
+        )
         renderer.adapter = BoundAdapter.bind(adapter, g.num_blocks, device, dtype)
         self.renderer = renderer
         self.grid = renderer.target_grid(g.width_px, g.height_px)
@@ -152,8 +194,9 @@ class StepBench:
             step_kv = refkv
             if has_reference and s.recompute_reference_every_step:
                 step_kv = renderer._run_reference_stream(self.prepared, self.grid)  # the pilot-style baseline
-            denoised = renderer.denoise_rows(self.x, self.sigma, plan, self.ctx_for, step_kv, weights, target_loras,
-                                             reads_cache)
+            denoised = renderer.denoise_rows(
+                self.x, self.sigma, plan, self.ctx_for, step_kv, weights, target_loras, reads_cache
+            )
             return combine(self.x, self.sigma, plan, denoised)
 
         return step
@@ -167,16 +210,28 @@ class StepBench:
     def encode_flops(self) -> float:
         g = self.geo.dit
         ranks = {path: self.geo.ref_rank for path in block_linear_dims(g.config)}
-        return dit_forward_flops(g.config, rows=1, tokens=self.geo.ref_tokens, context_rows=g.context_rows,
-                                 lora_ranks=ranks, final_layer=False)
+        return dit_forward_flops(
+            g.config,
+            rows=1,
+            tokens=self.geo.ref_tokens,
+            context_rows=g.context_rows,
+            lora_ranks=ranks,
+            final_layer=False,
+        )
 
     def step_flops(self, name: str) -> float:
         g = self.geo.dit
         rows, reading = self.plan(name)
         has_reference = SETTINGS[name][1]
-        flops = dit_forward_flops(g.config, rows=rows, tokens=g.tokens, context_rows=g.context_rows,
-                                  reading_rows=reading, ref_tokens=self.geo.ref_tokens if reading else 0,
-                                  lora_ranks={"self_attn.q_proj": self.geo.target_rank} if has_reference else None)
+        flops = dit_forward_flops(
+            g.config,
+            rows=rows,
+            tokens=g.tokens,
+            context_rows=g.context_rows,
+            reading_rows=reading,
+            ref_tokens=self.geo.ref_tokens if reading else 0,
+            lora_ranks={"self_attn.q_proj": self.geo.target_rank} if has_reference else None,
+        )
         if SETTINGS[name][0].get("recompute_reference_every_step"):
             flops += self.encode_flops()
         return flops
@@ -198,13 +253,21 @@ def profile_steps(bench: StepBench, names: list[str], top: int) -> dict[str, lis
         log(f"--- profile of one {name} step ---\n{averages.table(sort_by=sort_key, row_limit=top)}")
         rows = sorted(averages, key=lambda e: getattr(e, sort_key), reverse=True)[:top]
         total = sum(getattr(e, sort_key) for e in averages)
-        result[name] = [{"op": e.key, "calls": e.count, "self_ms": getattr(e, sort_key) / 1e3,
-                         "share": getattr(e, sort_key) / total if total else 0.0} for e in rows]
+        result[name] = [
+            {
+                "op": e.key,
+                "calls": e.count,
+                "self_ms": getattr(e, sort_key) / 1e3,
+                "share": getattr(e, sort_key) / total if total else 0.0,
+            }
+            for e in rows
+        ]
     return result
 
 
-def build_table(bench: StepBench, times: dict[str, list[float]], cpu_times: dict[str, list[float]] | None,
-                rounds: int) -> dict[str, Any]:
+def build_table(
+    bench: StepBench, times: dict[str, list[float]], cpu_times: dict[str, list[float]] | None, rounds: int
+) -> dict[str, Any]:
     """The JSON table: per setting, per target, encode and RefKV figures (see FIELDS)."""
     base = times["no_reference"]
     base_flops = bench.step_flops("no_reference")
@@ -214,11 +277,15 @@ def build_table(bench: StepBench, times: dict[str, list[float]], cpu_times: dict
         rows, reading = bench.plan(name)
         flops = bench.step_flops(name)
         settings[name] = {
-            "rows": rows, "reading_rows": reading,
-            "seconds_per_step": summary["median_s"], "seconds_min": summary["min_s"], "seconds_max": summary["max_s"],
+            "rows": rows,
+            "reading_rows": reading,
+            "seconds_per_step": summary["median_s"],
+            "seconds_min": summary["min_s"],
+            "seconds_max": summary["max_s"],
             "ratio_to_no_reference": paired_ratio(times[name], base),
             "flop_ratio_to_no_reference": flops / base_flops,
-            "gflop_per_step": flops / 1e9, "gflops": flops / summary["median_s"] / 1e9,
+            "gflop_per_step": flops / 1e9,
+            "gflops": flops / summary["median_s"] / 1e9,
         }
         if cpu_times is not None:
             settings[name]["cpu_seconds_per_step"] = summarize(cpu_times[name])["median_s"]
@@ -228,10 +295,14 @@ def build_table(bench: StepBench, times: dict[str, list[float]], cpu_times: dict
 
     def target(numerator: str, denominator: str, limit: float, at_most: bool) -> dict[str, Any]:
         measured = paired_ratio(times[numerator], times[denominator])
-        result = {"measured": measured, "limit": limit, "flop_model": flops[numerator] / flops[denominator],
-                  "met": measured <= limit if at_most else measured >= limit,
-                  # The least-disturbed rounds: a check on the median on a shared machine.
-                  "measured_from_minimums": min(times[numerator]) / min(times[denominator])}
+        result = {
+            "measured": measured,
+            "limit": limit,
+            "flop_model": flops[numerator] / flops[denominator],
+            "met": measured <= limit if at_most else measured >= limit,
+            # The least-disturbed rounds: a check on the median on a shared machine.
+            "measured_from_minimums": min(times[numerator]) / min(times[denominator]),
+        }
         if cpu_times is not None:  # process CPU time: leaves out descheduled time (see common.time_once)
             result["measured_cpu_time"] = paired_ratio(cpu_times[numerator], cpu_times[denominator])
         return result
@@ -244,32 +315,50 @@ def build_table(bench: StepBench, times: dict[str, list[float]], cpu_times: dict
     encode = summarize(times[ENCODE])
     g = bench.geo.dit
     return {
-        "benchmark": "snapref_steps", "geometry": {
-            **g.describe(), "name": g.name, "ref_width_px": bench.geo.ref_width_px,
-            "ref_height_px": bench.geo.ref_height_px, "ref_tokens": bench.geo.ref_tokens,
-            "ref_rank": bench.geo.ref_rank, "target_rank": bench.geo.target_rank, "cfg": CFG,
-            "ref_guidance": REF_GUIDANCE},
-        "device": bench.device.type, "dtype": str(bench.dtype).removeprefix("torch."), "rounds": rounds,
+        "benchmark": "snapref_steps",
+        "geometry": {
+            **g.describe(),
+            "name": g.name,
+            "ref_width_px": bench.geo.ref_width_px,
+            "ref_height_px": bench.geo.ref_height_px,
+            "ref_tokens": bench.geo.ref_tokens,
+            "ref_rank": bench.geo.ref_rank,
+            "target_rank": bench.geo.target_rank,
+            "cfg": CFG,
+            "ref_guidance": REF_GUIDANCE,
+        },
+        "device": bench.device.type,
+        "dtype": str(bench.dtype).removeprefix("torch."),
+        "rounds": rounds,
         "settings": settings,
-        "encode_seconds": encode["median_s"], "encode_gflop": bench.encode_flops() / 1e9,
-        "refkv_bytes": bench.refkv.nbytes, "refkv_dtype": str(bench.refkv.dtype).removeprefix("torch."),
+        "encode_seconds": encode["median_s"],
+        "encode_gflop": bench.encode_flops() / 1e9,
+        "refkv_bytes": bench.refkv.nbytes,
+        "refkv_dtype": str(bench.refkv.dtype).removeprefix("torch."),
         "targets": targets,
         "environment": environment(bench.device, bench.dtype),
     }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu", help="cpu (scaled geometry) or cuda (real size, bf16)")
-    p.add_argument("--geometry", choices=("scaled", "real"), default=None,
-                   help="default: scaled on CPU, real on CUDA")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                   help="sampling dtype (default fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--geometry", choices=("scaled", "real"), default=None, help="default: scaled on CPU, real on CUDA")
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default=None,
+        help="sampling dtype (default fp32 on CPU, bf16 on CUDA)",
+    )
     p.add_argument("--rounds", type=int, default=7, help="timed rounds, each setting once per round (default 7)")
     p.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (default 1)")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile one step of each setting (torch.profiler; tables on stderr, top ops in JSON)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one step of each setting (torch.profiler; tables on stderr, top ops in JSON)",
+    )
     p.add_argument("--profile-top", type=int, default=12, help="ops per profiled setting (default 12)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--compact", action="store_true", help="print the table on one line")
@@ -289,8 +378,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         geometry_name = args.geometry or ("real" if device.type == "cuda" else "scaled")
     geo = GEOMETRIES[geometry_name]
-    log(f"building {geometry_name}: width {geo.dit.model_channels}, {geo.dit.num_blocks} blocks, "
-        f"{geo.dit.tokens} target + {geo.ref_tokens} reference tokens, {dtype} on {device} ...")
+    log(
+        f"building {geometry_name}: width {geo.dit.model_channels}, {geo.dit.num_blocks} blocks, "
+        f"{geo.dit.tokens} target + {geo.ref_tokens} reference tokens, {dtype} on {device} ..."
+    )
     bench = StepBench(geo, device, dtype)
     cases: dict[str, Callable[[], Any]] = {name: bench.step_fn(name) for name in SETTINGS}
     cases[ENCODE] = bench.encode

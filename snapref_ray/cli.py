@@ -11,8 +11,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from snapref_ray.requests import RenderSettings
 from snapref_ray.eval_cli import add_eval_parsers
+from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.cli import add_serve_parser
 
 log = logging.getLogger("snapref_ray")
@@ -58,8 +58,10 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     from snapref_ray.tiny import TinyConfig, make_tiny
 
     out = make_tiny(args.dir, TinyConfig(num_blocks=args.blocks, seed=args.seed), adapter_kind=args.adapter_kind)
-    print(f"wrote a tiny model set to {out} (dit, text_encoder, vae, tokenizers, reference.png and"
-          f" adapter.safetensors of kind {args.adapter_kind})")
+    print(
+        f"wrote a tiny model set to {out} (dit, text_encoder, vae, tokenizers, reference.png and"
+        f" adapter.safetensors of kind {args.adapter_kind})"
+    )
     return 0
 
 
@@ -69,9 +71,13 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
     from snapref_ray.storage.image_files import encode_rendered_image
 
     settings = _settings_from(args)
-    renderer = Renderer.from_folder(args.models, adapter=args.adapter,
-                                    loras=[(p, s) for p, s in (_parse_lora(x) for x in args.lora)],
-                                    device=args.device, compile=args.compile)
+    renderer = Renderer.from_folder(
+        args.models,
+        adapter=args.adapter,
+        loras=[(p, s) for p, s in (_parse_lora(x) for x in args.lora)],
+        device=args.device,
+        compile=args.compile,
+    )
     references = None
     layout = "single"
     if args.reference:
@@ -95,13 +101,23 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for i, result in enumerate(results):
         path = out if len(results) == 1 else out.with_name(f"{out.stem}_{i:03d}{out.suffix}")
-        path.write_bytes(encode_rendered_image(
-            result.image, prompt=result.request.prompt, seed=result.request.seed, settings=settings.model_dump(),
-            model=renderer.model_id, adapter=renderer.adapter.identity if renderer.adapter else None,
-            reference_hash=_reference_hash(references, layout), fmt=_format_of(path)))
+        path.write_bytes(
+            encode_rendered_image(
+                result.image,
+                prompt=result.request.prompt,
+                seed=result.request.seed,
+                settings=settings.model_dump(),
+                model=renderer.model_id,
+                adapter=renderer.adapter.identity if renderer.adapter else None,
+                reference_hash=_reference_hash(references, layout),
+                fmt=_format_of(path),
+            )
+        )
         t = result.timings
-        print(f"{path}  seed {result.request.seed}  sample {t['sample_s']:.2f} s  decode {t['decode_s']:.2f} s"
-              + (f"  reference encode {t['encode_s']:.2f} s" if references else ""))
+        print(
+            f"{path}  seed {result.request.seed}  sample {t['sample_s']:.2f} s  decode {t['decode_s']:.2f} s"
+            + (f"  reference encode {t['encode_s']:.2f} s" if references else "")
+        )
     return 0
 
 
@@ -156,8 +172,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     else:
         if not args.models or not args.out:
             raise SystemExit("the quick form needs --models DIR and --out DIR_OR_S3_URI")
-        overrides = {name: getattr(args, name) for name in (*RenderSettings.model_fields, "min_workers", "max_workers")
-                     if getattr(args, name, None) is not None}
+        overrides = {
+            name: getattr(args, name)
+            for name in (*RenderSettings.model_fields, "min_workers", "max_workers")
+            if getattr(args, name, None) is not None
+        }
         if args.compile:
             overrides["compile"] = True
         spec = quick_spec(target, args.models, args.adapter, args.out, workers=args.workers, **overrides)
@@ -167,10 +186,12 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def _print_summary(summary: dict) -> None:
-    print(f"{summary['images_total']} images in {summary['output']} ({summary['images_this_run']} this run, "
-          f"{summary['skipped_already_done']} already there, {summary['failed_items']} failed, "
-          f"{summary['invalid_rows']} invalid rows); {summary['images_per_hour']:.0f} images/hour, "
-          f"{summary['encodes_per_reference']:.2f} encodes per reference")
+    print(
+        f"{summary['images_total']} images in {summary['output']} ({summary['images_this_run']} this run, "
+        f"{summary['skipped_already_done']} already there, {summary['failed_items']} failed, "
+        f"{summary['invalid_rows']} invalid rows); {summary['images_per_hour']:.0f} images/hour, "
+        f"{summary['encodes_per_reference']:.2f} encodes per reference"
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -178,15 +199,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from snapref_ray.storage.jobspec import load_job_spec
     from snapref_ray.tiny import make_tiny
 
-
     out = Path(args.out).resolve()
     models = out / "tiny-models"
     if not (models / "dit.safetensors").exists():
         make_tiny(models)
     spec = load_job_spec(str(Path(__file__).parent / "examples" / "example_spec.yaml"))
-    spec = spec.model_copy(update={
-        "models": spec.models.model_copy(update={"models_dir": str(models)}),
-        "output": spec.output.model_copy(update={"uri": str(out)})})
+    spec = spec.model_copy(
+        update={
+            "models": spec.models.model_copy(update={"models_dir": str(models)}),
+            "output": spec.output.model_copy(update={"uri": str(out)}),
+        }
+    )
     summary = run_job(spec, progress=not args.no_progress)
     _print_summary(summary)
     print(f"open {out / 'gallery.html'} to look at the results")
@@ -210,8 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--adapter-kind", choices=("snapref", "arcanima-v2", "arcanima-pilot"), default="snapref",
-                   help="which kind of reference adapter adapter.safetensors is (default snapref)")
+    p.add_argument(
+        "--adapter-kind",
+        choices=("snapref", "arcanima-v2", "arcanima-pilot"),
+        default="snapref",
+        help="which kind of reference adapter adapter.safetensors is (default snapref)",
+    )
     p.set_defaults(func=cmd_make_tiny)
 
     p = sub.add_parser("txt2img", help="render images from a prompt (optionally with a SnapRef reference)")
@@ -220,12 +247,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output PNG path (numbered when --n > 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1, help="images, consecutive seeds, one batch")
-    p.add_argument("--adapter", help="reference adapter: SnapRef anima_ref_kv/1, ArcAnima v2 or pilot; the kind is"
-                                     " detected from the file (default: adapter.safetensors in --models if present)")
-    p.add_argument("--reference", action="append", default=[], help="reference image; repeat for several of one character")
+    p.add_argument(
+        "--adapter",
+        help="reference adapter: SnapRef anima_ref_kv/1, ArcAnima v2 or pilot; the kind is"
+        " detected from the file (default: adapter.safetensors in --models if present)",
+    )
+    p.add_argument(
+        "--reference", action="append", default=[], help="reference image; repeat for several of one character"
+    )
     p.add_argument("--reference2", help="second character's reference, stitched to the right of --reference")
-    p.add_argument("--lora", action="append", default=[], help="standard (style) LoRA to merge, PATH[:STRENGTH];"
-                                                               " repeatable. Reference adapters go with --adapter")
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        help="standard (style) LoRA to merge, PATH[:STRENGTH]; repeatable. Reference adapters go with --adapter",
+    )
     p.add_argument("--init-image", help="input image for img2img (use with --denoise < 1)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true", help="DiT forward through torch.compile")
@@ -234,8 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("adapter", help="reference adapter files (SnapRef, ArcAnima v2 and pilot)")
     adapter_sub = p.add_subparsers(dest="adapter_command", required=True)
-    q = adapter_sub.add_parser("inspect", help="what a file is and why: kind, rank, blocks, linears, dtype,"
-                                               " parameters, the method it implies (also for files it cannot use)")
+    q = adapter_sub.add_parser(
+        "inspect",
+        help="what a file is and why: kind, rank, blocks, linears, dtype,"
+        " parameters, the method it implies (also for files it cannot use)",
+    )
     q.add_argument("file")
     q.add_argument("--json", action="store_true", help="print the result as JSON")
     q.set_defaults(func=cmd_adapter_inspect)
@@ -246,18 +285,27 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_adapter_convert)
 
     p = sub.add_parser("render", help="run a batch job: SPEC.yaml, or MANIFEST --models DIR --adapter FILE --out DIR")
-    p.add_argument("spec_or_manifest", help="job spec (.yaml) or manifest (.csv/.jsonl/.parquet; columns reference, prompt)")
+    p.add_argument(
+        "spec_or_manifest", help="job spec (.yaml) or manifest (.csv/.jsonl/.parquet; columns reference, prompt)"
+    )
     p.add_argument("--models", help="model folder (quick form)")
     p.add_argument("--adapter", help="SnapRef adapter (quick form; default: adapter.safetensors in --models)")
     p.add_argument("--out", help="output folder or s3://bucket/prefix")
     p.add_argument("--workers", type=int, help="exactly N render workers (default: --min-workers/--max-workers)")
     p.add_argument("--min-workers", type=int, help="start rendering once N workers are ready (default 1)")
-    p.add_argument("--max-workers", type=int,
-                   help="grow the pool up to N workers as the autoscaler adds GPU nodes (default: the GPUs present "
-                        "at start, or 2 CPU workers on a machine without GPUs)")
+    p.add_argument(
+        "--max-workers",
+        type=int,
+        help="grow the pool up to N workers as the autoscaler adds GPU nodes (default: the GPUs present "
+        "at start, or 2 CPU workers on a machine without GPUs)",
+    )
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="DiT forward through torch.compile (cluster.compile in a job spec)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="DiT forward through torch.compile (cluster.compile in a job spec)",
+    )
     _settings_flags(p)
     p.set_defaults(func=cmd_render)
 
@@ -277,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except ValidationError as e:

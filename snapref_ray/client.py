@@ -49,8 +49,14 @@ class SnapRefClient:
     """Talks to one server. `timeout` (seconds) bounds every request; `retries` is how many times a call
     that met a lost replica is sent again, `retry_wait_s` the pause before the first (doubling after)."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", token: str | None = None, timeout: float = 600.0,
-                 retries: int = 2, retry_wait_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        token: str | None = None,
+        timeout: float = 600.0,
+        retries: int = 2,
+        retry_wait_s: float = 0.5,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.timeout = timeout
@@ -67,12 +73,15 @@ class SnapRefClient:
     def models(self) -> dict:
         return json.loads(self._request("GET", "/v1/models")[1])
 
-    def upload_reference_info(self, image: str | os.PathLike | bytes, *, ref_caption: str | None = None,
-                              ref_megapixels: float | None = None) -> dict:
+    def upload_reference_info(
+        self, image: str | os.PathLike | bytes, *, ref_caption: str | None = None, ref_megapixels: float | None = None
+    ) -> dict:
         """Upload a reference (multipart); the server's answer: reference_id, content_hash, width, height, ..."""
         data = image if isinstance(image, (bytes, bytearray)) else Path(image).read_bytes()
         filename = "reference" if isinstance(image, (bytes, bytearray)) else Path(image).name
-        fields = {k: str(v) for k, v in (("ref_caption", ref_caption), ("ref_megapixels", ref_megapixels)) if v is not None}
+        fields = {
+            k: str(v) for k, v in (("ref_caption", ref_caption), ("ref_megapixels", ref_megapixels)) if v is not None
+        }
         body, content_type = _multipart(fields, "file", filename, bytes(data))
         return json.loads(self._request("POST", "/v1/references", body, {"Content-Type": content_type})[1])
 
@@ -80,23 +89,42 @@ class SnapRefClient:
         """Upload a reference and return its id (the same image and options always give the same id)."""
         return self.upload_reference_info(image, **options)["reference_id"]
 
-    def render(self, prompt: str, *, reference_id: str | None = None, left_reference_id: str | None = None,
-               right_reference_id: str | None = None, reference_image: str | os.PathLike | bytes | None = None,
-               n: int = 1, seed: int = 0, response_format: str | None = None, **settings: Any) -> bytes | dict:
+    def render(
+        self,
+        prompt: str,
+        *,
+        reference_id: str | None = None,
+        left_reference_id: str | None = None,
+        right_reference_id: str | None = None,
+        reference_image: str | os.PathLike | bytes | None = None,
+        n: int = 1,
+        seed: int = 0,
+        response_format: str | None = None,
+        **settings: Any,
+    ) -> bytes | dict:
         """Render; PNG bytes for one image (response_format png, the default for n = 1), else the parsed JSON.
 
         `settings` are RenderSettings fields (width, height, steps, cfg, sampler, mode, ref_weight, ...).
         """
         body: dict[str, Any] = {"prompt": prompt, "seed": seed, "n": n, **settings}
-        for key, value in (("reference_id", reference_id), ("left_reference_id", left_reference_id),
-                           ("right_reference_id", right_reference_id), ("response_format", response_format)):
+        for key, value in (
+            ("reference_id", reference_id),
+            ("left_reference_id", left_reference_id),
+            ("right_reference_id", right_reference_id),
+            ("response_format", response_format),
+        ):
             if value is not None:
                 body[key] = value
         if reference_image is not None:
-            raw = reference_image if isinstance(reference_image, (bytes, bytearray)) else Path(reference_image).read_bytes()
+            raw = (
+                reference_image
+                if isinstance(reference_image, (bytes, bytearray))
+                else Path(reference_image).read_bytes()
+            )
             body["reference_image"] = base64.b64encode(raw).decode("ascii")
-        content_type, payload = self._request("POST", "/v1/render", json.dumps(body).encode(),
-                                              {"Content-Type": "application/json"})
+        content_type, payload = self._request(
+            "POST", "/v1/render", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         return payload if content_type.startswith("image/png") else json.loads(payload)
 
     @staticmethod
@@ -105,8 +133,9 @@ class SnapRefClient:
         return [base64.b64decode(img["png_base64"]) for img in answer["images"]]
 
     # -- transport ----------------------------------------------------------------------------
-    def _request(self, method: str, path: str, data: bytes | None = None,
-                 headers: dict[str, str] | None = None) -> tuple[str, bytes]:
+    def _request(
+        self, method: str, path: str, data: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[str, bytes]:
         headers = dict(headers or {})
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
@@ -200,9 +229,19 @@ def _multipart(fields: dict[str, str], file_field: str, filename: str, data: byt
     filename = filename.replace('"', "_").replace("\r", "_").replace("\n", "_")
     lines: list[bytes] = []
     for name, value in fields.items():
-        lines += [f"--{boundary}".encode(), f'Content-Disposition: form-data; name="{name}"'.encode(), b"",
-                  value.encode("utf-8")]
-    lines += [f"--{boundary}".encode(),
-              f'Content-Disposition: form-data; name="{file_field}"; filename="{filename}"'.encode(),
-              b"Content-Type: application/octet-stream", b"", data, f"--{boundary}--".encode(), b""]
+        lines += [
+            f"--{boundary}".encode(),
+            f'Content-Disposition: form-data; name="{name}"'.encode(),
+            b"",
+            value.encode("utf-8"),
+        ]
+    lines += [
+        f"--{boundary}".encode(),
+        f'Content-Disposition: form-data; name="{file_field}"; filename="{filename}"'.encode(),
+        b"Content-Type: application/octet-stream",
+        b"",
+        data,
+        f"--{boundary}--".encode(),
+        b"",
+    ]
     return b"\r\n".join(lines), f"multipart/form-data; boundary={boundary}"

@@ -23,7 +23,12 @@ from snapref_ray.adapter.binding import BoundAdapter
 from snapref_ray.adapter.controls import SettingsError, resolve_settings
 from snapref_ray.adapter.file import load_adapter
 from snapref_ray.adapter.images import (
-    content_hash, fit_output_size, image_to_pixels, open_reference, prepare_reference, stitch_side_by_side,
+    content_hash,
+    fit_output_size,
+    image_to_pixels,
+    open_reference,
+    prepare_reference,
+    stitch_side_by_side,
 )
 from snapref_ray.adapter.kinds import ARCANIMA_KINDS, detect_kind
 from snapref_ray.adapter.refkv import RefKV
@@ -80,8 +85,9 @@ class _PreparedReference:
     reference_id: str
 
 
-def load_bound_adapter(path: str | Path, model_blocks: int, device: torch.device,
-                       dtype: torch.dtype) -> BoundAdapter | BoundArcAnima:
+def load_bound_adapter(
+    path: str | Path, model_blocks: int, device: torch.device, dtype: torch.dtype
+) -> BoundAdapter | BoundArcAnima:
     """Detect the file's kind and bind it to a model of `model_blocks` blocks (mismatches raise)."""
     detection = detect_kind(path)
     if detection.kind == "snapref":
@@ -89,8 +95,9 @@ def load_bound_adapter(path: str | Path, model_blocks: int, device: torch.device
     if detection.kind in ARCANIMA_KINDS:
         return BoundArcAnima.bind(load_arcanima(path, expected_kind=detection.kind), model_blocks, device, dtype)
     if detection.kind == "lora":
-        raise RenderError(f"{path}: {detection.reason}. Pass a plain LoRA with --lora (loras: in a job spec),"
-                          " not as the adapter")
+        raise RenderError(
+            f"{path}: {detection.reason}. Pass a plain LoRA with --lora (loras: in a job spec), not as the adapter"
+        )
     raise RenderError(f"{path}: not a reference adapter: {detection.reason}")
 
 
@@ -98,17 +105,26 @@ def refuse_reference_adapter_as_lora(path: str | Path) -> None:
     """A reference adapter merged as a LoRA would act in every row, reference or not: refuse it."""
     detection = detect_kind(path)
     if detection.is_adapter:
-        raise RenderError(f"{path} is a reference adapter (kind {detection.kind}; {detection.how}: {detection.reason}),"
-                          " not a style LoRA; pass it with --adapter (adapter: in a job spec), never --lora:"
-                          " merged, its LoRA would act in every row and never read a reference")
+        raise RenderError(
+            f"{path} is a reference adapter (kind {detection.kind}; {detection.how}: {detection.reason}),"
+            " not a style LoRA; pass it with --adapter (adapter: in a job spec), never --lora:"
+            " merged, its LoRA would act in every row and never read a reference"
+        )
 
 
 class Renderer:
     """Anima (+ optional reference adapter of any kind, and merged LoRAs) on one device."""
 
-    def __init__(self, files: ModelFiles, *, adapter: str | Path | None = None,
-                 loras: Sequence[tuple[str | Path, float]] = (), device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, compile: bool = False) -> None:
+    def __init__(
+        self,
+        files: ModelFiles,
+        *,
+        adapter: str | Path | None = None,
+        loras: Sequence[tuple[str | Path, float]] = (),
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        compile: bool = False,
+    ) -> None:
         auto_device, auto_dtype = default_device_and_dtype()
         self.device = torch.device(device) if device is not None else auto_device
         self.dtype = dtype or (auto_dtype if self.device.type == "cuda" else torch.float32)
@@ -120,8 +136,9 @@ class Renderer:
         if loras:
             merge_loras(self.dit, [(read_lora(path), strength) for path, strength in loras])
         text_encoder = load_text_encoder(files.text_encoder, device=self.device)
-        self.prompts = PromptEncoder(AnimaTokenizer(files.qwen_tokenizer, files.t5_tokenizer), text_encoder,
-                                     self.dit.llm_adapter)
+        self.prompts = PromptEncoder(
+            AnimaTokenizer(files.qwen_tokenizer, files.t5_tokenizer), text_encoder, self.dit.llm_adapter
+        )
         self.vae = load_vae(files.vae, device=self.device, dtype=self.dtype)
         adapter_path = adapter if adapter is not None else files.adapter
         self.adapter: BoundAdapter | BoundArcAnima | None = None
@@ -133,22 +150,29 @@ class Renderer:
         self.forward: Callable[..., torch.Tensor] = compile_forward(self.dit) if compile else self.dit
         self.model_id = f"{Path(files.dit).name}" + (f"+{len(loras)} LoRA" if loras else "")
         self.load_seconds = time.perf_counter() - t0
-        log.info("loaded %s on %s (%s) in %.1f s%s%s", files.dit, self.device, self.dtype, self.load_seconds,
-                 f" with adapter {adapter_path}" if adapter_path else "", ", DiT compiled" if compile else "")
+        log.info(
+            "loaded %s on %s (%s) in %.1f s%s%s",
+            files.dit,
+            self.device,
+            self.dtype,
+            self.load_seconds,
+            f" with adapter {adapter_path}" if adapter_path else "",
+            ", DiT compiled" if compile else "",
+        )
 
     @classmethod
-    def from_folder(cls, models_dir: str | Path, **kwargs) -> "Renderer":
+    def from_folder(cls, models_dir: str | Path, **kwargs) -> Renderer:
         """Load the model set in `models_dir` (tiny or real; see models/bundle.py for file names)."""
         return cls(resolve_model_files(models_dir), **kwargs)
 
     @property
     def adapter_kind(self) -> str | None:
-        """"snapref", "arcanima-v2", "arcanima-pilot", or None without an adapter (from the file)."""
+        """ "snapref", "arcanima-v2", "arcanima-pilot", or None without an adapter (from the file)."""
         if self.adapter is None:
             return None
         return self.adapter.kind if isinstance(self.adapter, BoundArcAnima) else "snapref"
 
-    def with_adapter(self, adapter: str | Path) -> "Renderer":
+    def with_adapter(self, adapter: str | Path) -> Renderer:
         """A renderer sharing this one's models (no second copy of the weights) with another adapter."""
         other = copy.copy(self)
         other.adapter = load_bound_adapter(adapter, self.dit.config.num_blocks, self.device, self.dtype)
@@ -171,14 +195,22 @@ class Renderer:
         return self.adapter
 
     @torch.inference_mode()
-    def _prepare_reference(self, images: Sequence[bytes], layout: ReferenceLayout, ref_caption: str,
-                           ref_megapixels: float, sources: Sequence[str] | None,
-                           output_size: tuple[int, int] | None = None) -> _PreparedReference:
+    def _prepare_reference(
+        self,
+        images: Sequence[bytes],
+        layout: ReferenceLayout,
+        ref_caption: str,
+        ref_megapixels: float,
+        sources: Sequence[str] | None,
+        output_size: tuple[int, int] | None = None,
+    ) -> _PreparedReference:
         sources = sources or [f"reference {i + 1}" for i in range(len(images))]
         kind = self.adapter_kind
         if kind in ARCANIMA_KINDS and layout == "multi":
-            raise RenderError(f"layout: several references of one character are a SnapRef feature; a {kind} adapter"
-                              " reads one reference, or two characters stitched side by side (pair)")
+            raise RenderError(
+                f"layout: several references of one character are a SnapRef feature; a {kind} adapter"
+                " reads one reference, or two characters stitched side by side (pair)"
+            )
         if kind == "arcanima-pilot":
             if output_size is None:
                 raise RenderError("the ArcAnima pilot needs the output size to prepare its reference frame")
@@ -195,8 +227,11 @@ class Renderer:
             mu = self.vae.encode(pixels.to(self.device, self.dtype))
             latents.append(process_in(mu.float()))
         # The ArcAnima reference streams take no text: no caption to encode.
-        context = (self.prompts.encode(ref_caption, device=self.device).float() if kind not in ARCANIMA_KINDS
-                   else torch.zeros(0))
+        context = (
+            self.prompts.encode(ref_caption, device=self.device).float()
+            if kind not in ARCANIMA_KINDS
+            else torch.zeros(0)
+        )
         size = f"{output_size[0]}x{output_size[1]}" if kind == "arcanima-pilot" else ""
         digest = hashlib.sha256(f"{layout}|{ref_megapixels}|{ref_caption}|{size}".encode())
         for data in images:
@@ -226,19 +261,35 @@ class Renderer:
             dw += grid[2]  # several references of one character sit side by side along w
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return RefKV(torch.cat(parts, dim=3), tuple(grids), tuple(offsets), target_grid, bound.identity,
-                     prepared.reference_id, time.perf_counter() - t0)
+        return RefKV(
+            torch.cat(parts, dim=3),
+            tuple(grids),
+            tuple(offsets),
+            target_grid,
+            bound.identity,
+            prepared.reference_id,
+            time.perf_counter() - t0,
+        )
 
-    def _run_arcanima_reference(self, bound: BoundArcAnima, prepared: _PreparedReference,
-                                target_grid: tuple[int, int, int], t0: float) -> RefKV:
+    def _run_arcanima_reference(
+        self, bound: BoundArcAnima, prepared: _PreparedReference, target_grid: tuple[int, int, int], t0: float
+    ) -> RefKV:
         latent = prepared.latents[0]
         grid = self.dit.token_grid(latent.shape[-2], latent.shape[-1])
         if bound.kind == "arcanima-pilot":
             if grid != target_grid:
                 raise RenderError(f"the pilot's reference frame is {grid} tokens, the target {target_grid}")
             # Nothing to cache but the VAE encode: the frame runs through the DiT at every step.
-            return RefKV(latent[0].unsqueeze(1).to(self.dtype), (grid,), ((1, 0, 0),), target_grid, bound.identity,
-                         prepared.reference_id, time.perf_counter() - t0, payload="frame_latent")
+            return RefKV(
+                latent[0].unsqueeze(1).to(self.dtype),
+                (grid,),
+                ((1, 0, 0),),
+                target_grid,
+                bound.identity,
+                prepared.reference_id,
+                time.perf_counter() - t0,
+                payload="frame_latent",
+            )
         with torch.inference_mode():
             kv = v2_reference_kv(self.dit, bound, latent, target_grid)  # fp32 stream, as SnapRef's
         if not torch.isfinite(kv).all():
@@ -246,12 +297,27 @@ class Renderer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         offset = v2_rope_offset(bound, target_grid)
-        return RefKV(kv.to(self.dtype), (grid,), (offset,), target_grid, bound.identity, prepared.reference_id,
-                     time.perf_counter() - t0)
+        return RefKV(
+            kv.to(self.dtype),
+            (grid,),
+            (offset,),
+            target_grid,
+            bound.identity,
+            prepared.reference_id,
+            time.perf_counter() - t0,
+        )
 
-    def encode_reference(self, images: Sequence[bytes] | bytes, *, layout: ReferenceLayout = "single",
-                         ref_caption: str = "", ref_megapixels: float = 1.0, width: int = 1024, height: int = 1024,
-                         sources: Sequence[str] | None = None) -> RefKV:
+    def encode_reference(
+        self,
+        images: Sequence[bytes] | bytes,
+        *,
+        layout: ReferenceLayout = "single",
+        ref_caption: str = "",
+        ref_megapixels: float = 1.0,
+        width: int = 1024,
+        height: int = 1024,
+        sources: Sequence[str] | None = None,
+    ) -> RefKV:
         """Encode a reference once into RefKV for targets of `width` x `height`.
 
         layout: "single" (one image), "pair" (two characters, stitched left/right) or "multi"
@@ -262,9 +328,16 @@ class Renderer:
         return self._run_reference_stream(prepared, self.target_grid(width, height))
 
     # -- rendering ------------------------------------------------------------------------
-    def render(self, requests: Sequence[RenderRequest] | RenderRequest, *, refkv: RefKV | None = None,
-               references: Sequence[bytes] | None = None, layout: ReferenceLayout = "single",
-               init_image: Image.Image | None = None, progress: ProgressCallback | None = None) -> list[RenderResult]:
+    def render(
+        self,
+        requests: Sequence[RenderRequest] | RenderRequest,
+        *,
+        refkv: RefKV | None = None,
+        references: Sequence[bytes] | None = None,
+        layout: ReferenceLayout = "single",
+        init_image: Image.Image | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> list[RenderResult]:
         """Render requests that share settings (one batched forward per step).
 
         With `references`, they are encoded once for this call and released afterwards (also
@@ -284,8 +357,14 @@ class Renderer:
         try:
             if references is not None:
                 t0 = time.perf_counter()
-                prepared = self._prepare_reference(list(references), layout, settings.ref_caption,
-                                                   settings.ref_megapixels, None, (settings.width, settings.height))
+                prepared = self._prepare_reference(
+                    list(references),
+                    layout,
+                    settings.ref_caption,
+                    settings.ref_megapixels,
+                    None,
+                    (settings.width, settings.height),
+                )
                 if not settings.recompute_reference_every_step:
                     refkv = self._run_reference_stream(prepared, self.target_grid(settings.width, settings.height))
                 encode_s = time.perf_counter() - t0
@@ -297,15 +376,21 @@ class Renderer:
             traceback.clear_frames(e.__traceback__)
             raise
         finally:
-            refkv = None  # noqa: F841 -- drop our reference so an encoded-here RefKV is freed even on failure
-            prepared = None  # noqa: F841
+            refkv = None
+            prepared = None
         for r in results:
             r.timings["encode_s"] = encode_s
         return results
 
     @torch.inference_mode()
-    def _render_batch(self, requests: list[RenderRequest], refkv: RefKV | None, prepared: _PreparedReference | None,
-                      init_image: Image.Image | None, progress: ProgressCallback | None) -> list[RenderResult]:
+    def _render_batch(
+        self,
+        requests: list[RenderRequest],
+        refkv: RefKV | None,
+        prepared: _PreparedReference | None,
+        init_image: Image.Image | None,
+        progress: ProgressCallback | None,
+    ) -> list[RenderResult]:
         s: RenderSettings = requests[0].settings
         n = len(requests)
         has_reference = refkv is not None or prepared is not None
@@ -316,11 +401,15 @@ class Renderer:
                 raise RenderError("refkv was encoded with a different adapter than the one loaded")
             expected_payload = "frame_latent" if self.adapter_kind == "arcanima-pilot" else "kv"
             if refkv.payload != expected_payload:
-                raise RenderError(f"refkv holds a {refkv.payload!r} reference, a {self.adapter_kind} adapter reads"
-                                  f" {expected_payload!r}")
+                raise RenderError(
+                    f"refkv holds a {refkv.payload!r} reference, a {self.adapter_kind} adapter reads"
+                    f" {expected_payload!r}"
+                )
             if refkv.target_grid != grid:
-                raise RenderError(f"refkv was encoded for a {refkv.target_grid} token grid, this render needs {grid};"
-                                  " encode the reference for this width/height")
+                raise RenderError(
+                    f"refkv was encoded for a {refkv.target_grid} token grid, this render needs {grid};"
+                    " encode the reference for this width/height"
+                )
             refkv = refkv.to(self.device, self.dtype)
 
         t0 = time.perf_counter()
@@ -356,8 +445,17 @@ class Renderer:
             step_kv = refkv
             if prepared is not None and (step_kv is None or s.recompute_reference_every_step):
                 step_kv = self._run_reference_stream(prepared, grid)  # the pilot-style baseline
-            denoised = self.denoise_rows(x_B, sigma, plan, ctx_for, step_kv, weights, target_loras, reads_cache,
-                                         strength=s.strength if s.strength is not None else 1.0)
+            denoised = self.denoise_rows(
+                x_B,
+                sigma,
+                plan,
+                ctx_for,
+                step_kv,
+                weights,
+                target_loras,
+                reads_cache,
+                strength=s.strength if s.strength is not None else 1.0,
+            )
             return combine(x_B, sigma, plan, denoised)
 
         t1 = time.perf_counter()
@@ -370,13 +468,22 @@ class Renderer:
         images = self.decode(x)
         decode_s = time.perf_counter() - t2
         timings = {"text_s": text_s, "sample_s": sample_s, "decode_s": decode_s, "steps": float(s.steps)}
-        ref_id = (refkv.reference_id if refkv is not None else prepared.reference_id if prepared else None)
+        ref_id = refkv.reference_id if refkv is not None else prepared.reference_id if prepared else None
         return [RenderResult(img, req, dict(timings), ref_id) for img, req in zip(images, requests)]
 
-    def denoise_rows(self, x_B: torch.Tensor, sigma: torch.Tensor, plan: StepPlan,
-                     ctx_for: dict[Row, list[torch.Tensor]], refkv: RefKV | None, weights: list[float] | None,
-                     target_loras: list | None, reads_cache: dict | None = None, *,
-                     strength: float = 1.0) -> dict[Row, torch.Tensor]:
+    def denoise_rows(
+        self,
+        x_B: torch.Tensor,
+        sigma: torch.Tensor,
+        plan: StepPlan,
+        ctx_for: dict[Row, list[torch.Tensor]],
+        refkv: RefKV | None,
+        weights: list[float] | None,
+        target_loras: list | None,
+        reads_cache: dict | None = None,
+        *,
+        strength: float = 1.0,
+    ) -> dict[Row, torch.Tensor]:
         """One batched DiT forward over every row kind of the step; denoised estimate per kind.
 
         x_B: [n, 16, 1, h, w] fp32; ctx_for: per row kind, one [1, L, C] context per request.
@@ -395,21 +502,47 @@ class Renderer:
         sigma_rows = torch.full((len(contexts),), float(sigma), device=self.device)
         lengths = sorted({c.shape[1] for c in contexts})
         if len(lengths) == 1:  # the usual case: one forward over every row, no gathers
-            v = self._forward_rows(rows_x, sigma_rows, torch.cat(contexts), tuple(reads), refkv, weights,
-                                   target_loras, reads_cache, strength)
+            v = self._forward_rows(
+                rows_x,
+                sigma_rows,
+                torch.cat(contexts),
+                tuple(reads),
+                refkv,
+                weights,
+                target_loras,
+                reads_cache,
+                strength,
+            )
         else:
             v = torch.empty_like(rows_x)
             for length in lengths:
                 idx = [i for i, c in enumerate(contexts) if c.shape[1] == length]
-                v[idx] = self._forward_rows(rows_x[idx], sigma_rows[: len(idx)],
-                                            torch.cat([contexts[i] for i in idx]), tuple(reads[i] for i in idx),
-                                            refkv, weights, target_loras, reads_cache, strength)
+                v[idx] = self._forward_rows(
+                    rows_x[idx],
+                    sigma_rows[: len(idx)],
+                    torch.cat([contexts[i] for i in idx]),
+                    tuple(reads[i] for i in idx),
+                    refkv,
+                    weights,
+                    target_loras,
+                    reads_cache,
+                    strength,
+                )
         d_rows = rows_x - sigma * v  # flow matching, CONST: D = x - sigma * v
         return dict(zip(plan.rows, d_rows.split(n)))
 
-    def _forward_rows(self, x: torch.Tensor, sigma_rows: torch.Tensor, context: torch.Tensor,
-                      reads: tuple[bool, ...], refkv: RefKV | None, weights: list[float] | None,
-                      target_loras: list | None, reads_cache: dict | None, strength: float) -> torch.Tensor:
+    def _forward_rows(
+        self,
+        x: torch.Tensor,
+        sigma_rows: torch.Tensor,
+        context: torch.Tensor,
+        reads: tuple[bool, ...],
+        refkv: RefKV | None,
+        weights: list[float] | None,
+        target_loras: list | None,
+        reads_cache: dict | None,
+        strength: float,
+    ) -> torch.Tensor:
         """Velocity of one batch of rows sharing a context length, through the loaded adapter's method."""
         if isinstance(self.adapter, BoundArcAnima):
             method = pilot_forward if self.adapter.kind == "arcanima-pilot" else v2_forward
@@ -419,8 +552,9 @@ class Renderer:
         return self.forward(x.to(self.dtype), sigma_rows, context, loras=target_loras, refs=refs).float()
 
     @staticmethod
-    def _reads(refkv: RefKV | None, rows: tuple[bool, ...], weights: list[float] | None,
-               cache: dict | None) -> list | None:
+    def _reads(
+        refkv: RefKV | None, rows: tuple[bool, ...], weights: list[float] | None, cache: dict | None
+    ) -> list | None:
         if refkv is None or not any(rows):
             return None
         key = (id(refkv.kv_N2HLD), rows)  # a recomputed RefKV is a new tensor, so a new entry

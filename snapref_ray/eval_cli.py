@@ -21,10 +21,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"num_workers": args.workers})})
     report = run_identity_eval(spec)
     lo, hi = report["gap_ci"]
-    print(f"{report['n_cases']} cases of {report['n_characters']} characters ({report['n_failed']} failed): "
-          f"loss right {report['mean_loss_right']:.6g}, wrong {report['mean_loss_wrong']:.6g}, "
-          f"gap {report['gap']:.6g} ({100 * report['ci_level']:.0f}% CI {lo:.6g} .. {hi:.6g}), "
-          f"right reference wins {100 * report['right_wins_fraction']:.0f}% of cases")
+    print(
+        f"{report['n_cases']} cases of {report['n_characters']} characters ({report['n_failed']} failed): "
+        f"loss right {report['mean_loss_right']:.6g}, wrong {report['mean_loss_wrong']:.6g}, "
+        f"gap {report['gap']:.6g} ({100 * report['ci_level']:.0f}% CI {lo:.6g} .. {hi:.6g}), "
+        f"right reference wins {100 * report['right_wins_fraction']:.0f}% of cases"
+    )
     print(f"wrote {spec.output.uri.rstrip('/')}/{RESULT_JSON} and heldout_loss.parquet")
     return 1 if report["n_failed"] else 0
 
@@ -46,14 +48,26 @@ def timing_spec_from_args(args: argparse.Namespace):
         raise SystemExit("give a timing spec (SPEC.yaml) or --models DIR")
     if args.models and args.spec:
         raw["models"] = {"models_dir": _absolute(args.models)}
-    flags = {"adapter": _absolute(args.adapter), "reference": _absolute(args.reference), "width": args.width,
-             "height": args.height, "steps": args.steps, "sampler": args.sampler, "cfg": args.cfg, "seed": args.seed,
-             "prompt": args.prompt, "repetitions": args.repetitions, "turbo_steps": args.turbo_steps,
-             "title": args.title, "ref_guidance": args.ref_guidance}
+    flags = {
+        "adapter": _absolute(args.adapter),
+        "reference": _absolute(args.reference),
+        "width": args.width,
+        "height": args.height,
+        "steps": args.steps,
+        "sampler": args.sampler,
+        "cfg": args.cfg,
+        "seed": args.seed,
+        "prompt": args.prompt,
+        "repetitions": args.repetitions,
+        "turbo_steps": args.turbo_steps,
+        "title": args.title,
+        "ref_guidance": args.ref_guidance,
+    }
     raw.update({k: v for k, v in flags.items() if v is not None})
     if args.turbo_lora:
-        path, _, strength = args.turbo_lora.rpartition(":") if not Path(args.turbo_lora).exists() else \
-            (args.turbo_lora, "", "")
+        path, _, strength = (
+            args.turbo_lora.rpartition(":") if not Path(args.turbo_lora).exists() else (args.turbo_lora, "", "")
+        )
         raw["turbo_lora"] = {"path": _absolute(path), "strength": float(strength) if strength else 1.0}
     if args.settings:
         raw["settings"] = [s.strip() for s in args.settings.split(",") if s.strip()]

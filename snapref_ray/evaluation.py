@@ -42,10 +42,12 @@ from snapref_ray.models.latent_format import process_in
 from snapref_ray.sampling.noise import initial_noise, noise_scaling
 from snapref_ray.sampling.ref_guidance import Row, StepPlan
 
-LOSS_DEFINITION = ("mean((v_pred - v)^2) over latent elements; x_s = (1-s)*x0 + s*eps, v = eps - x0, "
-                   "eps from the CPU generator of each noise seed (shared by all sigmas and both references); "
-                   "one COND row: the target's scene prompt, target LoRA on, reference read with the mode's "
-                   "block weights x ref_weight; no uncond row, no CFG")
+LOSS_DEFINITION = (
+    "mean((v_pred - v)^2) over latent elements; x_s = (1-s)*x0 + s*eps, v = eps - x0, "
+    "eps from the CPU generator of each noise seed (shared by all sigmas and both references); "
+    "one COND row: the target's scene prompt, target LoRA on, reference read with the mode's "
+    "block weights x ref_weight; no uncond row, no CFG"
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,16 +63,27 @@ def prepare_target(data: bytes, megapixels: float = 1.0, source: str = "<target>
 def encode_target(renderer, target_image: Image.Image) -> torch.Tensor:
     """The target's clean latent x0 in model space, [1, 16, 1, h, w] fp32."""
     if target_image.width % 16 or target_image.height % 16:
-        raise ValueError(f"target image is {target_image.width}x{target_image.height}: both sides must be multiples"
-                         " of 16 (fit it with prepare_target)")
+        raise ValueError(
+            f"target image is {target_image.width}x{target_image.height}: both sides must be multiples"
+            " of 16 (fit it with prepare_target)"
+        )
     pixels = image_to_pixels(target_image.convert("RGB")).to(renderer.device, renderer.dtype)
     return process_in(renderer.vae.encode(pixels).float()).unsqueeze(2)
 
 
 @torch.inference_mode()
-def denoising_losses(renderer, target_image: Image.Image, prompt: str, refkv, sigmas: Sequence[float],
-                     noise_seeds: Sequence[int], *, mode: str = "cs", ref_weight: float = 1.0,
-                     batch_size: int | None = None) -> torch.Tensor:
+def denoising_losses(
+    renderer,
+    target_image: Image.Image,
+    prompt: str,
+    refkv,
+    sigmas: Sequence[float],
+    noise_seeds: Sequence[int],
+    *,
+    mode: str = "cs",
+    ref_weight: float = 1.0,
+    batch_size: int | None = None,
+) -> torch.Tensor:
     """Flow-matching loss of `target_image` under `prompt` (and `refkv`), [len(sigmas), len(noise_seeds)] fp32.
 
     See the module docstring for the exact definition. `refkv` must be encoded for the target's
@@ -92,8 +105,10 @@ def denoising_losses(renderer, target_image: Image.Image, prompt: str, refkv, si
         if refkv.adapter_id != bound.identity:
             raise ValueError("refkv was encoded with a different adapter than the renderer's")
         if refkv.target_grid != grid:
-            raise ValueError(f"refkv was encoded for a {refkv.target_grid} token grid; the {target_image.width}x"
-                             f"{target_image.height} target needs {grid}")
+            raise ValueError(
+                f"refkv was encoded for a {refkv.target_grid} token grid; the {target_image.width}x"
+                f"{target_image.height} target needs {grid}"
+            )
         refkv = refkv.to(renderer.device, renderer.dtype)
         weights = bound.read_weights(mode, ref_weight)
         target_loras = bound.target_loras()
@@ -109,8 +124,9 @@ def denoising_losses(renderer, target_image: Image.Image, prompt: str, refkv, si
             rows = slice(start, start + chunk)
             x_sigma = noise_scaling(sigma, eps[rows], x0.expand_as(eps[rows]))
             n = x_sigma.shape[0]
-            denoised = renderer.denoise_rows(x_sigma, sigma, plan, {Row.COND: [context] * n}, refkv,
-                                             weights, target_loras)[Row.COND]
+            denoised = renderer.denoise_rows(
+                x_sigma, sigma, plan, {Row.COND: [context] * n}, refkv, weights, target_loras
+            )[Row.COND]
             v_pred = (x_sigma - denoised) / sigma  # the DiT's velocity (denoise_rows returns D = x − σ·v)
             losses[i, rows] = (v_pred - v_target[rows]).square().flatten(1).mean(dim=1).cpu()
     return losses
@@ -138,8 +154,10 @@ def derangement(n: int, seed: int, groups: Sequence[Hashable] | None = None) -> 
         counts[label] = counts.get(label, 0) + 1
     largest, size = max(counts.items(), key=lambda kv: kv[1])
     if 2 * size > n:
-        raise ValueError(f"character {largest!r} has {size} of {n} cases: every case needs a reference of another "
-                         "character, which is impossible when one character has more than half of the cases")
+        raise ValueError(
+            f"character {largest!r} has {size} of {n} cases: every case needs a reference of another "
+            "character, which is impossible when one character has more than half of the cases"
+        )
     rng = np.random.default_rng(seed)
     # Uniform rejection sampling is cheap when the constraint is loose (1/e of plain permutations
     # are derangements); the constructive fallback below always succeeds.
@@ -160,8 +178,13 @@ def derangement(n: int, seed: int, groups: Sequence[Hashable] | None = None) -> 
     return p
 
 
-def bootstrap_ci(values: Sequence[float], seed: int, n_boot: int = 2000, level: float = 0.95,
-                 groups: Sequence[Hashable] | None = None) -> tuple[float, float]:
+def bootstrap_ci(
+    values: Sequence[float],
+    seed: int,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    groups: Sequence[Hashable] | None = None,
+) -> tuple[float, float]:
     """Percentile bootstrap CI of the mean of `values`; resamples whole `groups` when given.
 
     The bounds are order statistics at symmetric ranks (no interpolation), so negating every
@@ -188,7 +211,7 @@ def bootstrap_ci(values: Sequence[float], seed: int, n_boot: int = 2000, level: 
         reps = min(256, n_boot - start)
         draws = rng.integers(0, n_groups, size=(reps, n_groups))
         counts_RG = np.stack([np.bincount(row, minlength=n_groups) for row in draws]).astype(np.float64)
-        stats[start:start + reps] = (counts_RG @ sums_G) / (counts_RG @ sizes_G)
+        stats[start : start + reps] = (counts_RG @ sums_G) / (counts_RG @ sizes_G)
     stats.sort()
     k = math.floor(round((1.0 - level) / 2.0 * n_boot, 9))
     return float(stats[k]), float(stats[n_boot - 1 - k])
@@ -201,8 +224,14 @@ def _grid(value, what: str) -> np.ndarray:
     return grid
 
 
-def summarise(per_case: Sequence[Mapping], *, sigmas: Sequence[float] | None = None, seed: int = 0,
-              n_boot: int = 2000, level: float = 0.95) -> dict:
+def summarise(
+    per_case: Sequence[Mapping],
+    *,
+    sigmas: Sequence[float] | None = None,
+    seed: int = 0,
+    n_boot: int = 2000,
+    level: float = 0.95,
+) -> dict:
     """Per-case and overall statistics of identity-gap results.
 
     Each case is a mapping with `case_id`, `loss_right` and `loss_wrong` ([sigmas, seeds] grids
@@ -219,15 +248,25 @@ def summarise(per_case: Sequence[Mapping], *, sigmas: Sequence[float] | None = N
         right = _grid(case["loss_right"], f"case {case['case_id']}: loss_right")
         wrong = _grid(case["loss_wrong"], f"case {case['case_id']}: loss_wrong")
         if right.shape != wrong.shape or (shape is not None and right.shape != shape):
-            raise ValueError(f"case {case['case_id']}: loss grids of shape {right.shape} and {wrong.shape}, "
-                             f"expected {shape or right.shape} for both")
+            raise ValueError(
+                f"case {case['case_id']}: loss grids of shape {right.shape} and {wrong.shape}, "
+                f"expected {shape or right.shape} for both"
+            )
         shape = right.shape
         mean_right, mean_wrong = float(right.mean()), float(wrong.mean())
         gap = mean_wrong - mean_right
         character = case.get("character", f"case:{case['case_id']}")
         extra = {k: v for k, v in case.items() if k not in ("loss_right", "loss_wrong")}
-        cases.append({**extra, "character": character, "mean_loss_right": mean_right,
-                      "mean_loss_wrong": mean_wrong, "gap": gap, "right_wins": bool(mean_right < mean_wrong)})
+        cases.append(
+            {
+                **extra,
+                "character": character,
+                "mean_loss_right": mean_right,
+                "mean_loss_wrong": mean_wrong,
+                "gap": gap,
+                "right_wins": bool(mean_right < mean_wrong),
+            }
+        )
         gaps.append(gap)
         characters.append(character)
         right_S.append(right.mean(axis=1))
@@ -250,7 +289,9 @@ def summarise(per_case: Sequence[Mapping], *, sigmas: Sequence[float] | None = N
         "ci_level": level,
         "bootstrap": {"n_boot": n_boot, "seed": seed, "unit": "character", "method": "percentile"},
         "right_wins_fraction": sum(c["right_wins"] for c in cases) / n,
-        "per_sigma": [{"sigma": s, "mean_loss_right": float(r), "mean_loss_wrong": float(w), "gap": float(w - r)}
-                      for s, r, w in zip(sigma_values, right_by_sigma, wrong_by_sigma)],
+        "per_sigma": [
+            {"sigma": s, "mean_loss_right": float(r), "mean_loss_wrong": float(w), "gap": float(w - r)}
+            for s, r, w in zip(sigma_values, right_by_sigma, wrong_by_sigma)
+        ],
         "cases": cases,
     }

@@ -26,41 +26,89 @@ class RenderSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     negative_prompt: str = Field("", description="Negative prompt; empty is the ComfyUI default for Anima.")
-    width: int = Field(1024, description="Image width in pixels, a multiple of 16 (the VAE's 8 times the DiT's patch 2).")
+    width: int = Field(
+        1024, description="Image width in pixels, a multiple of 16 (the VAE's 8 times the DiT's patch 2)."
+    )
     height: int = Field(1024, description="Image height in pixels, a multiple of 16.")
     steps: int = Field(30, ge=1, le=1000, description="Sampling steps; Anima's card recommends 28-50.")
-    cfg: float = Field(4.5, ge=0.0, le=100.0, description="Text CFG scale; 4.5 as both adapters' authors recommend (Anima's card: 4-5). 1 skips the uncond pass.")
+    cfg: float = Field(
+        4.5,
+        ge=0.0,
+        le=100.0,
+        description="Text CFG scale; 4.5 as both adapters' authors recommend (Anima's card: 4-5). 1 skips "
+        "the uncond pass.",
+    )
     sampler: Sampler = Field("er_sde", description="er_sde is Anima's recommended sampler; euler is deterministic.")
     scheduler: Scheduler = Field("simple", description="ComfyUI's `simple` schedule over the shift-3 flow sigmas.")
-    denoise: float = Field(1.0, gt=0.0, le=1.0, description="1 = text-to-image; < 1 starts from an input image (img2img).")
+    denoise: float = Field(
+        1.0, gt=0.0, le=1.0, description="1 = text-to-image; < 1 starts from an input image (img2img)."
+    )
     cfg_correction: Correction = Field(
-        "none", description="Correction of the text CFG delta: none (plain ComfyUI CFG), apg or rescale (RescaleCFG 0.7).")
+        "none",
+        description="Correction of the text CFG delta: none (plain ComfyUI CFG), apg or rescale (RescaleCFG 0.7).",
+    )
 
-    mode: Mode = Field("cs", description="cs copies character and style; char copies only the character so artist tags set the style.")
-    ref_weight: float = Field(1.0, ge=0.0, le=10.0, description="Multiplier on the reference's attention mass; 1 as trained, 0 bypasses the read.")
+    mode: Mode = Field(
+        "cs", description="cs copies character and style; char copies only the character so artist tags set the style."
+    )
+    ref_weight: float = Field(
+        1.0,
+        ge=0.0,
+        le=10.0,
+        description="Multiplier on the reference's attention mass; 1 as trained, 0 bypasses the read.",
+    )
     ref_guidance: float | None = Field(
-        None, ge=0.0, le=20.0,
+        None,
+        ge=0.0,
+        le=20.0,
         description="Extra guidance towards the reference; != 1 runs a third row (positive prompt without reference). "
-                    "Unset = the adapter kind's default: 1 (off) for SnapRef, 4.5 for ArcAnima.")
+        "Unset = the adapter kind's default: 1 (off) for SnapRef, 4.5 for ArcAnima.",
+    )
     ref_in_uncond: bool | None = Field(
-        None, description="Let the uncond CFG row read the reference too. Unset = the kind's default: off for SnapRef "
-                          "(as trained), on for ArcAnima (both CFG branches read it).")
-    correction: Correction = Field("apg", description="Correction of the reference-guidance delta, against colour over-saturation.")
-    ref_start: float = Field(0.0, ge=0.0, le=1.0, description="Fraction of the schedule where reference guidance starts.")
-    ref_end: float = Field(1.0, ge=0.0, le=1.0, description="Fraction of the schedule where reference guidance stops; ~0.6 saves time with nearly the same image.")
-    ref_caption: str = Field("", description="Caption of the reference image for its own cross-attention; empty is allowed.")
-    ref_megapixels: float = Field(1.0, gt=0.0, le=16.0, description="Reference resized to at most this area, never enlarged; 1 MP as trained.")
+        None,
+        description="Let the uncond CFG row read the reference too. Unset = the kind's default: off for SnapRef "
+        "(as trained), on for ArcAnima (both CFG branches read it).",
+    )
+    correction: Correction = Field(
+        "apg", description="Correction of the reference-guidance delta, against colour over-saturation."
+    )
+    ref_start: float = Field(
+        0.0, ge=0.0, le=1.0, description="Fraction of the schedule where reference guidance starts."
+    )
+    ref_end: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of the schedule where reference guidance stops; ~0.6 saves time with nearly "
+        "the same image.",
+    )
+    ref_caption: str = Field(
+        "", description="Caption of the reference image for its own cross-attention; empty is allowed."
+    )
+    ref_megapixels: float = Field(
+        1.0, gt=0.0, le=16.0, description="Reference resized to at most this area, never enlarged; 1 MP as trained."
+    )
     recompute_reference_every_step: bool = Field(
-        False, description="Run the reference stream again at every step instead of the cache: the baseline the cache is measured against.")
+        False,
+        description="Run the reference stream again at every step instead of the cache: the baseline the "
+        "cache is measured against.",
+    )
     ref_outside: Outside | None = Field(
-        None, description="ArcAnima guider's `outside`: what applies outside [ref_start, ref_end]. reference (default): "
-                          "rows keep reading the reference, only the extra ref-guidance call stops; no_reference: "
-                          "those steps render without the reference (and without its LoRA).")
+        None,
+        description="ArcAnima guider's `outside`: what applies outside [ref_start, ref_end]. reference (default): "
+        "rows keep reading the reference, only the extra ref-guidance call stops; no_reference: "
+        "those steps render without the reference (and without its LoRA).",
+    )
     strength: float | None = Field(
-        None, ge=0.0, le=10.0,
-        description="Simple control. SnapRef: sets ref_weight. ArcAnima: the LoRA multiplier in reading rows (default 1).")
+        None,
+        ge=0.0,
+        le=10.0,
+        description="Simple control. SnapRef: sets ref_weight. ArcAnima: the LoRA multiplier in reading "
+        "rows (default 1).",
+    )
     fidelity: float | None = Field(
-        None, ge=0.0, le=20.0, description="Simple control: sets ref_guidance (for every kind).")
+        None, ge=0.0, le=20.0, description="Simple control: sets ref_guidance (for every kind)."
+    )
 
     @field_validator("width", "height")
     @classmethod
@@ -70,7 +118,7 @@ class RenderSettings(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _window(self) -> "RenderSettings":
+    def _window(self) -> RenderSettings:
         if self.ref_start > self.ref_end:
             raise ValueError(f"ref_start ({self.ref_start}) must not exceed ref_end ({self.ref_end})")
         return self
@@ -84,7 +132,7 @@ class RenderSettings(BaseModel):
         return tuple(sorted(self.model_dump(exclude={"negative_prompt"}).items()))
 
     @classmethod
-    def from_simple(cls, strength: float = 1.0, fidelity: float = 1.0, **others) -> "RenderSettings":
+    def from_simple(cls, strength: float = 1.0, fidelity: float = 1.0, **others) -> RenderSettings:
         """The simple node's controls; their per-kind meaning is `snapref_ray.adapter.controls`."""
         return cls(strength=strength, fidelity=fidelity, **others)
 

@@ -18,7 +18,12 @@ from snapref_ray.adapter.arcanima import make_arcanima, save_arcanima
 from snapref_ray.adapter.file import save_adapter
 from snapref_ray.adapter.generate import make_adapter
 from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict
-from snapref_ray.models.tiny_text import TINY_QWEN_VOCAB, TINY_T5_VOCAB, make_tiny_qwen3_state_dict, write_tiny_tokenizers
+from snapref_ray.models.tiny_text import (
+    TINY_QWEN_VOCAB,
+    TINY_T5_VOCAB,
+    make_tiny_qwen3_state_dict,
+    write_tiny_tokenizers,
+)
 from snapref_ray.models.tiny_vae import make_tiny_vae_state_dict
 
 
@@ -37,6 +42,7 @@ class TinyConfig:
     # ArcAnima LoRA rank; None = the published one (64 for v2, 32 for the pilot).
     arcanima_rank: int | None = None
 
+
 ADAPTER_KINDS = ("snapref", "arcanima-v2", "arcanima-pilot")
 
 
@@ -44,8 +50,9 @@ def _contiguous(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def make_tiny(out_dir: str | Path, config: TinyConfig = TinyConfig(), *, with_adapter: bool = True,
-              adapter_kind: str = "snapref") -> Path:
+def make_tiny(
+    out_dir: str | Path, config: TinyConfig = TinyConfig(), *, with_adapter: bool = True, adapter_kind: str = "snapref"
+) -> Path:
     """Write dit / text_encoder / vae / adapter .safetensors and tokenizers/{qwen,t5} into `out_dir`.
 
     adapter_kind: "snapref" (anima_ref_kv/1), "arcanima-v2" or "arcanima-pilot" (a ComfyUI-keyed
@@ -55,9 +62,15 @@ def make_tiny(out_dir: str | Path, config: TinyConfig = TinyConfig(), *, with_ad
         raise ValueError(f"adapter_kind must be one of {', '.join(ADAPTER_KINDS)}, found {adapter_kind!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dit = make_tiny_dit_state_dict(model_channels=config.model_channels, num_blocks=config.num_blocks,
-                                   head_dim=config.head_dim, context_dim=config.text_dim,
-                                   adapter_dim=config.text_dim, t5_vocab=TINY_T5_VOCAB, seed=config.seed)
+    dit = make_tiny_dit_state_dict(
+        model_channels=config.model_channels,
+        num_blocks=config.num_blocks,
+        head_dim=config.head_dim,
+        context_dim=config.text_dim,
+        adapter_dim=config.text_dim,
+        t5_vocab=TINY_T5_VOCAB,
+        seed=config.seed,
+    )
     save_file(_contiguous({f"net.{k}": v for k, v in dit.items()}), str(out / "dit.safetensors"))
 
     qwen = make_tiny_qwen3_state_dict(hidden=config.text_dim, vocab=TINY_QWEN_VOCAB, seed=config.seed)
@@ -75,20 +88,35 @@ def make_tiny(out_dir: str | Path, config: TinyConfig = TinyConfig(), *, with_ad
     return out
 
 
-def write_tiny_adapter(path: str | Path, config: TinyConfig = TinyConfig(), adapter_kind: str = "snapref",
-                       num_blocks: int | None = None) -> Path:
+def write_tiny_adapter(
+    path: str | Path, config: TinyConfig = TinyConfig(), adapter_kind: str = "snapref", num_blocks: int | None = None
+) -> Path:
     """A random adapter of `adapter_kind` for the tiny DiT of `config` (fp32)."""
     num_blocks = num_blocks or config.num_blocks
     if adapter_kind != "snapref":
-        arc = make_arcanima(adapter_kind, num_blocks=num_blocks, model_channels=config.model_channels,
-                            context_dim=config.text_dim, mlp_hidden=4 * config.model_channels,
-                            rank=config.arcanima_rank, seed=config.seed, scale=0.3)
+        arc = make_arcanima(
+            adapter_kind,
+            num_blocks=num_blocks,
+            model_channels=config.model_channels,
+            context_dim=config.text_dim,
+            mlp_hidden=4 * config.model_channels,
+            rank=config.arcanima_rank,
+            seed=config.seed,
+            scale=0.3,
+        )
         save_arcanima(arc, path, dtype=torch.float32)
         return Path(path)
-    adapter = make_adapter(num_blocks=num_blocks, model_channels=config.model_channels,
-                           context_dim=config.text_dim, mlp_hidden=4 * config.model_channels,
-                           ref_rank=config.ref_rank, target_rank=config.target_rank, init="random",
-                           seed=config.seed, base_model="anima-tiny")
+    adapter = make_adapter(
+        num_blocks=num_blocks,
+        model_channels=config.model_channels,
+        context_dim=config.text_dim,
+        mlp_hidden=4 * config.model_channels,
+        ref_rank=config.ref_rank,
+        target_rank=config.target_rank,
+        init="random",
+        seed=config.seed,
+        base_model="anima-tiny",
+    )
     save_adapter(adapter, path, weight_format="fp32")
     return Path(path)
 

@@ -72,8 +72,10 @@ def real_tokenizer_dirs() -> tuple[Path, Path]:
     """(qwen_dir, t5_dir) of the real tokenizer files; skips by name when none is configured."""
     root, source = tokenizer_root()
     if root is None:
-        pytest.skip("needs the real Qwen/T5 tokenizer files: set SNAPREF_TOKENIZERS=<folder with qwen/ and t5/>"
-                    " or SNAPREF_SHARED=<folder with tokenizers/>")
+        pytest.skip(
+            "needs the real Qwen/T5 tokenizer files: set SNAPREF_TOKENIZERS=<folder with qwen/ and t5/>"
+            " or SNAPREF_SHARED=<folder with tokenizers/>"
+        )
     qwen, t5 = root / "qwen", root / "t5"
     missing = [str(p) for p in (qwen / "vocab.json", qwen / "merges.txt", t5 / "tokenizer.json") if not p.is_file()]
     if missing:  # a variable that points at the wrong place is a configuration error, not a skip

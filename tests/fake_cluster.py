@@ -118,9 +118,18 @@ class FakeCluster:
     in the same second dies with it).
     """
 
-    def __init__(self, *, max_gpu_nodes: int = 3, cpus_per_node: int = 1, head_cpus: int = 1,
-                 object_store_bytes: int = 300_000_000, idle_timeout_minutes: float = 1.0,
-                 dashboard: bool = False, env: dict[str, str] | None = None, keep_temp_dir: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        max_gpu_nodes: int = 3,
+        cpus_per_node: int = 1,
+        head_cpus: int = 1,
+        object_store_bytes: int = 300_000_000,
+        idle_timeout_minutes: float = 1.0,
+        dashboard: bool = False,
+        env: dict[str, str] | None = None,
+        keep_temp_dir: bool = False,
+    ) -> None:
         self.max_gpu_nodes = max_gpu_nodes
         self.cpus_per_node = cpus_per_node
         self.head_cpus = head_cpus
@@ -153,11 +162,16 @@ class FakeCluster:
         project importable. Ray 2.60's `ray start` turns token authentication on; a driver without
         RAY_AUTH_MODE=token is refused with InvalidAuthToken."""
         pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        return {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": pythonpath,
-                "AWS_EC2_METADATA_DISABLED": "true", **self.extra_env}
+        return {
+            **os.environ,
+            "RAY_AUTH_MODE": "token",
+            "PYTHONPATH": pythonpath,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            **self.extra_env,
+        }
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self, timeout_s: float = 180.0) -> "FakeCluster":
+    def start(self, timeout_s: float = 180.0) -> FakeCluster:
         import ray._private.services
 
         self.ip = ray._private.services.get_node_ip_address()
@@ -166,14 +180,29 @@ class FakeCluster:
         worker_lo, worker_hi = _free_port_range(200)
         config_path = self.temp_dir / "autoscaler.json"
         config_path.write_text(json.dumps(self._autoscaler_config(), indent=1))
-        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={self.port}",
-               f"--num-cpus={self.head_cpus}", "--num-gpus=0", f"--temp-dir={self.temp_dir}",
-               f"--autoscaling-config={config_path}", f"--ray-client-server-port={_free_port()}",
-               f"--min-worker-port={worker_lo}", f"--max-worker-port={worker_hi}",
-               f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
-               f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-               f"--dashboard-agent-grpc-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-               f"--object-store-memory={self.object_store_bytes}", "--disable-usage-stats"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            f"--port={self.port}",
+            f"--num-cpus={self.head_cpus}",
+            "--num-gpus=0",
+            f"--temp-dir={self.temp_dir}",
+            f"--autoscaling-config={config_path}",
+            f"--ray-client-server-port={_free_port()}",
+            f"--min-worker-port={worker_lo}",
+            f"--max-worker-port={worker_hi}",
+            f"--node-manager-port={_free_port()}",
+            f"--object-manager-port={_free_port()}",
+            f"--metrics-export-port={_free_port()}",
+            f"--runtime-env-agent-port={_free_port()}",
+            f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--object-store-memory={self.object_store_bytes}",
+            "--disable-usage-stats",
+        ]
         if self.dashboard:
             cmd += ["--include-dashboard=true", "--dashboard-host=0.0.0.0", f"--dashboard-port={self.dashboard_port}"]
         else:
@@ -185,27 +214,48 @@ class FakeCluster:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
         if proc.returncode != 0:
             self.stop()
-            raise RuntimeError(f"ray start failed ({proc.returncode}): "
-                               f"{(self.temp_dir / 'ray-start.log').read_text()[-3000:]}")
+            raise RuntimeError(
+                f"ray start failed ({proc.returncode}): {(self.temp_dir / 'ray-start.log').read_text()[-3000:]}"
+            )
         self._remember_children()
         return self
 
     def _autoscaler_config(self) -> dict:
         gpu_resources = {"CPU": self.cpus_per_node, "GPU": 1, "object_store_memory": self.object_store_bytes}
         return {
-            "cluster_name": f"fake-{self.temp_dir.name}", "max_workers": self.max_gpu_nodes,
-            "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                         "disable_launch_config_check": True, "gcs_address": f"{self.ip}:{self.port}"},
+            "cluster_name": f"fake-{self.temp_dir.name}",
+            "max_workers": self.max_gpu_nodes,
+            "provider": {
+                "type": "fake_multinode",
+                "use_node_id_as_ip": True,
+                "disable_node_updaters": True,
+                "disable_launch_config_check": True,
+                "gcs_address": f"{self.ip}:{self.port}",
+            },
             "available_node_types": {
                 "ray.head.default": {"resources": {"CPU": self.head_cpus}, "node_config": {}, "max_workers": 0},
-                GPU_NODE_TYPE: {"resources": gpu_resources, "node_config": {}, "min_workers": 0,
-                                "max_workers": self.max_gpu_nodes},
+                GPU_NODE_TYPE: {
+                    "resources": gpu_resources,
+                    "node_config": {},
+                    "min_workers": 0,
+                    "max_workers": self.max_gpu_nodes,
+                },
             },
-            "head_node_type": "ray.head.default", "auth": {}, "upscaling_speed": 1.0,
-            "idle_timeout_minutes": self.idle_timeout_minutes, "docker": {}, "initialization_commands": [],
-            "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
-            "head_start_ray_commands": [], "worker_start_ray_commands": [], "file_mounts": {},
-            "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
+            "head_node_type": "ray.head.default",
+            "auth": {},
+            "upscaling_speed": 1.0,
+            "idle_timeout_minutes": self.idle_timeout_minutes,
+            "docker": {},
+            "initialization_commands": [],
+            "setup_commands": [],
+            "head_setup_commands": [],
+            "worker_setup_commands": [],
+            "head_start_ray_commands": [],
+            "worker_start_ray_commands": [],
+            "file_mounts": {},
+            "cluster_synced_files": [],
+            "file_mounts_sync_continuously": False,
+            "rsync_exclude": [],
             "rsync_filter": [],
         }
 
@@ -221,8 +271,13 @@ class FakeCluster:
         _set_auth_mode("token")
         env = self.driver_env()
         try:
-            ray.init(address=self.address, log_to_driver=False, runtime_env={"env_vars": {
-                k: env[k] for k in ("PYTHONPATH", "AWS_EC2_METADATA_DISABLED", *self.extra_env)}})
+            ray.init(
+                address=self.address,
+                log_to_driver=False,
+                runtime_env={
+                    "env_vars": {k: env[k] for k in ("PYTHONPATH", "AWS_EC2_METADATA_DISABLED", *self.extra_env)}
+                },
+            )
             yield
         finally:
             ray.shutdown()

@@ -22,8 +22,9 @@ def read_head(conn: socket.socket) -> bytes | None:
 def read_request(conn: socket.socket, head: bytes) -> bytes:
     """The whole request whose head `read_head` returned: the body as long as its Content-Length."""
     header, body = head.split(b"\r\n\r\n", 1)
-    length = next((int(line.split(b":")[1]) for line in header.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), 0)
+    length = next(
+        (int(line.split(b":")[1]) for line in header.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0
+    )
     while len(body) < length:
         body += conn.recv(65536)
     return header + b"\r\n\r\n" + body

@@ -33,14 +33,23 @@ from safetensors.torch import load_file
 F64 = torch.float64
 EPS = 1e-6
 # Anima-2.9B: the model block each block of a 28-block adapter attaches to (snapref-adapter.md §7).
-INHERITED_40 = (0, 1, 3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 19, 20, 22, 23, 25, 26, 28, 29, 31, 32, 34, 35, 37, 38,
-                39)
-REF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.output_proj",
-               "cross_attn.q_proj", "cross_attn.k_proj", "cross_attn.v_proj", "cross_attn.output_proj",
-               "mlp.layer1", "mlp.layer2")
+INHERITED_40 = (0, 1, 3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 19, 20, 22, 23, 25, 26, 28, 29, 31, 32, 34, 35, 37, 38, 39)
+REF_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.output_proj",
+    "cross_attn.q_proj",
+    "cross_attn.k_proj",
+    "cross_attn.v_proj",
+    "cross_attn.output_proj",
+    "mlp.layer1",
+    "mlp.layer2",
+)
 
 
 # --- weights, read from the files -------------------------------------------------------------
+
 
 def load_dit_weights(path: Path) -> dict[str, torch.Tensor]:
     sd = load_file(str(path))
@@ -87,6 +96,7 @@ def load_adapter_weights(path: Path, model_blocks: int, mode: str) -> OracleAdap
 
 
 # --- the Anima DiT, from anima-model.md §2 ------------------------------------------------------
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
@@ -167,29 +177,51 @@ class Stream:
     lora_of_block: list
 
 
-def dit_velocity_fresh(sd: dict, config: dict, x_CHW: torch.Tensor, sigma: float, context: torch.Tensor,
-                       refs: Sequence[torch.Tensor], ref_context: torch.Tensor, adapter: OracleAdapter | None,
-                       read_weight: float | None) -> torch.Tensor:
+def dit_velocity_fresh(
+    sd: dict,
+    config: dict,
+    x_CHW: torch.Tensor,
+    sigma: float,
+    context: torch.Tensor,
+    refs: Sequence[torch.Tensor],
+    ref_context: torch.Tensor,
+    adapter: OracleAdapter | None,
+    read_weight: float | None,
+) -> torch.Tensor:
     """The velocity of one target row, reading `refs` (normalised latents [16, h, w]) fresh when
     read_weight is not None (ref_weight; the mode's per-block weights come from `adapter`)."""
     D, heads, hd = config["D"], config["heads"], config["head_dim"]
     H, W = x_CHW.shape[-2:]
     Hp, Wp = H // 2, W // 2
     e_n, a = time_terms(sd, sigma, D)
-    target = Stream(linear(sd, "x_embedder.proj.1", patch_tokens(x_CHW)), e_n, a, context,
-                    rope_angles(Hp, Wp, hd, (0, 0, 0)),
-                    adapter.target if adapter is not None else [None] * config["blocks"])
+    target = Stream(
+        linear(sd, "x_embedder.proj.1", patch_tokens(x_CHW)),
+        e_n,
+        a,
+        context,
+        rope_angles(Hp, Wp, hd, (0, 0, 0)),
+        adapter.target if adapter is not None else [None] * config["blocks"],
+    )
     streams = [target]
     reading = read_weight is not None
     if reading:
         e0, a0 = time_terms(sd, 0.0, D)
         # "after_target" = the target grid's size on that axis; each next reference further along w.
-        dt, dh, dw = (size if off == "after_target" else int(off)
-                      for off, size in zip(adapter.rope_offset, (1, Hp, Wp)))
+        dt, dh, dw = (
+            size if off == "after_target" else int(off) for off, size in zip(adapter.rope_offset, (1, Hp, Wp))
+        )
         for ref in refs:
             rh, rw = ref.shape[-2] // 2, ref.shape[-1] // 2
-            streams.append(Stream(linear(sd, "x_embedder.proj.1", patch_tokens(ref)), e0, a0, ref_context,
-                                  rope_angles(rh, rw, hd, (int(dt), int(dh), int(dw))), adapter.ref))
+            streams.append(
+                Stream(
+                    linear(sd, "x_embedder.proj.1", patch_tokens(ref)),
+                    e0,
+                    a0,
+                    ref_context,
+                    rope_angles(rh, rw, hd, (int(dt), int(dh), int(dw))),
+                    adapter.ref,
+                )
+            )
             dw += rw
 
     for blk in range(config["blocks"]):
@@ -200,10 +232,14 @@ def dit_velocity_fresh(sd: dict, config: dict, x_CHW: torch.Tensor, sigma: float
             h = layer_norm(s.x) * (1 + sc) + sh
             lora = s.lora_of_block[blk]
             L = h.shape[0]
-            q = rms_norm(linear(sd, f"{p}.self_attn.q_proj", h, lora, "self_attn.q_proj").view(L, heads, hd),
-                         sd[f"{p}.self_attn.q_norm.weight"])
-            k = rms_norm(linear(sd, f"{p}.self_attn.k_proj", h, lora, "self_attn.k_proj").view(L, heads, hd),
-                         sd[f"{p}.self_attn.k_norm.weight"])
+            q = rms_norm(
+                linear(sd, f"{p}.self_attn.q_proj", h, lora, "self_attn.q_proj").view(L, heads, hd),
+                sd[f"{p}.self_attn.q_norm.weight"],
+            )
+            k = rms_norm(
+                linear(sd, f"{p}.self_attn.k_proj", h, lora, "self_attn.k_proj").view(L, heads, hd),
+                sd[f"{p}.self_attn.k_norm.weight"],
+            )
             v = linear(sd, f"{p}.self_attn.v_proj", h, lora, "self_attn.v_proj").view(L, heads, hd)
             qs.append(rotate(q, s.angles))
             ks.append(rotate(k, s.angles))
@@ -214,27 +250,33 @@ def dit_velocity_fresh(sd: dict, config: dict, x_CHW: torch.Tensor, sigma: float
         q_all, k_all, v_all = torch.cat(qs), torch.cat(ks), torch.cat(vs)
         mass = torch.zeros(sum(sizes), sum(sizes), dtype=F64)  # 0 = masked out
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        for i, (si, li) in enumerate(zip(starts, sizes)):
-            mass[si:si + li, si:si + li] = 1.0  # every stream sees itself
+        for si, li in zip(starts, sizes):
+            mass[si : si + li, si : si + li] = 1.0  # every stream sees itself
         if reading:
             w = read_weight * adapter.block_weight[blk]
-            mass[: sizes[0], sizes[0]:] = w  # target queries see every reference key, mass times w
+            mass[: sizes[0], sizes[0] :] = w  # target queries see every reference key, mass times w
         logits = torch.einsum("qhd,khd->hqk", q_all, k_all) / math.sqrt(hd)
         unnorm = torch.exp(logits - logits.amax(-1, keepdim=True)) * mass
         probs = unnorm / unnorm.sum(-1, keepdim=True)
         out = torch.einsum("hqk,khd->qhd", probs, v_all).reshape(sum(sizes), heads * hd)
         for s, si, li, g in zip(streams, starts, sizes, gates):
-            o = linear(sd, f"{p}.self_attn.output_proj", out[si:si + li], s.lora_of_block[blk], "self_attn.output_proj")
+            o = linear(
+                sd, f"{p}.self_attn.output_proj", out[si : si + li], s.lora_of_block[blk], "self_attn.output_proj"
+            )
             s.x = s.x + g * o
         for s in streams:
             lora = s.lora_of_block[blk]
             sh, sc, g = modulation(sd, f"{p}.adaln_modulation_cross_attn", s.e_n, s.a, 3)
             h = layer_norm(s.x) * (1 + sc) + sh
             L, S = h.shape[0], s.context.shape[0]
-            q = rms_norm(linear(sd, f"{p}.cross_attn.q_proj", h, lora, "cross_attn.q_proj").view(L, heads, hd),
-                         sd[f"{p}.cross_attn.q_norm.weight"])
-            k = rms_norm(linear(sd, f"{p}.cross_attn.k_proj", s.context, lora, "cross_attn.k_proj").view(S, heads, hd),
-                         sd[f"{p}.cross_attn.k_norm.weight"])
+            q = rms_norm(
+                linear(sd, f"{p}.cross_attn.q_proj", h, lora, "cross_attn.q_proj").view(L, heads, hd),
+                sd[f"{p}.cross_attn.q_norm.weight"],
+            )
+            k = rms_norm(
+                linear(sd, f"{p}.cross_attn.k_proj", s.context, lora, "cross_attn.k_proj").view(S, heads, hd),
+                sd[f"{p}.cross_attn.k_norm.weight"],
+            )
             v = linear(sd, f"{p}.cross_attn.v_proj", s.context, lora, "cross_attn.v_proj").view(S, heads, hd)
             att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd), dim=-1)
             o = torch.einsum("hqk,khd->qhd", att, v).reshape(L, heads * hd)
@@ -256,9 +298,18 @@ def dit_config(sd: dict) -> dict:
     return {"D": D, "head_dim": hd, "heads": D // hd, "blocks": blocks}
 
 
-def sample_euler_cfg(sd: dict, x0: torch.Tensor, sigmas: Sequence[float], cfg: float, conds: Sequence[torch.Tensor],
-                     uncond: torch.Tensor, refs: Sequence[torch.Tensor], ref_context: torch.Tensor,
-                     adapter: OracleAdapter | None, ref_weight: float | None) -> torch.Tensor:
+def sample_euler_cfg(
+    sd: dict,
+    x0: torch.Tensor,
+    sigmas: Sequence[float],
+    cfg: float,
+    conds: Sequence[torch.Tensor],
+    uncond: torch.Tensor,
+    refs: Sequence[torch.Tensor],
+    ref_context: torch.Tensor,
+    adapter: OracleAdapter | None,
+    ref_weight: float | None,
+) -> torch.Tensor:
     """Euler with CFG (anima-model.md §6.4, §6.5); the cond row reads the reference, the uncond row
     does not (the default path, snapref-adapter.md §5). x0: [B, 16, H, W]; conds[b]: [S, C]."""
     config = dit_config(sd)

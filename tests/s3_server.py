@@ -19,8 +19,8 @@ import sys
 import sysconfig
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -28,8 +28,18 @@ HOST = "127.0.0.1"
 READY_TIMEOUT_S = 60.0
 
 # Every listener of `weed mini` that has a port flag; webdav, iceberg and lance are switched off.
-_PORT_FLAGS = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
-               "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc")
+_PORT_FLAGS = (
+    "s3.port",
+    "s3.port.grpc",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+)
 
 
 def weed_binary() -> str:
@@ -75,8 +85,13 @@ class SeaweedServer:
         """S3Options for this server (overrides: retry_mode, max_attempts, outage_tolerance_s)."""
         from snapref_ray.storage.backends import S3Options
 
-        return S3Options(endpoint_url=self.endpoint_url, region="us-east-1", access_key=self.access_key,
-                         secret_key=self.secret_key, **overrides)
+        return S3Options(
+            endpoint_url=self.endpoint_url,
+            region="us-east-1",
+            access_key=self.access_key,
+            secret_key=self.secret_key,
+            **overrides,
+        )
 
     def client(self):
         """A plain boto3 client for this server, with no retries (for probing and test set-up)."""
@@ -84,16 +99,30 @@ class SeaweedServer:
         from botocore.config import Config
 
         return boto3.session.Session().client(
-            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1", aws_access_key_id=self.access_key,
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id=self.access_key,
             aws_secret_access_key=self.secret_key,
-            config=Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=10))
+            config=Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=10),
+        )
 
     def _command(self) -> list[str]:
-        args = [weed_binary(), "mini", f"-dir={self.data_dir}", f"-ip={HOST}", f"-ip.bind={HOST}", "-admin.ui=false",
-                "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false",
-                # Never phone home: tests reach 127.0.0.1 only.
-                "-master.telemetry=false",
-                f"-filer.localSocket={self.data_dir / 'filer.sock'}", f"-s3.localSocket={self.data_dir / 's3.sock'}"]
+        args = [
+            weed_binary(),
+            "mini",
+            f"-dir={self.data_dir}",
+            f"-ip={HOST}",
+            f"-ip.bind={HOST}",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-webdav=false",
+            # Never phone home: tests reach 127.0.0.1 only.
+            "-master.telemetry=false",
+            f"-filer.localSocket={self.data_dir / 'filer.sock'}",
+            f"-s3.localSocket={self.data_dir / 's3.sock'}",
+        ]
         return args + [f"-{flag}={port}" for flag, port in self.ports.items()]
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -102,12 +131,23 @@ class SeaweedServer:
             return
         glog_dir = self.data_dir / "glog"
         glog_dir.mkdir(exist_ok=True)
-        env = dict(os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key,
-                   S3_BUCKET=self.bucket, TMPDIR=str(glog_dir))
+        env = dict(
+            os.environ,
+            AWS_ACCESS_KEY_ID=self.access_key,
+            AWS_SECRET_ACCESS_KEY=self.secret_key,
+            S3_BUCKET=self.bucket,
+            TMPDIR=str(glog_dir),
+        )
         started = time.monotonic()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self._command(), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self._command(),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self._wait_ready(started, timeout_s)
         if self.startup_s is None:
             self.startup_s = time.monotonic() - started
@@ -118,19 +158,23 @@ class SeaweedServer:
         last: Exception | None = None
         while time.monotonic() - started < timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed mini exited with code {self.proc.returncode} during start-up; "
-                                   f"log {self.log_path}:\n{self._log_tail()}")
+                raise RuntimeError(
+                    f"weed mini exited with code {self.proc.returncode} during start-up; "
+                    f"log {self.log_path}:\n{self._log_tail()}"
+                )
             try:
                 client.put_object(Bucket=self.bucket, Key=".ready-probe", Body=b"ok")
                 if client.get_object(Bucket=self.bucket, Key=".ready-probe")["Body"].read() == b"ok":
                     client.delete_object(Bucket=self.bucket, Key=".ready-probe")
                     return
-            except Exception as e:  # noqa: BLE001 — not up yet
+            except Exception as e:
                 last = e
             time.sleep(0.1)
         self.kill()
-        raise RuntimeError(f"SeaweedFS S3 at {self.endpoint_url} not ready after {timeout_s:.0f} s "
-                           f"(last error: {last}); log {self.log_path}:\n{self._log_tail()}")
+        raise RuntimeError(
+            f"SeaweedFS S3 at {self.endpoint_url} not ready after {timeout_s:.0f} s "
+            f"(last error: {last}); log {self.log_path}:\n{self._log_tail()}"
+        )
 
     def _log_tail(self, n: int = 30) -> str:
         try:

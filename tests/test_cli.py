@@ -32,10 +32,17 @@ SMALL = ["--width", "256", "--height", "256", "--steps", "2"]
 
 def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600) -> str:
     """Run `snapref-ray ARGS` (as `python -m snapref_ray.cli`, so a checkout without `pip install` works)."""
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                    **(env or {}))
-    proc = subprocess.run([sys.executable, "-m", "snapref_ray.cli", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    full_env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {})
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "snapref_ray.cli", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"snapref-ray {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     return proc.stdout
 
@@ -50,8 +57,15 @@ def models(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("cli") / "tiny"
     out = cli("make-tiny", str(folder))
     assert f"wrote a tiny model set to {folder}" in out
-    for name in ("dit.safetensors", "text_encoder.safetensors", "vae.safetensors", "adapter.safetensors",
-                 "reference.png", "tokenizers/qwen/vocab.json", "tokenizers/t5/tokenizer.json"):
+    for name in (
+        "dit.safetensors",
+        "text_encoder.safetensors",
+        "vae.safetensors",
+        "adapter.safetensors",
+        "reference.png",
+        "tokenizers/qwen/vocab.json",
+        "tokenizers/t5/tokenizer.json",
+    ):
         assert (folder / name).is_file(), name
     return folder
 
@@ -76,16 +90,60 @@ def test_adapter_inspect(models):
 @pytest.mark.slow
 def test_txt2img_without_and_with_references_and_a_lora(models, tmp_path):
     plain, ref, pair, lora = (tmp_path / f"{n}.png" for n in ("plain", "ref", "pair", "lora"))
-    out = cli("txt2img", "--models", str(models), "--prompt", "1girl, smile", "--out", str(plain), "--seed", "3",
-              "--sampler", "euler", *SMALL)
+    out = cli(
+        "txt2img",
+        "--models",
+        str(models),
+        "--prompt",
+        "1girl, smile",
+        "--out",
+        str(plain),
+        "--seed",
+        "3",
+        "--sampler",
+        "euler",
+        *SMALL,
+    )
     assert str(plain) in out and "seed 3" in out
-    out = cli("txt2img", "--models", str(models), "--prompt", "1girl, beach", "--out", str(ref), "--seed", "3",
-              "--sampler", "euler", "--reference", str(models / "reference.png"), "--mode", "cs", "--ref-weight", "1.0",
-              *SMALL)
+    out = cli(
+        "txt2img",
+        "--models",
+        str(models),
+        "--prompt",
+        "1girl, beach",
+        "--out",
+        str(ref),
+        "--seed",
+        "3",
+        "--sampler",
+        "euler",
+        "--reference",
+        str(models / "reference.png"),
+        "--mode",
+        "cs",
+        "--ref-weight",
+        "1.0",
+        *SMALL,
+    )
     assert "reference encode" in out
-    cli("txt2img", "--models", str(models), "--prompt", "2girls, left and right", "--out", str(pair), "--seed", "3",
-        "--sampler", "euler", "--reference", str(models / "reference.png"),
-        "--reference2", str(EXAMPLES / "example_refs" / "blue_hair_girl.png"), *SMALL)
+    cli(
+        "txt2img",
+        "--models",
+        str(models),
+        "--prompt",
+        "2girls, left and right",
+        "--out",
+        str(pair),
+        "--seed",
+        "3",
+        "--sampler",
+        "euler",
+        "--reference",
+        str(models / "reference.png"),
+        "--reference2",
+        str(EXAMPLES / "example_refs" / "blue_hair_girl.png"),
+        *SMALL,
+    )
     # A ComfyUI-layout LoRA on two linears of the tiny DiT (width 64).
     gen = torch.Generator().manual_seed(0)
     lora_sd = {}
@@ -94,8 +152,22 @@ def test_txt2img_without_and_with_references_and_a_lora(models, tmp_path):
         lora_sd[f"diffusion_model.{path}.lora_down.weight"] = torch.randn(4, fan_in, generator=gen) * 0.3
         lora_sd[f"diffusion_model.{path}.lora_up.weight"] = torch.randn(fan_out, 4, generator=gen) * 0.3
     save_file(lora_sd, str(tmp_path / "style.safetensors"))
-    cli("txt2img", "--models", str(models), "--prompt", "1girl, smile", "--out", str(lora), "--seed", "3",
-        "--sampler", "euler", "--lora", f"{tmp_path / 'style.safetensors'}:0.8", *SMALL)
+    cli(
+        "txt2img",
+        "--models",
+        str(models),
+        "--prompt",
+        "1girl, smile",
+        "--out",
+        str(lora),
+        "--seed",
+        "3",
+        "--sampler",
+        "euler",
+        "--lora",
+        f"{tmp_path / 'style.safetensors'}:0.8",
+        *SMALL,
+    )
     images = {p.stem: pixels(p) for p in (plain, ref, pair, lora)}
     assert all(img.shape == (256, 256, 3) for img in images.values())
     for name in ("ref", "pair", "lora"):
@@ -108,8 +180,13 @@ def local_job(models, manifest) -> Path:
     """`snapref-ray render SPEC.yaml`: a job spec naming the tiny models, a local output."""
     out = models.parent / "job-out"
     spec = yaml.safe_load((EXAMPLES / "example_spec.yaml").read_text())
-    spec.update(models={"models_dir": str(models)}, manifest=str(manifest), output={"uri": str(out)},
-                defaults={**spec["defaults"], "steps": 2}, cluster={**spec["cluster"], "cpu_workers": 1})
+    spec.update(
+        models={"models_dir": str(models)},
+        manifest=str(manifest),
+        output={"uri": str(out)},
+        defaults={**spec["defaults"], "steps": 2},
+        cluster={**spec["cluster"], "cpu_workers": 1},
+    )
     spec_path = models.parent / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
     stdout = cli("render", str(spec_path), "--no-progress")
@@ -143,11 +220,28 @@ def test_report_regenerates_the_gallery(local_job):
 
 @pytest.mark.slow
 def test_render_quick_form_to_s3(models, manifest, s3_server):
-    env = {"AWS_ENDPOINT_URL": s3_server.endpoint_url, "AWS_ACCESS_KEY_ID": s3_server.access_key,
-           "AWS_SECRET_ACCESS_KEY": s3_server.secret_key, "AWS_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": s3_server.endpoint_url,
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "AWS_REGION": "us-east-1",
+    }
     uri = f"s3://{s3_server.bucket}/cli-quick"
-    out = cli("render", str(manifest), "--models", str(models), "--out", uri, "--workers", "1", "--no-progress",
-              "--sampler", "euler", *SMALL, env=env)
+    out = cli(
+        "render",
+        str(manifest),
+        "--models",
+        str(models),
+        "--out",
+        uri,
+        "--workers",
+        "1",
+        "--no-progress",
+        "--sampler",
+        "euler",
+        *SMALL,
+        env=env,
+    )
     assert f"2 images in {uri}" in out
     client = s3_server.client()
     summary = json.loads(client.get_object(Bucket=s3_server.bucket, Key="cli-quick/summary.json")["Body"].read())
@@ -168,9 +262,17 @@ def test_demo(tmp_path):
 @pytest.mark.slow
 def test_eval(models, tmp_path):
     spec = yaml.safe_load((EXAMPLES / "example_eval_spec.yaml").read_text())
-    spec.update(models={"models_dir": str(models)}, manifest=str(EXAMPLES / "example_eval_manifest.csv"),
-                sigmas=[0.5], noise_seeds=[0], n_boot=100, target_megapixels=0.07, ref_megapixels=0.07,
-                output={"uri": str(tmp_path / "eval")}, cluster={**spec["cluster"], "cpu_workers": 1})
+    spec.update(
+        models={"models_dir": str(models)},
+        manifest=str(EXAMPLES / "example_eval_manifest.csv"),
+        sigmas=[0.5],
+        noise_seeds=[0],
+        n_boot=100,
+        target_megapixels=0.07,
+        ref_megapixels=0.07,
+        output={"uri": str(tmp_path / "eval")},
+        cluster={**spec["cluster"], "cpu_workers": 1},
+    )
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(spec))
     out = cli("eval", str(tmp_path / "eval.yaml"))
     report = json.loads((tmp_path / "eval" / "heldout_loss.json").read_text())
@@ -181,8 +283,21 @@ def test_eval(models, tmp_path):
 
 @pytest.mark.slow
 def test_timing(models, tmp_path):
-    out = cli("timing", "--models", str(models), *SMALL, "--sampler", "euler", "--repetitions", "1",
-              "--settings", "snapref_default", "--no-warmup", "--out", str(tmp_path / "timing"))
+    out = cli(
+        "timing",
+        "--models",
+        str(models),
+        *SMALL,
+        "--sampler",
+        "euler",
+        "--repetitions",
+        "1",
+        "--settings",
+        "snapref_default",
+        "--no-warmup",
+        "--out",
+        str(tmp_path / "timing"),
+    )
     summary = json.loads((tmp_path / "timing" / "comparison_summary.json").read_text())
     rows = summary["settings"]
     assert [row["name"] for row in rows] == ["no_reference", "snapref_default"]
@@ -193,11 +308,19 @@ def test_timing(models, tmp_path):
 @pytest.mark.slow
 def test_serve_answers_the_readme_curl_example(models, tmp_path):
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               SNAPREF_API_TOKEN="secret")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        SNAPREF_API_TOKEN="secret",
+    )
     log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "snapref_ray.cli", "serve", "--models", str(models),
-                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "snapref_ray.cli", "serve", "--models", str(models), "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -206,18 +329,50 @@ def test_serve_answers_the_readme_curl_example(models, tmp_path):
             assert time.monotonic() < deadline, "serve did not come up in 300 s"
             time.sleep(1)
         curl = ["curl", "-sS", "--fail-with-body", "--max-time", "300", "-H", "Authorization: Bearer secret"]
-        uploaded = json.loads(subprocess.run(
-            [*curl, "-F", f"file=@{models / 'reference.png'}", "-F", "ref_caption=1girl, blue dress",
-             f"{base}/v1/references"], capture_output=True, text=True, check=True).stdout)
+        uploaded = json.loads(
+            subprocess.run(
+                [
+                    *curl,
+                    "-F",
+                    f"file=@{models / 'reference.png'}",
+                    "-F",
+                    "ref_caption=1girl, blue dress",
+                    f"{base}/v1/references",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
         assert (uploaded["width"], uploaded["height"]) == (128, 192)
-        body = {"reference_id": uploaded["reference_id"], "prompt": "1girl, in a cafe", "width": 256, "height": 256,
-                "steps": 4, "seed": 7}
-        subprocess.run([*curl, "-H", "Content-Type: application/json", "-o", str(tmp_path / "scene.png"),
-                        "-d", json.dumps(body), f"{base}/v1/render"], capture_output=True, text=True, check=True)
+        body = {
+            "reference_id": uploaded["reference_id"],
+            "prompt": "1girl, in a cafe",
+            "width": 256,
+            "height": 256,
+            "steps": 4,
+            "seed": 7,
+        }
+        subprocess.run(
+            [
+                *curl,
+                "-H",
+                "Content-Type: application/json",
+                "-o",
+                str(tmp_path / "scene.png"),
+                "-d",
+                json.dumps(body),
+                f"{base}/v1/render",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert Image.open(tmp_path / "scene.png").size == (256, 256)
         # Without the token: 401, as the README says.
-        denied = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"{base}/v1/models"],
-                                capture_output=True, text=True)
+        denied = subprocess.run(
+            ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"{base}/v1/models"], capture_output=True, text=True
+        )
         assert denied.stdout == "401"
     finally:
         proc.send_signal(signal.SIGINT)

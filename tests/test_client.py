@@ -22,8 +22,10 @@ PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
 
 
 def _response(status: int, reason: str, body: bytes, content_type: str, extra: str = "") -> bytes:
-    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-            f"{extra}Connection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+        f"{extra}Connection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -32,12 +34,19 @@ HANG = "hang"
 OK_PNG = _response(200, "OK", PNG, "image/png")
 FRONT_500 = _response(500, "Internal Server Error", b"Internal Server Error", "text/plain")  # HAProxy, via Serve
 FRONT_502 = _response(502, "Bad Gateway", b"Bad Gateway", "text/plain")
-API_500 = _response(500, "Internal Server Error",
-                    json.dumps({"error": {"field": None, "message": "internal error: KeyError"}}).encode(),
-                    "application/json")
-API_503 = _response(503, "Service Unavailable",
-                    json.dumps({"error": {"field": None, "message": "at capacity, retry later"}}).encode(),
-                    "application/json", "Retry-After: 2\r\n")
+API_500 = _response(
+    500,
+    "Internal Server Error",
+    json.dumps({"error": {"field": None, "message": "internal error: KeyError"}}).encode(),
+    "application/json",
+)
+API_503 = _response(
+    503,
+    "Service Unavailable",
+    json.dumps({"error": {"field": None, "message": "at capacity, retry later"}}).encode(),
+    "application/json",
+    "Retry-After: 2\r\n",
+)
 
 
 @contextmanager
@@ -92,8 +101,13 @@ def test_a_call_that_met_a_lost_replica_is_sent_again_until_it_is_answered() -> 
         assert _client(url).render("1girl", reference_id="r" * 16, width=256) == PNG
     assert len(seen) == 3
     assert len(set(seen)) == 1 and seen[0].startswith(b"POST /v1/render ")  # the same request each time
-    assert json.loads(seen[0].split(b"\r\n\r\n", 1)[1]) == {"prompt": "1girl", "seed": 0, "n": 1,
-                                                           "reference_id": "r" * 16, "width": 256}
+    assert json.loads(seen[0].split(b"\r\n\r\n", 1)[1]) == {
+        "prompt": "1girl",
+        "seed": 0,
+        "n": 1,
+        "reference_id": "r" * 16,
+        "width": 256,
+    }
 
 
 def test_uploads_are_sent_again_too() -> None:

@@ -38,8 +38,9 @@ def counted(tiny_models: Path):
 
 
 def _render(renderer: Renderer, prompt: str, seed: int, reference: bytes | None = None) -> np.ndarray:
-    (result,) = renderer.render([RenderRequest(prompt=prompt, seed=seed, settings=SETTINGS)],
-                                references=[reference] if reference else None)
+    (result,) = renderer.render(
+        [RenderRequest(prompt=prompt, seed=seed, settings=SETTINGS)], references=[reference] if reference else None
+    )
     return np.asarray(result.image, dtype=np.int16)
 
 
@@ -73,13 +74,37 @@ def test_cli_compile_flag_reaches_the_job_spec(monkeypatch, tmp_path: Path):
     from snapref_ray.pipelines import generate_dataset
 
     seen = []
-    monkeypatch.setattr(generate_dataset, "run_job", lambda spec, progress=True: seen.append(spec) or {
-        "images_total": 0, "output": "x", "images_this_run": 0, "failed_items": 0, "images_per_hour": 0.0,
-        "wall_seconds": 0.0, "skipped_already_done": 0, "reference_encodes": 0})
+    monkeypatch.setattr(
+        generate_dataset,
+        "run_job",
+        lambda spec, progress=True: (
+            seen.append(spec)
+            or {
+                "images_total": 0,
+                "output": "x",
+                "images_this_run": 0,
+                "failed_items": 0,
+                "images_per_hour": 0.0,
+                "wall_seconds": 0.0,
+                "skipped_already_done": 0,
+                "reference_encodes": 0,
+            }
+        ),
+    )
     manifest = tmp_path / "m.csv"
     manifest.write_text("reference,prompt\nref.png,1girl\n")
-    args = cli.build_parser().parse_args(["render", str(manifest), "--models", str(tmp_path), "--out",
-                                          str(tmp_path / "out"), "--compile", "--no-progress"])
+    args = cli.build_parser().parse_args(
+        [
+            "render",
+            str(manifest),
+            "--models",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "out"),
+            "--compile",
+            "--no-progress",
+        ]
+    )
     assert isinstance(args, argparse.Namespace)
     try:
         args.func(args)

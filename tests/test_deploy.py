@@ -32,8 +32,11 @@ def _pod_images(cluster_spec: dict) -> set[str]:
 
 
 def _gpu_groups(cluster_spec: dict) -> list[dict]:
-    return [g for g in cluster_spec["workerGroupSpecs"]
-            if any("nvidia.com/gpu" in c["resources"]["limits"] for c in g["template"]["spec"]["containers"])]
+    return [
+        g
+        for g in cluster_spec["workerGroupSpecs"]
+        if any("nvidia.com/gpu" in c["resources"]["limits"] for c in g["template"]["spec"]["containers"])
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,9 @@ def test_every_deployment_names_the_same_image(image):
     assert _pod_images(rayjob) == _pod_images(rayservice) == {image}
     assert image.rsplit("/", 1)[-1].startswith("snapref-ray:")
     # The build command the Dockerfile documents tags that image.
-    assert re.search(rf"docker build -f deploy/Dockerfile -t {re.escape(image)} \.", (REPO / "cluster.yaml").read_text())
+    assert re.search(
+        rf"docker build -f deploy/Dockerfile -t {re.escape(image)} \.", (REPO / "cluster.yaml").read_text()
+    )
 
 
 def test_dockerfile_has_cuda_torch_the_project_and_a_non_root_user():
@@ -107,6 +112,9 @@ def test_rayjob_runs_the_job_entry_point_on_a_valid_spec():
     (group,) = _gpu_groups(cluster)
     assert cluster["enableInTreeAutoscaling"] is True and group["minReplicas"] == 0
     assert spec.cluster.max_workers == group["maxReplicas"]  # the job's pool can fill the worker group
-    mounts = {m["mountPath"]: m["name"] for c in cluster["headGroupSpec"]["template"]["spec"]["containers"]
-              for m in c["volumeMounts"]}
+    mounts = {
+        m["mountPath"]: m["name"]
+        for c in cluster["headGroupSpec"]["template"]["spec"]["containers"]
+        for m in c["volumeMounts"]
+    }
     assert mounts[str(Path(entry[3]).parent)] == "job-spec"  # the driver (on the head) sees the spec

@@ -62,8 +62,10 @@ def test_txt2img_is_deterministic_for_a_seed(renderer):
 def test_batched_requests_equal_separate_ones(renderer):
     s = RenderSettings(**{**SMALL, "sampler": "er_sde"})
     # Different negative prompts still share a batch (batch_key leaves them free): each keeps its own.
-    reqs = [RenderRequest(prompt=p, seed=i, settings=s.model_copy(update={"negative_prompt": neg}))
-            for i, (p, neg) in enumerate([("1girl", "lowres"), ("1boy, night", "")])]
+    reqs = [
+        RenderRequest(prompt=p, seed=i, settings=s.model_copy(update={"negative_prompt": neg}))
+        for i, (p, neg) in enumerate([("1girl", "lowres"), ("1boy, night", "")])
+    ]
     batched = renderer.render(reqs)
     for req, got in zip(reqs, batched):
         alone = renderer.render([req])[0]
@@ -73,8 +75,9 @@ def test_batched_requests_equal_separate_ones(renderer):
 def test_cached_reference_equals_recomputing_it_every_step(renderer, ref_bytes):
     s = RenderSettings(**SMALL)
     cached = render_one(renderer, s, references=[ref_bytes])
-    recomputed = render_one(renderer, s.model_copy(update={"recompute_reference_every_step": True}),
-                            references=[ref_bytes])
+    recomputed = render_one(
+        renderer, s.model_copy(update={"recompute_reference_every_step": True}), references=[ref_bytes]
+    )
     assert np.array_equal(pixels(cached), pixels(recomputed))
     plain = render_one(renderer, s)
     assert not np.array_equal(pixels(cached), pixels(plain))  # the reference does something
@@ -108,12 +111,20 @@ def _rows(renderer, settings, refkv, sigma=0.8):
     ctx_for = {Row.COND: [cond], Row.UNCOND: [uncond], Row.COND_NOREF: [cond]}
     plan = plan_step(settings, sigma, True)
     bound = renderer.adapter
-    return renderer.denoise_rows(x, torch.tensor(sigma), plan, ctx_for, refkv,
-                                 bound.read_weights(settings.mode, settings.ref_weight), bound.target_loras())
+    return renderer.denoise_rows(
+        x,
+        torch.tensor(sigma),
+        plan,
+        ctx_for,
+        refkv,
+        bound.read_weights(settings.mode, settings.ref_weight),
+        bound.target_loras(),
+    )
 
 
-def test_uncond_row_ignores_the_reference_by_default_and_reads_it_with_ref_in_uncond(renderer, ref_bytes,
-                                                                                     other_ref_bytes):
+def test_uncond_row_ignores_the_reference_by_default_and_reads_it_with_ref_in_uncond(
+    renderer, ref_bytes, other_ref_bytes
+):
     kv_a = renderer.encode_reference([ref_bytes], width=256, height=256)
     kv_b = renderer.encode_reference([other_ref_bytes], width=256, height=256)
     default = RenderSettings(**SMALL)
@@ -155,8 +166,9 @@ def test_a_prompt_longer_than_512_tokens_renders_beside_a_short_negative(rendere
     long_prompt = ", ".join(["1girl, smile, blue hair, long hair"] * 160)
     assert len(renderer.prompts.tokenizer.tokenize(long_prompt).t5_ids) > 512
     s = RenderSettings(**SMALL)
-    result = renderer.render([RenderRequest(prompt=long_prompt, seed=1, settings=s),
-                              RenderRequest(prompt="1boy", seed=2, settings=s)])
+    result = renderer.render(
+        [RenderRequest(prompt=long_prompt, seed=1, settings=s), RenderRequest(prompt="1boy", seed=2, settings=s)]
+    )
     assert len(result) == 2
 
 
@@ -186,6 +198,7 @@ def test_refkv_encoded_inside_a_render_is_released_even_when_the_render_fails(re
 
     renderer._run_reference_stream = spy
     try:
+
         def fail(step, total):
             raise RuntimeError("disk full")
 
@@ -224,8 +237,16 @@ def test_img2img_keeps_the_input_at_low_denoise(renderer, tiny_models):
 @pytest.mark.slow
 def test_28_block_adapter_on_40_block_model_follows_the_inherited_map(tmp_path, ref_bytes):
     folder = make_tiny(tmp_path / "forty", TinyConfig(num_blocks=40), with_adapter=False)
-    adapter = make_adapter(num_blocks=28, model_channels=64, context_dim=64, mlp_hidden=256, ref_rank=4,
-                           target_rank=2, seed=1, base_model="anima-tiny")
+    adapter = make_adapter(
+        num_blocks=28,
+        model_channels=64,
+        context_dim=64,
+        mlp_hidden=256,
+        ref_rank=4,
+        target_rank=2,
+        seed=1,
+        base_model="anima-tiny",
+    )
     save_adapter(adapter, folder / "adapter.safetensors", weight_format="fp32")
     r = Renderer.from_folder(folder, device="cpu")
     hooked = [b for b, k in enumerate(r.adapter.hooked) if k is not None]
@@ -238,8 +259,15 @@ def test_28_block_adapter_on_40_block_model_follows_the_inherited_map(tmp_path, 
 
 def test_28_block_adapter_on_a_30_block_model_raises(tmp_path):
     folder = make_tiny(tmp_path / "thirty", TinyConfig(num_blocks=30), with_adapter=False)
-    adapter = make_adapter(num_blocks=28, model_channels=64, context_dim=64, mlp_hidden=256, ref_rank=2,
-                           target_rank=2, base_model="anima-tiny")
+    adapter = make_adapter(
+        num_blocks=28,
+        model_channels=64,
+        context_dim=64,
+        mlp_hidden=256,
+        ref_rank=2,
+        target_rank=2,
+        base_model="anima-tiny",
+    )
     save_adapter(adapter, folder / "adapter.safetensors", weight_format="fp32")
     with pytest.raises(BlockLayoutError, match=r"28.*30|30.*28"):
         Renderer.from_folder(folder, device="cpu")
@@ -250,8 +278,9 @@ def test_fp16_model_keeps_the_reference_stream_finite(tmp_path, ref_bytes):
     from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict
 
     folder = make_tiny(tmp_path / "fp16")
-    sd = make_tiny_dit_state_dict(model_channels=64, num_blocks=2, head_dim=32, context_dim=64, adapter_dim=64,
-                                  t5_vocab=_t5_vocab())
+    sd = make_tiny_dit_state_dict(
+        model_channels=64, num_blocks=2, head_dim=32, context_dim=64, adapter_dim=64, t5_vocab=_t5_vocab()
+    )
     # Activations that fit fp32 but not fp16 (max 65504) after the MLP of block 0.
     sd["blocks.0.mlp.layer1.weight"] = sd["blocks.0.mlp.layer1.weight"] * 400
     sd["blocks.0.mlp.layer2.weight"] = sd["blocks.0.mlp.layer2.weight"] * 400

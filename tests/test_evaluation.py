@@ -11,18 +11,36 @@ import pytest
 import torch
 from PIL import Image
 
-from snapref_ray.evaluation import (LOSS_DEFINITION, bootstrap_ci, denoising_losses, derangement, encode_target,
-                                    prepare_target, summarise)
-from snapref_ray.models.latent_format import process_in
 from snapref_ray.adapter.images import image_to_pixels
+from snapref_ray.evaluation import (
+    LOSS_DEFINITION,
+    bootstrap_ci,
+    denoising_losses,
+    derangement,
+    encode_target,
+    prepare_target,
+    summarise,
+)
+from snapref_ray.models.latent_format import process_in
 
 SIGMAS = [0.2, 0.5, 0.8]
 SEEDS = [0, 1, 2]
 PROMPT = "1girl, solo, cafe, sitting, smile"
 
 # The overall fields of heldout_loss.json that summarise() produces (docs/evaluate.md).
-SUMMARY_FIELDS = {"n_cases", "n_characters", "mean_loss_right", "mean_loss_wrong", "gap", "gap_ci", "ci_level",
-                  "bootstrap", "right_wins_fraction", "per_sigma", "cases"}
+SUMMARY_FIELDS = {
+    "n_cases",
+    "n_characters",
+    "mean_loss_right",
+    "mean_loss_wrong",
+    "gap",
+    "gap_ci",
+    "ci_level",
+    "bootstrap",
+    "right_wins_fraction",
+    "per_sigma",
+    "cases",
+}
 CASE_FIELDS = {"case_id", "character", "mean_loss_right", "mean_loss_wrong", "gap", "right_wins"}
 
 
@@ -42,8 +60,9 @@ def refs(tiny_renderer, tiny_models: Path, target):
     """Two different references encoded for the target's size: (own, other)."""
     own = (tiny_models / "reference.png").read_bytes()
     other = png_bytes(np.random.default_rng(5).integers(0, 255, (160, 112, 3), dtype=np.uint8))
-    return tuple(tiny_renderer.encode_reference(data, width=target.width, height=target.height)
-                 for data in (own, other))
+    return tuple(
+        tiny_renderer.encode_reference(data, width=target.width, height=target.height) for data in (own, other)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,12 +156,15 @@ def test_derangement_has_no_fixed_points_and_is_seeded(n):
     assert distinct == {2: 1, 3: 2}[n] if n <= 3 else distinct >= 12
 
 
-@pytest.mark.parametrize("groups", [
-    ["a", "a", "b", "b", "c", "c"],
-    ["a", "a", "a", "b", "c", "c", "d"],
-    ["x"] * 10 + ["y"] * 10,  # only the exact swaps qualify: the constructive fallback runs
-    ["x"] * 5 + ["y"] * 3 + ["z"] * 2,
-])
+@pytest.mark.parametrize(
+    "groups",
+    [
+        ["a", "a", "b", "b", "c", "c"],
+        ["a", "a", "a", "b", "c", "c", "d"],
+        ["x"] * 10 + ["y"] * 10,  # only the exact swaps qualify: the constructive fallback runs
+        ["x"] * 5 + ["y"] * 3 + ["z"] * 2,
+    ],
+)
 def test_derangement_never_gives_a_character_its_own_reference(groups):
     for seed in range(25):
         p = derangement(len(groups), seed, groups)
@@ -191,9 +213,16 @@ def test_bootstrap_by_group_resamples_whole_groups():
 
 
 def cases_fixture(rng: np.random.Generator, n: int = 8) -> list[dict]:
-    return [{"case_id": f"c{i}", "character": f"ch{i // 2}", "prompt": f"scene {i}",
-             "loss_right": rng.uniform(0.5, 1.0, size=(3, 4)), "loss_wrong": rng.uniform(0.5, 1.05, size=(3, 4))}
-            for i in range(n)]
+    return [
+        {
+            "case_id": f"c{i}",
+            "character": f"ch{i // 2}",
+            "prompt": f"scene {i}",
+            "loss_right": rng.uniform(0.5, 1.0, size=(3, 4)),
+            "loss_wrong": rng.uniform(0.5, 1.05, size=(3, 4)),
+        }
+        for i in range(n)
+    ]
 
 
 def test_swapping_right_and_wrong_flips_the_sign_of_the_gap_exactly():

@@ -23,9 +23,20 @@ from torch.utils._pytree import tree_flatten
 import snapref_ray.engine as engine_module
 from snapref_ray.requests import RenderRequest, RenderSettings
 
-HOST_READS = {torch.Tensor.__float__, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__,
-              torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.nonzero,
-              torch.nonzero, torch.masked_select, torch.Tensor.masked_select}
+HOST_READS = {
+    torch.Tensor.__float__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.cpu,
+    torch.Tensor.nonzero,
+    torch.nonzero,
+    torch.masked_select,
+    torch.Tensor.masked_select,
+}
 INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 
 
@@ -68,8 +79,11 @@ class HostReadRecorder(TorchFunctionMode):
         return out
 
     def offending(self) -> list[str]:
-        return [f"{what} of a {tuple(t.shape)} {t.dtype} tensor on {t.device}" for what, t in self.reads
-                if not self.is_host(t)]
+        return [
+            f"{what} of a {tuple(t.shape)} {t.dtype} tensor on {t.device}"
+            for what, t in self.reads
+            if not self.is_host(t)
+        ]
 
 
 @pytest.fixture
@@ -112,6 +126,11 @@ def test_the_recorder_catches_a_read_of_the_latent(tiny_renderer, recorded, monk
         return real_denoise_rows(x_B, *args, **kwargs)
 
     monkeypatch.setattr(tiny_renderer, "denoise_rows", branching_denoise_rows)
-    tiny_renderer.render([RenderRequest(prompt="1girl", seed=0,
-                                        settings=RenderSettings(width=256, height=256, steps=2, sampler="euler"))])
+    tiny_renderer.render(
+        [
+            RenderRequest(
+                prompt="1girl", seed=0, settings=RenderSettings(width=256, height=256, steps=2, sampler="euler")
+            )
+        ]
+    )
     assert any("__bool__" in line for line in recorder.offending())

@@ -13,23 +13,64 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from snapref_ray.pipelines.identity_eval import EvalError, EvalSpec, build_cases, load_eval_spec
 from snapref_ray.adapter.file import load_adapter
 from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.evaluation import denoising_losses, prepare_target
+from snapref_ray.pipelines.identity_eval import EvalError, EvalSpec, build_cases, load_eval_spec
 from snapref_ray.storage.jobspec import ModelPaths
 
 JOBS = Path(__file__).resolve().parents[1] / "snapref_ray" / "examples"
 SIGMAS, SEEDS = [0.3, 0.7], [0, 1]
 
 # Every field docs/evaluate.md documents for heldout_loss.json, and for each of its cases.
-REPORT_FIELDS = {"format", "n_cases", "n_characters", "n_failed", "mean_loss_right", "mean_loss_wrong", "gap",
-                 "gap_ci", "ci_level", "bootstrap", "right_wins_fraction", "sigmas", "noise_seeds", "loss", "model",
-                 "adapter", "target_megapixels", "derangement_seed", "manifest", "per_sigma", "cases", "failed",
-                 "wall_seconds", "python", "finished_at"}
-CASE_FIELDS = {"case_id", "manifest_row", "character", "reference", "target", "prompt", "wrong_reference",
-               "wrong_character", "wrong_case", "mean_loss_right", "mean_loss_wrong", "gap", "right_wins", "width",
-               "height", "right_cache_hit", "wrong_cache_hit", "seconds", "worker_id"}
+REPORT_FIELDS = {
+    "format",
+    "n_cases",
+    "n_characters",
+    "n_failed",
+    "mean_loss_right",
+    "mean_loss_wrong",
+    "gap",
+    "gap_ci",
+    "ci_level",
+    "bootstrap",
+    "right_wins_fraction",
+    "sigmas",
+    "noise_seeds",
+    "loss",
+    "model",
+    "adapter",
+    "target_megapixels",
+    "derangement_seed",
+    "manifest",
+    "per_sigma",
+    "cases",
+    "failed",
+    "wall_seconds",
+    "python",
+    "finished_at",
+}
+CASE_FIELDS = {
+    "case_id",
+    "manifest_row",
+    "character",
+    "reference",
+    "target",
+    "prompt",
+    "wrong_reference",
+    "wrong_character",
+    "wrong_case",
+    "mean_loss_right",
+    "mean_loss_wrong",
+    "gap",
+    "right_wins",
+    "width",
+    "height",
+    "right_cache_hit",
+    "wrong_cache_hit",
+    "seconds",
+    "worker_id",
+}
 
 
 def write_manifest(path: Path, rows: list[dict]) -> None:
@@ -46,15 +87,37 @@ def eval_dir(tmp_path_factory, tiny_models: Path) -> Path:
     for name in ("silver_hair_girl", "brown_hair_boy", "blue_hair_girl"):
         shutil.copy(JOBS / "example_refs" / f"{name}.png", d / f"{name}.png")
     shutil.copy(tiny_models / "reference.png", d / "ghost.png")
-    rows = [{"id": f"{name}-{k}", "character": name, "reference": f"{name}.png", "target": f"{name}.png",
-             "prompt": f"1girl, solo, scene {k}"} for name in ("silver_hair_girl", "brown_hair_boy", "blue_hair_girl")
-            for k in (1, 2)]
-    rows.append({"id": "ghost-1", "character": "ghost", "reference": "ghost.png", "target": "missing.png",
-                 "prompt": "1girl, solo"})
+    rows = [
+        {
+            "id": f"{name}-{k}",
+            "character": name,
+            "reference": f"{name}.png",
+            "target": f"{name}.png",
+            "prompt": f"1girl, solo, scene {k}",
+        }
+        for name in ("silver_hair_girl", "brown_hair_boy", "blue_hair_girl")
+        for k in (1, 2)
+    ]
+    rows.append(
+        {
+            "id": "ghost-1",
+            "character": "ghost",
+            "reference": "ghost.png",
+            "target": "missing.png",
+            "prompt": "1girl, solo",
+        }
+    )
     write_manifest(d / "manifest.csv", rows)
-    spec = {"models": {"models_dir": str(tiny_models)}, "manifest": "manifest.csv", "sigmas": SIGMAS,
-            "noise_seeds": SEEDS, "n_boot": 200, "target_megapixels": 0.05, "output": {"uri": "out"},
-            "cluster": {"cpu_workers": 2}}
+    spec = {
+        "models": {"models_dir": str(tiny_models)},
+        "manifest": "manifest.csv",
+        "sigmas": SIGMAS,
+        "noise_seeds": SEEDS,
+        "n_boot": 200,
+        "target_megapixels": 0.05,
+        "output": {"uri": "out"},
+        "cluster": {"cpu_workers": 2},
+    }
     (d / "eval.yaml").write_text(yaml.safe_dump(spec))
     return d
 
@@ -94,8 +157,10 @@ def test_example_spec_and_manifest_load():
 
 
 def test_character_defaults_to_the_reference_image_and_bad_rows_are_named(tmp_path, eval_dir):
-    rows = [{"reference": f"{eval_dir}/{n}.png", "target": f"{eval_dir}/{n}.png", "prompt": "x"}
-            for n in ("silver_hair_girl", "silver_hair_girl", "brown_hair_boy", "blue_hair_girl")]
+    rows = [
+        {"reference": f"{eval_dir}/{n}.png", "target": f"{eval_dir}/{n}.png", "prompt": "x"}
+        for n in ("silver_hair_girl", "silver_hair_girl", "brown_hair_boy", "blue_hair_girl")
+    ]
     write_manifest(tmp_path / "m.csv", rows)
     spec = EvalSpec(models=ModelPaths(models_dir=str(tmp_path)), manifest=str(tmp_path / "m.csv"))
     cases = build_cases(spec)

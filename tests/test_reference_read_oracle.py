@@ -46,8 +46,16 @@ def ref_images(tiny_models: Path, tmp_path_factory) -> list[bytes]:
 def forty_block_models(tmp_path_factory) -> Path:
     """A tiny 40-block DiT (the Anima-2.9B layout) with a 28-block adapter."""
     folder = make_tiny(tmp_path_factory.mktemp("forty"), TinyConfig(num_blocks=40), with_adapter=False)
-    adapter = make_adapter(num_blocks=28, model_channels=64, context_dim=64, mlp_hidden=256, ref_rank=4,
-                           target_rank=2, seed=3, base_model="anima-tiny")
+    adapter = make_adapter(
+        num_blocks=28,
+        model_channels=64,
+        context_dim=64,
+        mlp_hidden=256,
+        ref_rank=4,
+        target_rank=2,
+        seed=3,
+        base_model="anima-tiny",
+    )
     save_adapter(adapter, folder / "adapter.safetensors", weight_format="fp32")
     return folder
 
@@ -69,8 +77,9 @@ def production_latent(renderer: Renderer, requests: list[RenderRequest], **kwarg
     return captured["x"].double()
 
 
-def oracle_latent(renderer: Renderer, folder: Path, requests: list[RenderRequest], images: list[bytes] | None,
-                  layout: str = "single") -> torch.Tensor:
+def oracle_latent(
+    renderer: Renderer, folder: Path, requests: list[RenderRequest], images: list[bytes] | None, layout: str = "single"
+) -> torch.Tensor:
     """The same run through the float64 oracle (cond rows read fresh, uncond rows do not)."""
     s = requests[0].settings
     sd = load_dit_weights(folder / "dit.safetensors")
@@ -82,13 +91,31 @@ def oracle_latent(renderer: Renderer, folder: Path, requests: list[RenderRequest
         with torch.inference_mode():
             for pixels in prepare_reference(images, layout=layout, megapixels=s.ref_megapixels):
                 refs.append(process_in(renderer.vae.encode(pixels.float()).float())[0].double())
-    noise = torch.stack([torch.randn((16, 1, s.height // 8, s.width // 8), dtype=torch.float32,
-                                     generator=torch.Generator().manual_seed(r.seed))[:, 0] for r in requests])
+    noise = torch.stack(
+        [
+            torch.randn(
+                (16, 1, s.height // 8, s.width // 8),
+                dtype=torch.float32,
+                generator=torch.Generator().manual_seed(r.seed),
+            )[:, 0]
+            for r in requests
+        ]
+    )
     sigmas = [float(v) for v in get_sigmas(s.scheduler, s.steps)]
     ref_weight = s.ref_weight if images is not None and s.ref_weight > 0 else None
     with torch.inference_mode():
-        x = sample_euler_cfg(sd, noise.double(), sigmas, s.cfg, [encode(r.prompt) for r in requests],
-                             encode(s.negative_prompt), refs, encode(s.ref_caption), adapter, ref_weight)
+        x = sample_euler_cfg(
+            sd,
+            noise.double(),
+            sigmas,
+            s.cfg,
+            [encode(r.prompt) for r in requests],
+            encode(s.negative_prompt),
+            refs,
+            encode(s.ref_caption),
+            adapter,
+            ref_weight,
+        )
     return x.unsqueeze(2)
 
 
@@ -125,13 +152,22 @@ def test_28_block_adapter_on_40_block_model_equals_a_fresh_read_in_all_40_blocks
 
 
 @pytest.mark.parametrize("ref_weight", [0.25, 1.0, 2.5])
-def test_ref_weight_in_char_mode_multiplies_the_reference_mass_per_block(tiny_renderer, tiny_models, ref_images,
-                                                                         ref_weight):
+def test_ref_weight_in_char_mode_multiplies_the_reference_mass_per_block(
+    tiny_renderer, tiny_models, ref_images, ref_weight
+):
     """char mode's block weights differ per block ([1, 0.25] on the 2-block tiny model)."""
     weights = tiny_renderer.adapter.adapter.block_weights("char").tolist()
     assert len(set(weights)) > 1
-    s = RenderSettings(width=SIZE, height=SIZE, steps=2, sampler="euler", cfg=CFG, negative_prompt=NEGATIVE,
-                       mode="char", ref_weight=ref_weight)
+    s = RenderSettings(
+        width=SIZE,
+        height=SIZE,
+        steps=2,
+        sampler="euler",
+        cfg=CFG,
+        negative_prompt=NEGATIVE,
+        mode="char",
+        ref_weight=ref_weight,
+    )
     reqs = requests_for(s, prompts=("1girl, solo",))
     got = production_latent(tiny_renderer, reqs, references=ref_images[:1])
     want = oracle_latent(tiny_renderer, tiny_models, reqs, ref_images[:1])
@@ -144,8 +180,10 @@ def test_ref_weight_to_zero_approaches_the_no_read_output_continuously(tiny_rend
     no_read = production_latent(tiny_renderer, reqs(0.0), references=ref_images[:1])
     # w = 0 is the no-read output: the target LoRA stays on, nothing is read (oracle: no reference stream).
     assert rel_diff(no_read, oracle_latent(tiny_renderer, tiny_models, reqs(0.0), None)) < TOLERANCE
-    gaps = [rel_diff(production_latent(tiny_renderer, reqs(w), references=ref_images[:1]), no_read)
-            for w in (1e-1, 1e-2, 1e-3)]
+    gaps = [
+        rel_diff(production_latent(tiny_renderer, reqs(w), references=ref_images[:1]), no_read)
+        for w in (1e-1, 1e-2, 1e-3)
+    ]
     # Continuous and first-order in w: each tenfold smaller w leaves about a tenth of the gap.
     assert gaps[0] > 1e-3
     for bigger, smaller in zip(gaps, gaps[1:]):

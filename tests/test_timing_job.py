@@ -13,13 +13,18 @@ import yaml
 from safetensors.torch import save_file
 
 import snapref_ray
+from snapref_ray.eval_cli import add_eval_parsers, timing_spec_from_args
 from snapref_ray.pipelines.flop_model import Case, RowGroup, forward_flops, real_size_ratios
 from snapref_ray.pipelines.timing_table import (
-    ARCANIMA_ROWS, SETTING_NAMES, TimingSpec, format_markdown, run_timing, timing_settings,
+    ARCANIMA_ROWS,
+    SETTING_NAMES,
+    TimingSpec,
+    format_markdown,
+    run_timing,
+    timing_settings,
 )
-from snapref_ray.tiny import TinyConfig, write_tiny_adapter
-from snapref_ray.eval_cli import add_eval_parsers, timing_spec_from_args
 from snapref_ray.storage.jobspec import ClusterSpec, LoRASpec, ModelPaths, OutputSpec
+from snapref_ray.tiny import TinyConfig, write_tiny_adapter
 
 CASE = dict(width=256, height=256, steps=2, turbo_steps=2, sampler="euler", cfg=4.0)
 
@@ -34,22 +39,34 @@ def ray_local():
 
 
 def spec_for(models: Path, out: Path, **kw) -> TimingSpec:
-    return TimingSpec(models=ModelPaths(models_dir=str(models)), output=OutputSpec(uri=str(out)),
-                      cluster=ClusterSpec(device="cpu"), **{**CASE, "repetitions": 2, "warmup": False, **kw})
+    return TimingSpec(
+        models=ModelPaths(models_dir=str(models)),
+        output=OutputSpec(uri=str(out)),
+        cluster=ClusterSpec(device="cpu"),
+        **{**CASE, "repetitions": 2, "warmup": False, **kw},
+    )
 
 
 @pytest.fixture(scope="module")
 def arcanima_files(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("arc")
-    return {kind: str(write_tiny_adapter(d / f"{kind}.safetensors", TinyConfig(), kind))
-            for kind in ("arcanima-v2", "arcanima-pilot")}
+    return {
+        kind: str(write_tiny_adapter(d / f"{kind}.safetensors", TinyConfig(), kind))
+        for kind in ("arcanima-v2", "arcanima-pilot")
+    }
 
 
 @pytest.fixture(scope="module")
 def table(ray_local, tiny_models, tmp_path_factory, arcanima_files):
     out = tmp_path_factory.mktemp("timing")
-    summary = run_timing(spec_for(tiny_models, out, arcanima_v2_adapter=arcanima_files["arcanima-v2"],
-                                  arcanima_pilot_adapter=arcanima_files["arcanima-pilot"]))
+    summary = run_timing(
+        spec_for(
+            tiny_models,
+            out,
+            arcanima_v2_adapter=arcanima_files["arcanima-v2"],
+            arcanima_pilot_adapter=arcanima_files["arcanima-pilot"],
+        )
+    )
     return out, summary
 
 
@@ -91,8 +108,12 @@ def test_settings_cover_the_issue_list():
 
 
 def test_arcanima_rows_run_their_own_adapter_at_its_defaults():
-    spec = TimingSpec(models=ModelPaths(models_dir="m"), arcanima_v2_adapter="v2.safetensors",
-                      arcanima_pilot_adapter="p.safetensors", **CASE)
+    spec = TimingSpec(
+        models=ModelPaths(models_dir="m"),
+        arcanima_v2_adapter="v2.safetensors",
+        arcanima_pilot_adapter="p.safetensors",
+        **CASE,
+    )
     settings = {s.name: s for s in timing_settings(spec)}
     assert list(settings) == list(SETTING_NAMES)
     for name, kind in ARCANIMA_ROWS.items():
@@ -109,9 +130,19 @@ def test_flop_model_matches_the_benchmarks_and_the_expected_ratios():
     assert forward_flops(config, RowGroup(2, 3952)) == dit_forward_flops(config, rows=2, tokens=3952, context_rows=512)
     ranks = {"self_attn.q_proj": 64}
     assert forward_flops(config, RowGroup(1, 3952, 4096, tuple(ranks.items()))) == dit_forward_flops(
-        config, rows=1, tokens=3952, context_rows=512, reading_rows=1, ref_tokens=4096, lora_ranks=ranks)
-    r = real_size_ratios({"no_reference": 0, "snapref_default": 0, "arcanima_v2_rg1": 0, "arcanima_v2": 1,
-                          "arcanima_pilot_rg1": 0, "arcanima_pilot": 1}, steps=28)
+        config, rows=1, tokens=3952, context_rows=512, reading_rows=1, ref_tokens=4096, lora_ranks=ranks
+    )
+    r = real_size_ratios(
+        {
+            "no_reference": 0,
+            "snapref_default": 0,
+            "arcanima_v2_rg1": 0,
+            "arcanima_v2": 1,
+            "arcanima_pilot_rg1": 0,
+            "arcanima_pilot": 1,
+        },
+        steps=28,
+    )
     assert r["no_reference"] == 1.0
     assert 1.0 < r["snapref_default"] < r["arcanima_v2_rg1"] < r["arcanima_pilot_rg1"]
     assert r["arcanima_v2"] == pytest.approx(r["arcanima_v2_rg1"] + 0.5)  # the extra call is one plain row of two
@@ -128,9 +159,28 @@ def test_unknown_setting_is_refused():
 def test_cli_quick_form_maps_onto_the_spec(tmp_path):
     parser = argparse.ArgumentParser()
     add_eval_parsers(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["timing", "--models", str(tmp_path), "--width", "256", "--height", "320", "--steps", "3",
-                              "--repetitions", "5", "--turbo-lora", f"{tmp_path}/t.safetensors:0.8",
-                              "--settings", "snapref_default,turbo", "--out", str(tmp_path / "o"), "--no-warmup"])
+    args = parser.parse_args(
+        [
+            "timing",
+            "--models",
+            str(tmp_path),
+            "--width",
+            "256",
+            "--height",
+            "320",
+            "--steps",
+            "3",
+            "--repetitions",
+            "5",
+            "--turbo-lora",
+            f"{tmp_path}/t.safetensors:0.8",
+            "--settings",
+            "snapref_default,turbo",
+            "--out",
+            str(tmp_path / "o"),
+            "--no-warmup",
+        ]
+    )
     spec = timing_spec_from_args(args)
     assert (spec.width, spec.height, spec.steps, spec.repetitions, spec.warmup) == (256, 320, 3, 5, False)
     assert spec.turbo_lora == LoRASpec(path=f"{tmp_path}/t.safetensors", strength=0.8)
@@ -152,7 +202,10 @@ def test_table_has_every_setting_and_ratios_from_the_measured_times(table, tiny_
     assert list(rows) == list(SETTING_NAMES)
     base = rows["no_reference"]
     assert saved["environment"]["arcanima_adapters"].keys() == {"arcanima-v2", "arcanima-pilot"}
-    assert rows["arcanima_v2"]["ref_guidance_step_share"] == 1.0 and rows["arcanima_v2_rg1"]["ref_guidance_step_share"] == 0
+    assert (
+        rows["arcanima_v2"]["ref_guidance_step_share"] == 1.0
+        and rows["arcanima_v2_rg1"]["ref_guidance_step_share"] == 0
+    )
     for r in rows.values():
         assert r["flop_step_ratio_832x1216"] >= (1.0 if r["name"] != "turbo" else 0.4)
     for r in rows.values():
@@ -203,9 +256,16 @@ def test_markdown_table_matches_the_json(table):
 def test_turbo_row_merges_the_given_lora(ray_local, tiny_models, turbo_lora, tmp_path):
     from jobs.timing_table import main
 
-    spec = {"models": {"models_dir": str(tiny_models)}, **CASE, "repetitions": 1, "warmup": False,
-            "settings": ["turbo"], "turbo_lora": {"path": str(turbo_lora), "strength": 0.5},
-            "output": {"uri": "out"}, "cluster": {"device": "cpu"}}
+    spec = {
+        "models": {"models_dir": str(tiny_models)},
+        **CASE,
+        "repetitions": 1,
+        "warmup": False,
+        "settings": ["turbo"],
+        "turbo_lora": {"path": str(turbo_lora), "strength": 0.5},
+        "output": {"uri": "out"},
+        "cluster": {"device": "cpu"},
+    }
     (tmp_path / "timing.yaml").write_text(yaml.safe_dump(spec))
     assert main([str(tmp_path / "timing.yaml")]) == 0
     saved = json.loads((tmp_path / "out" / "comparison_summary.json").read_text())

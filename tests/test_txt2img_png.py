@@ -19,9 +19,33 @@ def test_txt2img_png_carries_parameters_and_the_reference_hash(tiny_models, tiny
 
     reference = tiny_models / "reference.png"
     out = tmp_path / "scene.png"
-    code = main(["txt2img", "--models", str(tiny_models), "--prompt", "1girl, cafe", "--out", str(out),
-                 "--seed", "5", "--reference", str(reference), "--device", "cpu", "--width", "256", "--height", "256",
-                 "--steps", "2", "--cfg", "1", "--sampler", "euler"])
+    code = main(
+        [
+            "txt2img",
+            "--models",
+            str(tiny_models),
+            "--prompt",
+            "1girl, cafe",
+            "--out",
+            str(out),
+            "--seed",
+            "5",
+            "--reference",
+            str(reference),
+            "--device",
+            "cpu",
+            "--width",
+            "256",
+            "--height",
+            "256",
+            "--steps",
+            "2",
+            "--cfg",
+            "1",
+            "--sampler",
+            "euler",
+        ]
+    )
 
     assert code == 0
     data = out.read_bytes()
@@ -33,6 +57,7 @@ def test_txt2img_png_carries_parameters_and_the_reference_hash(tiny_models, tiny
     assert info["adapter"] == tiny_renderer.adapter.identity
     assert "Seed: 5, Size: 256x256" in read_image_parameters(data)
     # The pixels are the engine's render of the same request (the file is lossless).
-    (expected,) = tiny_renderer.render(RenderRequest(prompt="1girl, cafe", seed=5, settings=settings),
-                                       references=[reference.read_bytes()])
+    (expected,) = tiny_renderer.render(
+        RenderRequest(prompt="1girl, cafe", seed=5, settings=settings), references=[reference.read_bytes()]
+    )
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), np.asarray(expected.image))

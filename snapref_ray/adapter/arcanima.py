@@ -48,9 +48,10 @@ class ArcAnimaAdapter:
     def num_parameters(self) -> int:
         return sum(p.down.numel() + p.up.numel() for block in self.loras for p in block.values())
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "ArcAnimaAdapter":
-        return dataclasses.replace(self, loras=[{k: p.to(device=device, dtype=dtype) for k, p in b.items()}
-                                                for b in self.loras])
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ArcAnimaAdapter:
+        return dataclasses.replace(
+            self, loras=[{k: p.to(device=device, dtype=dtype) for k, p in b.items()} for b in self.loras]
+        )
 
 
 def load_arcanima(path: str | os.PathLike, *, expected_kind: str | None = None) -> ArcAnimaAdapter:
@@ -87,8 +88,13 @@ def arcanima_state_dict(adapter: ArcAnimaAdapter, dtype: torch.dtype = torch.bfl
     return sd
 
 
-def save_arcanima(adapter: ArcAnimaAdapter, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-                  *, with_kind_metadata: bool = True) -> None:
+def save_arcanima(
+    adapter: ArcAnimaAdapter,
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    with_kind_metadata: bool = True,
+) -> None:
     """Write the adapter as a ComfyUI-keyed LoRA file, with this project's `adapter_kind` metadata."""
     metadata = {KIND_METADATA_KEY: adapter.kind} if with_kind_metadata else None
     path = Path(path)
@@ -100,9 +106,19 @@ def save_arcanima(adapter: ArcAnimaAdapter, path: str | os.PathLike, dtype: torc
         tmp.unlink(missing_ok=True)
 
 
-def make_arcanima(kind: str, *, num_blocks: int = 28, model_channels: int = 2048, context_dim: int = 1024,
-                  mlp_hidden: int = 8192, rank: int | None = None, seed: int = 0, scale: float = 0.1,
-                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> ArcAnimaAdapter:
+def make_arcanima(
+    kind: str,
+    *,
+    num_blocks: int = 28,
+    model_channels: int = 2048,
+    context_dim: int = 1024,
+    mlp_hidden: int = 8192,
+    rank: int | None = None,
+    seed: int = 0,
+    scale: float = 0.1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> ArcAnimaAdapter:
     """A random ArcAnima adapter (each delta ~`scale` x its input's RMS); defaults are the real size.
 
     device="meta" allocates nothing (parameter counts at real size: 91,750,400 for v2).
@@ -156,8 +172,9 @@ class BoundArcAnima:
     hooked: tuple[int | None, ...]
 
     @staticmethod
-    def bind(adapter: ArcAnimaAdapter, model_blocks: int, device: torch.device | str,
-             dtype: torch.dtype) -> "BoundArcAnima":
+    def bind(
+        adapter: ArcAnimaAdapter, model_blocks: int, device: torch.device | str, dtype: torch.dtype
+    ) -> BoundArcAnima:
         mapping = adapter_block_map(adapter.num_blocks, model_blocks)  # raises on an unknown layout
         hooked: list[int | None] = [None] * model_blocks
         for adapter_block, model_block in enumerate(mapping):
@@ -178,14 +195,19 @@ class BoundArcAnima:
 
     def row_loras(self, row_scale_B: torch.Tensor) -> list[BlockLoRA | None]:
         """Per model block: every linear's LoRA scaled per row (inserted blocks: None)."""
-        return [None if k is None else {lin: RowScaledLoRA(p, row_scale_B) for lin, p in self.adapter.loras[k].items()}
-                for k in self.hooked]
+        return [
+            None if k is None else {lin: RowScaledLoRA(p, row_scale_B) for lin, p in self.adapter.loras[k].items()}
+            for k in self.hooked
+        ]
 
     def full_loras(self, multiplier: float = 1.0) -> list[BlockLoRA | None]:
         """Per model block: the LoRA for a forward where every row uses it (x multiplier)."""
-        return [None if k is None else {lin: dataclasses.replace(p, scale=p.scale * multiplier)
-                                        for lin, p in self.adapter.loras[k].items()}
-                for k in self.hooked]
+        return [
+            None
+            if k is None
+            else {lin: dataclasses.replace(p, scale=p.scale * multiplier) for lin, p in self.adapter.loras[k].items()}
+            for k in self.hooked
+        ]
 
     # SnapRef's BoundAdapter API, for callers that ask generically (evaluation): no per-block weights here.
     def read_weights(self, mode: str, ref_weight: float) -> None:

@@ -27,27 +27,38 @@ from snapref_ray.models.dit import AnimaDiT
 
 def v2_rope_offset(bound: BoundArcAnima, target_grid: tuple[int, int, int]) -> tuple[int, int, int]:
     """The layout table's offset with `after_target` resolved against the target grid."""
-    return tuple(int(size) if off == AFTER_TARGET else int(off)  # type: ignore[return-value]
-                 for off, size in zip(bound.layout.rope_offset, target_grid))
+    return tuple(
+        int(size) if off == AFTER_TARGET else int(off)  # type: ignore[return-value]
+        for off, size in zip(bound.layout.rope_offset, target_grid)
+    )
 
 
 @torch.inference_mode()
-def v2_reference_kv(dit: AnimaDiT, bound: BoundArcAnima, latent: torch.Tensor,
-                    target_grid: tuple[int, int, int]) -> torch.Tensor:
+def v2_reference_kv(
+    dit: AnimaDiT, bound: BoundArcAnima, latent: torch.Tensor, target_grid: tuple[int, int, int]
+) -> torch.Tensor:
     """The v2 reference stream of one latent ([1, 16, h, w], computed in its dtype): [blocks, 2, H, L, D].
 
     With `lora_in_reference_stream` (off by default) the LoRA acts at multiplier 1 here: the cache
     is per reference, shared by every strength.
     """
     loras = bound.full_loras(1.0) if bound.layout.lora_in_reference_stream else None
-    kv_list = dit.reference_kv(latent, None, loras=loras, rope_offset=v2_rope_offset(bound, target_grid),
-                               cross_attention=False)
+    kv_list = dit.reference_kv(
+        latent, None, loras=loras, rope_offset=v2_rope_offset(bound, target_grid), cross_attention=False
+    )
     return torch.stack([torch.stack([k, v]) for k, v in kv_list])
 
 
-def v2_forward(dit: AnimaDiT, bound: BoundArcAnima, x: torch.Tensor, sigma_B: torch.Tensor,
-               context: torch.Tensor, reads: Sequence[bool], kv_N2HLD: torch.Tensor | None,
-               strength: float) -> torch.Tensor:
+def v2_forward(
+    dit: AnimaDiT,
+    bound: BoundArcAnima,
+    x: torch.Tensor,
+    sigma_B: torch.Tensor,
+    context: torch.Tensor,
+    reads: Sequence[bool],
+    kv_N2HLD: torch.Tensor | None,
+    strength: float,
+) -> torch.Tensor:
     """Velocity of a batch whose rows `reads` read the cached reference (LoRA x strength there only)."""
     if kv_N2HLD is None or not any(reads):
         return dit(x, sigma_B, context)
@@ -57,9 +68,16 @@ def v2_forward(dit: AnimaDiT, bound: BoundArcAnima, x: torch.Tensor, sigma_B: to
     return dit(x, sigma_B, context, loras=loras, refs=refs)
 
 
-def pilot_forward(dit: AnimaDiT, bound: BoundArcAnima, x: torch.Tensor, sigma_B: torch.Tensor,
-                  context: torch.Tensor, reads: Sequence[bool], frame_C1HW: torch.Tensor | None,
-                  strength: float) -> torch.Tensor:
+def pilot_forward(
+    dit: AnimaDiT,
+    bound: BoundArcAnima,
+    x: torch.Tensor,
+    sigma_B: torch.Tensor,
+    context: torch.Tensor,
+    reads: Sequence[bool],
+    frame_C1HW: torch.Tensor | None,
+    strength: float,
+) -> torch.Tensor:
     """Velocity of a batch [B, 16, 1, h, w]: reading rows as [target; reference] frames with the LoRA."""
     if frame_C1HW is None or not any(reads):
         return dit(x, sigma_B, context)

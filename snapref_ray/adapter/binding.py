@@ -24,7 +24,9 @@ class BoundAdapter:
     hooked: tuple[int | None, ...]  # model block -> adapter block, None for inserted blocks
 
     @staticmethod
-    def bind(adapter: SnapRefAdapter, model_blocks: int, device: torch.device | str, dtype: torch.dtype) -> "BoundAdapter":
+    def bind(
+        adapter: SnapRefAdapter, model_blocks: int, device: torch.device | str, dtype: torch.dtype
+    ) -> BoundAdapter:
         mapping = adapter_block_map(adapter.meta.num_blocks, model_blocks)
         hooked: list[int | None] = [None] * model_blocks
         for adapter_block, model_block in enumerate(mapping):

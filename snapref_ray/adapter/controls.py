@@ -28,8 +28,9 @@ KIND_DEFAULTS: dict[str, dict[str, object]] = {
 }
 # Fields that mean nothing for a kind -> why (the error message's tail).
 NOT_APPLICABLE: dict[str, dict[str, str]] = {
-    SNAPREF: {"ref_outside": "it is the ArcAnima guider's option; SnapRef skips only the extra call outside the"
-                             " window"},
+    SNAPREF: {
+        "ref_outside": "it is the ArcAnima guider's option; SnapRef skips only the extra call outside the window"
+    },
     "arcanima-v2": {
         "mode": "modes are per-block read weights of SnapRef files",
         "ref_weight": "ArcAnima has no reference attention weight; use strength (the LoRA multiplier)",
@@ -72,15 +73,21 @@ def resolve_settings(settings: RenderSettings, kind: str | None) -> RenderSettin
     update: dict[str, object] = {}
     if settings.fidelity is not None:
         if settings.ref_guidance is not None and settings.ref_guidance != settings.fidelity:
-            raise SettingsError("fidelity", f"fidelity={settings.fidelity:g} and ref_guidance="
-                                            f"{settings.ref_guidance:g} disagree; fidelity sets ref_guidance, give one")
+            raise SettingsError(
+                "fidelity",
+                f"fidelity={settings.fidelity:g} and ref_guidance="
+                f"{settings.ref_guidance:g} disagree; fidelity sets ref_guidance, give one",
+            )
         update["ref_guidance"] = settings.fidelity
     if kind == SNAPREF:
         if settings.strength is not None:
             if settings.ref_weight != fields["ref_weight"].default and settings.ref_weight != settings.strength:
-                raise SettingsError("strength", f"strength={settings.strength:g} and ref_weight="
-                                                f"{settings.ref_weight:g} disagree; for SnapRef strength sets"
-                                                " ref_weight, give one")
+                raise SettingsError(
+                    "strength",
+                    f"strength={settings.strength:g} and ref_weight="
+                    f"{settings.ref_weight:g} disagree; for SnapRef strength sets"
+                    " ref_weight, give one",
+                )
             update["ref_weight"] = settings.strength
         update["strength"] = update.get("ref_weight", settings.ref_weight)
     elif settings.strength is None:

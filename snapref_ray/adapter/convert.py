@@ -60,8 +60,10 @@ def load_map(path: str | os.PathLike) -> dict:
             raise AdapterError(f"{path}: drop[{i}] pattern {pattern!r}: {e}") from None
     kind = data.get("kind")
     if kind is not None and kind not in (*ARCANIMA_KINDS, "lora"):
-        raise AdapterError(f"{path}: kind {kind!r} is not one of {', '.join((*ARCANIMA_KINDS, 'lora'))}"
-                           " (SnapRef files carry their own format metadata)")
+        raise AdapterError(
+            f"{path}: kind {kind!r} is not one of {', '.join((*ARCANIMA_KINDS, 'lora'))}"
+            " (SnapRef files carry their own format metadata)"
+        )
     metadata = data.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise AdapterError(f"{path}: metadata must be a mapping of strings")
@@ -106,10 +108,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, map_path: str | os.P
         save_file(tensors, str(tmp), metadata=metadata or None)
         detection = detect_kind(tmp)
         if spec["kind"] is not None and detection.kind != spec["kind"]:
-            raise AdapterError(f"{dst}: the map says kind {spec['kind']!r}, but the converted file is"
-                               f" {detection.kind}: {detection.reason}")
+            raise AdapterError(
+                f"{dst}: the map says kind {spec['kind']!r}, but the converted file is"
+                f" {detection.kind}: {detection.reason}"
+            )
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
-    return Detection(str(dst), detection.kind, detection.how, detection.reason, detection.metadata,
-                     detection.signature)
+    return Detection(str(dst), detection.kind, detection.how, detection.reason, detection.metadata, detection.signature)

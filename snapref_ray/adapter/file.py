@@ -45,15 +45,31 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 # The ten DiT linears the reference branch adapts, and the one the target branch adapts
 # (module paths inside a block, anima-model.md §2.8).
 REF_LINEARS = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.output_proj",
-    "cross_attn.q_proj", "cross_attn.k_proj", "cross_attn.v_proj", "cross_attn.output_proj",
-    "mlp.layer1", "mlp.layer2",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.output_proj",
+    "cross_attn.q_proj",
+    "cross_attn.k_proj",
+    "cross_attn.v_proj",
+    "cross_attn.output_proj",
+    "mlp.layer1",
+    "mlp.layer2",
 )
 TARGET_LINEARS = ("self_attn.q_proj",)
 
 # Metadata keys a file must carry; the alphas may be absent (alpha = rank then).
-REQUIRED_METADATA = ("format", "base_model", "num_blocks", "model_channels", "ref_rank", "target_rank",
-                     "ref_rope_offset", "weight_format", "modes")
+REQUIRED_METADATA = (
+    "format",
+    "base_model",
+    "num_blocks",
+    "model_channels",
+    "ref_rank",
+    "target_rank",
+    "ref_rope_offset",
+    "weight_format",
+    "modes",
+)
 
 # Files below this size are hashed whole for their identity; larger ones are sampled (see adapter_identity).
 FULL_HASH_LIMIT = 2**30
@@ -93,19 +109,29 @@ class AdapterMeta:
                 raise AdapterError(f"adapter metadata {name!r} must be a positive number, found {value!r}")
             object.__setattr__(self, name, float(value))
         if self.weight_format not in WEIGHT_FORMATS:
-            raise AdapterError(f"adapter metadata 'weight_format' is {self.weight_format!r},"
-                               f" expected one of {', '.join(WEIGHT_FORMATS)}")
+            raise AdapterError(
+                f"adapter metadata 'weight_format' is {self.weight_format!r},"
+                f" expected one of {', '.join(WEIGHT_FORMATS)}"
+            )
         offset = tuple(self.ref_rope_offset)
         if len(offset) != 3 or not all(
-                (isinstance(v, int) and not isinstance(v, bool)) or v == AFTER_TARGET for v in offset):
-            raise AdapterError(f"adapter metadata 'ref_rope_offset' must be [dt, dh, dw], each an integer or"
-                               f" {AFTER_TARGET!r}, found {list(self.ref_rope_offset)!r}")
+            (isinstance(v, int) and not isinstance(v, bool)) or v == AFTER_TARGET for v in offset
+        ):
+            raise AdapterError(
+                f"adapter metadata 'ref_rope_offset' must be [dt, dh, dw], each an integer or"
+                f" {AFTER_TARGET!r}, found {list(self.ref_rope_offset)!r}"
+            )
         object.__setattr__(self, "ref_rope_offset", offset)
         modes = tuple(self.modes)
-        if not modes or not all(isinstance(m, str) and re.fullmatch(r"[A-Za-z0-9_\-]+", m) for m in modes) \
-                or len(set(modes)) != len(modes):
-            raise AdapterError(f"adapter metadata 'modes' must be a non-empty list of distinct names"
-                               f" (letters, digits, '_' or '-'), found {list(self.modes)!r}")
+        if (
+            not modes
+            or not all(isinstance(m, str) and re.fullmatch(r"[A-Za-z0-9_\-]+", m) for m in modes)
+            or len(set(modes)) != len(modes)
+        ):
+            raise AdapterError(
+                f"adapter metadata 'modes' must be a non-empty list of distinct names"
+                f" (letters, digits, '_' or '-'), found {list(self.modes)!r}"
+            )
         object.__setattr__(self, "modes", modes)
 
     @property
@@ -135,14 +161,15 @@ class AdapterMeta:
         }
 
     @classmethod
-    def from_metadata(cls, metadata: dict[str, str], source: str = "<metadata>") -> "AdapterMeta":
+    def from_metadata(cls, metadata: dict[str, str], source: str = "<metadata>") -> AdapterMeta:
         """Parse `__metadata__` strings; every missing or malformed key is named in one AdapterError."""
         if metadata.get("format") != FORMAT:
             raise AdapterError(f"{source}: metadata 'format' is {metadata.get('format')!r}, expected {FORMAT!r}")
         missing = [k for k in REQUIRED_METADATA if k not in metadata]
         if missing:
-            raise AdapterError(f"{source}: {FORMAT} metadata is incomplete: missing key(s)"
-                               f" {', '.join(repr(k) for k in missing)}")
+            raise AdapterError(
+                f"{source}: {FORMAT} metadata is incomplete: missing key(s) {', '.join(repr(k) for k in missing)}"
+            )
         problems: list[str] = []
 
         def parse(key: str, convert, expected: str):
@@ -209,30 +236,38 @@ class SnapRefAdapter:
     def block_weights(self, mode: str) -> torch.Tensor:
         """The per-block multiplier of the reference read for `mode`, float32 [num_blocks]."""
         if mode not in self.mode_weights:
-            raise AdapterError(f"adapter {self.source} has no mode {mode!r}"
-                               f" (modes: {', '.join(self.mode_weights)})")
+            raise AdapterError(f"adapter {self.source} has no mode {mode!r} (modes: {', '.join(self.mode_weights)})")
         return self.mode_weights[mode]
 
     def num_parameters(self) -> int:
         """LoRA parameters of both branches (mode vectors excluded); 190,840,832 at real size."""
-        return sum(pair.down.numel() + pair.up.numel()
-                   for block in (*self.ref_loras, *self.target_loras) for pair in block.values())
+        return sum(
+            pair.down.numel() + pair.up.numel()
+            for block in (*self.ref_loras, *self.target_loras)
+            for pair in block.values()
+        )
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "SnapRefAdapter":
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> SnapRefAdapter:
         """A copy with the LoRA factors on `device` / in `dtype`; mode vectors move but stay float32."""
+
         def move(blocks: list[BlockLoRA]) -> list[BlockLoRA]:
             return [{name: pair.to(device=device, dtype=dtype) for name, pair in block.items()} for block in blocks]
 
         return dataclasses.replace(
-            self, ref_loras=move(self.ref_loras), target_loras=move(self.target_loras),
-            mode_weights={m: w.to(device=device, dtype=torch.float32) for m, w in self.mode_weights.items()})
+            self,
+            ref_loras=move(self.ref_loras),
+            target_loras=move(self.target_loras),
+            mode_weights={m: w.to(device=device, dtype=torch.float32) for m, w in self.mode_weights.items()},
+        )
 
     def resolve_rope_offset(self, target_grid: tuple[int, int, int]) -> tuple[int, int, int]:
         """The reference's RoPE offset (dt, dh, dw); `after_target` becomes the target grid's size on that axis."""
         if len(target_grid) != 3:
             raise ValueError(f"target_grid must be (T, H, W) in latent patches, found {target_grid!r}")
-        return tuple(int(size) if off == AFTER_TARGET else int(off)  # type: ignore[return-value]
-                     for off, size in zip(self.meta.ref_rope_offset, target_grid))
+        return tuple(
+            int(size) if off == AFTER_TARGET else int(off)  # type: ignore[return-value]
+            for off, size in zip(self.meta.ref_rope_offset, target_grid)
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,8 +329,9 @@ def check_adapter_file(path: str | os.PathLike) -> tuple[AdapterMeta, AdapterLay
     return _validate(path, header, metadata)
 
 
-def load_adapter(path: str | os.PathLike, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> SnapRefAdapter:
+def load_adapter(
+    path: str | os.PathLike, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> SnapRefAdapter:
     """Load and validate an `anima_ref_kv/1` file.
 
     The format is detected from the metadata only. `dtype=None` keeps the stored dtype, except
@@ -320,16 +356,21 @@ def load_adapter(path: str | os.PathLike, *, device: torch.device | str | None =
         return w.to(device=device, dtype=dtype or w.dtype)
 
     def branch(name: str, linears: tuple[str, ...], scale: float) -> list[BlockLoRA]:
-        return [{linear: LoRAPair(factor(lora_key(name, i, linear, "down")), factor(lora_key(name, i, linear, "up")),
-                                  scale)
-                 for linear in linears} for i in range(meta.num_blocks)]
+        return [
+            {
+                linear: LoRAPair(
+                    factor(lora_key(name, i, linear, "down")), factor(lora_key(name, i, linear, "up")), scale
+                )
+                for linear in linears
+            }
+            for i in range(meta.num_blocks)
+        ]
 
     mode_weights = {}
     for mode in meta.modes:
         w = sd[mode_key(mode)].to(torch.float32)
         if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
-            raise AdapterError(f"{path}: tensor {mode_key(mode)!r} must hold finite weights >= 0,"
-                               f" found {w.tolist()}")
+            raise AdapterError(f"{path}: tensor {mode_key(mode)!r} must hold finite weights >= 0, found {w.tolist()}")
         mode_weights[mode] = w.to(device)
     return SnapRefAdapter(
         meta=meta,
@@ -372,8 +413,9 @@ def _read_header(path: Path) -> tuple[dict, dict[str, str]]:
     try:
         return read_header(path)
     except CheckpointError as e:
-        raise AdapterError(f"{e} — expected a SnapRef adapter (a safetensors file with metadata"
-                           f" format={FORMAT!r})") from None
+        raise AdapterError(
+            f"{e} — expected a SnapRef adapter (a safetensors file with metadata format={FORMAT!r})"
+        ) from None
 
 
 def _validate(path: Path, header: dict, metadata: dict[str, str]) -> tuple[AdapterMeta, AdapterLayout]:
@@ -406,8 +448,7 @@ def _validate(path: Path, header: dict, metadata: dict[str, str]) -> tuple[Adapt
         if found is None:
             continue
         if found != shape:
-            problems.append(f"tensor {key!r} has shape {found}, expected {shape}"
-                            f" ({_shape_reason(key, meta)})")
+            problems.append(f"tensor {key!r} has shape {found}, expected {shape} ({_shape_reason(key, meta)})")
         if header[key]["dtype"] != weight_dtype:
             wrong_dtype.setdefault(header[key]["dtype"], []).append(key)
         if fp8:
@@ -415,22 +456,31 @@ def _validate(path: Path, header: dict, metadata: dict[str, str]) -> tuple[Adapt
             if scale is None:
                 missing_scales.append(key + "_scale")
             elif scale != [shape[0]] or header[key + "_scale"]["dtype"] != "F32":
-                problems.append(f"tensor {key + '_scale'!r} is {header[key + '_scale']['dtype']} {scale},"
-                                f" expected F32 [{shape[0]}]")
+                problems.append(
+                    f"tensor {key + '_scale'!r} is {header[key + '_scale']['dtype']} {scale}, expected F32 [{shape[0]}]"
+                )
     if missing_scales:
-        problems.append(f"missing {len(missing_scales)} row-scale tensor(s) (a float32 [rows] `.weight_scale` goes"
-                        f" with every fp8 weight), e.g. {missing_scales[0]!r}")
+        problems.append(
+            f"missing {len(missing_scales)} row-scale tensor(s) (a float32 [rows] `.weight_scale` goes"
+            f" with every fp8 weight), e.g. {missing_scales[0]!r}"
+        )
     for dtype_name, keys in wrong_dtype.items():
-        problems.append(f"{len(keys)} LoRA tensor(s) are {dtype_name}, expected {weight_dtype}"
-                        f" (weight_format {meta.weight_format!r}), e.g. {keys[0]!r}")
+        problems.append(
+            f"{len(keys)} LoRA tensor(s) are {dtype_name}, expected {weight_dtype}"
+            f" (weight_format {meta.weight_format!r}), e.g. {keys[0]!r}"
+        )
     for mode in meta.modes:
         found = shape_of(mode_key(mode))
         if found is None:
-            problems.append(f"mode {mode!r} is listed in metadata 'modes' but tensor {mode_key(mode)!r} is missing"
-                            f" (expected float32 [{meta.num_blocks}])")
+            problems.append(
+                f"mode {mode!r} is listed in metadata 'modes' but tensor {mode_key(mode)!r} is missing"
+                f" (expected float32 [{meta.num_blocks}])"
+            )
         elif found != [meta.num_blocks] or header[mode_key(mode)]["dtype"] not in ("F32", "F16", "BF16", "F64"):
-            problems.append(f"tensor {mode_key(mode)!r} is {header[mode_key(mode)]['dtype']} {found},"
-                            f" expected F32 [{meta.num_blocks}] (num_blocks)")
+            problems.append(
+                f"tensor {mode_key(mode)!r} is {header[mode_key(mode)]['dtype']} {found},"
+                f" expected F32 [{meta.num_blocks}] (num_blocks)"
+            )
 
     known = set(expected) | {mode_key(m) for m in meta.modes}
     if fp8:
@@ -438,8 +488,10 @@ def _validate(path: Path, header: dict, metadata: dict[str, str]) -> tuple[Adapt
     extra = sorted(set(header) - known)
     unexpected = [k for k in extra if k.startswith(("ref.", "target."))]
     if unexpected:
-        problems.append(f"{len(unexpected)} tensor(s) outside the {meta.num_blocks}-block layout the metadata"
-                        f" describes, e.g. {unexpected[0]!r}")
+        problems.append(
+            f"{len(unexpected)} tensor(s) outside the {meta.num_blocks}-block layout the metadata"
+            f" describes, e.g. {unexpected[0]!r}"
+        )
     if problems:
         shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more problem(s)" if len(problems) > 6 else "")
         raise AdapterError(f"{path}: invalid {FORMAT} adapter: {shown}")
@@ -448,8 +500,13 @@ def _validate(path: Path, header: dict, metadata: dict[str, str]) -> tuple[Adapt
         log.info("%s: ignoring %d tensor(s) that are not part of %s (e.g. %s)", path, len(others), FORMAT, others[0])
 
     num_parameters = sum(math.prod(shape) for shape in expected.values())
-    layout = AdapterLayout(context_dim=context_dim, mlp_hidden=mlp_hidden, num_parameters=num_parameters,
-                           num_tensors=len(header), tensor_dtypes=tuple(sorted({e["dtype"] for e in header.values()})))
+    layout = AdapterLayout(
+        context_dim=context_dim,
+        mlp_hidden=mlp_hidden,
+        num_parameters=num_parameters,
+        num_tensors=len(header),
+        tensor_dtypes=tuple(sorted({e["dtype"] for e in header.values()})),
+    )
     return meta, layout
 
 
@@ -471,34 +528,42 @@ def _not_an_adapter_message(path: Path, header: dict, fmt: str | None, detect: b
     """
     expected = f"a SnapRef adapter is a safetensors file whose __metadata__ has format={FORMAT!r}"
     if fmt is not None and fmt.startswith("anima_ref_kv/"):
-        return (f"{path}: SnapRef adapter format {fmt!r} is not supported; this version reads {FORMAT!r} only")
+        return f"{path}: SnapRef adapter format {fmt!r} is not supported; this version reads {FORMAT!r} only"
     found_fmt = f"format {fmt!r}" if fmt is not None else "no 'format' metadata"
     keys = sorted(header)
     if not keys:
         return f"{path}: safetensors file with no tensors and {found_fmt}; {expected}"
     if any(k.startswith(("ref.blocks.", "target.blocks.")) for k in keys):
-        return (f"{path}: has SnapRef-style tensors (e.g. {keys[0]!r}) but {found_fmt}; its metadata is missing or"
-                f" was stripped — {expected}")
+        return (
+            f"{path}: has SnapRef-style tensors (e.g. {keys[0]!r}) but {found_fmt}; its metadata is missing or"
+            f" was stripped — {expected}"
+        )
     lora = [k for k in keys if any(m in k for m in _LORA_MARKERS)]
     if lora:
         from snapref_ray.adapter.kinds import detect_kind  # kinds imports this module
 
         kind = detect_kind(path) if detect else None
         if kind is not None and kind.is_adapter:
-            return (f"{path}: is a reference adapter of kind {kind.kind} ({kind.how}: {kind.reason}), not a SnapRef"
-                    f" file; load it with --adapter, which detects the kind (never merge it with --lora)")
-        return (f"{path}: looks like a standard LoRA ({len(keys)} tensors, e.g. {lora[0]!r}; {found_fmt}), not a"
-                f" reference adapter; {expected}. A plain LoRA is merged with --lora.")
+            return (
+                f"{path}: is a reference adapter of kind {kind.kind} ({kind.how}: {kind.reason}), not a SnapRef"
+                f" file; load it with --adapter, which detects the kind (never merge it with --lora)"
+            )
+        return (
+            f"{path}: looks like a standard LoRA ({len(keys)} tensors, e.g. {lora[0]!r}; {found_fmt}), not a"
+            f" reference adapter; {expected}. A plain LoRA is merged with --lora."
+        )
     blocks: set[int] = set()
     example = None
     for key in keys:
-        bare = next((key[len(p):] for p in DIT_PREFIXES if key.startswith(p)), key)
+        bare = next((key[len(p) :] for p in DIT_PREFIXES if key.startswith(p)), key)
         if m := _BLOCK_WEIGHT.match(bare):
             blocks.add(int(m.group(1)))
             example = example or key
     if blocks:
-        return (f"{path}: looks like an Anima base model (DiT weights, {len(blocks)} blocks, e.g. {example!r}), not a"
-                f" SnapRef adapter; give it as the model and the {FORMAT} adapter file separately")
+        return (
+            f"{path}: looks like an Anima base model (DiT weights, {len(blocks)} blocks, e.g. {example!r}), not a"
+            f" SnapRef adapter; give it as the model and the {FORMAT} adapter file separately"
+        )
     if any(k.startswith(("encoder.downsamples.", "decoder.upsamples.", "encoder.conv1.")) for k in keys):
         return f"{path}: looks like a VAE (e.g. {keys[0]!r}), not a SnapRef adapter; {expected}"
     if any("embed_tokens" in k for k in keys) and any(".layers." in k for k in keys):
@@ -532,25 +597,34 @@ def adapter_state_dict(adapter: SnapRefAdapter, weight_format: str = "bf16") -> 
     """The tensors `save_adapter` writes (CPU, contiguous), after checking the adapter is consistent."""
     meta = adapter.meta
     if set(adapter.mode_weights) != set(meta.modes):
-        raise AdapterError(f"adapter {adapter.source}: mode vectors {sorted(adapter.mode_weights)} do not match"
-                           f" meta.modes {list(meta.modes)}")
+        raise AdapterError(
+            f"adapter {adapter.source}: mode vectors {sorted(adapter.mode_weights)} do not match"
+            f" meta.modes {list(meta.modes)}"
+        )
     if len(adapter.ref_loras) != meta.num_blocks or len(adapter.target_loras) != meta.num_blocks:
-        raise AdapterError(f"adapter {adapter.source}: {len(adapter.ref_loras)} ref / {len(adapter.target_loras)}"
-                           f" target blocks, expected {meta.num_blocks} (meta.num_blocks)")
+        raise AdapterError(
+            f"adapter {adapter.source}: {len(adapter.ref_loras)} ref / {len(adapter.target_loras)}"
+            f" target blocks, expected {meta.num_blocks} (meta.num_blocks)"
+        )
     store_dtype = WEIGHT_FORMATS[weight_format][0]
     sd: dict[str, torch.Tensor] = {}
-    for name, blocks, linears in (("ref", adapter.ref_loras, REF_LINEARS),
-                                  ("target", adapter.target_loras, TARGET_LINEARS)):
+    for name, blocks, linears in (
+        ("ref", adapter.ref_loras, REF_LINEARS),
+        ("target", adapter.target_loras, TARGET_LINEARS),
+    ):
         for i, block in enumerate(blocks):
             if set(block) != set(linears):
-                raise AdapterError(f"adapter {adapter.source}: {name} block {i} adapts {sorted(block)},"
-                                   f" expected {list(linears)}")
+                raise AdapterError(
+                    f"adapter {adapter.source}: {name} block {i} adapts {sorted(block)}, expected {list(linears)}"
+                )
             for linear in linears:
                 pair = block[linear]
                 for part, w in (("down", pair.down), ("up", pair.up)):
                     if w.is_meta:
-                        raise AdapterError(f"adapter {adapter.source} lives on the meta device (shapes only);"
-                                           " it has no weights to save")
+                        raise AdapterError(
+                            f"adapter {adapter.source} lives on the meta device (shapes only);"
+                            " it has no weights to save"
+                        )
                     key = lora_key(name, i, linear, part)
                     w = w.detach().to("cpu")
                     if weight_format == FP8_FORMAT:
@@ -560,8 +634,10 @@ def adapter_state_dict(adapter: SnapRefAdapter, weight_format: str = "bf16") -> 
     for mode in meta.modes:
         w = adapter.mode_weights[mode].detach().to("cpu", torch.float32).contiguous()
         if w.shape != (meta.num_blocks,):
-            raise AdapterError(f"adapter {adapter.source}: mode {mode!r} vector has shape {list(w.shape)},"
-                               f" expected [{meta.num_blocks}]")
+            raise AdapterError(
+                f"adapter {adapter.source}: mode {mode!r} vector has shape {list(w.shape)},"
+                f" expected [{meta.num_blocks}]"
+            )
         sd[mode_key(mode)] = w
     return sd
 

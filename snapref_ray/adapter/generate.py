@@ -16,7 +16,13 @@ from typing import Literal
 import torch
 
 from snapref_ray.adapter.file import (
-    AFTER_TARGET, REF_LINEARS, TARGET_LINEARS, AdapterError, AdapterMeta, SnapRefAdapter, linear_dims,
+    AFTER_TARGET,
+    REF_LINEARS,
+    TARGET_LINEARS,
+    AdapterError,
+    AdapterMeta,
+    SnapRefAdapter,
+    linear_dims,
 )
 from snapref_ray.models.ops import BlockLoRA, LoRAPair
 
@@ -39,13 +45,25 @@ def char_mode_weights(num_blocks: int) -> torch.Tensor:
     return torch.tensor(weights, dtype=torch.float32)
 
 
-def make_adapter(*, num_blocks: int = 28, model_channels: int = 2048, context_dim: int = 1024, mlp_hidden: int = 8192,
-                 ref_rank: int = 128, target_rank: int = 64, ref_alpha: float | None = None,
-                 target_alpha: float | None = None, init: Literal["random", "zero"] = "random", seed: int = 0,
-                 modes: tuple[str, ...] = ("cs", "char"), base_model: str = "anima-base-v1.0",
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, scale: float = 0.1,
-                 ref_rope_offset: tuple[int | str, int | str, int | str] = (0, AFTER_TARGET, AFTER_TARGET),
-                 ) -> SnapRefAdapter:
+def make_adapter(
+    *,
+    num_blocks: int = 28,
+    model_channels: int = 2048,
+    context_dim: int = 1024,
+    mlp_hidden: int = 8192,
+    ref_rank: int = 128,
+    target_rank: int = 64,
+    ref_alpha: float | None = None,
+    target_alpha: float | None = None,
+    init: Literal["random", "zero"] = "random",
+    seed: int = 0,
+    modes: tuple[str, ...] = ("cs", "char"),
+    base_model: str = "anima-base-v1.0",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    scale: float = 0.1,
+    ref_rope_offset: tuple[int | str, int | str, int | str] = (0, AFTER_TARGET, AFTER_TARGET),
+) -> SnapRefAdapter:
     """A SnapRef adapter with synthetic weights; the defaults are the real size (190,840,832 parameters).
 
     init="random": down ~ N(0, 1/in) and up ~ N(0, 1/rank) · scale / (alpha/rank), so each LoRA
@@ -62,10 +80,17 @@ def make_adapter(*, num_blocks: int = 28, model_channels: int = 2048, context_di
     if dtype not in _DTYPE_FORMATS:
         raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPE_FORMATS))}, found {dtype}")
     meta = AdapterMeta(
-        base_model=base_model, num_blocks=num_blocks, model_channels=model_channels, ref_rank=ref_rank,
-        target_rank=target_rank, ref_alpha=float(ref_alpha if ref_alpha is not None else ref_rank),
+        base_model=base_model,
+        num_blocks=num_blocks,
+        model_channels=model_channels,
+        ref_rank=ref_rank,
+        target_rank=target_rank,
+        ref_alpha=float(ref_alpha if ref_alpha is not None else ref_rank),
         target_alpha=float(target_alpha if target_alpha is not None else target_rank),
-        ref_rope_offset=ref_rope_offset, weight_format=_DTYPE_FORMATS[dtype], modes=tuple(modes))
+        ref_rope_offset=ref_rope_offset,
+        weight_format=_DTYPE_FORMATS[dtype],
+        modes=tuple(modes),
+    )
     for name, value in (("context_dim", context_dim), ("mlp_hidden", mlp_hidden)):
         if value <= 0:
             raise AdapterError(f"{name} must be a positive integer, found {value}")
@@ -76,8 +101,11 @@ def make_adapter(*, num_blocks: int = 28, model_channels: int = 2048, context_di
     def pair(linear: str, rank: int, lora_scale: float) -> LoRAPair:
         fan_in, fan_out = linear_dims(linear, model_channels, context_dim, mlp_hidden)
         if device.type == "meta":
-            return LoRAPair(torch.empty(rank, fan_in, device=device, dtype=dtype),
-                            torch.empty(fan_out, rank, device=device, dtype=dtype), lora_scale)
+            return LoRAPair(
+                torch.empty(rank, fan_in, device=device, dtype=dtype),
+                torch.empty(fan_out, rank, device=device, dtype=dtype),
+                lora_scale,
+            )
         down = torch.randn(rank, fan_in, generator=generator) / math.sqrt(fan_in)
         if init == "zero":
             up = torch.zeros(fan_out, rank)
@@ -95,10 +123,28 @@ def make_adapter(*, num_blocks: int = 28, model_channels: int = 2048, context_di
     mode_device = torch.device("cpu") if device.type == "meta" else device
     mode_weights = {m: vectors[m].to(mode_device) for m in modes}
 
-    recipe = dict(num_blocks=num_blocks, model_channels=model_channels, context_dim=context_dim, mlp_hidden=mlp_hidden,
-                  ref_rank=ref_rank, target_rank=target_rank, ref_alpha=meta.ref_alpha, target_alpha=meta.target_alpha,
-                  init=init, seed=seed, modes=list(modes), base_model=base_model, scale=scale,
-                  ref_rope_offset=list(meta.ref_rope_offset))
+    recipe = dict(
+        num_blocks=num_blocks,
+        model_channels=model_channels,
+        context_dim=context_dim,
+        mlp_hidden=mlp_hidden,
+        ref_rank=ref_rank,
+        target_rank=target_rank,
+        ref_alpha=meta.ref_alpha,
+        target_alpha=meta.target_alpha,
+        init=init,
+        seed=seed,
+        modes=list(modes),
+        base_model=base_model,
+        scale=scale,
+        ref_rope_offset=list(meta.ref_rope_offset),
+    )
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
-    return SnapRefAdapter(meta=meta, ref_loras=ref_loras, target_loras=target_loras, mode_weights=mode_weights,
-                          identity=f"generated:{digest}", source=f"make_adapter(init={init!r}, seed={seed})")
+    return SnapRefAdapter(
+        meta=meta,
+        ref_loras=ref_loras,
+        target_loras=target_loras,
+        mode_weights=mode_weights,
+        identity=f"generated:{digest}",
+        source=f"make_adapter(init={init!r}, seed={seed})",
+    )

@@ -58,12 +58,14 @@ def open_reference(data: bytes, source: str = "<bytes>") -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ReferenceImageError(f"{source}: refused as a possible decompression bomb: {e}") from None
     except UnidentifiedImageError:
-        raise ReferenceImageError(f"{source}: not an image format PIL can read ({len(data)} bytes, starting"
-                                  f" {data[:16]!r})") from None
+        raise ReferenceImageError(
+            f"{source}: not an image format PIL can read ({len(data)} bytes, starting {data[:16]!r})"
+        ) from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, KeyError, TypeError) as e:
         # PIL's decoders report truncated or corrupt data with any of these.
-        raise ReferenceImageError(f"{source}: cannot decode the image, the file is truncated or corrupt"
-                                  f" ({type(e).__name__}: {e})") from None
+        raise ReferenceImageError(
+            f"{source}: cannot decode the image, the file is truncated or corrupt ({type(e).__name__}: {e})"
+        ) from None
     return _to_rgb(img, source)
 
 
@@ -83,7 +85,8 @@ def fit_megapixels(img: Image.Image, megapixels: float = 1.0, multiple: int = SI
     if new_w < multiple or new_h < multiple:
         raise ReferenceImageError(
             f"a {w}x{h} reference fitted to {megapixels} MP would be {fit_w}x{fit_h},"
-            f" less than {multiple} px on a side; use a larger or less elongated image")
+            f" less than {multiple} px on a side; use a larger or less elongated image"
+        )
     if (new_w, new_h) == (w, h):
         return img
     return img.resize((new_w, new_h), Image.Resampling.LANCZOS)
@@ -125,8 +128,9 @@ def image_to_pixels(img: Image.Image) -> torch.Tensor:
     return torch.from_numpy(hwc).permute(2, 0, 1).unsqueeze(0).div(127.5).sub(1.0).contiguous()
 
 
-def prepare_reference(images: Sequence[bytes], *, layout: Layout, megapixels: float = 1.0,
-                      sources: Sequence[str] | None = None) -> list[torch.Tensor]:
+def prepare_reference(
+    images: Sequence[bytes], *, layout: Layout, megapixels: float = 1.0, sources: Sequence[str] | None = None
+) -> list[torch.Tensor]:
     """Reference bytes -> the pixel tensors the reference stream encodes, each [1, 3, H, W].
 
     single: one image -> one tensor. pair: two characters stitched side by side (left, right)
@@ -156,8 +160,10 @@ def _check_size(size: tuple[int, int], source: str) -> None:
     if w <= 0 or h <= 0:
         raise ReferenceImageError(f"{source}: image has no pixels ({w}x{h})")
     if w * h > MAX_REFERENCE_PIXELS:
-        raise ReferenceImageError(f"{source}: image is {w}x{h} = {w * h:,} pixels, more than the"
-                                  f" {MAX_REFERENCE_PIXELS:,} allowed for a reference (possible decompression bomb)")
+        raise ReferenceImageError(
+            f"{source}: image is {w}x{h} = {w * h:,} pixels, more than the"
+            f" {MAX_REFERENCE_PIXELS:,} allowed for a reference (possible decompression bomb)"
+        )
 
 
 def _to_rgb(img: Image.Image, source: str) -> Image.Image:

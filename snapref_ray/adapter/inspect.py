@@ -14,7 +14,13 @@ from pathlib import Path
 from safetensors import safe_open
 
 from snapref_ray.adapter.file import (
-    FORMAT, REF_LINEARS, TARGET_LINEARS, AdapterError, adapter_identity, check_adapter_file, mode_key,
+    FORMAT,
+    REF_LINEARS,
+    TARGET_LINEARS,
+    AdapterError,
+    adapter_identity,
+    check_adapter_file,
+    mode_key,
 )
 
 
@@ -24,8 +30,9 @@ def inspect_adapter(path: str | os.PathLike) -> dict:
     meta, layout = check_adapter_file(path)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            mode_weights = {m: [round(float(v), 6) for v in f.get_tensor(mode_key(m)).float().tolist()]
-                            for m in meta.modes}
+            mode_weights = {
+                m: [round(float(v), 6) for v in f.get_tensor(mode_key(m)).float().tolist()] for m in meta.modes
+            }
     except Exception as e:  # safetensors' own error types; the header was valid, so the data is damaged
         raise AdapterError(f"{path}: cannot read the mode vectors: {e}") from None
     return {
@@ -58,6 +65,7 @@ def inspect_adapter(path: str | os.PathLike) -> dict:
 
 def format_inspection(info: dict) -> str:
     """Human-readable lines for an `inspect_adapter` result."""
+
     def vector(values: list[float]) -> str:
         if len(set(values)) == 1:
             return f"all {values[0]:g} ({len(values)} blocks)"
@@ -67,15 +75,27 @@ def format_inspection(info: dict) -> str:
         ("file", f"{info['path']} ({_size(info['file_size'])})"),
         ("format", info["format"]),
         ("base model", info["base_model"]),
-        ("blocks", f"{info['num_blocks']} (model channels {info['model_channels']},"
-                   f" cross-attn context {info['context_dim']}, MLP hidden {info['mlp_hidden']})"),
-        ("reference LoRA", f"rank {info['ref_rank']}, alpha {info['ref_alpha']:g} (scale {info['ref_scale']:g}),"
-                           f" {len(info['ref_linears'])} linears per block"),
-        ("target LoRA", f"rank {info['target_rank']}, alpha {info['target_alpha']:g}"
-                        f" (scale {info['target_scale']:g}), {', '.join(info['target_linears'])}"),
+        (
+            "blocks",
+            f"{info['num_blocks']} (model channels {info['model_channels']},"
+            f" cross-attn context {info['context_dim']}, MLP hidden {info['mlp_hidden']})",
+        ),
+        (
+            "reference LoRA",
+            f"rank {info['ref_rank']}, alpha {info['ref_alpha']:g} (scale {info['ref_scale']:g}),"
+            f" {len(info['ref_linears'])} linears per block",
+        ),
+        (
+            "target LoRA",
+            f"rank {info['target_rank']}, alpha {info['target_alpha']:g}"
+            f" (scale {info['target_scale']:g}), {', '.join(info['target_linears'])}",
+        ),
         ("parameters", f"{info['num_parameters']:,} ({_count(info['num_parameters'])})"),
-        ("weights", f"{info['weight_format']} (tensor dtypes: {', '.join(info['tensor_dtypes'])};"
-                    f" {info['num_tensors']} tensors)"),
+        (
+            "weights",
+            f"{info['weight_format']} (tensor dtypes: {', '.join(info['tensor_dtypes'])};"
+            f" {info['num_tensors']} tensors)",
+        ),
         ("reference RoPE offset", json.dumps(info["ref_rope_offset"])),
     ]
     rows += [(f"mode {mode}", vector(info["mode_weights"][mode])) for mode in info["modes"]]
@@ -113,28 +133,46 @@ def inspect_file(path: str | os.PathLike) -> dict:
 
     path = Path(path)
     detection = detect_kind(path)
-    info: dict = {"path": str(path), "kind": detection.kind, "is_adapter": detection.is_adapter,
-                  "detected_by": detection.how, "reason": detection.reason,
-                  "file_size": path.stat().st_size if path.is_file() else None}
+    info: dict = {
+        "path": str(path),
+        "kind": detection.kind,
+        "is_adapter": detection.is_adapter,
+        "detected_by": detection.how,
+        "reason": detection.reason,
+        "file_size": path.stat().st_size if path.is_file() else None,
+    }
     if detection.kind == "snapref":
         try:
             info["snapref"] = inspect_adapter(path)
-            info["method"] = ("SnapRef: reference stream once at timestep 0 with the reference LoRA (rank"
-                              f" {info['snapref']['ref_rank']}), K/V cached per block; target LoRA on q_proj")
+            info["method"] = (
+                "SnapRef: reference stream once at timestep 0 with the reference LoRA (rank"
+                f" {info['snapref']['ref_rank']}), K/V cached per block; target LoRA on q_proj"
+            )
         except AdapterError as e:
             info.update(kind="unusable", is_adapter=False, reason=str(e))
         return info
     sig = detection.signature
     if sig is not None:
-        info.update(key_style=sig.key_style, rank="/".join(map(str, sig.ranks)), num_blocks=len(sig.blocks),
-                    linears=list(sig.linears), other_modules=list(sig.other_modules), dtypes=list(sig.dtypes),
-                    num_parameters=sig.num_parameters, has_alpha=sig.has_alpha)
+        info.update(
+            key_style=sig.key_style,
+            rank="/".join(map(str, sig.ranks)),
+            num_blocks=len(sig.blocks),
+            linears=list(sig.linears),
+            other_modules=list(sig.other_modules),
+            dtypes=list(sig.dtypes),
+            num_parameters=sig.num_parameters,
+            has_alpha=sig.has_alpha,
+        )
     if detection.kind in ARCANIMA_LAYOUTS:
         layout = ARCANIMA_LAYOUTS[detection.kind]
-        info.update(method=layout.method, published_file=layout.published_file,
-                    published_rank=layout.rank, published_blocks=layout.num_blocks,
-                    lora_in_reference_stream=layout.lora_in_reference_stream,
-                    identity=adapter_identity(path))
+        info.update(
+            method=layout.method,
+            published_file=layout.published_file,
+            published_rank=layout.rank,
+            published_blocks=layout.num_blocks,
+            lora_in_reference_stream=layout.lora_in_reference_stream,
+            identity=adapter_identity(path),
+        )
     elif detection.kind == "lora":
         info["method"] = "none: a plain LoRA is merged into the model with --lora; it reads no reference"
     return info
@@ -143,29 +181,53 @@ def inspect_file(path: str | os.PathLike) -> dict:
 def format_file_inspection(info: dict) -> str:
     """Human-readable lines for an `inspect_file` result."""
     if info["kind"] == "snapref" and "snapref" in info:
-        head = [("kind", f"snapref (SnapRef {FORMAT} adapter; detected by {info['detected_by']})"),
-                ("why", info["reason"]), ("method", info["method"])]
+        head = [
+            ("kind", f"snapref (SnapRef {FORMAT} adapter; detected by {info['detected_by']})"),
+            ("why", info["reason"]),
+            ("method", info["method"]),
+        ]
         width = max(len(label) for label, _ in head) + 1
-        return "\n".join(f"{label + ':':<{width}} {value}" for label, value in head) + "\n" + \
-            format_inspection(info["snapref"])
-    what = {"arcanima-v2": "ArcAnima Reference Adapter v2", "arcanima-pilot": "ArcAnima Reference Adapter pilot",
-            "lora": "a plain LoRA, NOT a reference adapter", "unusable": "not usable here"}[info["kind"]]
-    rows = [("file", f"{info['path']}" + (f" ({_size(info['file_size'])})" if info.get("file_size") else "")),
-            ("kind", f"{info['kind']} ({what})"), ("detected by", info["detected_by"]), ("why", info["reason"])]
+        return (
+            "\n".join(f"{label + ':':<{width}} {value}" for label, value in head)
+            + "\n"
+            + format_inspection(info["snapref"])
+        )
+    what = {
+        "arcanima-v2": "ArcAnima Reference Adapter v2",
+        "arcanima-pilot": "ArcAnima Reference Adapter pilot",
+        "lora": "a plain LoRA, NOT a reference adapter",
+        "unusable": "not usable here",
+    }[info["kind"]]
+    rows = [
+        ("file", f"{info['path']}" + (f" ({_size(info['file_size'])})" if info.get("file_size") else "")),
+        ("kind", f"{info['kind']} ({what})"),
+        ("detected by", info["detected_by"]),
+        ("why", info["reason"]),
+    ]
     if "rank" in info:
-        rows += [("LoRA", f"rank {info['rank']}, {info['num_blocks']} blocks, {len(info['linears'])} linears per"
-                          f" block ({', '.join(info['linears'])})"
-                          + (f"; plus {len(info['other_modules'])} other module(s)" if info["other_modules"] else "")),
-                 ("keys", f"{info['key_style']} spelling" + (", with alpha" if info["has_alpha"] else ", no alpha")),
-                 ("dtype", ", ".join(info["dtypes"])),
-                 ("parameters", f"{info['num_parameters']:,} ({_count(info['num_parameters'])})")]
+        rows += [
+            (
+                "LoRA",
+                f"rank {info['rank']}, {info['num_blocks']} blocks, {len(info['linears'])} linears per"
+                f" block ({', '.join(info['linears'])})"
+                + (f"; plus {len(info['other_modules'])} other module(s)" if info["other_modules"] else ""),
+            ),
+            ("keys", f"{info['key_style']} spelling" + (", with alpha" if info["has_alpha"] else ", no alpha")),
+            ("dtype", ", ".join(info["dtypes"])),
+            ("parameters", f"{info['num_parameters']:,} ({_count(info['num_parameters'])})"),
+        ]
     if "method" in info:
         rows.append(("method", info["method"]))
     if "published_file" in info:
-        rows.append(("published", f"{info['published_file']}: rank {info['published_rank']},"
-                                  f" {info['published_blocks']} blocks"))
-        rows.append(("LoRA in reference stream", "yes" if info["lora_in_reference_stream"] else
-                     "no (documented choice, docs/adapters.md)"))
+        rows.append(
+            ("published", f"{info['published_file']}: rank {info['published_rank']}, {info['published_blocks']} blocks")
+        )
+        rows.append(
+            (
+                "LoRA in reference stream",
+                "yes" if info["lora_in_reference_stream"] else "no (documented choice, docs/adapters.md)",
+            )
+        )
         rows.append(("identity", info["identity"]))
     width = max(len(label) for label, _ in rows) + 1
     return "\n".join(f"{label + ':':<{width}} {value}" for label, value in rows)

@@ -66,15 +66,23 @@ ARCANIMA_LAYOUTS: dict[str, ArcAnimaLayout] = {
     "arcanima-v2": ArcAnimaLayout(
         kind="arcanima-v2",
         method="asymmetric attention: reference stream once at timestep 0 (self-attention only, no text"
-               " cross-attention), K/V cached per block; target rows read it; LoRA only in reading rows",
-        rank=64, num_blocks=28, linears=BLOCK_LINEARS,
-        published_file="anima_ref_adapter_v2_r64.safetensors", published_size="183 MB"),
+        " cross-attention), K/V cached per block; target rows read it; LoRA only in reading rows",
+        rank=64,
+        num_blocks=28,
+        linears=BLOCK_LINEARS,
+        published_file="anima_ref_adapter_v2_r64.safetensors",
+        published_size="183 MB",
+    ),
     "arcanima-pilot": ArcAnimaLayout(
         kind="arcanima-pilot",
         method="two frames: the reference appended as a second latent frame at the output size,"
-               " recomputed every step; LoRA only in reading rows",
-        rank=32, num_blocks=28, linears=BLOCK_LINEARS,
-        published_file="anima_ref_adapter_pilot_r32.safetensors", published_size="(not published)"),
+        " recomputed every step; LoRA only in reading rows",
+        rank=32,
+        num_blocks=28,
+        linears=BLOCK_LINEARS,
+        published_file="anima_ref_adapter_pilot_r32.safetensors",
+        published_size="(not published)",
+    ),
 }
 
 
@@ -138,9 +146,15 @@ def lora_signature(header: dict) -> LoRASignature | None:
             return None
         params += math.prod(shape)
         ranks.add(int(shape[0] if part == "down" else shape[1]))
-        styles["kohya" if name.startswith(KOHYA_PREFIXES) else
-               "PEFT" if ".lora_A" in key or ".lora_B" in key else
-               "diffusers" if "transformer_blocks." in name else "ComfyUI"] += 1
+        styles[
+            "kohya"
+            if name.startswith(KOHYA_PREFIXES)
+            else "PEFT"
+            if ".lora_A" in key or ".lora_B" in key
+            else "diffusers"
+            if "transformer_blocks." in name
+            else "ComfyUI"
+        ] += 1
         if m := re.match(r"^blocks\.(\d+)\.(.+)$", path):
             per_block.setdefault(int(m.group(1)), set()).add(m.group(2))
         else:
@@ -148,10 +162,15 @@ def lora_signature(header: dict) -> LoRASignature | None:
     if not styles:
         return None
     return LoRASignature(
-        key_style="+".join(sorted(styles)), blocks=tuple(sorted(per_block)),
+        key_style="+".join(sorted(styles)),
+        blocks=tuple(sorted(per_block)),
         linears_per_block={b: tuple(sorted(v)) for b, v in sorted(per_block.items())},
-        other_modules=tuple(sorted(others)), ranks=tuple(sorted(ranks)), num_parameters=params,
-        dtypes=tuple(sorted({e["dtype"] for e in header.values()})), has_alpha=has_alpha)
+        other_modules=tuple(sorted(others)),
+        ranks=tuple(sorted(ranks)),
+        num_parameters=params,
+        dtypes=tuple(sorted({e["dtype"] for e in header.values()})),
+        has_alpha=has_alpha,
+    )
 
 
 def layout_mismatch(sig: LoRASignature, layout: ArcAnimaLayout, *, published_size: bool = True) -> str | None:
@@ -173,8 +192,9 @@ def layout_mismatch(sig: LoRASignature, layout: ArcAnimaLayout, *, published_siz
         return f"blocks {list(sig.blocks)[:6]}... are not 0..{n - 1}"
     wrong = [b for b, lins in sig.linears_per_block.items() if set(lins) != set(layout.linears)]
     if wrong:
-        return (f"block {wrong[0]} adapts {list(sig.linears_per_block[wrong[0]])}, expected all of"
-                f" {list(layout.linears)}")
+        return (
+            f"block {wrong[0]} adapts {list(sig.linears_per_block[wrong[0]])}, expected all of {list(layout.linears)}"
+        )
     return None
 
 
@@ -192,27 +212,52 @@ def detect_kind(path: str | os.PathLike) -> Detection:
     if declared is not None:
         if declared in ARCANIMA_KINDS:
             if sig is None:
-                return Detection(str(path), "unusable", "metadata",
-                                 f"metadata {KIND_METADATA_KEY} = {declared!r} but its tensors are not LoRA weights"
-                                 " of DiT linears", metadata)
+                return Detection(
+                    str(path),
+                    "unusable",
+                    "metadata",
+                    f"metadata {KIND_METADATA_KEY} = {declared!r} but its tensors are not LoRA weights of DiT linears",
+                    metadata,
+                )
             # Metadata names the kind; the layout is still checked (any block count: the binding checks it).
             problem = layout_mismatch(sig, ARCANIMA_LAYOUTS[declared], published_size=False)
             if problem:
-                return Detection(str(path), "unusable", "metadata",
-                                 f"metadata {KIND_METADATA_KEY} = {declared!r} but {problem}", metadata, sig)
-            return Detection(str(path), declared, "metadata", f"metadata {KIND_METADATA_KEY} = {declared!r}",
-                             metadata, sig)
+                return Detection(
+                    str(path),
+                    "unusable",
+                    "metadata",
+                    f"metadata {KIND_METADATA_KEY} = {declared!r} but {problem}",
+                    metadata,
+                    sig,
+                )
+            return Detection(
+                str(path), declared, "metadata", f"metadata {KIND_METADATA_KEY} = {declared!r}", metadata, sig
+            )
         if declared == "lora":
-            return Detection(str(path), "lora", "metadata",
-                             f"metadata {KIND_METADATA_KEY} = 'lora': a plain LoRA, not a reference adapter",
-                             metadata, sig)
-        return Detection(str(path), "unusable", "metadata",
-                         f"metadata {KIND_METADATA_KEY} = {declared!r} is not one of"
-                         f" {', '.join(ARCANIMA_KINDS)}, lora", metadata, sig)
+            return Detection(
+                str(path),
+                "lora",
+                "metadata",
+                f"metadata {KIND_METADATA_KEY} = 'lora': a plain LoRA, not a reference adapter",
+                metadata,
+                sig,
+            )
+        return Detection(
+            str(path),
+            "unusable",
+            "metadata",
+            f"metadata {KIND_METADATA_KEY} = {declared!r} is not one of {', '.join(ARCANIMA_KINDS)}, lora",
+            metadata,
+            sig,
+        )
     if metadata.get("format", "").startswith("anima_ref_kv/"):
-        return Detection(str(path), "unusable", "metadata",
-                         f"SnapRef format {metadata['format']!r} is not supported; this version reads"
-                         f" {SNAPREF_FORMAT!r} only", metadata)
+        return Detection(
+            str(path),
+            "unusable",
+            "metadata",
+            f"SnapRef format {metadata['format']!r} is not supported; this version reads {SNAPREF_FORMAT!r} only",
+            metadata,
+        )
     if sig is None:
         reason = _not_an_adapter_message(path, header, metadata.get("format"), detect=False)
         return Detection(str(path), "unusable", "not an adapter", reason.split(": ", 1)[-1], metadata)
@@ -220,12 +265,23 @@ def detect_kind(path: str | os.PathLike) -> Detection:
     for layout in ARCANIMA_LAYOUTS.values():
         problem = layout_mismatch(sig, layout)
         if problem is None:
-            return Detection(str(path), layout.kind, "tensor signature",
-                             f"no kind in the metadata; {sig.key_style} LoRA keys with exactly the {layout.kind}"
-                             f" layout: rank {layout.rank} on all {len(layout.linears)} linears of"
-                             f" {layout.num_blocks} blocks", metadata, sig)
+            return Detection(
+                str(path),
+                layout.kind,
+                "tensor signature",
+                f"no kind in the metadata; {sig.key_style} LoRA keys with exactly the {layout.kind}"
+                f" layout: rank {layout.rank} on all {len(layout.linears)} linears of"
+                f" {layout.num_blocks} blocks",
+                metadata,
+                sig,
+            )
         reasons.append(f"not {layout.kind}: {problem}")
-    return Detection(str(path), "lora", "tensor signature",
-                     f"a plain LoRA ({sig.key_style} keys, {len(sig.blocks)} blocks, rank"
-                     f" {'/'.join(map(str, sig.ranks))}), not a reference adapter ({'; '.join(reasons)})",
-                     metadata, sig)
+    return Detection(
+        str(path),
+        "lora",
+        "tensor signature",
+        f"a plain LoRA ({sig.key_style} keys, {len(sig.blocks)} blocks, rank"
+        f" {'/'.join(map(str, sig.ranks))}), not a reference adapter ({'; '.join(reasons)})",
+        metadata,
+        sig,
+    )

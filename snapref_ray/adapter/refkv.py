@@ -66,7 +66,7 @@ class RefKV:
     def cache_key(self) -> tuple[str, str, tuple[int, int, int]]:
         return (self.adapter_id, self.reference_id, self.target_grid)
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "RefKV":
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> RefKV:
         kv = self.kv_N2HLD.to(device=device, dtype=dtype, non_blocking=True)
         return self if kv is self.kv_N2HLD else replace(self, kv_N2HLD=kv)
 
@@ -74,35 +74,54 @@ class RefKV:
         """One RefRead per model block for the given reading rows and per-block weights."""
         if len(weights) != self.num_blocks:
             raise ValueError(f"{len(weights)} block weights for a RefKV of {self.num_blocks} blocks")
-        return [RefRead(self.kv_N2HLD[i, 0], self.kv_N2HLD[i, 1], rows, w) if w > 0 else None
-                for i, w in enumerate(weights)]
+        return [
+            RefRead(self.kv_N2HLD[i, 0], self.kv_N2HLD[i, 1], rows, w) if w > 0 else None for i, w in enumerate(weights)
+        ]
 
     @staticmethod
-    def concat(parts: list["RefKV"]) -> "RefKV":
+    def concat(parts: list[RefKV]) -> RefKV:
         """Several references of one character, read together: K/V joined along the token axis."""
         if len(parts) == 1:
             return parts[0]
         first = parts[0]
         for p in parts[1:]:
             if (p.num_blocks, p.adapter_id, p.target_grid, p.payload) != (
-                    first.num_blocks, first.adapter_id, first.target_grid, "kv"):
+                first.num_blocks,
+                first.adapter_id,
+                first.target_grid,
+                "kv",
+            ):
                 raise ValueError("RefKVs to concatenate must be K/V and share adapter, block count and target grid")
         kv = torch.cat([p.kv_N2HLD.to(first.device, first.dtype) for p in parts], dim=3)
-        return RefKV(kv, sum((p.grids for p in parts), ()), sum((p.offsets for p in parts), ()),
-                     first.target_grid, first.adapter_id, "+".join(p.reference_id for p in parts),
-                     sum(p.encode_seconds for p in parts))
+        return RefKV(
+            kv,
+            sum((p.grids for p in parts), ()),
+            sum((p.offsets for p in parts), ()),
+            first.target_grid,
+            first.adapter_id,
+            "+".join(p.reference_id for p in parts),
+            sum(p.encode_seconds for p in parts),
+        )
 
     # -- serialisation: one uint8 buffer + a small header -------------------------------------
     def to_wire(self) -> tuple[dict, np.ndarray]:
         """(header, uint8 buffer) with no copy beyond moving to the CPU."""
         kv = self.kv_N2HLD.detach().to("cpu").contiguous()
-        header = {"shape": tuple(kv.shape), "dtype": str(kv.dtype), "grids": self.grids, "offsets": self.offsets,
-                  "target_grid": self.target_grid, "adapter_id": self.adapter_id, "reference_id": self.reference_id,
-                  "encode_seconds": self.encode_seconds, "payload": self.payload}
+        header = {
+            "shape": tuple(kv.shape),
+            "dtype": str(kv.dtype),
+            "grids": self.grids,
+            "offsets": self.offsets,
+            "target_grid": self.target_grid,
+            "adapter_id": self.adapter_id,
+            "reference_id": self.reference_id,
+            "encode_seconds": self.encode_seconds,
+            "payload": self.payload,
+        }
         return header, kv.reshape(-1).view(torch.uint8).numpy()
 
     @staticmethod
-    def from_wire(header: dict, buffer: np.ndarray, device: torch.device | str | None = None) -> "RefKV":
+    def from_wire(header: dict, buffer: np.ndarray, device: torch.device | str | None = None) -> RefKV:
         """Rebuild from `to_wire` output. On CPU the tensor aliases `buffer` (read-only when it is)."""
         with warnings.catch_warnings():
             # Ray hands out read-only buffers; torch warns that it cannot enforce that. We never write.
@@ -111,9 +130,16 @@ class RefKV:
         kv = flat.view(_DTYPES[header["dtype"]]).reshape(header["shape"])
         if device is not None:
             kv = kv.to(device)
-        return RefKV(kv, tuple(map(tuple, header["grids"])), tuple(map(tuple, header["offsets"])),
-                     tuple(header["target_grid"]), header["adapter_id"], header["reference_id"],
-                     header["encode_seconds"], header.get("payload", "kv"))
+        return RefKV(
+            kv,
+            tuple(map(tuple, header["grids"])),
+            tuple(map(tuple, header["offsets"])),
+            tuple(header["target_grid"]),
+            header["adapter_id"],
+            header["reference_id"],
+            header["encode_seconds"],
+            header.get("payload", "kv"),
+        )
 
     def __reduce__(self):
         header, buffer = self.to_wire()

@@ -35,8 +35,9 @@ class BatchLimit:
     batch: int  # images per forward that fit (before the job's max_batch caps a request)
 
 
-def largest_batch(free_bytes: int, per_image_bytes: int, requested: int,
-                  safety_fraction: float = SAFETY_FRACTION) -> int:
+def largest_batch(
+    free_bytes: int, per_image_bytes: int, requested: int, safety_fraction: float = SAFETY_FRACTION
+) -> int:
     """Images per forward: as many as fit in `safety_fraction` of `free_bytes`, at least 1, at most `requested`."""
     if per_image_bytes <= 0:
         return requested
@@ -46,14 +47,14 @@ def largest_batch(free_bytes: int, per_image_bytes: int, requested: int,
 class BatchFitter:
     """Per-resolution batch limits of one worker (see the module docstring)."""
 
-    def __init__(self, device, memory: "DeviceMemory | None" = None) -> None:
+    def __init__(self, device, memory: DeviceMemory | None = None) -> None:
         self.device = device
-        self.memory = memory if memory is not None else (CudaMemory(device) if getattr(device, "type", "") == "cuda"
-                                                         else None)
+        self.memory = (
+            memory if memory is not None else (CudaMemory(device) if getattr(device, "type", "") == "cuda" else None)
+        )
         self.limits: dict[tuple[int, int, int], BatchLimit] = {}
 
-    def limit(self, width: int, height: int, rows_per_image: int, requested: int,
-              probe: Callable[[], None]) -> int:
+    def limit(self, width: int, height: int, rows_per_image: int, requested: int, probe: Callable[[], None]) -> int:
         """The batch to render; `probe` renders one image for one step (called once per key, on a GPU)."""
         if self.memory is None:
             return requested
@@ -64,9 +65,17 @@ class BatchFitter:
             free = self.memory.free_bytes()
             fits = largest_batch(free, per_image, MAX_BATCH)
             self.limits[key] = BatchLimit(width, height, rows_per_image, per_image, free, fits)
-            log.info("batch at %dx%d (%d rows per image): %d images fit (%.2f GiB per image, %.1f GiB free;"
-                     " probed in %.1f s)", width, height, rows_per_image, fits, per_image / 2**30,
-                     free / 2**30, time.perf_counter() - t0)
+            log.info(
+                "batch at %dx%d (%d rows per image): %d images fit (%.2f GiB per image, %.1f GiB free;"
+                " probed in %.1f s)",
+                width,
+                height,
+                rows_per_image,
+                fits,
+                per_image / 2**30,
+                free / 2**30,
+                time.perf_counter() - t0,
+            )
         return min(requested, self.limits[key].batch)
 
 

@@ -19,19 +19,28 @@ class JobMetrics:
         from ray.util.metrics import Counter, Gauge, Histogram
 
         self.images = Counter("snapref_images_rendered", "Images rendered and stored", tag_keys=("worker",))
-        self.encodes = Counter("snapref_references_encoded", "References run through the reference stream",
-                               tag_keys=("worker",))
-        self.cache_hits = Counter("snapref_refkv_cache_hits", "Renders whose RefKV was already on the worker's device",
-                                  tag_keys=("worker",))
-        self.cache_misses = Counter("snapref_refkv_cache_misses", "Renders that had to fetch or encode a RefKV",
-                                    tag_keys=("worker",))
+        self.encodes = Counter(
+            "snapref_references_encoded", "References run through the reference stream", tag_keys=("worker",)
+        )
+        self.cache_hits = Counter(
+            "snapref_refkv_cache_hits", "Renders whose RefKV was already on the worker's device", tag_keys=("worker",)
+        )
+        self.cache_misses = Counter(
+            "snapref_refkv_cache_misses", "Renders that had to fetch or encode a RefKV", tag_keys=("worker",)
+        )
         self.errors = Counter("snapref_item_errors", "Items that failed an attempt", tag_keys=("stage",))
-        self.step_latency = Histogram("snapref_step_seconds", "Seconds per sampling step",
-                                      boundaries=_LATENCY_BOUNDARIES, tag_keys=("worker",))
-        self.image_latency = Histogram("snapref_image_seconds", "Seconds from batch start to stored image",
-                                       boundaries=_LATENCY_BOUNDARIES, tag_keys=("worker",))
-        self.cache_bytes = Gauge("snapref_refkv_cache_bytes", "Bytes of RefKV held on the worker's device",
-                                 tag_keys=("worker",))
+        self.step_latency = Histogram(
+            "snapref_step_seconds", "Seconds per sampling step", boundaries=_LATENCY_BOUNDARIES, tag_keys=("worker",)
+        )
+        self.image_latency = Histogram(
+            "snapref_image_seconds",
+            "Seconds from batch start to stored image",
+            boundaries=_LATENCY_BOUNDARIES,
+            tag_keys=("worker",),
+        )
+        self.cache_bytes = Gauge(
+            "snapref_refkv_cache_bytes", "Bytes of RefKV held on the worker's device", tag_keys=("worker",)
+        )
 
 
 @lru_cache(maxsize=1)

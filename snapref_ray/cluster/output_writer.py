@@ -44,7 +44,7 @@ class OutputWriter:
             future: Future = Future()
             try:
                 future.set_result(store())
-            except BaseException as e:  # noqa: BLE001 -- delivered through the future, as the pool does
+            except BaseException as e:
                 future.set_exception(e)
             futures.append(future)
         return futures

@@ -87,8 +87,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, num_gpus
         ray.init(address=address, log_to_driver=True)
     else:
         # "local" never attaches to a stale cluster left by an unclean exit (ray-notes.md).
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                 log_to_driver=True)
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True)
 
 
 def gpus_in_cluster() -> int:
@@ -104,12 +103,17 @@ class WorkerPool:
     node dies is restarted by Ray wherever a GPU is free (the autoscaler adds a node if none is).
     """
 
-    def __init__(self, config: WorkerConfig, plan: PoolPlan,
-                 renderer_factory: Callable[[WorkerConfig], object] | None = None) -> None:
+    def __init__(
+        self, config: WorkerConfig, plan: PoolPlan, renderer_factory: Callable[[WorkerConfig], object] | None = None
+    ) -> None:
         self.config, self.plan, self.renderer_factory = config, plan, renderer_factory
         self._actor = ray.remote(RenderWorker).options(
-            num_gpus=1 if plan.use_gpu else 0, num_cpus=plan.num_cpus_per_worker, max_restarts=-1,
-            max_task_retries=plan.max_task_retries, max_concurrency=2)
+            num_gpus=1 if plan.use_gpu else 0,
+            num_cpus=plan.num_cpus_per_worker,
+            max_restarts=-1,
+            max_task_retries=plan.max_task_retries,
+            max_concurrency=2,
+        )
         self.starting: dict[ray.ObjectRef, ray.actor.ActorHandle] = {}
         self.launched = 0
         self.start_failures: list[str] = []
@@ -120,8 +124,12 @@ class WorkerPool:
             self.starting[handle.info.remote()] = handle
             self.launched += 1
         if count:
-            log.info("asked Ray for %d more %s worker(s) (%d starting)", count,
-                     "GPU" if self.plan.use_gpu else "CPU", len(self.starting))
+            log.info(
+                "asked Ray for %d more %s worker(s) (%d starting)",
+                count,
+                "GPU" if self.plan.use_gpu else "CPU",
+                len(self.starting),
+            )
 
     def starting_futures(self) -> list[ray.ObjectRef]:
         return list(self.starting)
@@ -132,7 +140,7 @@ class WorkerPool:
         handle = self.starting.pop(future)
         try:
             info: WorkerInfo = ray.get(future, timeout=0)
-        except Exception as e:  # noqa: BLE001 — any start failure is counted, the job decides
+        except Exception as e:
             self.start_failures.append(f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
             log.error("a worker failed to start: %s", self.start_failures[-1])
             kill(handle)
@@ -153,19 +161,28 @@ def kill(handle: ray.actor.ActorHandle) -> None:
     """Kill an actor for good (its model and device cache go, its resources go back to Ray)."""
     try:
         ray.kill(handle, no_restart=True)
-    except Exception as e:  # noqa: BLE001 — already dead is fine
+    except Exception as e:
         log.debug("could not kill worker: %s", e)
 
 
-def start_workers(config: WorkerConfig, shape: PoolShape,
-                  renderer_factory: Callable[[WorkerConfig], object] | None = None,
-                  ready_timeout_s: float = 900.0, *, on_cluster: bool = False) -> tuple[list, list[WorkerInfo]]:
+def start_workers(
+    config: WorkerConfig,
+    shape: PoolShape,
+    renderer_factory: Callable[[WorkerConfig], object] | None = None,
+    ready_timeout_s: float = 900.0,
+    *,
+    on_cluster: bool = False,
+) -> tuple[list, list[WorkerInfo]]:
     """A fixed pool of `max_workers` actors, waited for until each is ready (for jobs without an
     elastic schedule, e.g. the identity evaluation)."""
     plan = plan_pool(shape, config.device, on_cluster=on_cluster, gpus_now=gpus_in_cluster())
     actor = ray.remote(RenderWorker).options(
-        num_gpus=1 if plan.use_gpu else 0, num_cpus=plan.num_cpus_per_worker, max_restarts=-1,
-        max_task_retries=plan.max_task_retries, max_concurrency=2)
+        num_gpus=1 if plan.use_gpu else 0,
+        num_cpus=plan.num_cpus_per_worker,
+        max_restarts=-1,
+        max_task_retries=plan.max_task_retries,
+        max_concurrency=2,
+    )
     handles = [actor.remote(config, renderer_factory) for _ in range(plan.max_workers)]
     try:
         infos = ray.get([h.info.remote() for h in handles], timeout=ready_timeout_s)
@@ -175,6 +192,10 @@ def start_workers(config: WorkerConfig, shape: PoolShape,
         for h in handles:
             kill(h)
         raise
-    log.info("%d %s worker(s) ready: %s", len(handles), "GPU" if plan.use_gpu else "CPU",
-             ", ".join(f"{i.worker_id} on {i.device} (load {i.load_seconds:.1f} s)" for i in infos))
+    log.info(
+        "%d %s worker(s) ready: %s",
+        len(handles),
+        "GPU" if plan.use_gpu else "CPU",
+        ", ".join(f"{i.worker_id} on {i.device} (load {i.load_seconds:.1f} s)" for i in infos),
+    )
     return handles, infos

@@ -137,11 +137,18 @@ class BatchScheduler:
     """Runs work items over RenderWorker actors: a fixed set, or an elastic `WorkerPool`; see the
     module docstring."""
 
-    def __init__(self, workers: Sequence[ray.actor.ActorHandle], infos: Sequence[WorkerInfo | None],
-                 config: SchedulerConfig, *, on_done: Callable[[ItemOutcome, WorkItem], None],
-                 on_failed: Callable[[ItemOutcome, WorkItem, int], None],
-                 on_progress: Callable[[int], None] | None = None, pool: WorkerPool | None = None,
-                 on_worker: Callable[[ray.actor.ActorHandle, WorkerInfo], None] | None = None) -> None:
+    def __init__(
+        self,
+        workers: Sequence[ray.actor.ActorHandle],
+        infos: Sequence[WorkerInfo | None],
+        config: SchedulerConfig,
+        *,
+        on_done: Callable[[ItemOutcome, WorkItem], None],
+        on_failed: Callable[[ItemOutcome, WorkItem, int], None],
+        on_progress: Callable[[int], None] | None = None,
+        pool: WorkerPool | None = None,
+        on_worker: Callable[[ray.actor.ActorHandle, WorkerInfo], None] | None = None,
+    ) -> None:
         self.workers = [_Worker(h, i) for h, i in zip(workers, infos)]
         self.config = config
         self.pool = pool
@@ -183,8 +190,9 @@ class BatchScheduler:
                     time.sleep(max(0.0, min(due) - time.monotonic()))
                     continue
                 if all(w.retired for w in self.workers):
-                    raise RuntimeError(f"every worker died for good ({len(self.workers)} retired); "
-                                       f"{remaining} item(s) not rendered")
+                    raise RuntimeError(
+                        f"every worker died for good ({len(self.workers)} retired); {remaining} item(s) not rendered"
+                    )
                 raise RuntimeError("scheduler stalled: items remain but nothing is in flight (no available worker)")
             ready, _ = ray.wait(list(self._futures) + starting, num_returns=1, timeout=self.config.wait_timeout_s)
             for ref in ready:
@@ -218,14 +226,17 @@ class BatchScheduler:
                     f"only {sum(1 for w in self.workers if w.live and w.info)} of min_workers={plan.min_workers} "
                     f"{'GPU' if plan.use_gpu else 'CPU'} worker(s) ready after {self.config.start_timeout_s:.0f} s; "
                     f"can the cluster provide {'a GPU' if plan.use_gpu else 'a CPU slot'} per worker? "
-                    f"(start failures: {self.pool.start_failures[-1:] or 'none'})")
+                    f"(start failures: {self.pool.start_failures[-1:] or 'none'})"
+                )
         if self._unassigned_work():
             live = sum(1 for w in self.workers if w.live)
             missing = plan.max_workers - live - len(self.pool.starting)
             if len(self.pool.start_failures) >= self.config.max_start_failures:
                 if live == 0 and not self.pool.starting:
-                    raise RuntimeError(f"{len(self.pool.start_failures)} workers failed to start; the last: "
-                                       f"{self.pool.start_failures[-1]}")
+                    raise RuntimeError(
+                        f"{len(self.pool.start_failures)} workers failed to start; the last: "
+                        f"{self.pool.start_failures[-1]}"
+                    )
                 missing = 0  # a model that does not load: do not keep trying
             if missing > 0:
                 self.pool.launch(missing)
@@ -255,8 +266,11 @@ class BatchScheduler:
         if not self._started and sum(1 for w in self.workers if w.live) >= self.pool.plan.min_workers:
             self._started = True
             self.stats.seconds_to_start = time.monotonic() - self._t_run
-            log.info("%d worker(s) ready after %.1f s: rendering starts", self.pool.plan.min_workers,
-                     self.stats.seconds_to_start)
+            log.info(
+                "%d worker(s) ready after %.1f s: rendering starts",
+                self.pool.plan.min_workers,
+                self.stats.seconds_to_start,
+            )
         if self.on_worker:
             self.on_worker(handle, info)
 
@@ -303,8 +317,9 @@ class BatchScheduler:
             else:
                 self.stats.local_encodes += 1
         ref.holders.add(index)
-        task = RenderTask(self._next_task_id, ref.task, tuple(batch),
-                          {i.item_id: self._attempts.get(i.item_id, 0) + 1 for i in batch})
+        task = RenderTask(
+            self._next_task_id, ref.task, tuple(batch), {i.item_id: self._attempts.get(i.item_id, 0) + 1 for i in batch}
+        )
         self._next_task_id += 1
         future = worker.handle.render.remote(task, handle)
         self._futures[future] = ("render", index, ref, task)
@@ -347,14 +362,16 @@ class BatchScheduler:
             return True  # same node: shared memory, no copy over the network
         if ref.encode_seconds is None or self.transfer_bytes_per_s is None:
             return True  # nothing measured yet: fetching is what measures the bandwidth
-        return fetch_is_cheaper(ref.nbytes or self.config.assumed_refkv_bytes, self.transfer_bytes_per_s,
-                                ref.encode_seconds)
+        return fetch_is_cheaper(
+            ref.nbytes or self.config.assumed_refkv_bytes, self.transfer_bytes_per_s, ref.encode_seconds
+        )
 
     def _count_encode(self, reference_hash: str) -> None:
         self.encodes_by_reference[reference_hash] += 1
         self.stats.reference_encodes += 1
-        self.stats.max_encodes_per_reference = max(self.stats.max_encodes_per_reference,
-                                                   self.encodes_by_reference[reference_hash])
+        self.stats.max_encodes_per_reference = max(
+            self.stats.max_encodes_per_reference, self.encodes_by_reference[reference_hash]
+        )
 
     # -- results -------------------------------------------------------------------------------
     def _collect(self, future: ray.ObjectRef) -> int:
@@ -399,15 +416,24 @@ class BatchScheduler:
             return
         self.transfer_bytes_per_s = ref.nbytes / seconds
         self.stats.measured_transfer_bytes_per_s = self.transfer_bytes_per_s
-        log.info("cross-node RefKV fetch: %.1f MB in %.3f s = %.2f Gbit/s; re-encoding on another node is "
-                 "chosen when its encode is faster", ref.nbytes / 1e6, seconds, 8 * self.transfer_bytes_per_s / 1e9)
+        log.info(
+            "cross-node RefKV fetch: %.1f MB in %.3f s = %.2f Gbit/s; re-encoding on another node is "
+            "chosen when its encode is faster",
+            ref.nbytes / 1e6,
+            seconds,
+            8 * self.transfer_bytes_per_s / 1e9,
+        )
 
     def _encode_result(self, future: ray.ObjectRef, index: int, ref: _Reference) -> None:
         try:
             info: EncodeInfo = ray.get(future, timeout=0)  # the small return; the RefKV stays where it is
         except Exception as e:
-            log.warning("encode of reference %s on worker %d failed (%s); its renders will encode it themselves",
-                        ref.task.reference_hash[:12], index, type(e).__name__)
+            log.warning(
+                "encode of reference %s on worker %d failed (%s); its renders will encode it themselves",
+                ref.task.reference_hash[:12],
+                index,
+                type(e).__name__,
+            )
             ref.object_ref, ref.ready = None, False
             ref.holders.discard(index)
             return
@@ -430,8 +456,13 @@ class BatchScheduler:
     def _worker_failed(self, index: int, ref: _Reference, task: RenderTask, error: Exception) -> int:
         worker = self.workers[index]
         self.stats.worker_failures += 1
-        log.warning("worker %d failed a batch of %d (%s: %s); requeueing, probing the worker", index,
-                    len(task.items), type(error).__name__, str(error).splitlines()[0][:200])
+        log.warning(
+            "worker %d failed a batch of %d (%s: %s); requeueing, probing the worker",
+            index,
+            len(task.items),
+            type(error).__name__,
+            str(error).splitlines()[0][:200],
+        )
         for r in self._open:
             r.holders.discard(index)  # a restarted worker has an empty device cache
         if worker.available and not worker.retired:
@@ -469,8 +500,12 @@ class BatchScheduler:
                     worker.retired = True
                     self.stats.retired_workers += 1
                     self._count_workers()
-                    log.error("worker %d is dead (%s after %d probes); retiring it", index, type(e).__name__,
-                              worker.probe_failures)
+                    log.error(
+                        "worker %d is dead (%s after %d probes); retiring it",
+                        index,
+                        type(e).__name__,
+                        worker.probe_failures,
+                    )
                     kill(worker.handle)
                     return
             worker.probe_due = time.monotonic() + self.config.probe_interval_s

@@ -25,10 +25,17 @@ class ReferenceTask:
         return (self.reference_hash, self.ref_caption, self.ref_megapixels, self.width // 16, self.height // 16)
 
     @staticmethod
-    def for_item(item: WorkItem) -> "ReferenceTask":
+    def for_item(item: WorkItem) -> ReferenceTask:
         s = item.settings
-        return ReferenceTask(item.reference_hash, tuple(item.reference.uris), item.reference.layout,
-                             s.ref_caption, s.ref_megapixels, s.width, s.height)
+        return ReferenceTask(
+            item.reference_hash,
+            tuple(item.reference.uris),
+            item.reference.layout,
+            s.ref_caption,
+            s.ref_megapixels,
+            s.width,
+            s.height,
+        )
 
 
 @dataclass(frozen=True)

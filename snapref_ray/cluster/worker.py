@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.adapter.refkv_cache import RefKVCache
-from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.batch_fit import BatchFitter
+from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.output_writer import OutputWriter
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.requests import RenderRequest
@@ -34,7 +34,12 @@ log = logging.getLogger(__name__)
 
 # Errors that mean "the RefKV object is gone from the object store" (its node died): the worker
 # re-encodes the reference itself instead of failing the items.
-_LOST_OBJECT_ERRORS = ("ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError", "ReferenceCountingAssertionError")
+_LOST_OBJECT_ERRORS = (
+    "ObjectLostError",
+    "OwnerDiedError",
+    "ObjectFetchTimedOutError",
+    "ReferenceCountingAssertionError",
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,6 @@ class WorkerConfig:
     compile: bool = False  # DiT forward through torch.compile (models/compiled.py)
     warmup_sizes: tuple[tuple[int, int], ...] = ()  # (width, height) graphs compiled at start when compiling
     output_threads: int = 4  # encode/upload threads (output_writer.py); 0 = store inline, the device waits
-
 
 
 def build_renderer(config: WorkerConfig):
@@ -81,8 +85,14 @@ def build_renderer(config: WorkerConfig):
     adapter = local(config.adapter) if config.adapter else (str(files.adapter) if files.adapter else None)
     device = None if config.device == "auto" else config.device
     dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
-    return Renderer(files, adapter=adapter, loras=[(local(p), s) for p, s in config.loras], device=device, dtype=dtype,
-                    compile=config.compile)
+    return Renderer(
+        files,
+        adapter=adapter,
+        loras=[(local(p), s) for p, s in config.loras],
+        device=device,
+        dtype=dtype,
+        compile=config.compile,
+    )
 
 
 class RenderWorker:
@@ -118,15 +128,31 @@ class RenderWorker:
         sizes = self.config.warmup_sizes if self.config.compile and self.config.warmup_sizes else ((256, 256),)
         with self._device_lock:
             for width, height in sizes:
-                self.renderer.render([RenderRequest(prompt="warm-up", settings=RenderSettings(
-                    width=width, height=height, steps=1, cfg=1.0 if not self.config.compile else 2.0,
-                    sampler="euler"))])
+                self.renderer.render(
+                    [
+                        RenderRequest(
+                            prompt="warm-up",
+                            settings=RenderSettings(
+                                width=width,
+                                height=height,
+                                steps=1,
+                                cfg=1.0 if not self.config.compile else 2.0,
+                                sampler="euler",
+                            ),
+                        )
+                    ]
+                )
         log.info("worker %s warmed up in %.2f s", self.worker_id, time.perf_counter() - t0)
 
     # -- called by the driver ------------------------------------------------------------------
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, self.node_id, str(getattr(self.renderer, "device", "cpu")), os.getpid(),
-                          float(getattr(self.renderer, "load_seconds", 0.0)))
+        return WorkerInfo(
+            self.worker_id,
+            self.node_id,
+            str(getattr(self.renderer, "device", "cpu")),
+            os.getpid(),
+            float(getattr(self.renderer, "load_seconds", 0.0)),
+        )
 
     def pid(self) -> int:
         return os.getpid()
@@ -187,11 +213,12 @@ class RenderWorker:
         s = requests[0].settings
         rows = 1 + (s.cfg != 1.0) + (s.ref_guidance != 1.0 and s.ref_weight > 0)
         probe_request = RenderRequest(prompt="batch-size probe", settings=s.model_copy(update={"steps": 1}))
-        limit = self.batch_fit.limit(s.width, s.height, rows, len(requests),
-                                     probe=lambda: self.renderer.render([probe_request], refkv=kv))
+        limit = self.batch_fit.limit(
+            s.width, s.height, rows, len(requests), probe=lambda: self.renderer.render([probe_request], refkv=kv)
+        )
         results, forward_batches = [], []
         for start in range(0, len(requests), limit):
-            chunk = requests[start:start + limit]
+            chunk = requests[start : start + limit]
             results += self.renderer.render(chunk, refkv=kv)
             forward_batches += [len(chunk)] * len(chunk)
         return results, forward_batches
@@ -200,21 +227,38 @@ class RenderWorker:
         """The batch this worker chose per resolution (empty on a CPU worker)."""
         return [dataclasses.asdict(limit) for limit in self.batch_fit.limits.values()]
 
-    def _submit_stores(self, task: RenderTask, results: list, forward_batches: list[int], kv: RefKV,
-                       started: float) -> list:
-        return self.writer.submit_all([functools.partial(self._store, task, item, result, batch, kv, started)
-                                       for item, result, batch in zip(task.items, results, forward_batches)])
+    def _submit_stores(
+        self, task: RenderTask, results: list, forward_batches: list[int], kv: RefKV, started: float
+    ) -> list:
+        return self.writer.submit_all(
+            [
+                functools.partial(self._store, task, item, result, batch, kv, started)
+                for item, result, batch in zip(task.items, results, forward_batches)
+            ]
+        )
 
     # -- internals -------------------------------------------------------------------------------
     def _encode(self, task: ReferenceTask) -> RefKV:
         images = [read_uri(uri, self.config.s3) for uri in task.uris]
         with self._device_lock:
-            kv = self.renderer.encode_reference(images, layout=task.layout, ref_caption=task.ref_caption,
-                                                ref_megapixels=task.ref_megapixels, width=task.width,
-                                                height=task.height, sources=list(task.uris))
+            kv = self.renderer.encode_reference(
+                images,
+                layout=task.layout,
+                ref_caption=task.ref_caption,
+                ref_megapixels=task.ref_megapixels,
+                width=task.width,
+                height=task.height,
+                sources=list(task.uris),
+            )
         self.metrics.encodes.inc(1, self.tags)
-        log.info("worker %s encoded reference %s (%d tokens, %.1f MB) in %.2f s", self.worker_id,
-                 task.reference_hash[:12], kv.num_tokens, kv.nbytes / 1e6, kv.encode_seconds)
+        log.info(
+            "worker %s encoded reference %s (%d tokens, %.1f MB) in %.2f s",
+            self.worker_id,
+            task.reference_hash[:12],
+            kv.num_tokens,
+            kv.nbytes / 1e6,
+            kv.encode_seconds,
+        )
         return kv
 
     def _refkv_for(self, ref: ReferenceTask, handle: list | None) -> tuple[RefKV, bool]:
@@ -252,8 +296,12 @@ class RenderWorker:
                 except Exception as e:
                     if type(e).__name__ not in _LOST_OBJECT_ERRORS:
                         raise
-                    log.warning("worker %s: RefKV of %s lost from the object store (%s); re-encoding",
-                                self.worker_id, ref.reference_hash[:12], type(e).__name__)
+                    log.warning(
+                        "worker %s: RefKV of %s lost from the object store (%s); re-encoding",
+                        self.worker_id,
+                        ref.reference_hash[:12],
+                        type(e).__name__,
+                    )
             source = "encoded"
             return self._encode(ref)
 
@@ -266,9 +314,16 @@ class RenderWorker:
         s = result.request.settings  # as rendered: the adapter kind's defaults filled in
         fmt = self.config.image_format
         image_bytes = encode_rendered_image(
-            result.image, prompt=item.prompt, seed=item.seed, settings=s.model_dump(),
-            model=getattr(self.renderer, "model_id", ""), adapter=kv.adapter_id,
-            reference_hash=item.reference_hash, item_id=item.item_id, fmt=fmt)
+            result.image,
+            prompt=item.prompt,
+            seed=item.seed,
+            settings=s.model_dump(),
+            model=getattr(self.renderer, "model_id", ""),
+            adapter=kv.adapter_id,
+            reference_hash=item.reference_hash,
+            item_id=item.item_id,
+            fmt=fmt,
+        )
         image_key = f"images/{item.item_id}.{'jpg' if fmt == 'jpeg' else fmt}"
         thumb_key = f"thumbs/{item.item_id}.jpg"
         self.storage.put_bytes(image_key, image_bytes)
@@ -277,19 +332,45 @@ class RenderWorker:
         upload_s = time.perf_counter() - t0
         t = result.timings
         row = {
-            "item_id": item.item_id, "manifest_row": item.manifest_row, "reference_uris": list(item.reference.uris),
-            "reference_hash": item.reference_hash, "reference_image_key": reference_key,
-            "prompt": item.prompt, "negative_prompt": s.negative_prompt, "seed": item.seed,
-            "width": s.width, "height": s.height, "steps": s.steps, "cfg": s.cfg, "sampler": s.sampler,
-            "scheduler": s.scheduler, "mode": s.mode, "ref_weight": s.ref_weight, "ref_guidance": s.ref_guidance,
-            "ref_in_uncond": s.ref_in_uncond, "correction": s.correction, "ref_start": s.ref_start,
-            "ref_end": s.ref_end, "ref_caption": s.ref_caption, "settings_json": s.model_dump_json(),
-            "image_key": image_key, "image_uri": self.storage.uri_for(image_key), "thumb_key": thumb_key,
-            "image_format": fmt, "adapter": kv.adapter_id, "model": getattr(self.renderer, "model_id", ""),
-            "worker_id": self.worker_id, "node_id": self.node_id, "encode_s": kv.encode_seconds,
-            "sample_s": t.get("sample_s", 0.0), "decode_s": t.get("decode_s", 0.0), "upload_s": upload_s,
+            "item_id": item.item_id,
+            "manifest_row": item.manifest_row,
+            "reference_uris": list(item.reference.uris),
+            "reference_hash": item.reference_hash,
+            "reference_image_key": reference_key,
+            "prompt": item.prompt,
+            "negative_prompt": s.negative_prompt,
+            "seed": item.seed,
+            "width": s.width,
+            "height": s.height,
+            "steps": s.steps,
+            "cfg": s.cfg,
+            "sampler": s.sampler,
+            "scheduler": s.scheduler,
+            "mode": s.mode,
+            "ref_weight": s.ref_weight,
+            "ref_guidance": s.ref_guidance,
+            "ref_in_uncond": s.ref_in_uncond,
+            "correction": s.correction,
+            "ref_start": s.ref_start,
+            "ref_end": s.ref_end,
+            "ref_caption": s.ref_caption,
+            "settings_json": s.model_dump_json(),
+            "image_key": image_key,
+            "image_uri": self.storage.uri_for(image_key),
+            "thumb_key": thumb_key,
+            "image_format": fmt,
+            "adapter": kv.adapter_id,
+            "model": getattr(self.renderer, "model_id", ""),
+            "worker_id": self.worker_id,
+            "node_id": self.node_id,
+            "encode_s": kv.encode_seconds,
+            "sample_s": t.get("sample_s", 0.0),
+            "decode_s": t.get("decode_s", 0.0),
+            "upload_s": upload_s,
             "forward_batch": forward_batch,
-            "attempt": task.attempts.get(item.item_id, 1), "started_at": started, "finished_at": time.time(),
+            "attempt": task.attempts.get(item.item_id, 1),
+            "started_at": started,
+            "finished_at": time.time(),
         }
         return ItemOutcome(item.item_id, row=row)
 
@@ -309,8 +390,14 @@ class RenderWorker:
 
     def _failed(self, task: RenderTask, error: Exception, stage: str, source: str = "") -> list[ItemOutcome]:
         message = _describe(error)
-        log.error("worker %s: %s failed for %d item(s) (%s): %s", self.worker_id, stage, len(task.items),
-                  ", ".join(i.item_id for i in task.items[:4]), message)
+        log.error(
+            "worker %s: %s failed for %d item(s) (%s): %s",
+            self.worker_id,
+            stage,
+            len(task.items),
+            ", ".join(i.item_id for i in task.items[:4]),
+            message,
+        )
         self.metrics.errors.inc(len(task.items), {"stage": stage})
         return [ItemOutcome(i.item_id, error=message, stage=stage, refkv_source=source) for i in task.items]
 
@@ -329,23 +416,46 @@ class RenderWorker:
             target = prepare_target(read_uri(case["target"], self.config.s3), case["target_megapixels"], case["target"])
             grids, hits = {}, {}
             for role in ("right", "wrong"):
-                ref = ReferenceTask(case[f"{role}_hash"], tuple(case[f"{role}_uris"]), case.get("layout", "single"),
-                                    case["ref_caption"], case["ref_megapixels"], target.width, target.height)
+                ref = ReferenceTask(
+                    case[f"{role}_hash"],
+                    tuple(case[f"{role}_uris"]),
+                    case.get("layout", "single"),
+                    case["ref_caption"],
+                    case["ref_megapixels"],
+                    target.width,
+                    target.height,
+                )
                 kv, hits[role] = self._refkv_for(ref, None)
                 with self._device_lock:
-                    grids[role] = denoising_losses(self.renderer, target, case["prompt"], kv, case["sigmas"],
-                                                   case["noise_seeds"], mode=case["mode"],
-                                                   ref_weight=case["ref_weight"]).tolist()
+                    grids[role] = denoising_losses(
+                        self.renderer,
+                        target,
+                        case["prompt"],
+                        kv,
+                        case["sigmas"],
+                        case["noise_seeds"],
+                        mode=case["mode"],
+                        ref_weight=case["ref_weight"],
+                    ).tolist()
         except Exception as e:
             log.error("worker %s: case %s failed: %s", self.worker_id, case.get("case_id"), _describe(e))
             return {"case_id": case.get("case_id"), "error": _describe(e)}
         adapter = getattr(self.renderer, "adapter", None)
-        return {"case_id": case["case_id"], "loss_right": grids["right"], "loss_wrong": grids["wrong"],
-                "width": target.width, "height": target.height, "right_cache_hit": hits["right"],
-                "wrong_cache_hit": hits["wrong"], "seconds": time.perf_counter() - t0, "worker_id": self.worker_id,
-                "model": getattr(self.renderer, "model_id", ""), "adapter": getattr(adapter, "identity", None),
-                "device": str(getattr(self.renderer, "device", "cpu")),
-                "dtype": str(getattr(self.renderer, "dtype", "")).removeprefix("torch.")}
+        return {
+            "case_id": case["case_id"],
+            "loss_right": grids["right"],
+            "loss_wrong": grids["wrong"],
+            "width": target.width,
+            "height": target.height,
+            "right_cache_hit": hits["right"],
+            "wrong_cache_hit": hits["wrong"],
+            "seconds": time.perf_counter() - t0,
+            "worker_id": self.worker_id,
+            "model": getattr(self.renderer, "model_id", ""),
+            "adapter": getattr(adapter, "identity", None),
+            "device": str(getattr(self.renderer, "device", "cpu")),
+            "dtype": str(getattr(self.renderer, "dtype", "")).removeprefix("torch."),
+        }
 
 
 def _describe(error: BaseException) -> str:

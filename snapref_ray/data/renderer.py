@@ -42,22 +42,52 @@ log = logging.getLogger(__name__)
 
 # The job's metadata columns that mean the same here (no manifest row, no output keys, no upload).
 _METADATA_COLUMNS = (
-    "item_id", "reference_uris", "reference_hash", "prompt", "negative_prompt", "seed", "width", "height", "steps",
-    "cfg", "sampler", "scheduler", "mode", "ref_weight", "ref_guidance", "ref_in_uncond", "correction", "ref_start",
-    "ref_end", "ref_caption", "settings_json", "image_format", "adapter", "model", "worker_id", "node_id", "encode_s",
-    "sample_s", "decode_s", "started_at", "finished_at",
+    "item_id",
+    "reference_uris",
+    "reference_hash",
+    "prompt",
+    "negative_prompt",
+    "seed",
+    "width",
+    "height",
+    "steps",
+    "cfg",
+    "sampler",
+    "scheduler",
+    "mode",
+    "ref_weight",
+    "ref_guidance",
+    "ref_in_uncond",
+    "correction",
+    "ref_start",
+    "ref_end",
+    "ref_caption",
+    "settings_json",
+    "image_format",
+    "adapter",
+    "model",
+    "worker_id",
+    "node_id",
+    "encode_s",
+    "sample_s",
+    "decode_s",
+    "started_at",
+    "finished_at",
 )
-OUTPUT_SCHEMA = pa.schema([METADATA_SCHEMA.field(name) for name in _METADATA_COLUMNS] + [
-    pa.field("image", pa.binary()),  # PNG with the `parameters` and `snapref` chunks; null on error rows
-    pa.field("error", pa.string()),  # "field 'x': ..." / "TypeName: message"; null on good rows
-    pa.field("error_stage", pa.string()),  # validate | encode | sample | write, as in a job's errors table
-    pa.field("refkv_cache_hit", pa.bool_()),  # the reference's RefKV was already in this actor's LRU
-    pa.field("batch_id", pa.string()),  # rows rendered in one batched forward share it
-    pa.field("batch_index", pa.int32()),  # position in that forward
-    pa.field("batch_size", pa.int32()),
-    pa.field("actor_encodes", pa.int64()),  # this actor's reference encodes so far (after this batch)
-    pa.field("actor_cache_hits", pa.int64()),  # this actor's RefKV cache hits so far
-])
+OUTPUT_SCHEMA = pa.schema(
+    [METADATA_SCHEMA.field(name) for name in _METADATA_COLUMNS]
+    + [
+        pa.field("image", pa.binary()),  # PNG with the `parameters` and `snapref` chunks; null on error rows
+        pa.field("error", pa.string()),  # "field 'x': ..." / "TypeName: message"; null on good rows
+        pa.field("error_stage", pa.string()),  # validate | encode | sample | write, as in a job's errors table
+        pa.field("refkv_cache_hit", pa.bool_()),  # the reference's RefKV was already in this actor's LRU
+        pa.field("batch_id", pa.string()),  # rows rendered in one batched forward share it
+        pa.field("batch_index", pa.int32()),  # position in that forward
+        pa.field("batch_size", pa.int32()),
+        pa.field("actor_encodes", pa.int64()),  # this actor's reference encodes so far (after this batch)
+        pa.field("actor_cache_hits", pa.int64()),  # this actor's RefKV cache hits so far
+    ]
+)
 
 
 @dataclass
@@ -82,27 +112,47 @@ class SnapRefRenderer:
     (benchmarks use a simulated GPU).
     """
 
-    def __init__(self, models: str | dict, *, adapter: str | None = None, loras: Sequence[dict | tuple] = (),
-                 defaults: dict | None = None, device: str = "auto", dtype: str = "auto",
-                 refkv_cache_bytes: int = 8 * 2**30, max_batch: int = 4, references_base: str | None = None,
-                 s3: dict | None = None, model_cache_dir: str | None = None, allow_empty_prompt: bool = False,
-                 renderer_factory: Callable | None = None) -> None:
+    def __init__(
+        self,
+        models: str | dict,
+        *,
+        adapter: str | None = None,
+        loras: Sequence[dict | tuple] = (),
+        defaults: dict | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        refkv_cache_bytes: int = 8 * 2**30,
+        max_batch: int = 4,
+        references_base: str | None = None,
+        s3: dict | None = None,
+        model_cache_dir: str | None = None,
+        allow_empty_prompt: bool = False,
+        renderer_factory: Callable | None = None,
+    ) -> None:
         from snapref_ray.cluster.worker import WorkerConfig, build_renderer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         paths = ModelPaths.model_validate({"models_dir": models} if isinstance(models, str) else models)
-        lora_specs = [LoRASpec.model_validate(x if isinstance(x, dict) else {"path": x[0], "strength": x[1]})
-                      for x in loras]
+        lora_specs = [
+            LoRASpec.model_validate(x if isinstance(x, dict) else {"path": x[0], "strength": x[1]}) for x in loras
+        ]
         shape = ClusterSpec(device=device, dtype=dtype, refkv_cache_bytes=refkv_cache_bytes, max_batch=max_batch)
         self.s3 = S3Spec.model_validate(s3 or {}).options()
         self.defaults = RowDefaults.model_validate(defaults or {})
         self.references_base = references_base
         self.allow_empty_prompt = allow_empty_prompt
         self.max_batch = shape.max_batch
-        config = WorkerConfig(models=paths.model_dump(), adapter=adapter,
-                              loras=tuple((lora.path, lora.strength) for lora in lora_specs), device=shape.device,
-                              dtype=shape.dtype, refkv_cache_bytes=shape.refkv_cache_bytes, s3=self.s3,
-                              warmup=False, model_cache_dir=model_cache_dir)
+        config = WorkerConfig(
+            models=paths.model_dump(),
+            adapter=adapter,
+            loras=tuple((lora.path, lora.strength) for lora in lora_specs),
+            device=shape.device,
+            dtype=shape.dtype,
+            refkv_cache_bytes=shape.refkv_cache_bytes,
+            s3=self.s3,
+            warmup=False,
+            model_cache_dir=model_cache_dir,
+        )
         self.renderer = (renderer_factory or build_renderer)(config)
         self.cache = RefKVCache(shape.refkv_cache_bytes)
         self.node_id, self.worker_id = _identity()
@@ -131,10 +181,19 @@ class SnapRefRenderer:
             stats = self.cache.stats
             for row in out:
                 row["actor_encodes"], row["actor_cache_hits"] = stats.encodes, stats.hits
-        log.info("%s: batch %d, %d rows (%d failed): %d reference encodes, %d cache hits; actor totals %d encodes, "
-                 "%d hits, %.0f MB cached", self.worker_id, self._batches, len(rows),
-                 sum(r["error"] is not None for r in out), stats.encodes - encodes0, stats.hits - hits0,
-                 stats.encodes, stats.hits, self.cache.nbytes / 1e6)
+        log.info(
+            "%s: batch %d, %d rows (%d failed): %d reference encodes, %d cache hits; actor totals %d encodes, "
+            "%d hits, %.0f MB cached",
+            self.worker_id,
+            self._batches,
+            len(rows),
+            sum(r["error"] is not None for r in out),
+            stats.encodes - encodes0,
+            stats.hits - hits0,
+            stats.encodes,
+            stats.hits,
+            self.cache.nbytes / 1e6,
+        )
         return _output_table(columns, out)
 
     # -- steps ----------------------------------------------------------------------------------
@@ -144,8 +203,9 @@ class SnapRefRenderer:
         pending = []
         for index, row in enumerate(rows):
             try:
-                request = parse_row(row, self.defaults, references_base=self.references_base,
-                                    allow_empty_prompt=self.allow_empty_prompt)
+                request = parse_row(
+                    row, self.defaults, references_base=self.references_base, allow_empty_prompt=self.allow_empty_prompt
+                )
                 images = []
                 for member, column in zip(request.reference.members, request.reference.columns):
                     if isinstance(member, bytes):
@@ -154,7 +214,7 @@ class SnapRefRenderer:
                     if member not in files:
                         try:
                             files[member] = read_uri(member, self.s3)
-                        except Exception as e:  # noqa: BLE001 — the row's error, not the actor's
+                        except Exception as e:
                             files[member] = e
                     data = files[member]
                     if isinstance(data, Exception):
@@ -174,7 +234,9 @@ class SnapRefRenderer:
         by_key: dict[tuple, list[_Pending]] = {}
         for p in pending:
             by_key.setdefault((self._refkv_key(p), p.request.settings.batch_key()), []).append(p)
-        return [group[i:i + self.max_batch] for group in by_key.values() for i in range(0, len(group), self.max_batch)]
+        return [
+            group[i : i + self.max_batch] for group in by_key.values() for i in range(0, len(group), self.max_batch)
+        ]
 
     @staticmethod
     def _refkv_key(p: _Pending) -> tuple:
@@ -187,15 +249,25 @@ class SnapRefRenderer:
         s = first.request.settings
         layout = first.request.reference.layout
         sources = first.request.reference.sources()
-        requests = [RenderRequest(prompt=p.request.prompt, seed=p.request.seed, settings=p.request.settings)
-                    for p in group]
+        requests = [
+            RenderRequest(prompt=p.request.prompt, seed=p.request.seed, settings=p.request.settings) for p in group
+        ]
         kv, hit = None, False
         try:
             if not s.recompute_reference_every_step:  # that baseline needs the images at every step, not a RefKV
-                kv, hit = self.cache.get_or_create(self._refkv_key(first), lambda: self.renderer.encode_reference(
-                    first.images, layout=layout, ref_caption=s.ref_caption, ref_megapixels=s.ref_megapixels,
-                    width=s.width, height=s.height, sources=sources))
-        except Exception as e:  # noqa: BLE001 — an unusable reference fails its rows, not the actor
+                kv, hit = self.cache.get_or_create(
+                    self._refkv_key(first),
+                    lambda: self.renderer.encode_reference(
+                        first.images,
+                        layout=layout,
+                        ref_caption=s.ref_caption,
+                        ref_megapixels=s.ref_megapixels,
+                        width=s.width,
+                        height=s.height,
+                        sources=sources,
+                    ),
+                )
+        except Exception as e:
             for p in group:
                 _fail(out[p.index], _describe(e), "encode")
             return
@@ -204,7 +276,7 @@ class SnapRefRenderer:
                 results = self.renderer.render(requests, refkv=kv)
             else:
                 results = self.renderer.render(requests, references=first.images, layout=layout)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             for p in group:
                 _fail(out[p.index], _describe(e), "sample")
             return
@@ -214,7 +286,7 @@ class SnapRefRenderer:
             row = out[p.index]
             try:
                 self._fill(row, p, result, encode_s, started)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 _fail(row, _describe(e), "write")
                 continue
             row.update(refkv_cache_hit=hit, batch_id=batch_id, batch_index=position, batch_size=len(group))
@@ -224,15 +296,35 @@ class SnapRefRenderer:
         item_id = item_id_for(request.explicit_id, 0, p.reference_hash, request.prompt, request.seed, s)
         settings = s.model_dump()
         row["image"] = encode_rendered_image(
-            result.image, prompt=request.prompt, seed=request.seed, settings=settings, model=self.model_id,
-            adapter=self.adapter_id, reference_hash=p.reference_hash, item_id=item_id)
+            result.image,
+            prompt=request.prompt,
+            seed=request.seed,
+            settings=settings,
+            model=self.model_id,
+            adapter=self.adapter_id,
+            reference_hash=p.reference_hash,
+            item_id=item_id,
+        )
         t = result.timings
         row.update({name: settings[name] for name in _METADATA_COLUMNS if name in settings})
-        row.update(item_id=item_id, reference_uris=request.reference.sources(), reference_hash=p.reference_hash,
-                   prompt=request.prompt, seed=request.seed, settings_json=s.model_dump_json(), image_format="png",
-                   adapter=self.adapter_id, model=self.model_id, worker_id=self.worker_id, node_id=self.node_id,
-                   encode_s=encode_s, sample_s=t.get("sample_s", 0.0), decode_s=t.get("decode_s", 0.0),
-                   started_at=started, finished_at=time.time())
+        row.update(
+            item_id=item_id,
+            reference_uris=request.reference.sources(),
+            reference_hash=p.reference_hash,
+            prompt=request.prompt,
+            seed=request.seed,
+            settings_json=s.model_dump_json(),
+            image_format="png",
+            adapter=self.adapter_id,
+            model=self.model_id,
+            worker_id=self.worker_id,
+            node_id=self.node_id,
+            encode_s=encode_s,
+            sample_s=t.get("sample_s", 0.0),
+            decode_s=t.get("decode_s", 0.0),
+            started_at=started,
+            finished_at=time.time(),
+        )
 
     def _hint_unknown_columns(self, names: list[str]) -> None:
         for hint in unknown_column_hints([n for n in names if n not in self._hinted]):
@@ -274,7 +366,7 @@ def _fits(value: Any, kind: pa.DataType) -> bool:
     if pa.types.is_boolean(kind):
         return isinstance(value, bool)
     if pa.types.is_integer(kind):
-        return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
+        return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
     if pa.types.is_floating(kind):
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return False  # lists, binary: only ever ours

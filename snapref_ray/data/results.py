@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 _FETCH_THREADS = 16  # image GETs are I/O bound: S3 latency, not CPU
 
 
-def read_results(output: str, *, s3: S3Options | dict | None = None, images: bool = True,
-                 rows_per_block: int = 256) -> "ray.data.Dataset":
+def read_results(
+    output: str, *, s3: S3Options | dict | None = None, images: bool = True, rows_per_block: int = 256
+) -> ray.data.Dataset:
     """The committed items of the job output `output` (a folder or s3://bucket/prefix) as a Dataset.
 
     One row per item with every metadata column (`storage/metadata.py` METADATA_SCHEMA); with
@@ -40,22 +41,31 @@ def read_results(output: str, *, s3: S3Options | dict | None = None, images: boo
     if not storage.list("metadata/"):
         from snapref_ray.storage.backends import StorageError
 
-        raise StorageError(f"{storage.uri_for('metadata')}/ holds no metadata parts: not a snapref-ray job output "
-                           "(or no item has been committed yet)")
+        raise StorageError(
+            f"{storage.uri_for('metadata')}/ holds no metadata parts: not a snapref-ray job output "
+            "(or no item has been committed yet)"
+        )
     table = read_metadata_table(storage)
     embedded = IMAGE_COLUMN in table.column_names
     if embedded:
         # The job stored struct<bytes, path> for Hugging Face; here `image` is the bytes, as SnapRefRenderer's.
-        table = table.set_column(table.column_names.index(IMAGE_COLUMN), IMAGE_COLUMN,
-                                 pa.compute.struct_field(table.column(IMAGE_COLUMN), "bytes"))
+        table = table.set_column(
+            table.column_names.index(IMAGE_COLUMN),
+            IMAGE_COLUMN,
+            pa.compute.struct_field(table.column(IMAGE_COLUMN), "bytes"),
+        )
         if not images:
             table = table.drop_columns([IMAGE_COLUMN])
     blocks = [table.slice(i, rows_per_block) for i in range(0, table.num_rows, rows_per_block)] or [table]
     ds = ray.data.from_arrow(blocks)
     if not images or (embedded and table.column(IMAGE_COLUMN).null_count == 0):
         return ds
-    return ds.map_batches(_attach_images, batch_format="pyarrow", fn_kwargs={"output": output, "s3": options},
-                          udf_modifying_row_count=False)
+    return ds.map_batches(
+        _attach_images,
+        batch_format="pyarrow",
+        fn_kwargs={"output": output, "s3": options},
+        udf_modifying_row_count=False,
+    )
 
 
 def _attach_images(batch: pa.Table, *, output: str, s3: S3Options | None) -> pa.Table:

@@ -91,13 +91,17 @@ def unknown_column_hints(columns: list[str]) -> list[str]:
     return hints
 
 
-def parse_row(row: dict[str, Any], defaults: RowDefaults, *, references_base: str | None = None,
-              allow_empty_prompt: bool = False) -> RowRequest:
+def parse_row(
+    row: dict[str, Any], defaults: RowDefaults, *, references_base: str | None = None, allow_empty_prompt: bool = False
+) -> RowRequest:
     """Check a row (cells already `plain`); raises `RowInputError` for the first problem found."""
     for name in ONE_ROW_PER_ROW:
         if row.get(name) is not None:
-            raise RowInputError(name, f"a Ray Data row renders one image; give `seed` and explode `{name}` into "
-                                      "rows upstream (Dataset.flat_map)")
+            raise RowInputError(
+                name,
+                f"a Ray Data row renders one image; give `seed` and explode `{name}` into "
+                "rows upstream (Dataset.flat_map)",
+            )
     reference = _parse_reference(row, references_base)
     prompt = row.get("prompt") or ""
     if not isinstance(prompt, str):
@@ -131,16 +135,20 @@ def _parse_reference(row: dict[str, Any], base: str | None) -> ReferenceInput:
     if not forms:
         raise RowInputError("reference", "no reference: give a `reference`, `references` or `left` and `right` column")
     if len(forms) > 1:
-        raise RowInputError(forms[1].split()[0], f"give only one of reference, references or left + right; "
-                                                 f"found {', '.join(forms)}")
+        raise RowInputError(
+            forms[1].split()[0], f"give only one of reference, references or left + right; found {', '.join(forms)}"
+        )
     if forms[0] == "reference":
         values, columns, layout = [row["reference"]], ("reference",), "single"
     elif forms[0] == "references":
         raw = row["references"]
         values = list(raw) if isinstance(raw, list) else _split_list(raw)
         if not values:
-            raise RowInputError("references", "expected a list of images, paths or URIs (a list, a JSON list or "
-                                              f"'a.png|b.png'), got {type(raw).__name__}")
+            raise RowInputError(
+                "references",
+                "expected a list of images, paths or URIs (a list, a JSON list or "
+                f"'a.png|b.png'), got {type(raw).__name__}",
+            )
         columns, layout = ("references",) * len(values), ("single" if len(values) == 1 else "multi")
     else:
         missing = [side for side in ("left", "right") if row.get(side) is None]
@@ -165,8 +173,10 @@ def _reference_member(value: Any, column: str, base: str | None) -> bytes | str:
         return resolve_relative(path, "/")
     if base is None:
         # Ray workers do not run in the driver's directory: a relative path would silently mean another file.
-        raise RowInputError(column, f"relative path {path!r}: give an absolute path or a URI, or pass "
-                                    "references_base= to SnapRefRenderer")
+        raise RowInputError(
+            column,
+            f"relative path {path!r}: give an absolute path or a URI, or pass references_base= to SnapRefRenderer",
+        )
     try:
         return resolve_relative(path, base)
     except ValueError as exc:
@@ -203,5 +213,7 @@ def _arrow_column(values: Any) -> pa.Array:
     try:
         return pa.array(list(array) if array.dtype == object else array)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise TypeError(f"a column mixes value types Arrow cannot hold in one column ({e}); "
-                        "give each column one type (e.g. reference as all paths or all bytes)") from e
+        raise TypeError(
+            f"a column mixes value types Arrow cannot hold in one column ({e}); "
+            "give each column one type (e.g. reference as all paths or all bytes)"
+        ) from e

@@ -12,7 +12,19 @@ from snapref_ray.models.tokenizer import AnimaTokenizer, parse_prompt_weights
 from snapref_ray.models.vae import WanVAE, load_vae
 
 __all__ = [
-    "AnimaDiT", "AnimaTokenizer", "CheckpointError", "DiTConfig", "LoRAError", "PromptEncoder", "Qwen3Encoder",
-    "WanVAE", "load_dit", "load_text_encoder", "load_vae", "merge_loras", "parse_prompt_weights", "read_lora",
+    "AnimaDiT",
+    "AnimaTokenizer",
+    "CheckpointError",
+    "DiTConfig",
+    "LoRAError",
+    "PromptEncoder",
+    "Qwen3Encoder",
+    "WanVAE",
+    "load_dit",
+    "load_text_encoder",
+    "load_vae",
+    "merge_loras",
+    "parse_prompt_weights",
+    "read_lora",
     "real_dit_config",
 ]

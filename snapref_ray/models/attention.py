@@ -98,16 +98,19 @@ class RefRead:
         return self._num_rows  # type: ignore[attr-defined]
 
 
-def sdpa(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
+def sdpa(
+    q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Scaled dot-product attention, the one backend call (PyTorch SDPA, as ComfyUI's default)."""
     return F.scaled_dot_product_attention(q_BHLD, k_BHLD, v_BHLD, attn_mask=bias)
 
 
 # --- attention with its log-sum-exp -------------------------------------------------------------
 
-def sdpa_with_lse(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+
+def sdpa_with_lse(
+    q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T / sqrt(D)) v, log-sum-exp of the scaled logits [B, H, L] fp32), fused kernels only."""
     L = q_BHLD.shape[2]
     if q_BHLD.device.type == "cpu":
@@ -158,8 +161,9 @@ def _lse_read(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     # Every reading row attends to the same reference keys: fold the rows into the query axis
     # ([1, H, R*L, D]) rather than expanding K/V to R rows (stride-0 batches, or R copies).
     q_1HQD = q_RHLD.transpose(0, 1).reshape(1, H, R * L, D)
-    out_1HQD, lse_1HQ = sdpa_with_lse(q_1HQD, ref.k_HLD.to(q_BHLD.dtype).unsqueeze(0),
-                                      ref.v_HLD.to(v_BHLD.dtype).unsqueeze(0))
+    out_1HQD, lse_1HQ = sdpa_with_lse(
+        q_1HQD, ref.k_HLD.to(q_BHLD.dtype).unsqueeze(0), ref.v_HLD.to(v_BHLD.dtype).unsqueeze(0)
+    )
     out_r = out_1HQD.reshape(H, R, L, D).transpose(0, 1)
     lse_r = lse_1HQ.reshape(H, R, L).transpose(0, 1)
     # share of the reference keys in the union's softmax: w e^lse_r / (e^lse_t + w e^lse_r)
@@ -172,15 +176,14 @@ def _lse_read(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     for a, b in runs:
         if a > start:
             pieces.append(out_t[start:a])
-        pieces.append(merged_R[offset:offset + b - a])
+        pieces.append(merged_R[offset : offset + b - a])
         offset, start = offset + b - a, b
     if start < q_BHLD.shape[0]:
         pieces.append(out_t[start:])
     return torch.cat(pieces)
 
 
-def _concat_read_all(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
-                     ref: RefRead) -> torch.Tensor:
+def _concat_read_all(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, ref: RefRead) -> torch.Tensor:
     B = q_BHLD.shape[0]
     k_cat = torch.cat([k_BHLD, _expand_ref(ref.k_HLD, B, q_BHLD.dtype)], dim=2)  # [B, H, Lt + Lr, D]
     v_cat = torch.cat([v_BHLD, _expand_ref(ref.v_HLD, B, v_BHLD.dtype)], dim=2)
@@ -188,8 +191,13 @@ def _concat_read_all(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.T
     if ref.weighted:
         # Multiplying a key's attention mass by w is adding log(w) to its logit.
         Lt, Lr = k_BHLD.shape[2], ref.k_HLD.shape[1]
-        bias = torch.cat([torch.zeros(1, Lt, dtype=q_BHLD.dtype, device=q_BHLD.device),  # broadcast over queries
-                          ref.log_weight.to(q_BHLD.dtype).expand(1, Lr)], dim=1)
+        bias = torch.cat(
+            [
+                torch.zeros(1, Lt, dtype=q_BHLD.dtype, device=q_BHLD.device),  # broadcast over queries
+                ref.log_weight.to(q_BHLD.dtype).expand(1, Lr),
+            ],
+            dim=1,
+        )
     return sdpa(q_BHLD, k_cat, v_cat, bias)
 
 
@@ -201,13 +209,16 @@ def _concat_read(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tenso
     # put them back, so the non-reading rows pay nothing for the reference.
     reading = set(ref.reading)
     out = [None] * B
-    for runs, reads in ((_row_runs(ref.reading), True), (_row_runs(tuple(i for i in range(B) if i not in reading)), False)):
+    for runs, reads in (
+        (_row_runs(ref.reading), True),
+        (_row_runs(tuple(i for i in range(B) if i not in reading)), False),
+    ):
         q, k, v = (_take_rows(t, runs) for t in (q_BHLD, k_BHLD, v_BHLD))
         o = _concat_read_all(q, k, v, ref) if reads else sdpa(q, k, v)
         i = 0
         for a, b in runs:
             for r in range(a, b):
-                out[r] = o[i:i + 1]
+                out[r] = o[i : i + 1]
                 i += 1
     return torch.cat(out)
 
@@ -239,8 +250,14 @@ def _flex_read(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
 _READS = {"lse": _lse_read, "flex": _flex_read, "concat": _concat_read}
 
 
-def attention(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
-              ref: RefRead | None = None, *, form: str | None = None) -> torch.Tensor:
+def attention(
+    q_BHLD: torch.Tensor,
+    k_BHLD: torch.Tensor,
+    v_BHLD: torch.Tensor,
+    ref: RefRead | None = None,
+    *,
+    form: str | None = None,
+) -> torch.Tensor:
     """Self-attention of the target tokens, optionally reading a reference; returns [B, L, H*D].
 
     q, k are already normalised and rotated (RoPE); v is as projected. `form` overrides

@@ -10,7 +10,35 @@ from __future__ import annotations
 
 # Old (28-block) index k -> new (40-block) index INHERITED_28_TO_40[k].
 INHERITED_28_TO_40: tuple[int, ...] = (
-    0, 1, 3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 19, 20, 22, 23, 25, 26, 28, 29, 31, 32, 34, 35, 37, 38, 39)
+    0,
+    1,
+    3,
+    4,
+    6,
+    7,
+    9,
+    10,
+    12,
+    13,
+    15,
+    16,
+    18,
+    19,
+    20,
+    22,
+    23,
+    25,
+    26,
+    28,
+    29,
+    31,
+    32,
+    34,
+    35,
+    37,
+    38,
+    39,
+)
 # The 12 blocks added by the expansion; they have no counterpart in a 28-block adapter.
 INSERTED_28_TO_40: tuple[int, ...] = (2, 5, 8, 11, 14, 17, 21, 24, 27, 30, 33, 36)
 
@@ -31,5 +59,6 @@ def adapter_block_map(adapter_blocks: int, model_blocks: int) -> list[int]:
         supported = ", ".join(f"{a} -> {m}" for a, m in KNOWN_MAPS)
         raise BlockLayoutError(
             f"an adapter with {adapter_blocks} blocks cannot be attached to a model with {model_blocks} blocks"
-            f" (supported: equal counts, or {supported})")
+            f" (supported: equal counts, or {supported})"
+        )
     return list(known)

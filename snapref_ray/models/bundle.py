@@ -31,10 +31,18 @@ class ModelFiles:
 
 
 _CANDIDATES = {
-    "dit": ["dit.safetensors", "anima-base-v1.0.safetensors", "anima*.safetensors",
-            "diffusion_models/anima*.safetensors"],
-    "text_encoder": ["text_encoder.safetensors", "qwen_3_06b_base.safetensors", "qwen*3*.safetensors",
-                     "text_encoders/qwen_3_06b_base.safetensors"],
+    "dit": [
+        "dit.safetensors",
+        "anima-base-v1.0.safetensors",
+        "anima*.safetensors",
+        "diffusion_models/anima*.safetensors",
+    ],
+    "text_encoder": [
+        "text_encoder.safetensors",
+        "qwen_3_06b_base.safetensors",
+        "qwen*3*.safetensors",
+        "text_encoders/qwen_3_06b_base.safetensors",
+    ],
     "vae": ["vae.safetensors", "qwen_image_vae.safetensors", "*vae*.safetensors", "vae/qwen_image_vae.safetensors"],
     "qwen_tokenizer": ["tokenizers/qwen", "qwen", "qwen25_tokenizer", "tokenizers/qwen25_tokenizer"],
     "t5_tokenizer": ["tokenizers/t5", "t5", "t5_tokenizer", "tokenizers/t5_tokenizer"],
@@ -54,7 +62,9 @@ def resolve_model_files(models_dir: str | Path) -> ModelFiles:
     """Find the DiT, text encoder, VAE, tokenizers (and an adapter, if any) in one folder."""
     root = Path(models_dir).expanduser()
     if not root.is_dir():
-        raise ModelFilesError(f"model folder {root} does not exist (make a tiny set with `snapref-ray make-tiny {root}`)")
+        raise ModelFilesError(
+            f"model folder {root} does not exist (make a tiny set with `snapref-ray make-tiny {root}`)"
+        )
     found: dict[str, Path | None] = {name: _find(root, pats) for name, pats in _CANDIDATES.items()}
     missing = [name for name, path in found.items() if path is None and name != "adapter"]
     if missing:

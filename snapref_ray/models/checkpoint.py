@@ -48,7 +48,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict[str, str]]:
         if header_len > min(size - 8, 100 * 2**20):
             raise CheckpointError(
                 f"{path}: not a safetensors file (header length {header_len} does not fit a {size}-byte file;"
-                " a pickle .ckpt/.pt file, or a truncated download?)")
+                " a pickle .ckpt/.pt file, or a truncated download?)"
+            )
         raw = f.read(header_len)
     try:
         header = json.loads(raw)
@@ -66,7 +67,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict[str, str]]:
         if end > data_len or start > end:
             raise CheckpointError(
                 f"{path}: file is truncated: tensor {key!r} ends at byte {end} of the data section,"
-                f" which holds only {data_len} bytes")
+                f" which holds only {data_len} bytes"
+            )
     return header, metadata
 
 
@@ -93,7 +95,7 @@ def strip_prefix(sd: StateDict, prefixes: tuple[str, ...] = DIT_PREFIXES) -> Sta
     for prefix in prefixes:
         n = sum(1 for k in sd if k.startswith(prefix))
         if n and n >= len(sd) // 2:
-            return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in sd.items()}
+            return {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in sd.items()}
     return dict(sd)
 
 
@@ -110,8 +112,15 @@ def split_scales(sd: StateDict) -> tuple[StateDict, dict[str, torch.Tensor]]:
     return weights, scales
 
 
-def load_into_module(module: nn.Module, sd: StateDict, *, source: str, dtype: torch.dtype | None,
-                     device: torch.device | str | None = None, keep_fp8: bool = True) -> None:
+def load_into_module(
+    module: nn.Module,
+    sd: StateDict,
+    *,
+    source: str,
+    dtype: torch.dtype | None,
+    device: torch.device | str | None = None,
+    keep_fp8: bool = True,
+) -> None:
     """Assign every parameter of `module` from `sd`, checking names and shapes.
 
     Float8 weights of `Linear` layers stay float8 (with their scale) when `keep_fp8`, and are
@@ -135,7 +144,7 @@ def load_into_module(module: nn.Module, sd: StateDict, *, source: str, dtype: to
         log.info("%s: ignoring %d tensor(s) the model does not use (e.g. %s)", source, len(extra), extra[0])
 
     modules = dict(module.named_modules())
-    for key, param in expected.items():
+    for key in expected:
         tensor = weights[key]
         owner_name, _, leaf = key.rpartition(".")
         owner = modules[owner_name]

@@ -24,8 +24,9 @@ import torch
 RECOMPILE_LIMIT = 64
 
 
-def compile_forward(dit: torch.nn.Module, *, mode: str | None = None,
-                    backend: str | Callable = "inductor") -> Callable[..., torch.Tensor]:
+def compile_forward(
+    dit: torch.nn.Module, *, mode: str | None = None, backend: str | Callable = "inductor"
+) -> Callable[..., torch.Tensor]:
     """dit.forward compiled (see the module docstring); `mode` and `backend` are torch.compile's."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)

@@ -54,8 +54,9 @@ class PromptEncoder:
     assumed fixed for the lifetime of the encoder; call `clear_cache()` after changing them.
     """
 
-    def __init__(self, tokenizer: AnimaTokenizer, text_encoder: Qwen3Encoder, llm_adapter: LLMAdapter,
-                 cache_size: int = 32) -> None:
+    def __init__(
+        self, tokenizer: AnimaTokenizer, text_encoder: Qwen3Encoder, llm_adapter: LLMAdapter, cache_size: int = 32
+    ) -> None:
         self.tokenizer = tokenizer
         self.text_encoder = text_encoder
         self.llm_adapter = llm_adapter
@@ -68,8 +69,9 @@ class PromptEncoder:
         with self._lock:
             self._cache.clear()
 
-    def encode(self, prompt: str, dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None) -> torch.Tensor:
+    def encode(
+        self, prompt: str, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> torch.Tensor:
         """One prompt -> context [1, max(512, Lt), Dctx].
 
         dtype: the dtype the adapter runs in and the context comes out in (ComfyUI: the DiT's
@@ -106,8 +108,9 @@ class PromptEncoder:
             out = F.pad(out, (0, 0, 0, CONTEXT_ROWS - out.shape[1]))
         return out
 
-    def encode_batch(self, prompts: Sequence[str], dtype: torch.dtype | None = None,
-                     device: torch.device | str | None = None) -> torch.Tensor:
+    def encode_batch(
+        self, prompts: Sequence[str], dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> torch.Tensor:
         """Several prompts -> contexts stacked to [B, max rows, Dctx].
 
         Every context has 512 rows unless its prompt has more than 511 T5 tokens, so the usual

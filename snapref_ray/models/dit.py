@@ -33,9 +33,18 @@ from snapref_ray.models.rope import apply_rope, dit_rope
 PATCH = 2  # spatial patch size; the temporal patch is 1
 EPS = 1e-6
 # The ten linears of a block that runtime LoRAs (and SnapRef's reference branch) can adapt.
-BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.output_proj",
-                 "cross_attn.q_proj", "cross_attn.k_proj", "cross_attn.v_proj", "cross_attn.output_proj",
-                 "mlp.layer1", "mlp.layer2")
+BLOCK_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.output_proj",
+    "cross_attn.q_proj",
+    "cross_attn.k_proj",
+    "cross_attn.v_proj",
+    "cross_attn.output_proj",
+    "mlp.layer1",
+    "mlp.layer2",
+)
 _NO_LORA: BlockLoRA = {}
 KVSink = list[tuple[torch.Tensor, torch.Tensor]]
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -56,13 +65,14 @@ class DiTConfig:
     adapter: LLMAdapterConfig
 
     @classmethod
-    def from_state_dict(cls, sd: Mapping[str, torch.Tensor], *, source: str = "state dict") -> "DiTConfig":
+    def from_state_dict(cls, sd: Mapping[str, torch.Tensor], *, source: str = "state dict") -> DiTConfig:
         """Infer the config from a state dict whose file prefix (`net.` etc.) is already stripped."""
 
         def shape(key: str) -> tuple[int, ...]:
             if key not in sd:
-                raise CheckpointError(f"{source}: missing tensor {key!r}, needed to infer the model's shape"
-                                      " (is this an Anima DiT file?)")
+                raise CheckpointError(
+                    f"{source}: missing tensor {key!r}, needed to infer the model's shape (is this an Anima DiT file?)"
+                )
             return tuple(sd[key].shape)
 
         model_channels, patch_features = shape("x_embedder.proj.1.weight")
@@ -84,8 +94,17 @@ class DiTConfig:
 
 def real_dit_config(num_blocks: int = 28) -> DiTConfig:
     """Anima base (28 blocks) or Anima-2.9B (40 blocks) at real size."""
-    return DiTConfig(model_channels=2048, num_blocks=num_blocks, num_heads=16, head_dim=128, in_channels=16,
-                     context_dim=1024, adaln_lora_dim=256, mlp_hidden=8192, adapter=LLMAdapterConfig())
+    return DiTConfig(
+        model_channels=2048,
+        num_blocks=num_blocks,
+        num_heads=16,
+        head_dim=128,
+        in_channels=16,
+        context_dim=1024,
+        adaln_lora_dim=256,
+        mlp_hidden=8192,
+        adapter=LLMAdapterConfig(),
+    )
 
 
 class TimeEmbedding(NamedTuple):
@@ -96,6 +115,7 @@ class TimeEmbedding(NamedTuple):
 
 
 # --- small functions the blocks are written in -----------------------------------------------
+
 
 def timestep_sinusoid(sigma_B: torch.Tensor, dim: int) -> torch.Tensor:
     """[cos(t f_k), sin(t f_k)] with f_k = 10000^(-k / (dim/2)), cos first, fp32: [B, dim]."""
@@ -151,6 +171,7 @@ def unpatchify(y_BLF: torch.Tensor, grid: tuple[int, int, int], channels: int) -
 
 # --- sub-layers -------------------------------------------------------------------------------
 
+
 class SelfAttention(nn.Module):
     """Self-attention over the image tokens with per-head q/k RMSNorm and 3D RoPE."""
 
@@ -164,8 +185,9 @@ class SelfAttention(nn.Module):
         self.v_proj = Linear(dim, num_heads * head_dim)
         self.output_proj = Linear(num_heads * head_dim, dim)
 
-    def forward(self, h_BLD: torch.Tensor, rope: Rope, lora: BlockLoRA, ref: RefRead | None,
-                kv_sink: KVSink | None) -> torch.Tensor:
+    def forward(
+        self, h_BLD: torch.Tensor, rope: Rope, lora: BlockLoRA, ref: RefRead | None, kv_sink: KVSink | None
+    ) -> torch.Tensor:
         B, L, _ = h_BLD.shape
         q_BLHD = self.q_proj(h_BLD, lora.get("self_attn.q_proj")).view(B, L, self.num_heads, -1)
         k_BLHD = self.k_proj(h_BLD, lora.get("self_attn.k_proj")).view(B, L, self.num_heads, -1)
@@ -197,8 +219,9 @@ class CrossAttention(nn.Module):
         q_BHLD = self.q_norm(self.q_proj(h_BLD, lora.get("cross_attn.q_proj")).view(B, L, self.num_heads, -1))
         k_BHSD = self.k_norm(self.k_proj(context_BSC, lora.get("cross_attn.k_proj")).view(B, S, self.num_heads, -1))
         v_BHSD = self.v_proj(context_BSC, lora.get("cross_attn.v_proj")).view(B, S, self.num_heads, -1)
-        out_BHLD = F.scaled_dot_product_attention(q_BHLD.transpose(1, 2), k_BHSD.transpose(1, 2),
-                                                  v_BHSD.transpose(1, 2))
+        out_BHLD = F.scaled_dot_product_attention(
+            q_BHLD.transpose(1, 2), k_BHSD.transpose(1, 2), v_BHSD.transpose(1, 2)
+        )
         return self.output_proj(out_BHLD.transpose(1, 2).reshape(B, L, -1), lora.get("cross_attn.output_proj"))
 
 
@@ -227,9 +250,18 @@ class DiTBlock(nn.Module):
         self.adaln_modulation_cross_attn = adaln_bottleneck(D, r, 3 * D)
         self.adaln_modulation_mlp = adaln_bottleneck(D, r, 3 * D)
 
-    def forward(self, x_BLD: torch.Tensor, t: TimeEmbedding, context_BSC: torch.Tensor, rope: Rope, *,
-                lora: BlockLoRA | None = None, ref: RefRead | None = None,
-                kv_sink: KVSink | None = None, cross_attention: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        x_BLD: torch.Tensor,
+        t: TimeEmbedding,
+        context_BSC: torch.Tensor,
+        rope: Rope,
+        *,
+        lora: BlockLoRA | None = None,
+        ref: RefRead | None = None,
+        kv_sink: KVSink | None = None,
+        cross_attention: bool = True,
+    ) -> torch.Tensor:
         """x is the residual stream [B, L, D] (fp32 when computing in fp16); sub-layers compute in t's dtype.
 
         cross_attention=False skips the text cross-attention (ArcAnima v2's reference stream).
@@ -237,12 +269,14 @@ class DiTBlock(nn.Module):
         lora = lora or _NO_LORA
         dtype = t.emb.dtype
         shift, scale, gate = modulation(self.adaln_modulation_self_attn, t, 3)
-        x_BLD = gated_residual(x_BLD, gate, self.self_attn(modulate(x_BLD, shift, scale, dtype), rope, lora, ref,
-                                                           kv_sink))
+        x_BLD = gated_residual(
+            x_BLD, gate, self.self_attn(modulate(x_BLD, shift, scale, dtype), rope, lora, ref, kv_sink)
+        )
         if cross_attention:
             shift, scale, gate = modulation(self.adaln_modulation_cross_attn, t, 3)
-            x_BLD = gated_residual(x_BLD, gate, self.cross_attn(modulate(x_BLD, shift, scale, dtype), context_BSC,
-                                                                lora))
+            x_BLD = gated_residual(
+                x_BLD, gate, self.cross_attn(modulate(x_BLD, shift, scale, dtype), context_BSC, lora)
+            )
         shift, scale, gate = modulation(self.adaln_modulation_mlp, t, 3)
         return gated_residual(x_BLD, gate, self.mlp(modulate(x_BLD, shift, scale, dtype), lora))
 
@@ -296,6 +330,7 @@ class PatchEmbed(nn.Module):
 
 # --- the model --------------------------------------------------------------------------------
 
+
 class AnimaDiT(nn.Module):
     """Anima's DiT with its LLM adapter; weights come from `load_dit` (build on meta, then load)."""
 
@@ -321,9 +356,15 @@ class AnimaDiT(nn.Module):
         """(T, Hp, Wp) of an image latent of this size, after padding to the patch size."""
         return 1, -(-latent_h // PATCH), -(-latent_w // PATCH)
 
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor | float, context: torch.Tensor, *,
-                loras: Sequence[BlockLoRA | None] | None = None,
-                refs: Sequence[RefRead | None] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor | float,
+        context: torch.Tensor,
+        *,
+        loras: Sequence[BlockLoRA | None] | None = None,
+        refs: Sequence[RefRead | None] | None = None,
+    ) -> torch.Tensor:
         """Velocity for latent x ([B,16,1,H,W] or [B,16,H,W], normalised) at noise level sigma ([B] or scalar).
 
         context: [B, S, context_dim] adapter output (zero-padded to 512 rows by the caller).
@@ -343,10 +384,15 @@ class AnimaDiT(nn.Module):
         out = unpatchify(y_BLF, grid, self.config.in_channels)[..., :T, :H, :W]
         return out.to(x.dtype).reshape(x.shape)
 
-    def reference_kv(self, x: torch.Tensor, context: torch.Tensor | None, *,
-                     loras: Sequence[BlockLoRA | None] | None = None,
-                     rope_offset: tuple[int, int, int] = (0, 0, 0),
-                     cross_attention: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def reference_kv(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None,
+        *,
+        loras: Sequence[BlockLoRA | None] | None = None,
+        rope_offset: tuple[int, int, int] = (0, 0, 0),
+        cross_attention: bool = True,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The SnapRef reference stream: per block, self-attention (K, V) of latent x, each [heads, tokens, head_dim].
 
         x ([1,16,1,H,W] or [1,16,H,W]) runs through every block at sigma 0 with `loras`, its tokens at RoPE
@@ -366,41 +412,71 @@ class AnimaDiT(nn.Module):
         # The last block's cross-attention and MLP do not affect any K/V, but running them keeps one code path.
         if cross_attention and context is None:
             raise ValueError("reference_kv: a context is needed unless cross_attention=False")
-        self._run_blocks(self.x_embedder(patches), t, context.to(dtype) if context is not None else None, rope,
-                         loras, None, sink, cross_attention=cross_attention)
+        self._run_blocks(
+            self.x_embedder(patches),
+            t,
+            context.to(dtype) if context is not None else None,
+            rope,
+            loras,
+            None,
+            sink,
+            cross_attention=cross_attention,
+        )
         return sink
 
     def _time_embedding(self, sigma_B: torch.Tensor, dtype: torch.dtype) -> TimeEmbedding:
         e_B1D = self.t_embedder[0](sigma_B).to(dtype)[:, None]
         return TimeEmbedding(emb=self.t_embedding_norm(e_B1D), adaln_lora=self.t_embedder[1](e_B1D))
 
-    def _run_blocks(self, x_BLD: torch.Tensor, t: TimeEmbedding, context_BSC: torch.Tensor, rope: Rope,
-                    loras: Sequence[BlockLoRA | None] | None, refs: Sequence[RefRead | None] | None,
-                    kv_sink: KVSink | None, cross_attention: bool = True) -> torch.Tensor:
+    def _run_blocks(
+        self,
+        x_BLD: torch.Tensor,
+        t: TimeEmbedding,
+        context_BSC: torch.Tensor,
+        rope: Rope,
+        loras: Sequence[BlockLoRA | None] | None,
+        refs: Sequence[RefRead | None] | None,
+        kv_sink: KVSink | None,
+        cross_attention: bool = True,
+    ) -> torch.Tensor:
         # fp16 overflows in the residual stream: ComfyUI keeps it in fp32 (sub-layers still run in fp16).
         if x_BLD.dtype == torch.float16:
             x_BLD = x_BLD.float()
         for i, block in enumerate(self.blocks):
-            x_BLD = block(x_BLD, t, context_BSC, rope, lora=loras[i] if loras else None,
-                          ref=refs[i] if refs else None, kv_sink=kv_sink, cross_attention=cross_attention)
+            x_BLD = block(
+                x_BLD,
+                t,
+                context_BSC,
+                rope,
+                lora=loras[i] if loras else None,
+                ref=refs[i] if refs else None,
+                kv_sink=kv_sink,
+                cross_attention=cross_attention,
+            )
         return x_BLD
 
-    def _check_per_block_args(self, loras: Sequence[BlockLoRA | None] | None,
-                              refs: Sequence[RefRead | None] | None) -> None:
+    def _check_per_block_args(
+        self, loras: Sequence[BlockLoRA | None] | None, refs: Sequence[RefRead | None] | None
+    ) -> None:
         # A misnamed LoRA path or a list built for another block count would otherwise be ignored silently.
         for name, values in (("loras", loras), ("refs", refs)):
             if values is not None and len(values) != self.config.num_blocks:
-                raise ValueError(f"{name}: expected one entry per model block ({self.config.num_blocks}),"
-                                 f" got {len(values)}")
+                raise ValueError(
+                    f"{name}: expected one entry per model block ({self.config.num_blocks}), got {len(values)}"
+                )
         for i, lora in enumerate(loras or ()):
             unknown = sorted(set(lora or ()) - set(BLOCK_LINEARS))
             if unknown:
-                raise ValueError(f"loras[{i}]: unknown module path(s) {unknown};"
-                                 f" expected some of {list(BLOCK_LINEARS)}")
+                raise ValueError(
+                    f"loras[{i}]: unknown module path(s) {unknown}; expected some of {list(BLOCK_LINEARS)}"
+                )
 
 
-def load_dit(path_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
-             device: torch.device | str | None = None) -> AnimaDiT:
+def load_dit(
+    path_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor],
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> AnimaDiT:
     """Load an Anima DiT (+ LLM adapter) from a safetensors file or a state dict.
 
     Accepts the prefixes `net.`, `model.diffusion_model.`, `diffusion_model.` or none; ignores extra

@@ -37,8 +37,9 @@ class LLMAdapterConfig:
         return self.model_dim // self.num_heads
 
     @classmethod
-    def from_state_dict(cls, sd: dict[str, torch.Tensor], *, source: str = "state dict",
-                        prefix: str = PREFIX) -> "LLMAdapterConfig":
+    def from_state_dict(
+        cls, sd: dict[str, torch.Tensor], *, source: str = "state dict", prefix: str = PREFIX
+    ) -> LLMAdapterConfig:
         """Infer the config from tensor shapes (keys with `prefix`, default `llm_adapter.`)."""
 
         def shape(key: str) -> tuple[int, ...]:
@@ -48,16 +49,21 @@ class LLMAdapterConfig:
 
         vocab_size, model_dim = shape("embed.weight")
         head_dim = shape("blocks.0.self_attn.q_norm.weight")[0]
-        num_blocks = 1 + max(int(k[len(prefix):].split(".")[1]) for k in sd
-                             if k.startswith(prefix + "blocks."))
-        return cls(source_dim=shape("blocks.0.cross_attn.k_proj.weight")[1], model_dim=model_dim,
-                   num_blocks=num_blocks, num_heads=model_dim // head_dim,
-                   mlp_hidden=shape("blocks.0.mlp.0.weight")[0], vocab_size=vocab_size)
+        num_blocks = 1 + max(int(k[len(prefix) :].split(".")[1]) for k in sd if k.startswith(prefix + "blocks."))
+        return cls(
+            source_dim=shape("blocks.0.cross_attn.k_proj.weight")[1],
+            model_dim=model_dim,
+            num_blocks=num_blocks,
+            num_heads=model_dim // head_dim,
+            mlp_hidden=shape("blocks.0.mlp.0.weight")[0],
+            vocab_size=vocab_size,
+        )
 
 
 def _missing(source: str, key: str) -> CheckpointError:
-    return CheckpointError(f"{source}: missing tensor {key!r}, needed to infer the model's shape"
-                           " (is this an Anima DiT file?)")
+    return CheckpointError(
+        f"{source}: missing tensor {key!r}, needed to infer the model's shape (is this an Anima DiT file?)"
+    )
 
 
 class AdapterAttention(nn.Module):
@@ -74,8 +80,13 @@ class AdapterAttention(nn.Module):
         self.v_proj = Linear(context_dim, model_dim)
         self.o_proj = Linear(model_dim, model_dim)
 
-    def forward(self, x_BLD: torch.Tensor, ctx_BSC: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_k: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x_BLD: torch.Tensor,
+        ctx_BSC: torch.Tensor,
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_k: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
         B, L, _ = x_BLD.shape
         S = ctx_BSC.shape[1]
         q_BHLD = self.q_norm(self.q_proj(x_BLD).view(B, L, self.num_heads, -1)).transpose(1, 2)
@@ -98,8 +109,9 @@ class AdapterBlock(nn.Module):
         self.norm_cross_attn = RMSNorm(D)
         self.cross_attn = AdapterAttention(D, config.source_dim, config.num_heads)
         self.norm_mlp = RMSNorm(D)
-        self.mlp = nn.Sequential(Linear(D, config.mlp_hidden, bias=True), nn.GELU(),
-                                 Linear(config.mlp_hidden, D, bias=True))
+        self.mlp = nn.Sequential(
+            Linear(D, config.mlp_hidden, bias=True), nn.GELU(), Linear(config.mlp_hidden, D, bias=True)
+        )
 
     def forward(self, x_BLD: torch.Tensor, source_BSC: torch.Tensor, rope_target, rope_source) -> torch.Tensor:
         h = self.norm_self_attn(x_BLD)
@@ -128,8 +140,9 @@ class LLMAdapter(nn.Module):
         x_BLD = self.embed(target_ids.to(device)).to(dtype)
         # RoPE angles in fp32, applied in the activation dtype (as ComfyUI/HF do for this adapter).
         rope_target = tuple(t.to(dtype) for t in sequence_rope(x_BLD.shape[1], self.config.head_dim, device=device))
-        rope_source = tuple(t.to(dtype) for t in sequence_rope(source_hidden.shape[1], self.config.head_dim,
-                                                               device=device))
+        rope_source = tuple(
+            t.to(dtype) for t in sequence_rope(source_hidden.shape[1], self.config.head_dim, device=device)
+        )
         for block in self.blocks:
             x_BLD = block(x_BLD, source_hidden, rope_target, rope_source)
         return self.norm(self.out_proj(x_BLD))

@@ -66,22 +66,43 @@ LoRA = dict[str, LoRAModule]
 
 # --- The Anima DiT's Linear layers (anima-model.md §2.8, §3): what a LoRA key may name. ---------------
 TOP_LINEARS = (
-    "t_embedder.1.linear_1", "t_embedder.1.linear_2", "x_embedder.proj.1",
-    "final_layer.linear", "final_layer.adaln_modulation.1", "final_layer.adaln_modulation.2",
+    "t_embedder.1.linear_1",
+    "t_embedder.1.linear_2",
+    "x_embedder.proj.1",
+    "final_layer.linear",
+    "final_layer.adaln_modulation.1",
+    "final_layer.adaln_modulation.2",
     "llm_adapter.out_proj",
 )
 BLOCK_LINEARS = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.output_proj",
-    "cross_attn.q_proj", "cross_attn.k_proj", "cross_attn.v_proj", "cross_attn.output_proj",
-    "mlp.layer1", "mlp.layer2",
-    "adaln_modulation_self_attn.1", "adaln_modulation_self_attn.2",
-    "adaln_modulation_cross_attn.1", "adaln_modulation_cross_attn.2",
-    "adaln_modulation_mlp.1", "adaln_modulation_mlp.2",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.output_proj",
+    "cross_attn.q_proj",
+    "cross_attn.k_proj",
+    "cross_attn.v_proj",
+    "cross_attn.output_proj",
+    "mlp.layer1",
+    "mlp.layer2",
+    "adaln_modulation_self_attn.1",
+    "adaln_modulation_self_attn.2",
+    "adaln_modulation_cross_attn.1",
+    "adaln_modulation_cross_attn.2",
+    "adaln_modulation_mlp.1",
+    "adaln_modulation_mlp.2",
 )
 ADAPTER_BLOCK_LINEARS = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "cross_attn.q_proj", "cross_attn.k_proj", "cross_attn.v_proj", "cross_attn.o_proj",
-    "mlp.0", "mlp.2",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "cross_attn.q_proj",
+    "cross_attn.k_proj",
+    "cross_attn.v_proj",
+    "cross_attn.o_proj",
+    "mlp.0",
+    "mlp.2",
 )
 _BLOCK_PATH = re.compile(r"^blocks\.(\d+)\.(.+)$")
 _ADAPTER_BLOCK_PATH = re.compile(r"^llm_adapter\.blocks\.(\d+)\.(.+)$")
@@ -132,8 +153,11 @@ _DIFFUSERS_BLOCK = {
     "attn2.to_out.0": "cross_attn.output_proj",
     "ff.net.0.proj": "mlp.layer1",
     "ff.net.2": "mlp.layer2",
-    **{f"norm{n}.linear_{j}": f"adaln_modulation_{a}.{j}"
-       for n, a in ((1, "self_attn"), (2, "cross_attn"), (3, "mlp")) for j in (1, 2)},
+    **{
+        f"norm{n}.linear_{j}": f"adaln_modulation_{a}.{j}"
+        for n, a in ((1, "self_attn"), (2, "cross_attn"), (3, "mlp"))
+        for j in (1, 2)
+    },
 }
 _DIFFUSERS_BLOCK_PATH = re.compile(r"^transformer_blocks\.(\d+)\.(.+)$")
 
@@ -149,10 +173,14 @@ def _from_diffusers(name: str) -> str | None:
 # --- Reading ------------------------------------------------------------------------------------------
 # Key suffix -> which part of the LoRA module it holds.
 _PARTS = (
-    (".lora_down.weight", "down"), (".lora_up.weight", "up"),
-    (".lora_A.weight", "down"), (".lora_B.weight", "up"),
-    (".lora_A.default.weight", "down"), (".lora_B.default.weight", "up"),
-    (".lora.down.weight", "down"), (".lora.up.weight", "up"),
+    (".lora_down.weight", "down"),
+    (".lora_up.weight", "up"),
+    (".lora_A.weight", "down"),
+    (".lora_B.weight", "up"),
+    (".lora_A.default.weight", "down"),
+    (".lora_B.default.weight", "up"),
+    (".lora.down.weight", "down"),
+    (".lora.up.weight", "up"),
     (".alpha", "alpha"),
 )
 _DOTTED_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "net.")
@@ -169,15 +197,15 @@ def _module_path(name: str) -> str | None:
     """The DiT module path a LoRA module name refers to, or None when it names no DiT linear."""
     for prefix in KOHYA_PREFIXES:
         if name.startswith(prefix):
-            return _from_kohya(name[len(prefix):])
+            return _from_kohya(name[len(prefix) :])
     stripped = True
     while stripped:  # PEFT may wrap another prefix: base_model.model.diffusion_model.<path>
         stripped = False
         for prefix in _DOTTED_PREFIXES:
             if name.startswith(prefix):
-                name, stripped = name[len(prefix):], True
+                name, stripped = name[len(prefix) :], True
     if name.startswith("transformer."):
-        name = name[len("transformer."):]
+        name = name[len("transformer.") :]
     path = _from_diffusers(name) or name
     return path if is_dit_linear(path) else None
 
@@ -223,7 +251,8 @@ def read_lora(path_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor]
     if unparseable:
         raise LoRAError(
             f"{source}: {len(unparseable)} key(s) are not LoRA weights of an Anima DiT linear"
-            f" (only the diffusion model is patched; text-encoder LoRAs are not supported): {_examples(unparseable)}")
+            f" (only the diffusion model is patched; text-encoder LoRAs are not supported): {_examples(unparseable)}"
+        )
     if not parts:
         raise LoRAError(f"{source}: no LoRA tensors found")
 
@@ -237,8 +266,10 @@ def read_lora(path_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor]
         up_key, up = slot["up"]
         down, up = _as_matrix(down, down_key, source), _as_matrix(up, up_key, source)
         if down.shape[0] != up.shape[1]:
-            raise LoRAError(f"{source}: module {path!r}: down {down_key!r} has rank {down.shape[0]}"
-                            f" but up {up_key!r} has rank {up.shape[1]}")
+            raise LoRAError(
+                f"{source}: module {path!r}: down {down_key!r} has rank {down.shape[0]}"
+                f" but up {up_key!r} has rank {up.shape[1]}"
+            )
         alpha = float(slot["alpha"][1].float()) if "alpha" in slot else None
         lora[path] = LoRAModule(down=down, up=up, alpha=alpha)
     return lora
@@ -257,8 +288,13 @@ def _lora_block_count(needed: int, model_blocks: int, label: str) -> int:
     for adapter_blocks, target in KNOWN_MAPS:
         if target == model_blocks and needed <= adapter_blocks:
             # Ambiguous in principle (a 40-block LoRA touching only blocks < 28); pass lora_blocks to override.
-            log.info("%s: touches blocks < %d only; treating it as a %d-block LoRA on the %d-block model",
-                     label, adapter_blocks, adapter_blocks, model_blocks)
+            log.info(
+                "%s: touches blocks < %d only; treating it as a %d-block LoRA on the %d-block model",
+                label,
+                adapter_blocks,
+                adapter_blocks,
+                model_blocks,
+            )
             return adapter_blocks
     return model_blocks
 
@@ -287,8 +323,13 @@ def _default_fp8_dtype(dit: nn.Module) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
 
 
-def merge_loras(dit: nn.Module, loras: Sequence[tuple[LoRA, float]], *, lora_blocks: int | None = None,
-                fp8_dtype: torch.dtype | None = None) -> None:
+def merge_loras(
+    dit: nn.Module,
+    loras: Sequence[tuple[LoRA, float]],
+    *,
+    lora_blocks: int | None = None,
+    fp8_dtype: torch.dtype | None = None,
+) -> None:
     """Merge LoRAs into the DiT's Linear weights in place: W += Σ strength · scale · up @ down.
 
     Each (lora, strength) pair stacks. The sum is formed in fp32 and cast back to the weight's
@@ -307,19 +348,28 @@ def merge_loras(dit: nn.Module, loras: Sequence[tuple[LoRA, float]], *, lora_blo
         remapped = _remap_blocks(lora, model_blocks, lora_blocks, label)
         matched = [p for p in remapped if p in linears]
         if not matched:
-            raise LoRAError(f"{label}: none of its {len(remapped)} modules exist in the model"
-                            f" (e.g. {_examples(sorted(remapped), 3)})")
+            raise LoRAError(
+                f"{label}: none of its {len(remapped)} modules exist in the model"
+                f" (e.g. {_examples(sorted(remapped), 3)})"
+            )
         unmatched = sorted(set(remapped) - set(matched))
         if unmatched:
-            log.warning("%s: %d of %d modules matched; not in the model: %s",
-                        label, len(matched), len(remapped), _examples(unmatched, 3))
+            log.warning(
+                "%s: %d of %d modules matched; not in the model: %s",
+                label,
+                len(matched),
+                len(remapped),
+                _examples(unmatched, 3),
+            )
         else:
             log.info("%s: all %d modules matched", label, len(matched))
         for path in matched:
             module, weight = remapped[path], linears[path].weight
             if (module.up.shape[0], module.down.shape[1]) != tuple(weight.shape):
-                raise LoRAError(f"{label}: module {path!r} gives a [{module.up.shape[0]}, {module.down.shape[1]}]"
-                                f" update, but the weight is {list(weight.shape)}")
+                raise LoRAError(
+                    f"{label}: module {path!r} gives a [{module.up.shape[0]}, {module.down.shape[1]}]"
+                    f" update, but the weight is {list(weight.shape)}"
+                )
             updates.setdefault(path, []).append((module, strength))
 
     fp8_dtype = fp8_dtype or _default_fp8_dtype(dit)

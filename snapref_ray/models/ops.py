@@ -31,7 +31,7 @@ class LoRAPair:
         up = self.up.to(x.dtype)
         return F.linear(F.linear(x, down), up) * self.scale
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "LoRAPair":
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> LoRAPair:
         return LoRAPair(self.down.to(device=device, dtype=dtype), self.up.to(device=device, dtype=dtype), self.scale)
 
 
@@ -46,15 +46,23 @@ class Linear(nn.Module):
     (per-tensor) or a [out] vector (per-row) and the dequantised weight is `weight * scale`.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype),
-                                   requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False)
-                     if bias else None)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
+        )
         self.weight_scale: torch.Tensor | None = None
 
     def compute_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -81,8 +89,9 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     """RMSNorm with a learnable weight, computed in fp32 and cast back (as ComfyUI and HF do)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, dim: int, eps: float = 1e-6, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype), requires_grad=False)

@@ -35,15 +35,15 @@ class Qwen3Config:
     vocab_size: int
     hidden_size: int
     num_layers: int
-    num_heads: int          # query heads; q_proj is [num_heads * head_dim, hidden]
-    num_kv_heads: int       # key/value heads (GQA): each serves num_heads // num_kv_heads query heads
-    head_dim: int           # 128 for Qwen3-0.6B, so q_proj is wider (2048) than the residual (1024)
+    num_heads: int  # query heads; q_proj is [num_heads * head_dim, hidden]
+    num_kv_heads: int  # key/value heads (GQA): each serves num_heads // num_kv_heads query heads
+    head_dim: int  # 128 for Qwen3-0.6B, so q_proj is wider (2048) than the residual (1024)
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6  # not stored in the weights; Qwen3's published value
 
     @classmethod
-    def from_state_dict(cls, sd: StateDict, source: str = "<state dict>") -> "Qwen3Config":
+    def from_state_dict(cls, sd: StateDict, source: str = "<state dict>") -> Qwen3Config:
         """Infer the config from tensor shapes (keys without the `model.` prefix)."""
 
         def shape(key: str) -> tuple[int, ...]:
@@ -59,21 +59,38 @@ class Qwen3Config:
         layer_ids = sorted({int(m.group(1)) for k in sd if (m := re.match(r"layers\.(\d+)\.", k))})
         if layer_ids != list(range(len(layer_ids))):
             missing = sorted(set(range(max(layer_ids) + 1)) - set(layer_ids))
-            raise CheckpointError(f"{source}: Qwen3 layers are not numbered 0..{max(layer_ids)}: "
-                                  f"no tensors for layer(s) {missing}")
+            raise CheckpointError(
+                f"{source}: Qwen3 layers are not numbered 0..{max(layer_ids)}: no tensors for layer(s) {missing}"
+            )
         if q_out % head_dim or kv_out % head_dim:
-            raise CheckpointError(f"{source}: q_proj/k_proj widths {q_out}/{kv_out} are not multiples of "
-                                  f"head_dim {head_dim} (from q_norm)")
+            raise CheckpointError(
+                f"{source}: q_proj/k_proj widths {q_out}/{kv_out} are not multiples of "
+                f"head_dim {head_dim} (from q_norm)"
+            )
         num_heads, num_kv_heads = q_out // head_dim, kv_out // head_dim
         if num_heads % num_kv_heads:
             raise CheckpointError(f"{source}: {num_heads} query heads cannot share {num_kv_heads} kv heads")
-        return cls(vocab_size=vocab_size, hidden_size=hidden, num_layers=len(layer_ids), num_heads=num_heads,
-                   num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate)
+        return cls(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            num_layers=len(layer_ids),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate,
+        )
 
 
 # The Qwen3-0.6B(-Base) text encoder Anima ships with: 596,049,920 parameters.
-QWEN3_06B = Qwen3Config(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
-                        head_dim=128, intermediate_size=3072)
+QWEN3_06B = Qwen3Config(
+    vocab_size=151936,
+    hidden_size=1024,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+)
 
 
 class TokenEmbedding(nn.Module):
@@ -129,8 +146,9 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
 
-    def forward(self, x_BLC: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x_BLC: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         B, L, _ = x_BLC.shape
         q_BHLD = self.q_norm(self.q_proj(x_BLC).view(B, L, self.num_heads, self.head_dim)).transpose(1, 2)
         k_BKLD = self.k_norm(self.k_proj(x_BLC).view(B, L, self.num_kv_heads, self.head_dim)).transpose(1, 2)
@@ -140,8 +158,9 @@ class Qwen3Attention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         k_BHLD = k_BKLD.repeat_interleave(group, dim=1)
         v_BHLD = v_BKLD.repeat_interleave(group, dim=1)
-        out_BHLD = F.scaled_dot_product_attention(q_BHLD, k_BHLD, v_BHLD, attn_mask=bias,
-                                                  is_causal=bias is None and L > 1)
+        out_BHLD = F.scaled_dot_product_attention(
+            q_BHLD, k_BHLD, v_BHLD, attn_mask=bias, is_causal=bias is None and L > 1
+        )
         return self.o_proj(out_BHLD.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
 
 
@@ -168,8 +187,9 @@ class Qwen3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_LD, sin_LD, bias)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -209,8 +229,11 @@ class Qwen3Encoder(nn.Module):
         return self.norm(x_BLC)
 
 
-def load_text_encoder(path_or_state_dict: str | os.PathLike | StateDict, device: torch.device | str | None = None,
-                      dtype: torch.dtype | None = None) -> Qwen3Encoder:
+def load_text_encoder(
+    path_or_state_dict: str | os.PathLike | StateDict,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Qwen3Encoder:
     """Build a Qwen3Encoder from a safetensors file or a state dict.
 
     Keys are `model.*` (as in qwen_3_06b_base.safetensors) or the same without the prefix;

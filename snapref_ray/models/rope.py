@@ -31,12 +31,17 @@ def _axis_frequencies(dim: int, ratio: float, device: torch.device | str | None)
     """The dim/2 angular frequencies of one axis, NTK-scaled: theta ** (-2k / dim), fp32."""
     theta = ROPE_THETA * ratio ** (dim / (dim - 2))
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device)[: dim // 2] / dim
-    return 1.0 / (theta ** exponents)
+    return 1.0 / (theta**exponents)
 
 
-def dit_rope(grid: tuple[int, int, int], head_dim: int, *, offset: tuple[int, int, int] = (0, 0, 0),
-             device: torch.device | str | None = None,
-             ratios: tuple[float, float, float] = DIT_ROPE_RATIOS) -> tuple[torch.Tensor, torch.Tensor]:
+def dit_rope(
+    grid: tuple[int, int, int],
+    head_dim: int,
+    *,
+    offset: tuple[int, int, int] = (0, 0, 0),
+    device: torch.device | str | None = None,
+    ratios: tuple[float, float, float] = DIT_ROPE_RATIOS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the DiT's 3D RoPE for a (T, Hp, Wp) token grid, each [T*Hp*Wp, head_dim/2] fp32.
 
     Token order is the row-major flatten of (t, h, w), the DiT's sequence order. Token (t, h, w)
@@ -54,8 +59,9 @@ def dit_rope(grid: tuple[int, int, int], head_dim: int, *, offset: tuple[int, in
     return angles_LP.cos(), angles_LP.sin()
 
 
-def sequence_rope(length: int, head_dim: int, *, device: torch.device | str | None = None,
-                  theta: float = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_rope(
+    length: int, head_dim: int, *, device: torch.device | str | None = None, theta: float = ROPE_THETA
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of plain 1D RoPE at positions 0..length-1, each [length, head_dim/2] fp32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
     angles_LP = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv_freq)

@@ -17,40 +17,87 @@ from snapref_ray.models.ops import RMSNorm
 T5_VOCAB = 32128  # real T5 vocabulary, so real tokenizer ids index the tiny embedding
 
 
-def tiny_dit_config(*, model_channels: int = 64, num_blocks: int = 2, head_dim: int = 32, context_dim: int = 64,
-                    adaln_lora_dim: int = 16, mlp_ratio: int = 4, adapter_dim: int = 64, adapter_heads: int = 2,
-                    adapter_blocks: int = 1, adapter_source_dim: int | None = None,
-                    t5_vocab: int = T5_VOCAB) -> DiTConfig:
+def tiny_dit_config(
+    *,
+    model_channels: int = 64,
+    num_blocks: int = 2,
+    head_dim: int = 32,
+    context_dim: int = 64,
+    adaln_lora_dim: int = 16,
+    mlp_ratio: int = 4,
+    adapter_dim: int = 64,
+    adapter_heads: int = 2,
+    adapter_blocks: int = 1,
+    adapter_source_dim: int | None = None,
+    t5_vocab: int = T5_VOCAB,
+) -> DiTConfig:
     """The DiTConfig `make_tiny_dit_state_dict` builds with the same arguments."""
     if context_dim != adapter_dim:
-        raise ValueError(f"context_dim ({context_dim}) must equal adapter_dim ({adapter_dim}):"
-                         " the adapter's output is the DiT's cross-attention context")
+        raise ValueError(
+            f"context_dim ({context_dim}) must equal adapter_dim ({adapter_dim}):"
+            " the adapter's output is the DiT's cross-attention context"
+        )
     if model_channels % head_dim or adapter_dim % adapter_heads:
-        raise ValueError(f"model_channels {model_channels} / head_dim {head_dim} and adapter_dim {adapter_dim}"
-                         f" / adapter_heads {adapter_heads} must divide evenly")
-    adapter = LLMAdapterConfig(source_dim=adapter_source_dim or adapter_dim, model_dim=adapter_dim,
-                               num_blocks=adapter_blocks, num_heads=adapter_heads, mlp_hidden=mlp_ratio * adapter_dim,
-                               vocab_size=t5_vocab)
-    return DiTConfig(model_channels=model_channels, num_blocks=num_blocks, num_heads=model_channels // head_dim,
-                     head_dim=head_dim, in_channels=16, context_dim=context_dim, adaln_lora_dim=adaln_lora_dim,
-                     mlp_hidden=mlp_ratio * model_channels, adapter=adapter)
+        raise ValueError(
+            f"model_channels {model_channels} / head_dim {head_dim} and adapter_dim {adapter_dim}"
+            f" / adapter_heads {adapter_heads} must divide evenly"
+        )
+    adapter = LLMAdapterConfig(
+        source_dim=adapter_source_dim or adapter_dim,
+        model_dim=adapter_dim,
+        num_blocks=adapter_blocks,
+        num_heads=adapter_heads,
+        mlp_hidden=mlp_ratio * adapter_dim,
+        vocab_size=t5_vocab,
+    )
+    return DiTConfig(
+        model_channels=model_channels,
+        num_blocks=num_blocks,
+        num_heads=model_channels // head_dim,
+        head_dim=head_dim,
+        in_channels=16,
+        context_dim=context_dim,
+        adaln_lora_dim=adaln_lora_dim,
+        mlp_hidden=mlp_ratio * model_channels,
+        adapter=adapter,
+    )
 
 
-def make_tiny_dit_state_dict(*, model_channels: int = 64, num_blocks: int = 2, head_dim: int = 32,
-                             context_dim: int = 64, adaln_lora_dim: int = 16, mlp_ratio: int = 4,
-                             adapter_dim: int = 64, adapter_heads: int = 2, adapter_blocks: int = 1,
-                             adapter_source_dim: int | None = None, t5_vocab: int = T5_VOCAB, seed: int = 0,
-                             dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def make_tiny_dit_state_dict(
+    *,
+    model_channels: int = 64,
+    num_blocks: int = 2,
+    head_dim: int = 32,
+    context_dim: int = 64,
+    adaln_lora_dim: int = 16,
+    mlp_ratio: int = 4,
+    adapter_dim: int = 64,
+    adapter_heads: int = 2,
+    adapter_blocks: int = 1,
+    adapter_source_dim: int | None = None,
+    t5_vocab: int = T5_VOCAB,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
     """Random, seeded weights for every parameter, keyed as in the real file minus its `net.` prefix.
 
     adapter_source_dim is the width of the text-encoder states the adapter reads (default adapter_dim).
     Linear weights ~ N(0, 1/fan_in), biases ~ N(0, 0.02^2), norm weights ~ 1 + N(0, 0.1^2), the T5
     embedding ~ N(0, 1).
     """
-    config = tiny_dit_config(model_channels=model_channels, num_blocks=num_blocks, head_dim=head_dim,
-                             context_dim=context_dim, adaln_lora_dim=adaln_lora_dim, mlp_ratio=mlp_ratio,
-                             adapter_dim=adapter_dim, adapter_heads=adapter_heads, adapter_blocks=adapter_blocks,
-                             adapter_source_dim=adapter_source_dim, t5_vocab=t5_vocab)
+    config = tiny_dit_config(
+        model_channels=model_channels,
+        num_blocks=num_blocks,
+        head_dim=head_dim,
+        context_dim=context_dim,
+        adaln_lora_dim=adaln_lora_dim,
+        mlp_ratio=mlp_ratio,
+        adapter_dim=adapter_dim,
+        adapter_heads=adapter_heads,
+        adapter_blocks=adapter_blocks,
+        adapter_source_dim=adapter_source_dim,
+        t5_vocab=t5_vocab,
+    )
     with torch.device("meta"):
         model = AnimaDiT(config)
     norm_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, RMSNorm)}

@@ -44,13 +44,24 @@ TAG_WORDS = (
 def _corpus() -> list[str]:
     """Forty tag lists with the prompt syntax mixed in; fixed, so training is reproducible."""
     n = len(TAG_WORDS)
-    return [", ".join(TAG_WORDS[(i * 7 + j * 3) % n] for j in range(12)) + ", (masterpiece:1.2), \\(escaped\\)"
-            for i in range(40)]
+    return [
+        ", ".join(TAG_WORDS[(i * 7 + j * 3) % n] for j in range(12)) + ", (masterpiece:1.2), \\(escaped\\)"
+        for i in range(40)
+    ]
 
 
-def make_tiny_qwen3_state_dict(*, hidden: int = 64, layers: int = 2, heads: int = 2, kv_heads: int = 1,
-                               head_dim: int = 32, intermediate: int = 128, vocab: int = TINY_QWEN_VOCAB,
-                               seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def make_tiny_qwen3_state_dict(
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 2,
+    kv_heads: int = 1,
+    head_dim: int = 32,
+    intermediate: int = 128,
+    vocab: int = TINY_QWEN_VOCAB,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
     """Random Qwen3 weights under the real file's key names (`model.embed_tokens.weight`, ...).
 
     Linear weights are N(0, 1/fan_in) so activations keep their scale through the layers; norm
@@ -85,23 +96,46 @@ def make_tiny_qwen3_state_dict(*, hidden: int = 64, layers: int = 2, heads: int 
 def _write_tiny_qwen(qwen_dir: Path) -> None:
     tok = Tokenizer(BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    trainer = trainers.BpeTrainer(vocab_size=TINY_QWEN_BPE_SIZE, min_frequency=1, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_QWEN_BPE_SIZE,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_corpus(), trainer)
     if tok.get_vocab_size() != TINY_QWEN_BPE_SIZE:
         raise RuntimeError(f"tiny Qwen BPE trained to {tok.get_vocab_size()} tokens, expected {TINY_QWEN_BPE_SIZE}")
     qwen_dir.mkdir(parents=True, exist_ok=True)
     tok.model.save(str(qwen_dir))  # vocab.json + merges.txt, the files Qwen ships
-    added = {str(TINY_QWEN_BPE_SIZE + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                           "single_word": False, "special": True}
-             for i, t in enumerate(QWEN_ADDED_TOKENS)}
-    config = {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
-              "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
-              "errors": "replace", "model_max_length": 131072, "tokenizer_class": "Qwen2Tokenizer"}
+    added = {
+        str(TINY_QWEN_BPE_SIZE + i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, t in enumerate(QWEN_ADDED_TOKENS)
+    }
+    config = {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "errors": "replace",
+        "model_max_length": 131072,
+        "tokenizer_class": "Qwen2Tokenizer",
+    }
     (qwen_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
@@ -125,7 +159,7 @@ def _tiny_t5_pieces() -> list[tuple[str, float]]:
             seen.add("▁" + c)
             pieces.append(("▁" + c, -4.0))
     # Fill up with the most frequent in-word character pairs (ties in alphabetical order).
-    pairs = Counter(w[i:i + 2] for w in TAG_WORDS for i in range(len(w) - 1))
+    pairs = Counter(w[i : i + 2] for w in TAG_WORDS for i in range(len(w) - 1))
     for pair, _ in sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0])):
         if len(pieces) == TINY_T5_VOCAB:
             break
@@ -140,13 +174,15 @@ def _tiny_t5_pieces() -> list[tuple[str, float]]:
 def _write_tiny_t5(t5_dir: Path) -> None:
     tok = Tokenizer(Unigram(_tiny_t5_pieces(), unk_id=2, byte_fallback=False))
     # T5's pipeline with NFKC standing in for SentencePiece's precompiled NFKC-like charsmap.
-    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Strip(left=False, right=True),
-                                           normalizers.Replace(Regex(" {2,}"), "▁")])
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.NFKC(), normalizers.Strip(left=False, right=True), normalizers.Replace(Regex(" {2,}"), "▁")]
+    )
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<pad>", "</s>", "<unk>")])
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
-                                                       special_tokens=[("</s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
     t5_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(t5_dir / "tokenizer.json"))
 

@@ -38,13 +38,20 @@ def random_vae_state_dict(config: VAEConfig, *, seed: int = 0, dtype: torch.dtyp
     return sd
 
 
-def make_tiny_vae_state_dict(*, base_dim: int = 8, z_dim: int = 16, seed: int = 0,
-                             dtype: torch.dtype = torch.float32) -> StateDict:
+def make_tiny_vae_state_dict(
+    *, base_dim: int = 8, z_dim: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> StateDict:
     """A narrow (`base_dim` channels instead of 96) VAE state dict with the real key layout, seeded."""
     return random_vae_state_dict(VAEConfig(base_dim=base_dim, z_dim=z_dim), seed=seed, dtype=dtype)
 
 
-def make_tiny_vae(*, base_dim: int = 8, z_dim: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str | None = None) -> WanVAE:
+def make_tiny_vae(
+    *,
+    base_dim: int = 8,
+    z_dim: int = 16,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> WanVAE:
     """`load_vae` of `make_tiny_vae_state_dict(...)`."""
     return load_vae(make_tiny_vae_state_dict(base_dim=base_dim, z_dim=z_dim, seed=seed, dtype=dtype), device=device)

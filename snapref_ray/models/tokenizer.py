@@ -32,8 +32,10 @@ from tokenizers.models import BPE
 log = logging.getLogger(__name__)
 
 # transformers' Qwen2Tokenizer pre-tokenizer regex (GPT-4-like, but digits split one by one).
-QWEN_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
-                          r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 # Qwen's padding token, used for an empty prompt (ComfyUI: min_length 1, pad_token 151643).
 QWEN_PAD_TOKEN = "<|endoftext|>"
 T5_END_TOKEN = "</s>"
@@ -96,7 +98,7 @@ def _weighted_parts(text: str, weight: float) -> list[tuple[str, float]]:
             if colon > 0:  # a colon at position 0 is text, not a weight
                 try:
                     # An explicit weight replaces (does not multiply) the enclosing weight.
-                    inner_weight = float(inner[colon + 1:])
+                    inner_weight = float(inner[colon + 1 :])
                     inner = inner[:colon]
                 except ValueError:
                     pass  # "(a:b)" is x1.1 of the literal text "a:b"
@@ -113,8 +115,9 @@ def parse_prompt_weights(text: str) -> list[tuple[str, float]]:
     ones), `\\(` / `\\)` are literal parentheses. Segments come back with escapes resolved.
     """
     escaped = text.replace("\\)", _ESCAPED_CLOSE).replace("\\(", _ESCAPED_OPEN)
-    return [(seg.replace(_ESCAPED_CLOSE, ")").replace(_ESCAPED_OPEN, "("), w)
-            for seg, w in _weighted_parts(escaped, 1.0)]
+    return [
+        (seg.replace(_ESCAPED_CLOSE, ")").replace(_ESCAPED_OPEN, "("), w) for seg, w in _weighted_parts(escaped, 1.0)
+    ]
 
 
 def _words(segment: str) -> list[str]:
@@ -131,15 +134,16 @@ def _words(segment: str) -> list[str]:
         if not piece:
             continue
         if piece.startswith(EMBEDDING_PREFIX):
-            name_and_rest = piece[len(EMBEDDING_PREFIX):].strip("\n").split()
+            name_and_rest = piece[len(EMBEDDING_PREFIX) :].strip("\n").split()
             if not name_and_rest:
                 continue
             name, leftover = name_and_rest[0], " ".join(name_and_rest[1:])
             stripped = name.strip(",")
             if len(stripped) < len(name):  # "embedding:foo," keeps its comma as text
-                leftover = f"{name[len(stripped):]} {leftover}"
-            log.warning("prompt uses %s%s: textual-inversion embeddings are not supported, ignoring it",
-                        EMBEDDING_PREFIX, name)
+                leftover = f"{name[len(stripped) :]} {leftover}"
+            log.warning(
+                "prompt uses %s%s: textual-inversion embeddings are not supported, ignoring it", EMBEDDING_PREFIX, name
+            )
             if not leftover:
                 continue
             piece = leftover
@@ -154,27 +158,38 @@ def _load_qwen(qwen_dir: Path) -> Tokenizer:
     vocab, merges, config = qwen_dir / "vocab.json", qwen_dir / "merges.txt", qwen_dir / "tokenizer_config.json"
     for path in (vocab, merges, config):
         if not path.is_file():
-            raise FileNotFoundError(f"{qwen_dir}: Qwen tokenizer needs tokenizer.json, or vocab.json + merges.txt + "
-                                    f"tokenizer_config.json; {path.name} is missing")
+            raise FileNotFoundError(
+                f"{qwen_dir}: Qwen tokenizer needs tokenizer.json, or vocab.json + merges.txt + "
+                f"tokenizer_config.json; {path.name} is missing"
+            )
     tok = Tokenizer(BPE.from_file(str(vocab), str(merges)))
     # The same pipeline as transformers' Qwen2Tokenizer: NFC, regex split, byte-level mapping.
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     added = json.loads(config.read_text(encoding="utf-8")).get("added_tokens_decoder", {})
     for token_id, spec in sorted(added.items(), key=lambda kv: int(kv[0])):
-        token = AddedToken(spec["content"], single_word=spec.get("single_word", False),
-                           lstrip=spec.get("lstrip", False), rstrip=spec.get("rstrip", False),
-                           normalized=spec.get("normalized", False), special=spec.get("special", True))
+        token = AddedToken(
+            spec["content"],
+            single_word=spec.get("single_word", False),
+            lstrip=spec.get("lstrip", False),
+            rstrip=spec.get("rstrip", False),
+            normalized=spec.get("normalized", False),
+            special=spec.get("special", True),
+        )
         (tok.add_special_tokens if token.special else tok.add_tokens)([token])
         if tok.token_to_id(spec["content"]) != int(token_id):
             # Added tokens are appended after the BPE vocab; a gap in the ids would shift every later one.
-            raise ValueError(f"{config}: added token {spec['content']!r} should have id {token_id} but got "
-                             f"{tok.token_to_id(spec['content'])} (vocab.json has {len(json.loads(vocab.read_text()))} "
-                             "entries; added token ids must follow it without gaps)")
+            raise ValueError(
+                f"{config}: added token {spec['content']!r} should have id {token_id} but got "
+                f"{tok.token_to_id(spec['content'])} (vocab.json has {len(json.loads(vocab.read_text()))} "
+                "entries; added token ids must follow it without gaps)"
+            )
     return tok
 
 
@@ -199,8 +214,10 @@ class AnimaTokenizer:
         # strips the last id of every segment, so the tokenizer must append exactly that token.
         empty = self.t5.encode("").ids
         if not empty or empty[-1] != self.t5.token_to_id(T5_END_TOKEN):
-            raise ValueError(f"{t5_dir}/tokenizer.json: tokenizing '' must give [{T5_END_TOKEN}] "
-                             f"(a post-processor appending {T5_END_TOKEN}); got {empty}")
+            raise ValueError(
+                f"{t5_dir}/tokenizer.json: tokenizing '' must give [{T5_END_TOKEN}] "
+                f"(a post-processor appending {T5_END_TOKEN}); got {empty}"
+            )
         self.t5_end_id = empty[-1]
 
     def tokenize(self, prompt: str) -> TokenizedPrompt:

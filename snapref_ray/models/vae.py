@@ -36,18 +36,20 @@ class VAEConfig:
     The defaults are the Qwen-Image / Wan 2.1 VAE that Anima uses (126,892,531 parameters).
     """
 
-    base_dim: int = 96              # channels of the full-resolution stage
-    z_dim: int = 16                 # latent channels (the encoder head emits 2·z_dim: mean and log-variance)
+    base_dim: int = 96  # channels of the full-resolution stage
+    z_dim: int = 16  # latent channels (the encoder head emits 2·z_dim: mean and log-variance)
     dim_mult: tuple[int, ...] = (1, 2, 4, 4)  # channel multiplier per stage; len-1 stages halve H and W
-    num_res_blocks: int = 2         # residual blocks per encoder stage (the decoder has one more)
+    num_res_blocks: int = 2  # residual blocks per encoder stage (the decoder has one more)
     # Which down stages also halve time. Irrelevant for images, but it decides which `time_conv`
     # tensors the file holds, so the key layout needs it.
     temporal_downsample: tuple[bool, ...] = (False, True, True)
 
     def __post_init__(self) -> None:
         if len(self.temporal_downsample) != len(self.dim_mult) - 1:
-            raise ValueError(f"temporal_downsample needs {len(self.dim_mult) - 1} entries (one per down stage),"
-                             f" got {len(self.temporal_downsample)}")
+            raise ValueError(
+                f"temporal_downsample needs {len(self.dim_mult) - 1} entries (one per down stage),"
+                f" got {len(self.temporal_downsample)}"
+            )
 
     @property
     def spatial_factor(self) -> int:
@@ -62,8 +64,14 @@ class CausalConv3d(nn.Module):
     single-frame output is a Conv2d with `weight[:, :, -1]` and spatial padding kh//2.
     """
 
-    def __init__(self, in_dim: int, out_dim: int, kernel: tuple[int, int, int] = (3, 3, 3),
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        kernel: tuple[int, int, int] = (3, 3, 3),
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_dim, in_dim, *kernel, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_dim, device=device, dtype=dtype))
@@ -86,10 +94,11 @@ class CausalConv3d(nn.Module):
 class RMSNorm(nn.Module):
     """Wan's RMS_norm: F.normalize over channels · √C · γ (no bias); γ is [C,1,1,1] (or [C,1,1] in attention)."""
 
-    def __init__(self, dim: int, gamma_rank: int = 4, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, dim: int, gamma_rank: int = 4, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
-        self.scale = dim ** 0.5
+        self.scale = dim**0.5
         self.gamma = nn.Parameter(torch.ones(dim, *[1] * (gamma_rank - 1), device=device, dtype=dtype))
 
     def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
@@ -102,15 +111,20 @@ class RMSNorm(nn.Module):
 class ResidualBlock(nn.Module):
     """y = conv(SiLU(norm(conv(SiLU(norm(x)))))) + shortcut(x); shortcut is a 1×1 conv when channels change."""
 
-    def __init__(self, in_dim: int, out_dim: int, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, in_dim: int, out_dim: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         # Keys keep the indices of the original nn.Sequential (1, 4: SiLU; 5: Dropout) so files load as they are.
-        self.residual = nn.ModuleDict({
-            "0": RMSNorm(in_dim, **kw), "2": CausalConv3d(in_dim, out_dim, **kw),
-            "3": RMSNorm(out_dim, **kw), "6": CausalConv3d(out_dim, out_dim, **kw),
-        })
+        self.residual = nn.ModuleDict(
+            {
+                "0": RMSNorm(in_dim, **kw),
+                "2": CausalConv3d(in_dim, out_dim, **kw),
+                "3": RMSNorm(out_dim, **kw),
+                "6": CausalConv3d(out_dim, out_dim, **kw),
+            }
+        )
         self.shortcut = CausalConv3d(in_dim, out_dim, (1, 1, 1), **kw) if in_dim != out_dim else None
 
     def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
@@ -146,8 +160,14 @@ class Resample(nn.Module):
     first frame of a clip, and an image is only a first frame.
     """
 
-    def __init__(self, dim: int, up: bool, temporal: bool, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        up: bool,
+        temporal: bool,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.up = up
@@ -242,8 +262,12 @@ class WanVAE(nn.Module):
     input's dtype.
     """
 
-    def __init__(self, config: VAEConfig = VAEConfig(), device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        config: VAEConfig = VAEConfig(),
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.config = config
@@ -271,8 +295,10 @@ class WanVAE(nn.Module):
         x_BCHW = _single_frame(pixels, 3, "pixels")
         f = self.config.spatial_factor
         if x_BCHW.shape[-2] % f or x_BCHW.shape[-1] % f:
-            raise ValueError(f"pixels: height and width must be multiples of {f}, got {list(x_BCHW.shape[-2:])}"
-                             " (crop or resize the image first)")
+            raise ValueError(
+                f"pixels: height and width must be multiples of {f}, got {list(x_BCHW.shape[-2:])}"
+                " (crop or resize the image first)"
+            )
         h_BCHW = self.encoder(x_BCHW.to(device=self.device, dtype=self.dtype))
         # Channels z_dim.. of conv1 are the log-variance, which nothing uses.
         mu_BCHW = self.conv1(h_BCHW)[:, : self.config.z_dim]
@@ -288,12 +314,14 @@ class WanVAE(nn.Module):
 def _single_frame(x: torch.Tensor, channels: int, what: str) -> torch.Tensor:
     if x.ndim == 5:
         if x.shape[2] != 1:
-            raise ValueError(f"{what}: this VAE handles single images only, got {x.shape[2]} frames"
-                             f" (shape {list(x.shape)})")
+            raise ValueError(
+                f"{what}: this VAE handles single images only, got {x.shape[2]} frames (shape {list(x.shape)})"
+            )
         x = x[:, :, 0]
     if x.ndim != 4 or x.shape[1] != channels:
-        raise ValueError(f"{what}: expected shape [B, {channels}, H, W] or [B, {channels}, 1, H, W],"
-                         f" got {list(x.shape)}")
+        raise ValueError(
+            f"{what}: expected shape [B, {channels}, H, W] or [B, {channels}, 1, H, W], got {list(x.shape)}"
+        )
     return x
 
 
@@ -304,7 +332,8 @@ def _out_dtype(x: torch.Tensor, fallback: torch.dtype) -> torch.dtype:
 def _require(sd: StateDict, key: str, source: str, rank: int) -> torch.Tensor:
     if key not in sd:
         raise CheckpointError(
-            f"{source}: missing tensor {key!r} (not a Wan 2.1 / Qwen-Image VAE in original key names?)")
+            f"{source}: missing tensor {key!r} (not a Wan 2.1 / Qwen-Image VAE in original key names?)"
+        )
     t = sd[key]
     if t.ndim != rank:
         raise CheckpointError(f"{source}: tensor {key!r} has shape {list(t.shape)}, expected a {rank}-D tensor")
@@ -316,7 +345,8 @@ def infer_vae_config(sd: StateDict, source: str = "VAE state dict") -> VAEConfig
     if "encoder.conv1.weight" not in sd and "encoder.conv_in.weight" in sd:
         raise CheckpointError(
             f"{source}: this is a diffusers-format VAE (it has 'encoder.conv_in.weight'); load the original"
-            " Wan / ComfyUI file (keys 'encoder.conv1.weight', 'decoder.upsamples.N...') instead")
+            " Wan / ComfyUI file (keys 'encoder.conv1.weight', 'decoder.upsamples.N...') instead"
+        )
     base_dim = _require(sd, "encoder.conv1.weight", source, 5).shape[0]
     z_dim = _require(sd, "conv2.weight", source, 5).shape[0]
     indices = sorted({int(m.group(1)) for k in sd if (m := re.match(r"encoder\.downsamples\.(\d+)\.", k))})
@@ -330,12 +360,20 @@ def infer_vae_config(sd: StateDict, source: str = "VAE state dict") -> VAEConfig
         width = _require(sd, f"encoder.downsamples.{last_block}.residual.6.weight", source, 5).shape[0]
         dim_mult.append(width // base_dim)
     temporal = tuple(f"encoder.downsamples.{i}.time_conv.weight" in sd for i in resamples)
-    return VAEConfig(base_dim=base_dim, z_dim=z_dim, dim_mult=tuple(dim_mult), num_res_blocks=num_res_blocks,
-                     temporal_downsample=temporal)
+    return VAEConfig(
+        base_dim=base_dim,
+        z_dim=z_dim,
+        dim_mult=tuple(dim_mult),
+        num_res_blocks=num_res_blocks,
+        temporal_downsample=temporal,
+    )
 
 
-def load_vae(path_or_state_dict: str | os.PathLike | StateDict, device: torch.device | str | None = None,
-             dtype: torch.dtype | None = None) -> WanVAE:
+def load_vae(
+    path_or_state_dict: str | os.PathLike | StateDict,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> WanVAE:
     """Build a `WanVAE` from a safetensors file or state dict in original Wan key names (194 tensors at real size).
 
     The config is inferred from shapes, the module is built on `meta` and every tensor is checked

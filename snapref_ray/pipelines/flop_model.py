@@ -20,9 +20,16 @@ def _linear_dims(config: DiTConfig) -> dict[str, tuple[int, int]]:
     D, C, M = config.model_channels, config.context_dim, config.mlp_hidden
     inner = config.num_heads * config.head_dim
     dims = {p: (D, inner) for p in BLOCK_LINEARS}
-    dims.update({"self_attn.output_proj": (inner, D), "cross_attn.output_proj": (inner, D),
-                 "cross_attn.k_proj": (C, inner), "cross_attn.v_proj": (C, inner),
-                 "mlp.layer1": (D, M), "mlp.layer2": (M, D)})
+    dims.update(
+        {
+            "self_attn.output_proj": (inner, D),
+            "cross_attn.output_proj": (inner, D),
+            "cross_attn.k_proj": (C, inner),
+            "cross_attn.v_proj": (C, inner),
+            "mlp.layer1": (D, M),
+            "mlp.layer2": (M, D),
+        }
+    )
     return dims
 
 
@@ -84,8 +91,7 @@ def step_flops(name: str, config: DiTConfig, case: Case, *, cfg: bool = True, re
     ten = lambda r: tuple((p, r) for p in BLOCK_LINEARS)  # noqa: E731
     if name == "no_reference":
         return forward_flops(config, RowGroup(rows_text, L))
-    if name in ("snapref_default", "ref_in_uncond", "ref_guidance_apg", "ref_end_0.6", "recompute_every_step",
-                "turbo"):
+    if name in ("snapref_default", "ref_in_uncond", "ref_guidance_apg", "ref_end_0.6", "recompute_every_step", "turbo"):
         reading = 1 if name in ("snapref_default", "recompute_every_step", "turbo") else 2
         rows = 1 if name == "turbo" else rows_text
         total = forward_flops(config, RowGroup(reading, L, Lr, snap_target))
@@ -112,5 +118,6 @@ def real_size_ratios(rows: dict[str, float], *, steps: int, case: Case = Case(),
     """
     config = real_dit_config()
     base = step_flops("no_reference", config, case, cfg=cfg)
-    return {name: step_flops(name, config, case, cfg=cfg, ref_guidance_rows=share) / base
-            for name, share in rows.items()}
+    return {
+        name: step_flops(name, config, case, cfg=cfg, ref_guidance_rows=share) / base for name, share in rows.items()
+    }

@@ -34,17 +34,33 @@ _STAGES = {"worker": "sample"}  # a worker death is reported against the samplin
 
 def worker_config(spec: JobSpec, *, warmup: bool = True) -> WorkerConfig:
     c = spec.cluster
-    return WorkerConfig(models=spec.models.model_dump(), adapter=spec.adapter,
-                        loras=tuple((lora.path, lora.strength) for lora in spec.loras), device=c.device,
-                        dtype=c.dtype, refkv_cache_bytes=c.refkv_cache_bytes, output_uri=spec.output.uri,
-                        s3=spec.s3_options(), image_format=spec.output.image_format, warmup=warmup,
-                        compile=c.compile, output_threads=c.output_threads,
-                        warmup_sizes=((spec.defaults.width, spec.defaults.height),))
+    return WorkerConfig(
+        models=spec.models.model_dump(),
+        adapter=spec.adapter,
+        loras=tuple((lora.path, lora.strength) for lora in spec.loras),
+        device=c.device,
+        dtype=c.dtype,
+        refkv_cache_bytes=c.refkv_cache_bytes,
+        output_uri=spec.output.uri,
+        s3=spec.s3_options(),
+        image_format=spec.output.image_format,
+        warmup=warmup,
+        compile=c.compile,
+        output_threads=c.output_threads,
+        warmup_sizes=((spec.defaults.width, spec.defaults.height),),
+    )
 
 
-def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable | None = None,
-            warmup: bool = True, write_gallery: bool = True, on_progress: Callable[[int], None] | None = None,
-            on_workers: Callable[[list, list], None] | None = None) -> dict:
+def run_job(
+    spec: JobSpec,
+    *,
+    progress: bool = True,
+    renderer_factory: Callable | None = None,
+    warmup: bool = True,
+    write_gallery: bool = True,
+    on_progress: Callable[[int], None] | None = None,
+    on_workers: Callable[[list, list], None] | None = None,
+) -> dict:
     """Run (or resume) a batch job; returns the summary that is also written to summary.json.
 
     `renderer_factory(WorkerConfig)` replaces the real Renderer in each worker (benchmarks);
@@ -64,11 +80,18 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
 
     done_before = committed_item_ids(storage)
     todo = [item for item in validated.items if item.item_id not in done_before]
-    log.info("%d manifest rows -> %d items (%d invalid rows); %d already committed, %d to render",
-             validated.rows, len(validated.items), len(validated.errors), len(validated.items) - len(todo), len(todo))
+    log.info(
+        "%d manifest rows -> %d items (%d invalid rows); %d already committed, %d to render",
+        validated.rows,
+        len(validated.items),
+        len(validated.errors),
+        len(validated.items) - len(todo),
+        len(todo),
+    )
 
-    metadata = MetadataWriter(storage, embed_images=spec.output.embed_images,
-                              flush_seconds=spec.output.metadata_flush_seconds)
+    metadata = MetadataWriter(
+        storage, embed_images=spec.output.embed_images, flush_seconds=spec.output.metadata_flush_seconds
+    )
     errors = ErrorWriter(storage)
     # A resumed job validates the same manifest again: record each invalid row once per output.
     recorded = _recorded_validation_errors(storage) if validated.errors else set()
@@ -89,11 +112,24 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
         if todo:
             c = spec.cluster
             connect(c.address)
-            plan = plan_pool(PoolShape(c.num_workers, c.cpu_workers, c.num_cpus_per_worker, min_workers=c.min_workers,
-                                       max_workers=c.max_workers),
-                             c.device, on_cluster=on_a_cluster(c.address), gpus_now=gpus_in_cluster())
-            log.info("worker pool: %d to %d %s worker(s)", plan.min_workers, plan.max_workers,
-                     "GPU" if plan.use_gpu else "CPU")
+            plan = plan_pool(
+                PoolShape(
+                    c.num_workers,
+                    c.cpu_workers,
+                    c.num_cpus_per_worker,
+                    min_workers=c.min_workers,
+                    max_workers=c.max_workers,
+                ),
+                c.device,
+                on_cluster=on_a_cluster(c.address),
+                gpus_now=gpus_in_cluster(),
+            )
+            log.info(
+                "worker pool: %d to %d %s worker(s)",
+                plan.min_workers,
+                plan.max_workers,
+                "GPU" if plan.use_gpu else "CPU",
+            )
             pool = WorkerPool(worker_config(spec, warmup=warmup), plan, renderer_factory)
             bar = _progress_bar(len(validated.items), len(validated.items) - len(todo)) if progress else None
             callbacks = [f for f in (bar.update if bar else None, on_progress) if f is not None]
@@ -104,13 +140,21 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
                 _commit(metadata, storage, spec, outcome)
 
             scheduler = BatchScheduler(
-                [], [], SchedulerConfig(c.max_in_flight_per_worker, c.max_attempts, c.max_batch,
-                                        transfer_bytes_per_s=c.transfer_gbps * 1e9 / 8 if c.transfer_gbps else None,
-                                        start_timeout_s=c.start_timeout_s),
+                [],
+                [],
+                SchedulerConfig(
+                    c.max_in_flight_per_worker,
+                    c.max_attempts,
+                    c.max_batch,
+                    transfer_bytes_per_s=c.transfer_gbps * 1e9 / 8 if c.transfer_gbps else None,
+                    start_timeout_s=c.start_timeout_s,
+                ),
                 on_done=done,
                 on_failed=lambda outcome, item, attempt: _record_failure(errors, outcome, item, attempt),
-                on_progress=(lambda n: [f(n) for f in callbacks]) if callbacks else None, pool=pool,
-                on_worker=(lambda handle, info: on_workers([handle], [info])) if on_workers else None)
+                on_progress=(lambda n: [f(n) for f in callbacks]) if callbacks else None,
+                pool=pool,
+                on_worker=(lambda handle, info: on_workers([handle], [info])) if on_workers else None,
+            )
             t_schedule = time.time()
             try:
                 stats = scheduler.run(todo)
@@ -131,8 +175,20 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
         errors.close()
         if bar:
             bar.close()
-        summary = _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, interrupted, timing,
-                           scheduler.encodes_by_reference if scheduler else None, images_per_node, forward_batches)
+        summary = _summary(
+            spec,
+            fingerprint,
+            validated,
+            done_before,
+            todo,
+            stats,
+            t_start,
+            interrupted,
+            timing,
+            scheduler.encodes_by_reference if scheduler else None,
+            images_per_node,
+            forward_batches,
+        )
         write_summary(storage, summary)
     if write_gallery:
         from snapref_ray.report import write_report
@@ -141,8 +197,10 @@ def run_job(spec: JobSpec, *, progress: bool = True, renderer_factory: Callable 
             write_report(spec.output.uri, s3)
         except Exception as e:  # a report must never fail a finished job
             log.warning("could not write the gallery: %s", e)
-    log.info("done: %s", json.dumps({k: summary[k] for k in ("images_total", "images_this_run", "failed_items",
-                                                              "images_per_hour")}))
+    log.info(
+        "done: %s",
+        json.dumps({k: summary[k] for k in ("images_total", "images_this_run", "failed_items", "images_per_hour")}),
+    )
     return summary
 
 
@@ -169,22 +227,50 @@ def _commit(metadata: MetadataWriter, storage, spec: JobSpec, outcome: ItemOutco
 
 
 def _record_failure(errors: ErrorWriter, outcome: ItemOutcome, item: WorkItem, attempt: int) -> None:
-    log.error("item %s (manifest row %d) failed after %d attempt(s): %s", item.item_id, item.manifest_row,
-              attempt, outcome.error)
+    log.error(
+        "item %s (manifest row %d) failed after %d attempt(s): %s",
+        item.item_id,
+        item.manifest_row,
+        attempt,
+        outcome.error,
+    )
     job_metrics().errors.inc(1, {"stage": _STAGES.get(outcome.stage, outcome.stage)})
-    errors.record(outcome.error or "unknown error", _STAGES.get(outcome.stage, outcome.stage),
-                  item_id=item.item_id, manifest_row=item.manifest_row, attempt=attempt)
+    errors.record(
+        outcome.error or "unknown error",
+        _STAGES.get(outcome.stage, outcome.stage),
+        item_id=item.item_id,
+        manifest_row=item.manifest_row,
+        attempt=attempt,
+    )
 
 
 def _progress_bar(total: int, initial: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc="images", unit="img", smoothing=0.1,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]")
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc="images",
+        unit="img",
+        smoothing=0.1,
+        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]",
+    )
 
 
-def _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, interrupted, timing,
-             encodes_by_reference, images_per_node, forward_batches) -> dict:
+def _summary(
+    spec,
+    fingerprint,
+    validated,
+    done_before,
+    todo,
+    stats,
+    t_start,
+    interrupted,
+    timing,
+    encodes_by_reference,
+    images_per_node,
+    forward_batches,
+) -> dict:
     wall = time.time() - t_start
     done_now = stats.done_items if stats else 0
     references = len({item.reference_hash for item in todo})
@@ -193,18 +279,28 @@ def _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, in
     encodes = stats.reference_encodes if stats else 0
     render_s = timing["render_seconds"]
     return {
-        "manifest": spec.manifest, "output": spec.output.uri, "config_hash": fingerprint,
-        "manifest_rows": validated.rows, "invalid_rows": len(validated.errors), "items": len(validated.items),
+        "manifest": spec.manifest,
+        "output": spec.output.uri,
+        "config_hash": fingerprint,
+        "manifest_rows": validated.rows,
+        "invalid_rows": len(validated.errors),
+        "items": len(validated.items),
         "images_total": len(done_before & {i.item_id for i in validated.items}) + done_now,
-        "images_this_run": done_now, "skipped_already_done": len(validated.items) - len(todo),
-        "failed_items": stats.failed_items if stats else 0, "interrupted": interrupted,
-        "wall_seconds": round(wall, 3), "images_per_hour": round(3600 * done_now / wall, 1) if wall > 0 else 0.0,
-        "startup_seconds": round(timing["startup_seconds"], 3), "render_seconds": round(render_s, 3),
+        "images_this_run": done_now,
+        "skipped_already_done": len(validated.items) - len(todo),
+        "failed_items": stats.failed_items if stats else 0,
+        "interrupted": interrupted,
+        "wall_seconds": round(wall, 3),
+        "images_per_hour": round(3600 * done_now / wall, 1) if wall > 0 else 0.0,
+        "startup_seconds": round(timing["startup_seconds"], 3),
+        "render_seconds": round(render_s, 3),
         "images_per_hour_rendering": round(3600 * done_now / render_s, 1) if render_s > 0 else 0.0,
-        "references": references, "reference_encodes": encodes,
+        "references": references,
+        "reference_encodes": encodes,
         "encodes_per_reference": round(encodes / references, 3) if references else 0.0,
         "max_encodes_per_reference": max(encodes_by_reference.values(), default=0) if encodes_by_reference else 0,
-        "images_per_node": dict(sorted(images_per_node.items())), "peak_workers": stats.peak_workers if stats else 0,
+        "images_per_node": dict(sorted(images_per_node.items())),
+        "peak_workers": stats.peak_workers if stats else 0,
         # Images by the size of the forward that rendered them: the batch the workers chose (on a GPU, the
         # largest that fits the resolution, capped by max_batch; see cluster/batch_fit.py).
         "forward_batches": {str(k): v for k, v in sorted(forward_batches.items())},
@@ -215,14 +311,14 @@ def _summary(spec, fingerprint, validated, done_before, todo, stats, t_start, in
             "cross_node_reencodes": stats.local_encodes if stats else 0,
             "transfer_gbps": _gbps(stats, spec),
         },
-        "scheduler": asdict(stats) if stats else None, "finished_at": time.time(),
+        "scheduler": asdict(stats) if stats else None,
+        "finished_at": time.time(),
     }
 
 
 def _gbps(stats, spec) -> dict:
     measured = stats.measured_transfer_bytes_per_s if stats else None
-    return {"configured": spec.cluster.transfer_gbps,
-            "measured": round(8 * measured / 1e9, 3) if measured else None}
+    return {"configured": spec.cluster.transfer_gbps, "measured": round(8 * measured / 1e9, 3) if measured else None}
 
 
 JOB_USAGE = """`ray job submit --working-dir . -- python -m jobs.generate_dataset SPEC.yaml`

@@ -24,8 +24,7 @@ from snapref_ray.adapter.images import content_hash
 from snapref_ray.evaluation import LOSS_DEFINITION, derangement, summarise
 from snapref_ray.requests import Mode
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
-from snapref_ray.storage.jobspec import (ClusterSpec, JobSpecError, LoRASpec, ModelPaths, OutputSpec,
-                                         read_yaml_mapping)
+from snapref_ray.storage.jobspec import ClusterSpec, JobSpecError, LoRASpec, ModelPaths, OutputSpec, read_yaml_mapping
 from snapref_ray.storage.manifest import manifest_base, read_manifest, resolve_relative
 
 log = logging.getLogger(__name__)
@@ -47,8 +46,9 @@ class EvalError(ValueError):
 
 def resolve_model_paths(models: ModelPaths, base: str) -> ModelPaths:
     """A copy of `models` with relative local paths resolved against `base` (as job specs do)."""
-    return models.model_copy(update={name: resolve_relative(value, base) for name, value in models.model_dump().items()
-                                     if value is not None})
+    return models.model_copy(
+        update={name: resolve_relative(value, base) for name, value in models.model_dump().items() if value is not None}
+    )
 
 
 class EvalSpec(BaseModel):
@@ -57,32 +57,53 @@ class EvalSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     models: ModelPaths = Field(..., description="The Anima model files (as in a batch job spec).")
-    adapter: str | None = Field(None, description="SnapRef adapter under test; None = adapter.safetensors from "
-                                                   "models_dir.")
-    loras: list[LoRASpec] = Field(default_factory=list, description="LoRAs merged into the DiT; none = the base "
-                                                                     "model the adapter was trained on.")
-    manifest: str = Field(..., description="CSV/JSONL/Parquet with columns reference, target, prompt and optional "
-                                           "character and id; relative paths resolve against its folder.")
-    sigmas: list[float] = Field([0.2, 0.4, 0.6, 0.8], description="Noise levels the loss is taken at; spread over "
-                                "the schedule because identity is decided at middle σ, not at the ends.")
-    noise_seeds: list[int] = Field([0, 1, 2, 3], description="Noise draws per σ, shared by right and wrong "
-                                   "reference so the gap is a paired difference; 4 keep the per-case noise low at 4x "
-                                   "the cost of 1.")
+    adapter: str | None = Field(
+        None, description="SnapRef adapter under test; None = adapter.safetensors from models_dir."
+    )
+    loras: list[LoRASpec] = Field(
+        default_factory=list, description="LoRAs merged into the DiT; none = the base model the adapter was trained on."
+    )
+    manifest: str = Field(
+        ...,
+        description="CSV/JSONL/Parquet with columns reference, target, prompt and optional "
+        "character and id; relative paths resolve against its folder.",
+    )
+    sigmas: list[float] = Field(
+        [0.2, 0.4, 0.6, 0.8],
+        description="Noise levels the loss is taken at; spread over "
+        "the schedule because identity is decided at middle σ, not at the ends.",
+    )
+    noise_seeds: list[int] = Field(
+        [0, 1, 2, 3],
+        description="Noise draws per σ, shared by right and wrong "
+        "reference so the gap is a paired difference; 4 keep the per-case noise low at 4x "
+        "the cost of 1.",
+    )
     derangement_seed: int = Field(0, description="Seed of the wrong-reference assignment; fixed so reruns compare.")
     bootstrap_seed: int = Field(0, description="Seed of the bootstrap resampling; fixed so the CI is reproducible.")
-    n_boot: int = Field(2000, ge=100, description="Bootstrap replicates; 2000 puts the 95% bounds' own noise well "
-                                                  "below the interval's width.")
+    n_boot: int = Field(
+        2000,
+        ge=100,
+        description="Bootstrap replicates; 2000 puts the 95% bounds' own noise well below the interval's width.",
+    )
     ci_level: float = Field(0.95, gt=0.0, lt=1.0, description="Confidence level of the gap's interval.")
-    target_megapixels: float = Field(1.0, gt=0.0, le=16.0, description="Targets are shrunk to at most this area "
-                                     "(sides multiples of 16, never enlarged); 1 MP as the adapter was trained.")
+    target_megapixels: float = Field(
+        1.0,
+        gt=0.0,
+        le=16.0,
+        description="Targets are shrunk to at most this area "
+        "(sides multiples of 16, never enlarged); 1 MP as the adapter was trained.",
+    )
     mode: Mode = Field("cs", description="Reference read mode; cs as trained for character and style.")
     ref_weight: float = Field(1.0, ge=0.0, le=10.0, description="Reference attention weight; 1 as trained.")
-    ref_caption: str = Field("", description="Caption of every reference for its own cross-attention; empty as in "
-                                             "the default render.")
+    ref_caption: str = Field(
+        "", description="Caption of every reference for its own cross-attention; empty as in the default render."
+    )
     ref_megapixels: float = Field(1.0, gt=0.0, le=16.0, description="Reference area budget; 1 MP as trained.")
     output: OutputSpec = Field(default_factory=OutputSpec, description="Where heldout_loss.json/.parquet go.")
-    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Ray cluster and worker shape (the batch "
-                                                                          "job's fields).")
+    cluster: ClusterSpec = Field(
+        default_factory=ClusterSpec, description="Ray cluster and worker shape (the batch job's fields)."
+    )
 
     @field_validator("sigmas")
     @classmethod
@@ -101,16 +122,20 @@ class EvalSpec(BaseModel):
     def s3_options(self) -> S3Options:
         return self.output.s3.options()
 
-    def resolve_paths(self, base: str) -> "EvalSpec":
+    def resolve_paths(self, base: str) -> EvalSpec:
         """A copy with relative local paths resolved against `base` (the spec file's folder)."""
         output = self.output
         if "uri" in output.model_fields_set:
             output = output.model_copy(update={"uri": resolve_relative(output.uri, base)})
-        return self.model_copy(update={
-            "models": resolve_model_paths(self.models, base),
-            "adapter": None if self.adapter is None else resolve_relative(self.adapter, base),
-            "loras": [lora.model_copy(update={"path": resolve_relative(lora.path, base)}) for lora in self.loras],
-            "manifest": resolve_relative(self.manifest, base), "output": output})
+        return self.model_copy(
+            update={
+                "models": resolve_model_paths(self.models, base),
+                "adapter": None if self.adapter is None else resolve_relative(self.adapter, base),
+                "loras": [lora.model_copy(update={"path": resolve_relative(lora.path, base)}) for lora in self.loras],
+                "manifest": resolve_relative(self.manifest, base),
+                "output": output,
+            }
+        )
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -125,8 +150,10 @@ def load_spec_file(path_or_uri: str, model: type[M], s3: S3Options | None = None
     try:
         spec = model.model_validate(raw)
     except ValidationError as exc:
-        lines = [f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg'].removeprefix('Value error, ')}"
-                 for e in exc.errors()]
+        lines = [
+            f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        ]
         raise JobSpecError(f"invalid spec {path_or_uri}:\n  " + "\n  ".join(lines)) from None
     return spec.resolve_paths(manifest_base(path_or_uri))
 
@@ -163,13 +190,20 @@ def build_cases(spec: EvalSpec, s3: S3Options | None = None) -> list[dict]:
         if reference not in hashes:
             try:
                 hashes[reference] = content_hash(read_uri(reference, s3))
-            except Exception as e:  # noqa: BLE001 -- named in the error below
+            except Exception as e:
                 problems.append(f"row {number}: reference {reference} cannot be read ({type(e).__name__}: {e})")
                 continue
         character = str(row["character"]) if "character" in row else f"ref:{hashes[reference][:12]}"
-        cases.append({"case_id": str(row.get("id", f"row{number}")), "manifest_row": number, "character": character,
-                      "reference": reference, "target": resolve_relative(str(row["target"]), base),
-                      "prompt": str(row["prompt"])})
+        cases.append(
+            {
+                "case_id": str(row.get("id", f"row{number}")),
+                "manifest_row": number,
+                "character": character,
+                "reference": reference,
+                "target": resolve_relative(str(row["target"]), base),
+                "prompt": str(row["prompt"]),
+            }
+        )
     seen: set[str] = set()
     for case in cases:
         if case["case_id"] in seen:
@@ -183,17 +217,37 @@ def build_cases(spec: EvalSpec, s3: S3Options | None = None) -> list[dict]:
         raise EvalError(f"manifest {spec.manifest}: {e}") from None
     for case, j in zip(cases, wrong):
         other = cases[j]
-        case.update({"wrong_reference": other["reference"], "wrong_character": other["character"],
-                     "wrong_case": other["case_id"]})
+        case.update(
+            {
+                "wrong_reference": other["reference"],
+                "wrong_character": other["character"],
+                "wrong_case": other["case_id"],
+            }
+        )
         if hashes[other["reference"]] == hashes[case["reference"]]:
-            log.warning("case %s: characters %r and %r share a reference image; its gap is 0 by construction",
-                        case["case_id"], case["character"], other["character"])
+            log.warning(
+                "case %s: characters %r and %r share a reference image; its gap is 0 by construction",
+                case["case_id"],
+                case["character"],
+                other["character"],
+            )
     for case in cases:
-        case.update({"right_hash": hashes[case["reference"]], "right_uris": [case["reference"]],
-                     "wrong_hash": hashes[case["wrong_reference"]], "wrong_uris": [case["wrong_reference"]],
-                     "layout": "single", "sigmas": list(spec.sigmas), "noise_seeds": list(spec.noise_seeds),
-                     "target_megapixels": spec.target_megapixels, "mode": spec.mode, "ref_weight": spec.ref_weight,
-                     "ref_caption": spec.ref_caption, "ref_megapixels": spec.ref_megapixels})
+        case.update(
+            {
+                "right_hash": hashes[case["reference"]],
+                "right_uris": [case["reference"]],
+                "wrong_hash": hashes[case["wrong_reference"]],
+                "wrong_uris": [case["wrong_reference"]],
+                "layout": "single",
+                "sigmas": list(spec.sigmas),
+                "noise_seeds": list(spec.noise_seeds),
+                "target_megapixels": spec.target_megapixels,
+                "mode": spec.mode,
+                "ref_weight": spec.ref_weight,
+                "ref_caption": spec.ref_caption,
+                "ref_megapixels": spec.ref_megapixels,
+            }
+        )
     return cases
 
 
@@ -269,18 +323,34 @@ def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
     s3 = spec.s3_options()
     storage = open_storage(spec.output.uri, s3)
     cases = build_cases(spec, s3)
-    log.info("%d cases of %d characters; %d sigmas x %d noise seeds each, right and wrong reference",
-             len(cases), len({c["character"] for c in cases}), len(spec.sigmas), len(spec.noise_seeds))
+    log.info(
+        "%d cases of %d characters; %d sigmas x %d noise seeds each, right and wrong reference",
+        len(cases),
+        len({c["character"] for c in cases}),
+        len(spec.sigmas),
+        len(spec.noise_seeds),
+    )
     c = spec.cluster
-    config = WorkerConfig(models=spec.models.model_dump(), adapter=spec.adapter,
-                          loras=tuple((lora.path, lora.strength) for lora in spec.loras), device=c.device,
-                          dtype=c.dtype, refkv_cache_bytes=c.refkv_cache_bytes, output_uri=spec.output.uri, s3=s3,
-                          warmup=False)
+    config = WorkerConfig(
+        models=spec.models.model_dump(),
+        adapter=spec.adapter,
+        loras=tuple((lora.path, lora.strength) for lora in spec.loras),
+        device=c.device,
+        dtype=c.dtype,
+        refkv_cache_bytes=c.refkv_cache_bytes,
+        output_uri=spec.output.uri,
+        s3=s3,
+        warmup=False,
+    )
     connect(c.address)
     import ray
 
-    workers, _ = start_workers(config, PoolShape(c.num_workers, c.cpu_workers, c.num_cpus_per_worker),
-                               renderer_factory, on_cluster=on_a_cluster(c.address))
+    workers, _ = start_workers(
+        config,
+        PoolShape(c.num_workers, c.cpu_workers, c.num_cpus_per_worker),
+        renderer_factory,
+        on_cluster=on_a_cluster(c.address),
+    )
     try:
         results, errors = _dispatch(workers, cases, c.max_in_flight_per_worker, c.max_attempts)
     finally:
@@ -289,8 +359,9 @@ def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
     if not results:
         first = next(iter(errors.values()), "no result")
         raise EvalError(f"every one of the {len(cases)} cases failed; the first error: {first}")
-    done = [{**_public(cases[i]), **{k: v for k, v in results[i].items() if k not in _RUN_FIELDS}}
-            for i in sorted(results)]
+    done = [
+        {**_public(cases[i]), **{k: v for k, v in results[i].items() if k not in _RUN_FIELDS}} for i in sorted(results)
+    ]
     summary = summarise(done, sigmas=spec.sigmas, seed=spec.bootstrap_seed, n_boot=spec.n_boot, level=spec.ci_level)
     first = results[min(results)]
     report = {
@@ -300,35 +371,61 @@ def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
         "sigmas": list(spec.sigmas),
         "noise_seeds": list(spec.noise_seeds),
         "loss": LOSS_DEFINITION,
-        "model": {"id": first["model"], "files": spec.models.model_dump(),
-                  "loras": [lora.model_dump() for lora in spec.loras], "device": first["device"],
-                  "dtype": first["dtype"]},
-        "adapter": {"identity": first["adapter"], "path": spec.adapter, "mode": spec.mode,
-                    "ref_weight": spec.ref_weight, "ref_caption": spec.ref_caption,
-                    "ref_megapixels": spec.ref_megapixels},
+        "model": {
+            "id": first["model"],
+            "files": spec.models.model_dump(),
+            "loras": [lora.model_dump() for lora in spec.loras],
+            "device": first["device"],
+            "dtype": first["dtype"],
+        },
+        "adapter": {
+            "identity": first["adapter"],
+            "path": spec.adapter,
+            "mode": spec.mode,
+            "ref_weight": spec.ref_weight,
+            "ref_caption": spec.ref_caption,
+            "ref_megapixels": spec.ref_megapixels,
+        },
         "target_megapixels": spec.target_megapixels,
         "derangement_seed": spec.derangement_seed,
         "manifest": spec.manifest,
         "per_sigma": summary["per_sigma"],
         "cases": summary["cases"],  # summarise() leaves the grids out; they are in the Parquet
-        "failed": [{"case_id": cases[i]["case_id"], "manifest_row": cases[i]["manifest_row"], "error": errors[i]}
-                   for i in sorted(errors)],
+        "failed": [
+            {"case_id": cases[i]["case_id"], "manifest_row": cases[i]["manifest_row"], "error": errors[i]}
+            for i in sorted(errors)
+        ],
         "wall_seconds": round(time.time() - t_start, 3),
         "python": platform.python_version(),
         "finished_at": time.time(),
     }
     storage.put_bytes(RESULT_JSON, json.dumps(report, indent=2).encode(), "application/json")
     storage.put_bytes(RESULT_PARQUET, _parquet(summary["cases"], done))
-    log.info("identity gap %.6g (%.0f%% CI %.6g .. %.6g), right wins %.0f%% of %d cases; written to %s",
-             report["gap"], 100 * spec.ci_level, *report["gap_ci"], 100 * report["right_wins_fraction"],
-             report["n_cases"], storage.uri_for(RESULT_JSON))
+    log.info(
+        "identity gap %.6g (%.0f%% CI %.6g .. %.6g), right wins %.0f%% of %d cases; written to %s",
+        report["gap"],
+        100 * spec.ci_level,
+        *report["gap_ci"],
+        100 * report["right_wins_fraction"],
+        report["n_cases"],
+        storage.uri_for(RESULT_JSON),
+    )
     return report
 
 
 # Per-worker facts, reported once under "model"/"adapter" rather than in every case.
 _RUN_FIELDS = ("case_id", "model", "adapter", "device", "dtype")
-_CASE_FIELDS = ("case_id", "manifest_row", "character", "reference", "target", "prompt", "wrong_reference",
-                "wrong_character", "wrong_case")
+_CASE_FIELDS = (
+    "case_id",
+    "manifest_row",
+    "character",
+    "reference",
+    "target",
+    "prompt",
+    "wrong_reference",
+    "wrong_character",
+    "wrong_case",
+)
 
 
 def _public(case: dict) -> dict:
@@ -341,8 +438,10 @@ def _parquet(summary_cases: list[dict], done: list[dict]) -> bytes:
     import pyarrow.parquet as pq
 
     grids = {case["case_id"]: case for case in done}
-    rows = [{**case, "loss_right": grids[case["case_id"]]["loss_right"],
-             "loss_wrong": grids[case["case_id"]]["loss_wrong"]} for case in summary_cases]
+    rows = [
+        {**case, "loss_right": grids[case["case_id"]]["loss_right"], "loss_wrong": grids[case["case_id"]]["loss_wrong"]}
+        for case in summary_cases
+    ]
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), sink)
     return sink.getvalue()
@@ -362,6 +461,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     report = run_identity_eval(load_eval_spec(args.spec))
-    print(json.dumps({k: report[k] for k in ("n_cases", "n_failed", "mean_loss_right", "mean_loss_wrong", "gap",
-                                             "gap_ci", "right_wins_fraction")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: report[k]
+                for k in (
+                    "n_cases",
+                    "n_failed",
+                    "mean_loss_right",
+                    "mean_loss_wrong",
+                    "gap",
+                    "gap_ci",
+                    "right_wins_fraction",
+                )
+            },
+            indent=2,
+        )
+    )
     return 1 if report["n_failed"] else 0

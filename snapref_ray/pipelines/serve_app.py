@@ -67,7 +67,8 @@ def build_app(config: ServeConfig) -> Application:
     # A replica being stopped (downscale, redeploy) finishes what it holds first.
     drain_s = config.request_timeout_s + 10.0
     store = ReferenceStore.options(num_replicas=config.reference_store_replicas).bind(
-        config.reference_store_bytes, config.references_uri, config.s3_options())
+        config.reference_store_bytes, config.references_uri, config.s3_options()
+    )
     rendering = {
         "ray_actor_options": {"num_cpus": config.cpus_per_replica, "num_gpus": gpus},
         "autoscaling_config": {
@@ -82,9 +83,12 @@ def build_app(config: ServeConfig) -> Application:
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
     }
     # The HTTP side: many cheap requests per replica, Serve's own queue in front of them.
-    http = {"max_ongoing_requests": config.ingress_max_ongoing_requests,
-            "max_queued_requests": config.ingress_max_queued_requests,
-            "backpressure_config": retry, "graceful_shutdown_timeout_s": drain_s}
+    http = {
+        "max_ongoing_requests": config.ingress_max_ongoing_requests,
+        "max_queued_requests": config.ingress_max_queued_requests,
+        "backpressure_config": retry,
+        "graceful_shutdown_timeout_s": drain_s,
+    }
     if config.fused():
         # The renders' own admission (max_ongoing_requests + max_queued_requests) is the ingress's.
         return Ingress.options(**rendering, **http).bind(config, None, store)
@@ -95,8 +99,9 @@ def build_app(config: ServeConfig) -> Application:
         backpressure_config=retry,
         graceful_shutdown_timeout_s=drain_s,
     ).bind(config, store)
-    return Ingress.options(num_replicas=config.ingress_replicas, ray_actor_options={"num_cpus": 0.5},
-                           **http).bind(config, renderer, store)
+    return Ingress.options(num_replicas=config.ingress_replicas, ray_actor_options={"num_cpus": 0.5}, **http).bind(
+        config, renderer, store
+    )
 
 
 def rendering_deployment(config: ServeConfig) -> str:
@@ -110,8 +115,9 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def config_from_env() -> ServeConfig:
-    return ServeConfig(models_dir=os.environ.get("SNAPREF_MODELS_DIR", "models"),
-                       adapter=os.environ.get("SNAPREF_ADAPTER") or None)
+    return ServeConfig(
+        models_dir=os.environ.get("SNAPREF_MODELS_DIR", "models"), adapter=os.environ.get("SNAPREF_ADAPTER") or None
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -120,8 +126,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def start_local(config: ServeConfig, *, num_cpus: int | None = None, num_gpus: int | None = None,
-                log_to_driver: bool = True) -> str:
+def start_local(
+    config: ServeConfig, *, num_cpus: int | None = None, num_gpus: int | None = None, log_to_driver: bool = True
+) -> str:
     """Start Ray (locally, unless already up), Serve and the app; answer HTTP on config.host:config.port.
 
     With `config.direct_ingress` (the default), Ray started here and HAProxy installed, HAProxy answers
@@ -141,19 +148,27 @@ def start_local(config: ServeConfig, *, num_cpus: int | None = None, num_gpus: i
             # scraper, so it does not start one. Set RAY_enable_metrics_collection=1 to keep it.
             env["RAY_enable_metrics_collection"] = os.environ.get("RAY_enable_metrics_collection", "0")
         with environment(env):  # Ray's processes inherit it; this process gets its own back
-            ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                     log_to_driver=log_to_driver)
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                include_dashboard=False,
+                log_to_driver=log_to_driver,
+            )
     elif config.direct_ingress:
         log.info("Ray was already running: its own environment decides between Serve's proxy and direct ingress")
-    if config.topology == "auto" and not config.fused() and config.min_replicas >= 1 \
-            and _renderers_that_fit(config) == 1:
+    if (
+        config.topology == "auto"
+        and not config.fused()
+        and config.min_replicas >= 1
+        and _renderers_that_fit(config) == 1
+    ):
         # One GPU here: a second renderer replica could never start, so there is nothing to route.
         config = config.model_copy(update={"topology": "fused"})
         log.info("one renderer replica fits this machine's GPUs: the ingress renders itself (topology fused)")
     global _topology
     _topology = "fused" if config.fused() else "split"
-    serve.start(http_options={"host": config.host, "port": config.port,
-                              "request_timeout_s": config.proxy_timeout_s()})
+    serve.start(http_options={"host": config.host, "port": config.port, "request_timeout_s": config.proxy_timeout_s()})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     host = f"[{config.host}]" if ":" in config.host else config.host
     return f"http://{host}:{config.port}"
@@ -189,8 +204,10 @@ def _direct_ingress_env(config: ServeConfig) -> dict[str, str]:
     global _haproxy_dir
     haproxy = haproxy_binary()
     if haproxy is None:
-        log.warning("haproxy is not installed, so Serve's own proxy answers the port (one actor hop more,"
-                    " ~20 ms per request on 2 cores); install it (apt-get install haproxy) for direct ingress")
+        log.warning(
+            "haproxy is not installed, so Serve's own proxy answers the port (one actor hop more,"
+            " ~20 ms per request on 2 cores); install it (apt-get install haproxy) for direct ingress"
+        )
         return {}
     # Short and under /tmp: HAProxy caps unix socket paths at 97 bytes, and Serve adds a 56-character
     # node id folder below this one.

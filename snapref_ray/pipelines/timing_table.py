@@ -35,11 +35,25 @@ log = logging.getLogger(__name__)
 RESULT_JSON = "comparison_summary.json"
 RESULT_MD = "comparison_summary.md"
 FORMAT = "snapref-ray/comparison_summary/1"
-SETTING_NAMES = ("no_reference", "snapref_default", "ref_in_uncond", "ref_guidance_apg", "ref_end_0.6",
-                 "recompute_every_step", "turbo", "arcanima_v2", "arcanima_v2_rg1", "arcanima_pilot",
-                 "arcanima_pilot_rg1")
-ARCANIMA_ROWS = {"arcanima_v2": "arcanima-v2", "arcanima_v2_rg1": "arcanima-v2", "arcanima_pilot": "arcanima-pilot",
-                 "arcanima_pilot_rg1": "arcanima-pilot"}
+SETTING_NAMES = (
+    "no_reference",
+    "snapref_default",
+    "ref_in_uncond",
+    "ref_guidance_apg",
+    "ref_end_0.6",
+    "recompute_every_step",
+    "turbo",
+    "arcanima_v2",
+    "arcanima_v2_rg1",
+    "arcanima_pilot",
+    "arcanima_pilot_rg1",
+)
+ARCANIMA_ROWS = {
+    "arcanima_v2": "arcanima-v2",
+    "arcanima_v2_rg1": "arcanima-v2",
+    "arcanima_pilot": "arcanima-pilot",
+    "arcanima_pilot_rg1": "arcanima-pilot",
+}
 
 
 class TimingSpec(BaseModel):
@@ -50,15 +64,22 @@ class TimingSpec(BaseModel):
     models: ModelPaths = Field(..., description="The Anima model files (as in a batch job spec).")
     adapter: str | None = Field(None, description="SnapRef adapter; None = adapter.safetensors from models_dir.")
     arcanima_v2_adapter: str | None = Field(
-        None, description="ArcAnima v2 file for the arcanima_v2 rows; None = arcanima-v2.safetensors in models_dir "
-                          "if there is one (else those rows are left out, and the table says so).")
+        None,
+        description="ArcAnima v2 file for the arcanima_v2 rows; None = arcanima-v2.safetensors in models_dir "
+        "if there is one (else those rows are left out, and the table says so).",
+    )
     arcanima_pilot_adapter: str | None = Field(
-        None, description="ArcAnima pilot file for the arcanima_pilot rows; None = arcanima-pilot.safetensors in "
-                          "models_dir if there is one.")
-    reference: str | None = Field(None, description="Reference image; None = reference.png in models_dir (the "
-                                                    "tiny model set has one).")
-    prompt: str = Field("1girl, solo, cowboy shot, sitting, cafe, holding cup, smile, looking at viewer, window, day",
-                        description="Scene prompt of the case; its content does not change the cost.")
+        None,
+        description="ArcAnima pilot file for the arcanima_pilot rows; None = arcanima-pilot.safetensors in "
+        "models_dir if there is one.",
+    )
+    reference: str | None = Field(
+        None, description="Reference image; None = reference.png in models_dir (the tiny model set has one)."
+    )
+    prompt: str = Field(
+        "1girl, solo, cowboy shot, sitting, cafe, holding cup, smile, looking at viewer, window, day",
+        description="Scene prompt of the case; its content does not change the cost.",
+    )
     negative_prompt: str = Field("", description="Negative prompt; empty as Anima's ComfyUI default.")
     width: int = Field(832, description="Image width; 832x1216 is the seeds' comparison case.")
     height: int = Field(1216, description="Image height.")
@@ -66,22 +87,37 @@ class TimingSpec(BaseModel):
     sampler: Sampler = Field("euler", description="euler: deterministic, and the seeds' recommended sampler.")
     cfg: float = Field(4.5, ge=0.0, description="Text CFG; 4.5 as SnapRef recommends (so the uncond row runs).")
     seed: int = Field(0, ge=0, description="Noise seed; the same for every setting.")
-    ref_guidance: float = Field(4.5, description="ref_guidance of the ref-guidance settings; 4.5 as the ArcAnima "
-                                                 "table uses (any value != 1 costs the same).")
-    ref_end: float = Field(0.6, ge=0.0, le=1.0, description="ref_end of the early-stop setting; ~0.6 is the "
-                                                            "suggested saving with nearly the same image.")
-    turbo_lora: LoRASpec | None = Field(None, description="Turbo LoRA merged for the turbo row; None = the turbo "
-                                                          "sampling settings on the base model (said in the table).")
+    ref_guidance: float = Field(
+        4.5,
+        description="ref_guidance of the ref-guidance settings; 4.5 as the ArcAnima "
+        "table uses (any value != 1 costs the same).",
+    )
+    ref_end: float = Field(
+        0.6,
+        ge=0.0,
+        le=1.0,
+        description="ref_end of the early-stop setting; ~0.6 is the suggested saving with nearly the same image.",
+    )
+    turbo_lora: LoRASpec | None = Field(
+        None,
+        description="Turbo LoRA merged for the turbo row; None = the turbo "
+        "sampling settings on the base model (said in the table).",
+    )
     turbo_steps: int = Field(10, ge=1, description="Steps of the turbo row; 10 as the ArcAnima turbo row.")
-    settings: list[str] = Field(list(SETTING_NAMES), description="Which settings to run; no_reference is always "
-                                                                 "run (the ratios are against it).")
-    repetitions: int = Field(3, ge=1, le=100, description="Interleaved repetitions per setting; the median of 3 "
-                                                          "rejects one outlier.")
+    settings: list[str] = Field(
+        list(SETTING_NAMES),
+        description="Which settings to run; no_reference is always run (the ratios are against it).",
+    )
+    repetitions: int = Field(
+        3, ge=1, le=100, description="Interleaved repetitions per setting; the median of 3 rejects one outlier."
+    )
     warmup: bool = Field(True, description="Run each setting once unmeasured first (allocator, kernel selection).")
     title: str | None = Field(None, description="Heading of the Markdown table; default says device and model.")
     output: OutputSpec = Field(default_factory=OutputSpec, description="Where comparison_summary.* go.")
-    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Ray address, device and dtype "
-                                                                          "(one actor; num_cpus_per_worker applies).")
+    cluster: ClusterSpec = Field(
+        default_factory=ClusterSpec,
+        description="Ray address, device and dtype (one actor; num_cpus_per_worker applies).",
+    )
 
     @field_validator("settings")
     @classmethod
@@ -94,8 +130,9 @@ class TimingSpec(BaseModel):
     def s3_options(self) -> S3Options:
         return self.output.s3.options()
 
-    def resolve_paths(self, base: str) -> "TimingSpec":
+    def resolve_paths(self, base: str) -> TimingSpec:
         """A copy with relative local paths resolved against `base` (the spec file's folder)."""
+
         def fix(path: str | None) -> str | None:
             return None if path is None else resolve_relative(path, base)
 
@@ -103,12 +140,17 @@ class TimingSpec(BaseModel):
         if "uri" in output.model_fields_set:
             output = output.model_copy(update={"uri": fix(output.uri)})
         lora = self.turbo_lora
-        return self.model_copy(update={
-            "models": resolve_model_paths(self.models, base), "adapter": fix(self.adapter),
-            "arcanima_v2_adapter": fix(self.arcanima_v2_adapter),
-            "arcanima_pilot_adapter": fix(self.arcanima_pilot_adapter),
-            "reference": fix(self.reference), "output": output,
-            "turbo_lora": None if lora is None else lora.model_copy(update={"path": fix(lora.path)})})
+        return self.model_copy(
+            update={
+                "models": resolve_model_paths(self.models, base),
+                "adapter": fix(self.adapter),
+                "arcanima_v2_adapter": fix(self.arcanima_v2_adapter),
+                "arcanima_pilot_adapter": fix(self.arcanima_pilot_adapter),
+                "reference": fix(self.reference),
+                "output": output,
+                "turbo_lora": None if lora is None else lora.model_copy(update={"path": fix(lora.path)}),
+            }
+        )
 
     def arcanima_adapters(self) -> dict[str, str]:
         """kind -> local file of the ArcAnima rows that can run (given, or found in models_dir)."""
@@ -116,8 +158,11 @@ class TimingSpec(BaseModel):
         for kind, given in (("arcanima-v2", self.arcanima_v2_adapter), ("arcanima-pilot", self.arcanima_pilot_adapter)):
             if given is not None:
                 found[kind] = given
-            elif self.models.models_dir is not None and not self.models.models_dir.startswith("s3://") \
-                    and (Path(self.models.models_dir) / f"{kind}.safetensors").is_file():
+            elif (
+                self.models.models_dir is not None
+                and not self.models.models_dir.startswith("s3://")
+                and (Path(self.models.models_dir) / f"{kind}.safetensors").is_file()
+            ):
                 found[kind] = str(Path(self.models.models_dir) / f"{kind}.safetensors")
         return found
 
@@ -150,37 +195,87 @@ class TimingSetting:
 
 def timing_settings(spec: TimingSpec) -> list[TimingSetting]:
     """The settings of the table, in table order (no_reference first)."""
-    base = RenderSettings(negative_prompt=spec.negative_prompt, width=spec.width, height=spec.height,
-                          steps=spec.steps, cfg=spec.cfg, sampler=spec.sampler)
+    base = RenderSettings(
+        negative_prompt=spec.negative_prompt,
+        width=spec.width,
+        height=spec.height,
+        steps=spec.steps,
+        cfg=spec.cfg,
+        sampler=spec.sampler,
+    )
     guided = dict(ref_guidance=spec.ref_guidance, correction="apg")
     if spec.turbo_lora is not None:
-        turbo_label = (f"turbo: LoRA {Path(spec.turbo_lora.path).name} x{spec.turbo_lora.strength:g} merged, "
-                       f"{_steps(spec.turbo_steps)}, cfg 1")
+        turbo_label = (
+            f"turbo: LoRA {Path(spec.turbo_lora.path).name} x{spec.turbo_lora.strength:g} merged, "
+            f"{_steps(spec.turbo_steps)}, cfg 1"
+        )
     else:
         turbo_label = f"turbo settings ({_steps(spec.turbo_steps)}, cfg 1) on the base model: no turbo LoRA given"
     every = [
         TimingSetting("no_reference", "no reference (plain Anima)", base, False),
         TimingSetting("snapref_default", "SnapRef default (cond row reads the cached reference)", base, True),
-        TimingSetting("ref_in_uncond", "ref_in_uncond (both CFG rows read it)",
-                      base.model_copy(update={"ref_in_uncond": True}), True),
-        TimingSetting("ref_guidance_apg", f"ref_guidance {spec.ref_guidance:g} + APG (third row)",
-                      base.model_copy(update=guided), True),
-        TimingSetting("ref_end_0.6", f"ref_guidance {spec.ref_guidance:g} + APG, ref_end {spec.ref_end:g}",
-                      base.model_copy(update={**guided, "ref_end": spec.ref_end}), True),
-        TimingSetting("recompute_every_step", "recompute the reference every step (pilot-style baseline)",
-                      base.model_copy(update={"recompute_reference_every_step": True}), True),
-        TimingSetting("turbo", turbo_label, base.model_copy(update={"steps": spec.turbo_steps, "cfg": 1.0}), True,
-                      turbo=spec.turbo_lora is not None),
+        TimingSetting(
+            "ref_in_uncond",
+            "ref_in_uncond (both CFG rows read it)",
+            base.model_copy(update={"ref_in_uncond": True}),
+            True,
+        ),
+        TimingSetting(
+            "ref_guidance_apg",
+            f"ref_guidance {spec.ref_guidance:g} + APG (third row)",
+            base.model_copy(update=guided),
+            True,
+        ),
+        TimingSetting(
+            "ref_end_0.6",
+            f"ref_guidance {spec.ref_guidance:g} + APG, ref_end {spec.ref_end:g}",
+            base.model_copy(update={**guided, "ref_end": spec.ref_end}),
+            True,
+        ),
+        TimingSetting(
+            "recompute_every_step",
+            "recompute the reference every step (pilot-style baseline)",
+            base.model_copy(update={"recompute_reference_every_step": True}),
+            True,
+        ),
+        TimingSetting(
+            "turbo",
+            turbo_label,
+            base.model_copy(update={"steps": spec.turbo_steps, "cfg": 1.0}),
+            True,
+            turbo=spec.turbo_lora is not None,
+        ),
         # ArcAnima at its own defaults (ref_guidance 4.5 + APG, both CFG rows read), and at ref_guidance 1
         # (no extra call), the setting the seed's per-step figures match.
-        TimingSetting("arcanima_v2", "ArcAnima v2 at its defaults (ref_guidance 4.5 + APG, both CFG rows read the"
-                      " cached reference)", base, True, adapter_kind="arcanima-v2"),
-        TimingSetting("arcanima_v2_rg1", "ArcAnima v2, ref_guidance 1 (no extra call)",
-                      base.model_copy(update={"ref_guidance": 1.0}), True, adapter_kind="arcanima-v2"),
-        TimingSetting("arcanima_pilot", "ArcAnima pilot at its defaults (reference as a second frame, recomputed"
-                      " every step; ref_guidance 4.5 + APG)", base, True, adapter_kind="arcanima-pilot"),
-        TimingSetting("arcanima_pilot_rg1", "ArcAnima pilot, ref_guidance 1 (no extra call)",
-                      base.model_copy(update={"ref_guidance": 1.0}), True, adapter_kind="arcanima-pilot"),
+        TimingSetting(
+            "arcanima_v2",
+            "ArcAnima v2 at its defaults (ref_guidance 4.5 + APG, both CFG rows read the cached reference)",
+            base,
+            True,
+            adapter_kind="arcanima-v2",
+        ),
+        TimingSetting(
+            "arcanima_v2_rg1",
+            "ArcAnima v2, ref_guidance 1 (no extra call)",
+            base.model_copy(update={"ref_guidance": 1.0}),
+            True,
+            adapter_kind="arcanima-v2",
+        ),
+        TimingSetting(
+            "arcanima_pilot",
+            "ArcAnima pilot at its defaults (reference as a second frame, recomputed"
+            " every step; ref_guidance 4.5 + APG)",
+            base,
+            True,
+            adapter_kind="arcanima-pilot",
+        ),
+        TimingSetting(
+            "arcanima_pilot_rg1",
+            "ArcAnima pilot, ref_guidance 1 (no extra call)",
+            base.model_copy(update={"ref_guidance": 1.0}),
+            True,
+            adapter_kind="arcanima-pilot",
+        ),
     ]
     available = spec.arcanima_adapters()
     every = [s for s in every if s.adapter_kind is None or s.adapter_kind in available]
@@ -210,12 +305,15 @@ class PeakMemory:
 
         self.cuda = torch.device(device).type == "cuda"
         self.device = device
-        self.metric = ("cuda max_memory_allocated (absolute, weights included)" if self.cuda
-                       else "peak RSS above the start of the run (CPU, sampled every 5 ms)")
+        self.metric = (
+            "cuda max_memory_allocated (absolute, weights included)"
+            if self.cuda
+            else "peak RSS above the start of the run (CPU, sampled every 5 ms)"
+        )
         self.peak = 0
         self.delta = 0
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         import torch
 
         if self.cuda:
@@ -286,12 +384,25 @@ class TimingWorker:
             name = cpu_model()
         cfg = r.dit.config
         return {
-            "device": str(device), "device_name": name, "dtype": str(r.dtype).removeprefix("torch."),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "ray": ray.__version__,
-            "snapref_ray": snapref_ray.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "model": {"id": r.model_id, "dit": str(r.files.dit), "model_channels": cfg.model_channels,
-                      "num_blocks": cfg.num_blocks, "num_heads": cfg.num_heads, "head_dim": cfg.head_dim},
+            "device": str(device),
+            "device_name": name,
+            "dtype": str(r.dtype).removeprefix("torch."),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "ray": ray.__version__,
+            "snapref_ray": snapref_ray.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "model": {
+                "id": r.model_id,
+                "dit": str(r.files.dit),
+                "model_channels": cfg.model_channels,
+                "num_blocks": cfg.num_blocks,
+                "num_heads": cfg.num_heads,
+                "head_dim": cfg.head_dim,
+            },
             "adapter": r.adapter.identity if r.adapter is not None else None,
             "arcanima_adapters": {kind: a.adapter.identity for kind, a in self.arcanima.items()},
             "turbo_model": self.turbo.model_id if self.turbo is not None else None,
@@ -308,33 +419,54 @@ class TimingWorker:
             renderer = self.arcanima[setting.adapter_kind]
         s = setting.settings
         recompute = setting.reference and s.recompute_reference_every_step
-        sync = (lambda: torch.cuda.synchronize(renderer.device)) if torch.device(renderer.device).type == "cuda" \
+        sync = (
+            (lambda: torch.cuda.synchronize(renderer.device))
+            if torch.device(renderer.device).type == "cuda"
             else (lambda: None)
+        )
         kv, encode_s = None, None
         with PeakMemory(renderer.device) as memory:
             if setting.reference and not recompute:
                 sync()
                 t0 = time.perf_counter()
-                kv = renderer.encode_reference(reference, ref_caption=s.ref_caption, ref_megapixels=s.ref_megapixels,
-                                               width=s.width, height=s.height)
+                kv = renderer.encode_reference(
+                    reference,
+                    ref_caption=s.ref_caption,
+                    ref_megapixels=s.ref_megapixels,
+                    width=s.width,
+                    height=s.height,
+                )
                 sync()
                 encode_s = time.perf_counter() - t0
             step_cpu: list[float] = []  # process CPU time after each step (progress callback)
             sync()
             t0, cpu0 = time.perf_counter(), time.process_time()
-            result = renderer.render([RenderRequest(prompt=prompt, seed=seed, settings=s)], refkv=kv,
-                                     references=[reference] if recompute else None,
-                                     progress=lambda i, n: step_cpu.append(time.process_time()))[0]
+            result = renderer.render(
+                [RenderRequest(prompt=prompt, seed=seed, settings=s)],
+                refkv=kv,
+                references=[reference] if recompute else None,
+                progress=lambda i, n: step_cpu.append(time.process_time()),
+            )[0]
             sync()
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         t = result.timings
         cpu_step = (step_cpu[-1] - step_cpu[0]) / (len(step_cpu) - 1) if len(step_cpu) > 1 else None
         on_cpu = torch.device(renderer.device).type == "cpu"
-        return {"seconds_per_image": wall, "sample_s": t["sample_s"], "text_s": t["text_s"], "decode_s": t["decode_s"],
-                "prepare_s": t.get("encode_s", 0.0), "steps": s.steps, "encode_s": encode_s,
-                "cpu_seconds_per_image": cpu if on_cpu else None, "cpu_seconds_per_step": cpu_step if on_cpu else None,
-                "refkv_bytes": kv.nbytes if kv is not None else None, "peak_memory_bytes": memory.peak,
-                "peak_memory_delta_bytes": memory.delta, "memory_metric": memory.metric}
+        return {
+            "seconds_per_image": wall,
+            "sample_s": t["sample_s"],
+            "text_s": t["text_s"],
+            "decode_s": t["decode_s"],
+            "prepare_s": t.get("encode_s", 0.0),
+            "steps": s.steps,
+            "encode_s": encode_s,
+            "cpu_seconds_per_image": cpu if on_cpu else None,
+            "cpu_seconds_per_step": cpu_step if on_cpu else None,
+            "refkv_bytes": kv.nbytes if kv is not None else None,
+            "peak_memory_bytes": memory.peak,
+            "peak_memory_delta_bytes": memory.delta,
+            "memory_metric": memory.metric,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,18 +487,34 @@ def run_timing(spec: TimingSpec) -> dict:
     reference_uri = spec.reference_uri()
     reference = read_uri(reference_uri, s3)
     c = spec.cluster
-    config = WorkerConfig(models=spec.models.model_dump(), adapter=spec.adapter, device=c.device, dtype=c.dtype,
-                          output_uri=spec.output.uri, s3=s3, warmup=False)
+    config = WorkerConfig(
+        models=spec.models.model_dump(),
+        adapter=spec.adapter,
+        device=c.device,
+        dtype=c.dtype,
+        output_uri=spec.output.uri,
+        s3=s3,
+        warmup=False,
+    )
     turbo_config = None
     if spec.turbo_lora is not None and any(s.turbo for s in settings):
-        turbo_config = WorkerConfig(models=spec.models.model_dump(), adapter=spec.adapter,
-                                    loras=((spec.turbo_lora.path, spec.turbo_lora.strength),), device=c.device,
-                                    dtype=c.dtype, output_uri=spec.output.uri, s3=s3, warmup=False)
+        turbo_config = WorkerConfig(
+            models=spec.models.model_dump(),
+            adapter=spec.adapter,
+            loras=((spec.turbo_lora.path, spec.turbo_lora.strength),),
+            device=c.device,
+            dtype=c.dtype,
+            output_uri=spec.output.uri,
+            s3=s3,
+            warmup=False,
+        )
     connect(c.address)
     use_gpu = int(ray.cluster_resources().get("GPU", 0)) > 0 and c.device != "cpu"
-    actor = ray.remote(TimingWorker).options(num_gpus=1 if use_gpu else 0, num_cpus=c.num_cpus_per_worker,
-                                             max_restarts=0).remote(config, turbo_config,
-                                                                    spec.arcanima_adapters())
+    actor = (
+        ray.remote(TimingWorker)
+        .options(num_gpus=1 if use_gpu else 0, num_cpus=c.num_cpus_per_worker, max_restarts=0)
+        .remote(config, turbo_config, spec.arcanima_adapters())
+    )
     runs: dict[str, list[dict]] = {s.name: [] for s in settings}
     try:
         environment = ray.get(actor.environment.remote(), timeout=900)
@@ -383,8 +531,13 @@ def run_timing(spec: TimingSpec) -> dict:
             ordered = settings if rep % 2 == 0 else settings[::-1]
             for setting in ordered:
                 runs[setting.name].append(measure(setting))
-                log.info("rep %d/%d %-22s %.3f s/image", rep + 1, spec.repetitions, setting.name,
-                         runs[setting.name][-1]["seconds_per_image"])
+                log.info(
+                    "rep %d/%d %-22s %.3f s/image",
+                    rep + 1,
+                    spec.repetitions,
+                    setting.name,
+                    runs[setting.name][-1]["seconds_per_image"],
+                )
     finally:
         ray.kill(actor)
     rows = _rows(settings, runs)
@@ -394,11 +547,23 @@ def run_timing(spec: TimingSpec) -> dict:
         "format": FORMAT,
         "title": spec.title or _default_title(environment),
         "environment": environment,
-        "case": {"width": spec.width, "height": spec.height, "steps": spec.steps, "sampler": spec.sampler,
-                 "scheduler": "simple", "cfg": spec.cfg, "seed": spec.seed, "prompt": spec.prompt,
-                 "negative_prompt": spec.negative_prompt, "reference": reference_uri,
-                 "reference_size": list(ref_size)},
-        "statistic": "median", "repetitions": spec.repetitions, "warmup": spec.warmup, "interleaved": True,
+        "case": {
+            "width": spec.width,
+            "height": spec.height,
+            "steps": spec.steps,
+            "sampler": spec.sampler,
+            "scheduler": "simple",
+            "cfg": spec.cfg,
+            "seed": spec.seed,
+            "prompt": spec.prompt,
+            "negative_prompt": spec.negative_prompt,
+            "reference": reference_uri,
+            "reference_size": list(ref_size),
+        },
+        "statistic": "median",
+        "repetitions": spec.repetitions,
+        "warmup": spec.warmup,
+        "interleaved": True,
         "memory_metric": runs["no_reference"][0]["memory_metric"],
         "turbo_lora": spec.turbo_lora.model_dump() if spec.turbo_lora else None,
         "settings": rows,
@@ -422,18 +587,31 @@ def _rows(settings: list[TimingSetting], runs: dict[str, list[dict]]) -> list[di
         measured = runs[s.name]
         per_image = _median([m["seconds_per_image"] for m in measured])
         per_step = _median([m["sample_s"] / m["steps"] for m in measured])
-        rows.append({"name": s.name, "label": s.label, "reference": s.reference, "turbo_lora_merged": s.turbo,
-                     "settings": s.settings.model_dump(mode="json"), "seconds_per_image": per_image,
-                     "seconds_per_step": per_step, "encode_seconds": _median([m["encode_s"] for m in measured]),
-                     "cpu_seconds_per_step": _median([m["cpu_seconds_per_step"] for m in measured]),
-                     "refkv_bytes": measured[0]["refkv_bytes"],
-                     "peak_memory_bytes": max(m["peak_memory_bytes"] for m in measured), "runs": measured})
+        rows.append(
+            {
+                "name": s.name,
+                "label": s.label,
+                "reference": s.reference,
+                "turbo_lora_merged": s.turbo,
+                "settings": s.settings.model_dump(mode="json"),
+                "seconds_per_image": per_image,
+                "seconds_per_step": per_step,
+                "encode_seconds": _median([m["encode_s"] for m in measured]),
+                "cpu_seconds_per_step": _median([m["cpu_seconds_per_step"] for m in measured]),
+                "refkv_bytes": measured[0]["refkv_bytes"],
+                "peak_memory_bytes": max(m["peak_memory_bytes"] for m in measured),
+                "runs": measured,
+            }
+        )
     base = next(r for r in rows if r["name"] == "no_reference")
     for r in rows:
         r["ratio_to_no_reference"] = r["seconds_per_image"] / base["seconds_per_image"]
         r["step_ratio_to_no_reference"] = r["seconds_per_step"] / base["seconds_per_step"]
-        r["cpu_step_ratio_to_no_reference"] = (r["cpu_seconds_per_step"] / base["cpu_seconds_per_step"]
-                                               if r["cpu_seconds_per_step"] and base["cpu_seconds_per_step"] else None)
+        r["cpu_step_ratio_to_no_reference"] = (
+            r["cpu_seconds_per_step"] / base["cpu_seconds_per_step"]
+            if r["cpu_seconds_per_step"] and base["cpu_seconds_per_step"]
+            else None
+        )
     return rows
 
 
@@ -459,8 +637,10 @@ def _add_flop_ratios(rows: list[dict], settings: list[TimingSetting], spec: Timi
 def _default_title(env: dict) -> str:
     m = env["model"]
     where = "GPU" if env["device"].startswith("cuda") else "CPU"
-    return (f"SnapRef timing table: {where} figures, {env['device_name']}, {env['dtype']}, "
-            f"DiT {m['model_channels']} wide x {m['num_blocks']} blocks")
+    return (
+        f"SnapRef timing table: {where} figures, {env['device_name']}, {env['dtype']}, "
+        f"DiT {m['model_channels']} wide x {m['num_blocks']} blocks"
+    )
 
 
 def _bytes(n: int | None) -> str:
@@ -483,9 +663,12 @@ def format_markdown(summary: dict) -> str:
     memory = "peak RSS delta (CPU)" if cpu else "peak GPU memory"
     lines = [f"# {summary['title']}", ""]
     if cpu:
-        lines += ["**CPU figures** on the models named below (tiny or width-scaled random weights when run from "
-                  "`snapref-ray make-tiny`), not GPU numbers: per-call overheads weigh far more than on a GPU, "
-                  "so read the ratios, not the seconds.", ""]
+        lines += [
+            "**CPU figures** on the models named below (tiny or width-scaled random weights when run from "
+            "`snapref-ray make-tiny`), not GPU numbers: per-call overheads weigh far more than on a GPU, "
+            "so read the ratios, not the seconds.",
+            "",
+        ]
     m = env["model"]
     lines += [
         f"- device: {env['device']} ({env['device_name']}), dtype {env['dtype']}, torch threads: "
@@ -501,13 +684,16 @@ def format_markdown(summary: dict) -> str:
         f"- memory: {summary['memory_metric']}",
         "",
         f"| setting | s/image | s/step | x no ref (image) | x no ref (step) | {memory} | RefKV | encode s |"
-        + (" CPU s/step | x no ref (CPU time, step) |" if cpu else "") + " FLOP model x no ref (step, 832x1216) |",
+        + (" CPU s/step | x no ref (CPU time, step) |" if cpu else "")
+        + " FLOP model x no ref (step, 832x1216) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cpu else "") + "---:|",
     ]
     for r in summary["settings"]:
-        line = (f"| {r['label']} | {_seconds(r['seconds_per_image'])} | {_seconds(r['seconds_per_step'])} | "
-                f"{r['ratio_to_no_reference']:.2f} | {r['step_ratio_to_no_reference']:.2f} | "
-                f"{_bytes(r['peak_memory_bytes'])} | {_bytes(r['refkv_bytes'])} | {_seconds(r['encode_seconds'])} |")
+        line = (
+            f"| {r['label']} | {_seconds(r['seconds_per_image'])} | {_seconds(r['seconds_per_step'])} | "
+            f"{r['ratio_to_no_reference']:.2f} | {r['step_ratio_to_no_reference']:.2f} | "
+            f"{_bytes(r['peak_memory_bytes'])} | {_bytes(r['refkv_bytes'])} | {_seconds(r['encode_seconds'])} |"
+        )
         if cpu:
             ratio = r["cpu_step_ratio_to_no_reference"]
             line += f" {_seconds(r['cpu_seconds_per_step'])} | {'-' if ratio is None else f'{ratio:.2f}'} |"

@@ -47,11 +47,34 @@ _MAX_PROMPT = 1200
 _MAX_ERROR = 2000
 
 _META_COLUMNS = (
-    "item_id", "manifest_row", "reference_uris", "reference_hash", "reference_image_key",
-    "prompt", "negative_prompt", "seed", "width", "height", "steps", "cfg", "sampler",
-    "scheduler", "mode", "ref_weight", "ref_guidance", "ref_in_uncond", "correction",
-    "ref_start", "ref_end", "image_key", "thumb_key", "adapter", "worker_id", "sample_s",
-    "started_at", "finished_at",
+    "item_id",
+    "manifest_row",
+    "reference_uris",
+    "reference_hash",
+    "reference_image_key",
+    "prompt",
+    "negative_prompt",
+    "seed",
+    "width",
+    "height",
+    "steps",
+    "cfg",
+    "sampler",
+    "scheduler",
+    "mode",
+    "ref_weight",
+    "ref_guidance",
+    "ref_in_uncond",
+    "correction",
+    "ref_start",
+    "ref_end",
+    "image_key",
+    "thumb_key",
+    "adapter",
+    "worker_id",
+    "sample_s",
+    "started_at",
+    "finished_at",
 )
 
 
@@ -213,6 +236,7 @@ def _row_number(r: Mapping) -> float:
 
 def _settings_text(r: Mapping) -> str:
     """The hover text of a thumbnail: id, seed and every setting that is set."""
+
     def num(v) -> str:
         return f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -225,15 +249,27 @@ def _settings_text(r: Mapping) -> str:
 
     size = f"{r['width']}×{r['height']}" if r.get("width") and r.get("height") else None
     sampler = "/".join(str(r[k]) for k in ("sampler", "scheduler") if r.get(k))
-    ref_range = (f"ref range {num(r['ref_start'])}–{num(r['ref_end'])}"
-                 if r.get("ref_start") is not None and r.get("ref_end") is not None else None)
+    ref_range = (
+        f"ref range {num(r['ref_start'])}–{num(r['ref_end'])}"
+        if r.get("ref_start") is not None and r.get("ref_end") is not None
+        else None
+    )
     lines = [
         join(f"item {r.get('item_id')}", field("seed", "seed")),
         join(size, field("steps", "steps"), field("cfg", "cfg"), sampler or None),
-        join(field("mode", "mode"), field("ref weight", "ref_weight"), field("ref guidance", "ref_guidance"),
-             "ref in uncond" if r.get("ref_in_uncond") else None, field("correction", "correction"), ref_range),
-        join(field("adapter", "adapter"), field("worker", "worker_id"),
-             f"sampling {r['sample_s']:.2f} s" if isinstance(r.get("sample_s"), float) else None),
+        join(
+            field("mode", "mode"),
+            field("ref weight", "ref_weight"),
+            field("ref guidance", "ref_guidance"),
+            "ref in uncond" if r.get("ref_in_uncond") else None,
+            field("correction", "correction"),
+            ref_range,
+        ),
+        join(
+            field("adapter", "adapter"),
+            field("worker", "worker_id"),
+            f"sampling {r['sample_s']:.2f} s" if isinstance(r.get("sample_s"), float) else None,
+        ),
     ]
     if r.get("negative_prompt"):
         lines.append("negative: " + _clip(str(r["negative_prompt"]), 300))
@@ -319,8 +355,11 @@ def _groups(items: Sequence[_Item]) -> dict[str, tuple[int, int]]:
 def _reference_row(items: Sequence[_Item], start: int, total: int) -> str:
     it = items[0]
     h = it.reference_hash
-    count = (f"{total} image{'s' if total != 1 else ''}" if len(items) == total
-             else f"images {start + 1}–{start + len(items)} of {total}")
+    count = (
+        f"{total} image{'s' if total != 1 else ''}"
+        if len(items) == total
+        else f"images {start + 1}–{start + len(items)} of {total}"
+    )
     uris = it.reference_uris
     source = uris[0].rstrip("/").rsplit("/", 1)[-1] if uris else ""
     more = f" +{len(uris) - 1}" if len(uris) > 1 else ""
@@ -332,8 +371,7 @@ def _reference_row(items: Sequence[_Item], start: int, total: int) -> str:
         f'<img class="reference" src="{_href(it.reference_key)}" loading="lazy" decoding="async" '
         f'alt="reference {_attr(h[:12])}"></a>'
         f'<p class="ref-meta"><code title="{_attr(h)}">{escape(h[:12])}</code> · {count}</p>'
-        + (f'<p class="ref-src" title="{_attr(all_uris)}">{escape(_clip(source, 80))}{more}</p>'
-           if uris else "")
+        + (f'<p class="ref-src" title="{_attr(all_uris)}">{escape(_clip(source, 80))}{more}</p>' if uris else "")
         + f'</div><div class="scenes">{scenes}</div></section>'
     )
 
@@ -368,30 +406,36 @@ def _header(
         facts += [("rendering time", format_duration(span)), ("images / minute", f"{len(ends) / span * 60:.3g}")]
     facts.append(("pages", f"{n_pages:,}"))
     parts = [f"<header><h1>{escape(title)}</h1>", _facts(facts, "facts")]
-    run = [(label, _format_or_str(fmt, summary[key])) for key, label, fmt in _SUMMARY_FACTS
-           if summary.get(key) is not None]
+    run = [
+        (label, _format_or_str(fmt, summary[key])) for key, label, fmt in _SUMMARY_FACTS if summary.get(key) is not None
+    ]
     if run:
         parts.append(f'<p class="muted run">last run (summary.json)</p>{_facts(run, "facts")}')
     scalars = _summary_scalars(summary)
     if scalars:
-        parts.append(f'<details class="summary"><summary>all of summary.json</summary>'
-                     f'{_facts(scalars, "facts small")}</details>')
+        parts.append(
+            f'<details class="summary"><summary>all of summary.json</summary>{_facts(scalars, "facts small")}</details>'
+        )
     links = [f'<a href="{_href(key)}">{escape(name)}</a>' for name, key in plot_keys.items()]
     if failed:
         links.append(f'<a href="{_href(errors_page_key(1))}">failed items ({len(failed):,})</a>')
     if links:
         parts.append(f'<nav class="links">{" · ".join(links)}</nav>')
     if plot_keys:
-        imgs = "".join(f'<a href="{_href(k)}"><img src="{_href(k)}" loading="lazy" alt="{_attr(n)} plot"></a>'
-                       for n, k in plot_keys.items())
+        imgs = "".join(
+            f'<a href="{_href(k)}"><img src="{_href(k)}" loading="lazy" alt="{_attr(n)} plot"></a>'
+            for n, k in plot_keys.items()
+        )
         parts.append(f'<details class="plots"><summary>plots</summary><div class="plot-row">{imgs}</div></details>')
     parts.append("</header>")
     return "".join(parts)
 
 
 def _small_header(title: str, n_items: int, page: int, n_pages: int) -> str:
-    return (f'<header class="small"><h1><a href="{page_key(1)}">{escape(title)}</a></h1>'
-            f'<p class="muted">{n_items:,} images · page {page} of {n_pages}</p></header>')
+    return (
+        f'<header class="small"><h1><a href="{page_key(1)}">{escape(title)}</a></h1>'
+        f'<p class="muted">{n_items:,} images · page {page} of {n_pages}</p></header>'
+    )
 
 
 def _facts(facts: Iterable[tuple[str, str]], cls: str) -> str:
@@ -425,6 +469,7 @@ def _summary_scalars(summary: Mapping, limit: int = 24) -> list[tuple[str, str]]
             out += [(f"{k}.{k2}", v2) for k2, v2 in v.items() if not isinstance(v2, (Mapping, list))]
         elif not isinstance(v, list):
             out.append((str(k), v))
+
     def fmt(k: str, v) -> str:
         if k.endswith("_at") and isinstance(v, (int, float)) and not isinstance(v, bool):
             return _timestamp(v) + " UTC"
@@ -433,6 +478,7 @@ def _summary_scalars(summary: Mapping, limit: int = 24) -> list[tuple[str, str]]
         if isinstance(v, int) and not isinstance(v, bool):
             return f"{v:,}"
         return _clip(json.dumps(v) if v is None or isinstance(v, bool) else str(v), 80)
+
     return [(k, fmt(k, v)) for k, v in out[:limit]]
 
 
@@ -444,8 +490,11 @@ def _errors_section(failed: Sequence[FailedItem], total: int, preview: bool) -> 
         f'<td class="nowrap">{escape(f.at)}</td><td><pre>{escape(f.error)}</pre></td></tr>'
         for f in failed
     )
-    more = (f'<p><a href="{errors_page_key(1)}">all {total:,} failed items</a></p>'
-            if preview and total > len(failed) else "")
+    more = (
+        f'<p><a href="{errors_page_key(1)}">all {total:,} failed items</a></p>'
+        if preview and total > len(failed)
+        else ""
+    )
     return (
         f'<section class="errors" id="errors"><h2>Failed items ({total:,})</h2>'
         "<table><thead><tr><th>item</th><th>row</th><th>stage</th><th>attempt</th><th>at (UTC)</th>"
@@ -457,27 +506,32 @@ def _pager(page: int, n_pages: int, key) -> str:
     if n_pages <= 1:
         return ""
     shown = sorted({1, n_pages, *range(max(1, page - _PAGER_WINDOW), min(n_pages, page + _PAGER_WINDOW) + 1)})
-    parts = [f'<a rel="prev" href="{key(page - 1)}">‹ previous</a>' if page > 1
-             else '<span class="off">‹ previous</span>']
+    parts = [
+        f'<a rel="prev" href="{key(page - 1)}">‹ previous</a>' if page > 1 else '<span class="off">‹ previous</span>'
+    ]
     prev = 0
     for p in shown:
         if p > prev + 1:
             parts.append('<span class="gap">…</span>')
-        parts.append(f'<span class="current" aria-current="page">{p}</span>' if p == page
-                     else f'<a href="{key(p)}">{p}</a>')
+        parts.append(
+            f'<span class="current" aria-current="page">{p}</span>' if p == page else f'<a href="{key(p)}">{p}</a>'
+        )
         prev = p
-    parts.append(f'<a rel="next" href="{key(page + 1)}">next ›</a>' if page < n_pages
-                 else '<span class="off">next ›</span>')
+    parts.append(
+        f'<a rel="next" href="{key(page + 1)}">next ›</a>' if page < n_pages else '<span class="off">next ›</span>'
+    )
     if n_pages > len(shown):
-        parts.append(f'<form class="jump"><input type="number" name="page" min="1" max="{n_pages}" '
-                     f'placeholder="page" aria-label="go to page"><button>go</button></form>')
+        parts.append(
+            f'<form class="jump"><input type="number" name="page" min="1" max="{n_pages}" '
+            f'placeholder="page" aria-label="go to page"><button>go</button></form>'
+        )
     return f'<nav class="pager" aria-label="pages">{"".join(parts)}</nav>'
 
 
 def _document(title: str, body: Sequence[str], page: int, n_pages: int, kind: str) -> str:
     prefix = "gallery" if kind == "gallery" else "errors"
     return (
-        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{escape(title)}</title><style>{_CSS}</style></head>"
         f'<body data-page="{page}" data-pages="{n_pages}" data-prefix="{prefix}">\n'
@@ -503,7 +557,7 @@ def _timestamp(v) -> str:
     if isinstance(v, dt.datetime):
         return v.strftime("%Y-%m-%d %H:%M:%S")
     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-        return dt.datetime.fromtimestamp(v, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        return dt.datetime.fromtimestamp(v, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
     return "" if v is None else str(v)
 
 

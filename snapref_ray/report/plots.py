@@ -267,8 +267,10 @@ def _document(width: int, height: int, title: str, subtitle: str, body: list[str
 
 
 def _x_axis(frame: _Frame, ticks: Sequence[float], fmt, label: str) -> list[str]:
-    out = [f'<g class="axis x-axis"><line x1="{frame.left:.1f}" y1="{frame.bottom:.1f}" '
-           f'x2="{frame.left + frame.width:.1f}" y2="{frame.bottom:.1f}"/>']
+    out = [
+        f'<g class="axis x-axis"><line x1="{frame.left:.1f}" y1="{frame.bottom:.1f}" '
+        f'x2="{frame.left + frame.width:.1f}" y2="{frame.bottom:.1f}"/>'
+    ]
     for t in ticks:
         x = frame.sx(t)
         out.append(
@@ -291,8 +293,10 @@ def _y_axis(frame: _Frame, ticks: Sequence[float], fmt, label: str) -> list[str]
         for t in ticks
     ]
     out.append("</g>")
-    out.append(f'<g class="axis y-axis"><line x1="{frame.left:.1f}" y1="{frame.top:.1f}" '
-               f'x2="{frame.left:.1f}" y2="{frame.bottom:.1f}"/>')
+    out.append(
+        f'<g class="axis y-axis"><line x1="{frame.left:.1f}" y1="{frame.top:.1f}" '
+        f'x2="{frame.left:.1f}" y2="{frame.bottom:.1f}"/>'
+    )
     for t in ticks:
         y = frame.sy(t)
         out.append(
@@ -363,14 +367,19 @@ def throughput_svg(finished_at: Sequence[float], start: float | None = None, max
     body.append("</g>")
     if mean > 0:
         ym = frame.sy(mean)
-        body.append(f'<line class="mean" x1="{frame.left:.1f}" y1="{ym:.1f}" '
-                    f'x2="{frame.left + frame.width:.1f}" y2="{ym:.1f}"/>')
+        body.append(
+            f'<line class="mean" x1="{frame.left:.1f}" y1="{ym:.1f}" '
+            f'x2="{frame.left + frame.width:.1f}" y2="{ym:.1f}"/>'
+        )
         # The legend sits above the plot so it never hides a bar.
         lx = frame.left + frame.width
-        body.append(f'<line class="mean" x1="{lx - 170:.1f}" y1="{frame.top - 14:.1f}" '
-                    f'x2="{lx - 144:.1f}" y2="{frame.top - 14:.1f}"/>')
-        body.append(f'<text class="mean-label" x="{lx - 138:.1f}" y="{frame.top - 10:.1f}">'
-                    f"mean {mean:.3g} images / min</text>")
+        body.append(
+            f'<line class="mean" x1="{lx - 170:.1f}" y1="{frame.top - 14:.1f}" '
+            f'x2="{lx - 144:.1f}" y2="{frame.top - 14:.1f}"/>'
+        )
+        body.append(
+            f'<text class="mean-label" x="{lx - 138:.1f}" y="{frame.top - 10:.1f}">mean {mean:.3g} images / min</text>'
+        )
     body += _x_axis(frame, time_ticks(span), _fmt_clock, "elapsed time (m:ss or h:mm:ss)")
     subtitle = f"{n} images in {format_duration(elapsed)}; bins of {format_duration(bin_s)}"
     return _document(880, 430, title, subtitle, body)
@@ -422,14 +431,14 @@ def workers_svg(
         body.append("</g>")
     body += _x_axis(line, time_ticks(span, 5), _fmt_clock, "elapsed time")
     body += _x_axis(util, [0, 0.25, 0.5, 0.75, 1.0], lambda v: f"{v:.0%}", "utilisation")
-    subtitle = (f"{len(uses)} workers over {format_duration(span)}; "
-                f"mean utilisation {mean_util:.0%} (union of each worker's started_at–finished_at)")
+    subtitle = (
+        f"{len(uses)} workers over {format_duration(span)}; "
+        f"mean utilisation {mean_util:.0%} (union of each worker's started_at–finished_at)"
+    )
     return _document(int(timeline_left + timeline_w + 30), height, title, subtitle, body)
 
 
-def latency_svg(
-    latency_s: Sequence[float | None], sample_s: Sequence[float | None], bins: int = 30
-) -> str:
+def latency_svg(latency_s: Sequence[float | None], sample_s: Sequence[float | None], bins: int = 30) -> str:
     """Two histograms on one time axis: item latency and sampling time (``rect.bar``)."""
     title = "Latency per image"
     series = [
@@ -478,6 +487,7 @@ def write_plots(storage, table) -> dict[str, str]:
     ``pyarrow.Table`` with the metadata columns (only ``worker_id``, ``started_at``,
     ``finished_at`` and ``sample_s`` are read; a missing column draws an empty chart).
     """
+
     def col(name: str) -> list:
         return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
 

@@ -30,15 +30,17 @@ def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str =
     errors = read_errors_table(storage, exclude_ids=done)
     summary = read_summary(storage)
     plots = write_plots(storage, table)
-    pages = write_gallery(storage, table, page_size=page_size, title=title,
-                          errors=errors, summary=summary, plot_keys=plots)
+    pages = write_gallery(
+        storage, table, page_size=page_size, title=title, errors=errors, summary=summary, plot_keys=plots
+    )
     return {
         "gallery": storage.uri_for(page_key(1)),
         "pages": sum(1 for key in pages if key.startswith("gallery")),
         "errors_page": storage.uri_for(errors_page_key(1)) if errors_page_key(1) in pages else None,
         "plots": {name: storage.uri_for(key) for name, key in plots.items()},
         "images": table.num_rows,
-        "references": (len(set(table.column("reference_hash").to_pylist()))
-                       if "reference_hash" in table.column_names else 0),
+        "references": (
+            len(set(table.column("reference_hash").to_pylist())) if "reference_hash" in table.column_names else 0
+        ),
         "failed": len(failed_items(errors, done)),
     }

@@ -6,6 +6,17 @@ from snapref_ray.sampling.samplers import Denoiser, sample, sample_er_sde, sampl
 from snapref_ray.sampling.schedules import flow_sigma_table, get_sigmas, percent_to_sigma
 
 __all__ = [
-    "APG", "Denoiser", "apg_project", "cfg", "flow_sigma_table", "get_sigmas", "initial_noise",
-    "noise_scaling", "percent_to_sigma", "rescale_cfg", "sample", "sample_er_sde", "sample_euler",
+    "APG",
+    "Denoiser",
+    "apg_project",
+    "cfg",
+    "flow_sigma_table",
+    "get_sigmas",
+    "initial_noise",
+    "noise_scaling",
+    "percent_to_sigma",
+    "rescale_cfg",
+    "sample",
+    "sample_er_sde",
+    "sample_euler",
 ]

@@ -25,8 +25,14 @@ def cfg(d_cond: torch.Tensor, d_uncond: torch.Tensor, scale: float) -> torch.Ten
     return d_uncond + (d_cond - d_uncond) * scale
 
 
-def rescale_cfg(x: torch.Tensor, sigma: torch.Tensor | float, d_cond: torch.Tensor, d_uncond: torch.Tensor,
-                scale: float, multiplier: float = 0.7) -> torch.Tensor:
+def rescale_cfg(
+    x: torch.Tensor,
+    sigma: torch.Tensor | float,
+    d_cond: torch.Tensor,
+    d_uncond: torch.Tensor,
+    scale: float,
+    multiplier: float = 0.7,
+) -> torch.Tensor:
     """ComfyUI's RescaleCFG node: CFG in (EDM-style) v space with the result's std pulled to the cond's.
 
     The v conversion is the one ComfyUI applies as-is to this flow model. The std is unbiased over
@@ -81,8 +87,9 @@ class APG:
         self.running_avg: torch.Tensor | None = None
         self.prev_sigma: float | None = None
 
-    def __call__(self, d_cond: torch.Tensor, d_uncond: torch.Tensor, sigma: torch.Tensor | float,
-                 scale: float) -> torch.Tensor:
+    def __call__(
+        self, d_cond: torch.Tensor, d_uncond: torch.Tensor, sigma: torch.Tensor | float, scale: float
+    ) -> torch.Tensor:
         sigma = float(sigma.flatten()[0]) if isinstance(sigma, torch.Tensor) else float(sigma)
         if self.prev_sigma is not None and sigma > self.prev_sigma:
             self.running_avg = None

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 
 
-def initial_noise(seeds: int | Sequence[int], shape_CHW_or_CTHW: Sequence[int],
-                  device: torch.device | str = "cpu", *, batch: int = 1) -> torch.Tensor:
+def initial_noise(
+    seeds: int | Sequence[int], shape_CHW_or_CTHW: Sequence[int], device: torch.device | str = "cpu", *, batch: int = 1
+) -> torch.Tensor:
     """Standard normal noise [B, *shape] drawn on the CPU, then moved to `device`.
 
     seeds: one int (ComfyUI's batch noise, B = `batch`) or one seed per row (B = len(seeds)).

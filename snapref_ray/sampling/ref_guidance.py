@@ -17,7 +17,8 @@ from enum import Enum
 import torch
 
 from snapref_ray.requests import RenderSettings
-from snapref_ray.sampling.guidance import APG, apg_project, cfg as cfg_combine, rescale_cfg
+from snapref_ray.sampling.guidance import APG, apg_project, rescale_cfg
+from snapref_ray.sampling.guidance import cfg as cfg_combine
 from snapref_ray.sampling.schedules import percent_to_sigma
 
 # Reference-guidance corrections. APG keeps the delta's component orthogonal to D_c,ref and
@@ -86,8 +87,9 @@ class Combiner:
     def __post_init__(self) -> None:
         self.settings = _concrete(self.settings)
 
-    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, plan: StepPlan,
-                 denoised: dict[Row, torch.Tensor]) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, sigma: torch.Tensor, plan: StepPlan, denoised: dict[Row, torch.Tensor]
+    ) -> torch.Tensor:
         s = self.settings
         d_cond = denoised[Row.COND]
         if Row.UNCOND in denoised:
@@ -110,8 +112,9 @@ class Combiner:
         return out
 
 
-def rescale_towards(x: torch.Tensor, sigma: torch.Tensor, guided: torch.Tensor, cond: torch.Tensor,
-                    phi: float) -> torch.Tensor:
+def rescale_towards(
+    x: torch.Tensor, sigma: torch.Tensor, guided: torch.Tensor, cond: torch.Tensor, phi: float
+) -> torch.Tensor:
     """RescaleCFG's std matching (anima-model.md §6.7) applied to an already-combined estimate."""
     s = sigma.reshape(-1, *[1] * (x.ndim - 1)) if sigma.ndim else sigma
     root = torch.sqrt(s * s + 1.0)

@@ -54,8 +54,9 @@ class StepNoise:
         return draws[0] if self.whole_batch else torch.stack(draws)
 
 
-def sample_euler(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor,
-                 callback: Callback | None = None) -> torch.Tensor:
+def sample_euler(
+    denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, callback: Callback | None = None
+) -> torch.Tensor:
     """Euler steps on the probability-flow ODE: x ← x + (x − D)/σ_i · (σ_{i+1} − σ_i)."""
     sigmas = host_schedule(sigmas)
     steps = len(sigmas) - 1
@@ -74,12 +75,20 @@ def host_schedule(sigmas: torch.Tensor) -> torch.Tensor:
 
 
 def _er_sde_noise_scaler(lam: torch.Tensor) -> torch.Tensor:
-    return lam * ((lam ** 0.3).exp() + 10.0)
+    return lam * ((lam**0.3).exp() + 10.0)
 
 
-def sample_er_sde(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int | Sequence[int] = 0,
-                  callback: Callback | None = None, *, s_noise: float = 1.0, max_stage: int = 3,
-                  shift: float = DEFAULT_SHIFT) -> torch.Tensor:
+def sample_er_sde(
+    denoise: Denoiser,
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    seed: int | Sequence[int] = 0,
+    callback: Callback | None = None,
+    *,
+    s_noise: float = 1.0,
+    max_stage: int = 3,
+    shift: float = DEFAULT_SHIFT,
+) -> torch.Tensor:
     """Extended reverse-time SDE solver (ER-SDE-Solver-3), ComfyUI's `sample_er_sde` for a flow model.
 
     `shift` only sets the replacement first σ (percent_to_sigma(1e-4)) when the schedule starts at σ = 1.
@@ -116,10 +125,10 @@ def sample_er_sde(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed
                 if stage >= 3:
                     s2 = torch.sum((points - lam_s) / scaled_points) * h
                     denoised_u = (denoised_d - old_denoised_d) / ((lam_s - lambdas[i - 2]) / 2)
-                    x = x + alpha_t * (dt ** 2 / 2 + s2 * _er_sde_noise_scaler(lam_t)) * denoised_u
+                    x = x + alpha_t * (dt**2 / 2 + s2 * _er_sde_noise_scaler(lam_t)) * denoised_u
                 old_denoised_d = denoised_d
             if s_noise > 0:
-                spread = (lam_t ** 2 - lam_s ** 2 * r ** 2).sqrt().nan_to_num(nan=0.0)
+                spread = (lam_t**2 - lam_s**2 * r**2).sqrt().nan_to_num(nan=0.0)
                 x = x + alpha_t * noise.draw() * s_noise * spread
         old_denoised = denoised
         if callback is not None:
@@ -130,9 +139,16 @@ def sample_er_sde(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed
 SAMPLERS = ("euler", "er_sde")
 
 
-def sample(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, sampler: str = "euler",
-           seed: int | Sequence[int] = 0, callback: Callback | None = None, *,
-           shift: float = DEFAULT_SHIFT) -> torch.Tensor:
+def sample(
+    denoise: Denoiser,
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    sampler: str = "euler",
+    seed: int | Sequence[int] = 0,
+    callback: Callback | None = None,
+    *,
+    shift: float = DEFAULT_SHIFT,
+) -> torch.Tensor:
     """Run `sampler` from x (already noised for sigmas[0]) down the schedule; returns the final x.
 
     `seed` drives the stochastic samplers only (euler ignores it): one int draws the whole batch from one

@@ -63,4 +63,4 @@ def get_sigmas(scheduler: str, steps: int, shift: float = DEFAULT_SHIFT, denoise
     make = SCHEDULERS[scheduler]
     if denoise > 0.9999:
         return make(steps, shift)
-    return make(int(steps / denoise), shift)[-(steps + 1):].clone()
+    return make(int(steps / denoise), shift)[-(steps + 1) :].clone()

@@ -80,10 +80,13 @@ class RenderBody(RenderSettings):
     left_reference_id: str | None = Field(None, description="Two characters: the one drawn on the left.")
     right_reference_id: str | None = Field(None, description="Two characters: the one drawn on the right.")
     reference_image: str | None = Field(
-        None, description="An inline reference, base64; stored like an upload, so repeating it hits the cache.")
+        None, description="An inline reference, base64; stored like an upload, so repeating it hits the cache."
+    )
     response_format: ResponseFormat | None = Field(
-        None, description="png (one image, image/png) or json (base64 images + metadata). Default: the Accept"
-                          " header, else png for n = 1 and json for n > 1.")
+        None,
+        description="png (one image, image/png) or json (base64 images + metadata). Default: the Accept"
+        " header, else png for n = 1 and json for n > 1.",
+    )
 
     def settings(self, **overrides) -> RenderSettings:
         """The RenderSettings part of the body (with `overrides` applied)."""
@@ -105,7 +108,9 @@ class ErrorResponse(BaseModel):
 class ReferenceInfo(BaseModel):
     """An uploaded reference: its id and the size it is encoded at."""
 
-    reference_id: str = Field(..., description="Content hash of the image bytes and the options below: same upload, same id.")
+    reference_id: str = Field(
+        ..., description="Content hash of the image bytes and the options below: same upload, same id."
+    )
     content_hash: str = Field(..., description="sha256 of the image file (the reference hash of batch-job metadata).")
     width: int = Field(..., description="Width after fitting to ref_megapixels (sides multiples of 16).")
     height: int
@@ -118,7 +123,9 @@ class ImageOut(BaseModel):
     seed: int
     width: int
     height: int
-    png_base64: str = Field(..., description="The PNG file (with A1111 `parameters` and `snapref` JSON chunks), base64.")
+    png_base64: str = Field(
+        ..., description="The PNG file (with A1111 `parameters` and `snapref` JSON chunks), base64."
+    )
 
 
 class RenderResponse(BaseModel):
@@ -130,14 +137,20 @@ class RenderResponse(BaseModel):
     settings: RenderSettings = Field(..., description="The settings rendered with, defaults filled in.")
     reference_ids: list[str] = Field(default_factory=list, description="The references drawn (left first for two).")
     timings: dict[str, float] = Field(
-        ..., description="Seconds: encode_s (0 on a cache hit), text_s, sample_s, decode_s, png_s, queue_s"
-                         " (waiting for the device), replica_s, total_s (in the ingress).")
+        ...,
+        description="Seconds: encode_s (0 on a cache hit), text_s, sample_s, decode_s, png_s, queue_s"
+        " (waiting for the device), replica_s, total_s (in the ingress).",
+    )
     batch_size: int = Field(..., description="Images in the batched forward this request rode in.")
     batched_requests: int = Field(..., description="Requests in that forward.")
     batch_id: str
-    cache_hit: bool | None = Field(..., description="The reference's K/V was already on the replica; null without a reference.")
+    cache_hit: bool | None = Field(
+        ..., description="The reference's K/V was already on the replica; null without a reference."
+    )
     replica: str
-    cache: dict[str, int] = Field(default_factory=dict, description="The replica's RefKV cache counters after this request.")
+    cache: dict[str, int] = Field(
+        default_factory=dict, description="The replica's RefKV cache counters after this request."
+    )
 
 
 class HealthResponse(BaseModel):
@@ -172,7 +185,7 @@ def echo(text: str) -> str:
 class _NonFinite(float):
     """NaN / Infinity / -Infinity as JSON spells them, kept apart from numbers by the parser."""
 
-    def __new__(cls, token: str) -> "_NonFinite":
+    def __new__(cls, token: str) -> _NonFinite:
         value = super().__new__(cls, token.replace("Infinity", "inf"))
         value.token = token
         return value
@@ -193,8 +206,11 @@ def parse_json_object(raw: bytes, known_fields: set[str]) -> dict:
         if isinstance(item, float) and not math.isfinite(item):
             token = getattr(item, "token", "Infinity" if item > 0 else "-Infinity") if not math.isnan(item) else "NaN"
             field = key if key in known_fields else key[:ECHO_CHARS]
-            raise ApiError(400, field, f"{token} is not a number this API accepts (NaN and Infinity are refused);"
-                                       " send a finite number")
+            raise ApiError(
+                400,
+                field,
+                f"{token} is not a number this API accepts (NaN and Infinity are refused); send a finite number",
+            )
     return value
 
 
@@ -254,15 +270,24 @@ def check_limits(body: RenderBody, limits: ServeLimits) -> None:
         raise ApiError(400, "n", f"{body.n} images, more than the {limits.max_n} allowed per request")
     for field in ("width", "height"):
         if getattr(body, field) > limits.max_side:
-            raise ApiError(400, field, f"{getattr(body, field)} px, more than the {limits.max_side} allowed on this server")
+            raise ApiError(
+                400, field, f"{getattr(body, field)} px, more than the {limits.max_side} allowed on this server"
+            )
     megapixels = body.width * body.height / 1e6
     if megapixels > limits.max_megapixels:
-        raise ApiError(400, "width", f"{body.width}x{body.height} is {megapixels:.2f} MP, more than the"
-                                     f" {limits.max_megapixels} MP allowed")
+        raise ApiError(
+            400,
+            "width",
+            f"{body.width}x{body.height} is {megapixels:.2f} MP, more than the {limits.max_megapixels} MP allowed",
+        )
     if body.ref_megapixels > limits.max_megapixels:
-        raise ApiError(400, "ref_megapixels", f"{body.ref_megapixels} MP, more than the {limits.max_megapixels} allowed")
+        raise ApiError(
+            400, "ref_megapixels", f"{body.ref_megapixels} MP, more than the {limits.max_megapixels} allowed"
+        )
     if body.recompute_reference_every_step:
-        raise ApiError(400, "recompute_reference_every_step", "is a benchmark baseline and is not served; leave it false")
+        raise ApiError(
+            400, "recompute_reference_every_step", "is a benchmark baseline and is not served; leave it false"
+        )
     if body.denoise < 1.0:
         raise ApiError(400, "denoise", "img2img (denoise < 1) is not served over HTTP; use 1")
 
@@ -276,5 +301,8 @@ def check_reference_fields(body: RenderBody) -> None:
         raise ApiError(400, missing, "two characters need both left_reference_id and right_reference_id")
     kinds = {"pair" if f in pair else f for f in given}
     if len(kinds) > 1:
-        raise ApiError(400, given[-1], f"give only one of reference_id, left/right_reference_id, reference_image"
-                                       f" (got {', '.join(given)})")
+        raise ApiError(
+            400,
+            given[-1],
+            f"give only one of reference_id, left/right_reference_id, reference_image (got {', '.join(given)})",
+        )

@@ -32,10 +32,16 @@ class BearerAuth:
         if self._token is None:
             return
         if not authorization:
-            raise ApiError(401, "Authorization", "missing bearer token: send the header 'Authorization: Bearer <token>'",
-                           headers=_CHALLENGE)
+            raise ApiError(
+                401,
+                "Authorization",
+                "missing bearer token: send the header 'Authorization: Bearer <token>'",
+                headers=_CHALLENGE,
+            )
         scheme, _, value = authorization.strip().partition(" ")
         if scheme.lower() != "bearer" or not value.strip():
-            raise ApiError(401, "Authorization", "the Authorization header must be 'Bearer <token>'", headers=_CHALLENGE)
+            raise ApiError(
+                401, "Authorization", "the Authorization header must be 'Bearer <token>'", headers=_CHALLENGE
+            )
         if not hmac.compare_digest(value.strip().encode(), self._token):
             raise ApiError(401, "Authorization", "invalid bearer token", headers=_CHALLENGE)

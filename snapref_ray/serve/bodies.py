@@ -71,8 +71,11 @@ class BodyReceiver:
         received, slow = 0, False
         try:
             while True:
-                rate_deadline = (start + c.body_grace_s + received / c.body_min_rate_bytes_s
-                                 if c.body_min_rate_bytes_s > 0 else math.inf)
+                rate_deadline = (
+                    start + c.body_grace_s + received / c.body_min_rate_bytes_s
+                    if c.body_min_rate_bytes_s > 0
+                    else math.inf
+                )
                 deadline = min(start + c.body_timeout_s, rate_deadline)
                 wait_until = deadline if slow else min(deadline, fast_until)
                 try:
@@ -80,14 +83,15 @@ class BodyReceiver:
                 except TaskCancelledError:
                     # Serve's proxy saw the client go and cancelled the call that relays its body.
                     message = {"type": "http.disconnect"}
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if not slow and wait_until == fast_until and fast_until < deadline:
                         slow = self._admit_slow(field)
                         continue
                     raise self._too_slow(field, received, time.monotonic() - start) from None
                 if message["type"] == "http.disconnect":
-                    log.info("client disconnected after %d body bytes (%s %s)", received, request.method,
-                             request.url.path)
+                    log.info(
+                        "client disconnected after %d body bytes (%s %s)", received, request.method, request.url.path
+                    )
                     raise ClientGone(field)
                 chunk = message.get("body", b"")
                 received += len(chunk)
@@ -108,9 +112,14 @@ class BodyReceiver:
     def _admit_slow(self, field: str) -> bool:
         if self.slow_in_progress >= self._config.max_slow_bodies:
             self.slow_refused += 1
-            raise ApiError(503, field, f"the body did not arrive within {self._config.fast_body_s:g} s and"
-                                       f" {self.slow_in_progress} slow uploads are already in progress;"
-                                       " retry after the Retry-After delay", headers=self._retry_after())
+            raise ApiError(
+                503,
+                field,
+                f"the body did not arrive within {self._config.fast_body_s:g} s and"
+                f" {self.slow_in_progress} slow uploads are already in progress;"
+                " retry after the Retry-After delay",
+                headers=self._retry_after(),
+            )
         self.slow_in_progress += 1
         return True
 

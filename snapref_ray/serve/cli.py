@@ -19,9 +19,12 @@ from snapref_ray.serve.config import TOKEN_ENV, ServeConfig
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `serve` on the main parser's subcommands."""
-    p = sub.add_parser("serve", help="run the HTTP API (Ray Serve) on a local Ray",
-                       description="Serve SnapRef renders over HTTP: POST /v1/references, POST /v1/render,"
-                                   " GET /v1/health, GET /v1/models; OpenAPI docs at /docs.")
+    p = sub.add_parser(
+        "serve",
+        help="run the HTTP API (Ray Serve) on a local Ray",
+        description="Serve SnapRef renders over HTTP: POST /v1/references, POST /v1/render,"
+        " GET /v1/health, GET /v1/models; OpenAPI docs at /docs.",
+    )
     p.add_argument("--models", required=True, help="model folder (tiny or real)")
     p.add_argument("--adapter", help="SnapRef adapter (default: adapter.safetensors in --models)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; any other needs a token)")

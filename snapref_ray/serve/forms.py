@@ -37,8 +37,15 @@ class MultipartForm:
     the status a part over it gets (413 for the file, 400 for text fields).
     """
 
-    def __init__(self, content_type: str, limits: dict[str, int], *, max_parts: int, max_header_bytes: int,
-                 too_large_status: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        content_type: str,
+        limits: dict[str, int],
+        *,
+        max_parts: int,
+        max_header_bytes: int,
+        too_large_status: dict[str, int] | None = None,
+    ) -> None:
         _, params = parse_options_header(content_type)
         boundary = params.get(b"boundary")
         if not boundary:
@@ -55,19 +62,27 @@ class MultipartForm:
         self._headers: dict[bytes, bytes] = {}
         self._header_bytes = 0
         self._ended = False
-        self._parser = MultipartParser(boundary, callbacks={
-            "on_part_begin": self._on_part_begin, "on_header_field": self._on_header_field,
-            "on_header_value": self._on_header_value, "on_header_end": self._on_header_end,
-            "on_headers_finished": self._on_headers_finished, "on_part_data": self._on_part_data,
-            "on_end": self._on_end})
+        self._parser = MultipartParser(
+            boundary,
+            callbacks={
+                "on_part_begin": self._on_part_begin,
+                "on_header_field": self._on_header_field,
+                "on_header_value": self._on_header_value,
+                "on_header_end": self._on_header_end,
+                "on_headers_finished": self._on_headers_finished,
+                "on_part_data": self._on_part_data,
+                "on_end": self._on_end,
+            },
+        )
 
     async def feed(self, chunks: AsyncIterator[bytes]) -> None:
         """Parse the body as it arrives (each chunk in a worker thread); raises ApiError at the first fault."""
         async for chunk in chunks:
             await asyncio.to_thread(self._write, chunk)
         if not self._ended:
-            raise ApiError(400, "body", f"malformed multipart body: it ends before the closing boundary"
-                                        f" ({self.count} parts seen)")
+            raise ApiError(
+                400, "body", f"malformed multipart body: it ends before the closing boundary ({self.count} parts seen)"
+            )
 
     def _write(self, chunk: bytes) -> None:
         try:
@@ -79,8 +94,9 @@ class MultipartForm:
     def _on_part_begin(self) -> None:
         self.count += 1
         if self.count > self._max_parts:
-            raise ApiError(400, "body", f"part {self.count} is more than the {self._max_parts} parts accepted in"
-                                        " one upload")
+            raise ApiError(
+                400, "body", f"part {self.count} is more than the {self._max_parts} parts accepted in one upload"
+            )
         self._headers, self._header_bytes = {}, 0
 
     def _add_header_bytes(self, n: int) -> None:
@@ -107,10 +123,15 @@ class MultipartForm:
             raise ApiError(400, "body", f"part {self.count} has no 'Content-Disposition: form-data; name=...' header")
         name = raw_name.decode("latin-1")
         if name not in self._limits:
-            raise ApiError(400, name[:ECHO_CHARS], f"part {self.count} is named {echo(name)}; an upload takes only"
-                                                   f" {', '.join(self._limits)}")
+            raise ApiError(
+                400,
+                name[:ECHO_CHARS],
+                f"part {self.count} is named {echo(name)}; an upload takes only {', '.join(self._limits)}",
+            )
         if name in self.parts:
-            raise ApiError(400, name, f"part {self.count} repeats {name!r} (first sent as part {self.parts[name].index})")
+            raise ApiError(
+                400, name, f"part {self.count} repeats {name!r} (first sent as part {self.parts[name].index})"
+            )
         filename = params.get(b"filename")
         self._part = self.parts[name] = FormPart(name, self.count, filename.decode("latin-1") if filename else None)
 
@@ -120,8 +141,11 @@ class MultipartForm:
         part.data += data[start:end]
         limit = self._limits[part.name]
         if len(part.data) > limit:
-            raise ApiError(self._status.get(part.name, 400), part.name,
-                           f"part {part.index} ({part.name!r}) exceeds the {limit} bytes accepted")
+            raise ApiError(
+                self._status.get(part.name, 400),
+                part.name,
+                f"part {part.index} ({part.name!r}) exceeds the {limit} bytes accepted",
+            )
 
     def _on_end(self) -> None:
         self._ended = True

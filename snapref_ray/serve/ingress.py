@@ -23,26 +23,41 @@ import time
 from collections import OrderedDict
 from contextlib import aclosing
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
-import ray
 from ray import serve
 from ray.serve.exceptions import BackPressureError, RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.api import (
-    ApiError, ErrorResponse, HealthResponse, ImageOut, ModelsResponse, ReferenceInfo, ReferenceOptions, RenderBody,
-    RenderResponse, UploadJSON, as_api_error, check_limits, check_reference_fields, decode_base64, echo,
-    reference_id_for, validate_strict, validation_error,
+    ApiError,
+    ErrorResponse,
+    HealthResponse,
+    ImageOut,
+    ModelsResponse,
+    ReferenceInfo,
+    ReferenceOptions,
+    RenderBody,
+    RenderResponse,
+    UploadJSON,
+    as_api_error,
+    check_limits,
+    check_reference_fields,
+    decode_base64,
+    echo,
+    reference_id_for,
+    validate_strict,
+    validation_error,
 )
 from snapref_ray.serve.auth import BearerAuth
 from snapref_ray.serve.bodies import BodyReceiver
-from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
+from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.renderer import ReferenceSpec, RenderJob, RenderReply, ReplicaRenderer
 
 log = logging.getLogger(__name__)
@@ -86,8 +101,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return JSONResponse(ApiError(exc.status_code, None, str(exc.detail)).body(), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return JSONResponse(
+        ApiError(exc.status_code, None, str(exc.detail)).body(),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
 
 
 @app.exception_handler(Exception)
@@ -113,8 +131,11 @@ def _form_number(text: str, field: str) -> float:
     except ValueError:
         raise ApiError(400, field, f"not a number: {echo(text)}") from None
     if not math.isfinite(value):
-        raise ApiError(400, field, f"{'NaN' if math.isnan(value) else 'Infinity'} is not a number this API"
-                                   " accepts; send a finite number")
+        raise ApiError(
+            400,
+            field,
+            f"{'NaN' if math.isnan(value) else 'Infinity'} is not a number this API accepts; send a finite number",
+        )
     return value
 
 
@@ -123,16 +144,29 @@ def _json_limit(file_limit: int) -> int:
 
 
 def _upload_openapi() -> dict:
-    multipart = {"type": "object", "required": ["file"], "properties": {
-        "file": {"type": "string", "format": "binary", "description": "The reference image file."},
-        **ReferenceOptions.model_json_schema()["properties"]}}
-    return {"requestBody": {"required": True, "content": {
-        "multipart/form-data": {"schema": multipart},
-        "application/json": {"schema": UploadJSON.model_json_schema()}}}}
+    multipart = {
+        "type": "object",
+        "required": ["file"],
+        "properties": {
+            "file": {"type": "string", "format": "binary", "description": "The reference image file."},
+            **ReferenceOptions.model_json_schema()["properties"],
+        },
+    }
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {"schema": multipart},
+                "application/json": {"schema": UploadJSON.model_json_schema()},
+            },
+        }
+    }
 
 
 def _render_openapi() -> dict:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": RenderBody.model_json_schema()}}}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": RenderBody.model_json_schema()}}}
+    }
 
 
 def _inspect_image(data: bytes, megapixels: float, field: str) -> tuple[int, int, str]:
@@ -174,13 +208,19 @@ class Ingress:
         self._infos: OrderedDict[str, ReferenceInfo] = OrderedDict()
 
     # -- endpoints --------------------------------------------------------------------------
-    @app.api_route("/v1/health", methods=_READ, response_model=HealthResponse,
-                   summary="Liveness of the ingress (no token needed)")
+    @app.api_route(
+        "/v1/health", methods=_READ, response_model=HealthResponse, summary="Liveness of the ingress (no token needed)"
+    )
     async def health(self) -> dict:
         return {"status": "ok"}
 
-    @app.api_route("/v1/models", methods=_READ, response_model=ModelsResponse, responses=_ERRORS,
-                   summary="The loaded model and adapter, the modes and this server's limits")
+    @app.api_route(
+        "/v1/models",
+        methods=_READ,
+        response_model=ModelsResponse,
+        responses=_ERRORS,
+        summary="The loaded model and adapter, the modes and this server's limits",
+    )
     async def models(self, request: Request) -> dict:
         self._auth.check(request.headers.get("authorization"))
         if self._models is None:
@@ -203,8 +243,13 @@ class Ingress:
 <script>SwaggerUIBundle({{spec: {spec}, dom_id: "#swagger-ui", persistAuthorization: true}});</script>
 </body></html>""")
 
-    @app.post("/v1/references", response_model=ReferenceInfo, responses=_ERRORS, openapi_extra=_upload_openapi(),
-              summary="Upload a reference image (multipart field `file`, or JSON with base64 `image`)")
+    @app.post(
+        "/v1/references",
+        response_model=ReferenceInfo,
+        responses=_ERRORS,
+        openapi_extra=_upload_openapi(),
+        summary="Upload a reference image (multipart field `file`, or JSON with base64 `image`)",
+    )
     async def upload_reference(self, request: Request) -> ReferenceInfo:
         self._auth.check(request.headers.get("authorization"))
         content_type = request.headers.get("content-type", "")
@@ -219,13 +264,18 @@ class Ingress:
             data = decode_base64(upload.image, field)
             options = ReferenceOptions(ref_caption=upload.ref_caption, ref_megapixels=upload.ref_megapixels)
         else:
-            raise ApiError(415, "Content-Type", f"expected multipart/form-data or application/json,"
-                                                f" got {echo(content_type)}")
+            raise ApiError(
+                415, "Content-Type", f"expected multipart/form-data or application/json, got {echo(content_type)}"
+            )
         return await self._store_reference(data, options, field)
 
-    @app.post("/v1/render", responses={**_ERRORS, 200: {"model": RenderResponse, "content": {"image/png": {}}}},
-              openapi_extra=_render_openapi(), response_class=Response,
-              summary="Render a scene with a reference: image/png, or JSON with base64 images and metadata")
+    @app.post(
+        "/v1/render",
+        responses={**_ERRORS, 200: {"model": RenderResponse, "content": {"image/png": {}}}},
+        openapi_extra=_render_openapi(),
+        response_class=Response,
+        summary="Render a scene with a reference: image/png, or JSON with base64 images and metadata",
+    )
     async def render(self, request: Request) -> Response:
         started = time.perf_counter()
         self._auth.check(request.headers.get("authorization"))
@@ -237,13 +287,23 @@ class Ingress:
         check_reference_fields(body)
         check_limits(body, self._limits)
         if body.seed + body.n > 2**63:
-            raise ApiError(400, "seed", f"seed + n must stay below 2**63 (consecutive seeds), got {body.seed} + {body.n}")
+            raise ApiError(
+                400, "seed", f"seed + n must stay below 2**63 (consecutive seeds), got {body.seed} + {body.n}"
+            )
         fmt = self._response_format(body, request.headers.get("accept", ""))
         reference = await self._reference_spec(body)
-        settings = body.settings(ref_caption=reference.ref_caption, ref_megapixels=reference.ref_megapixels) \
-            if reference else body.settings()
-        job = RenderJob(body.prompt, tuple(range(body.seed, body.seed + body.n)), settings, reference,
-                        ref_megapixels_set="ref_megapixels" in body.model_fields_set)
+        settings = (
+            body.settings(ref_caption=reference.ref_caption, ref_megapixels=reference.ref_megapixels)
+            if reference
+            else body.settings()
+        )
+        job = RenderJob(
+            body.prompt,
+            tuple(range(body.seed, body.seed + body.n)),
+            settings,
+            reference,
+            ref_megapixels_set="ref_megapixels" in body.model_fields_set,
+        )
         called = time.perf_counter()
         reply = await self._render(job)
         finished = time.perf_counter()
@@ -253,8 +313,9 @@ class Ingress:
             return Response(reply.pngs[0], media_type="image/png", headers=self._metadata_headers(reply, reference))
         # pydantic's own serializer: ~5x faster than JSONResponse's json.dumps on the base64 images
         # (0.24 ms against 1.1 ms for one 160 kB PNG), the same JSON.
-        return Response(self._json_reply(body, settings, reference, reply).model_dump_json(),
-                        media_type="application/json")
+        return Response(
+            self._json_reply(body, settings, reference, reply).model_dump_json(), media_type="application/json"
+        )
 
     # -- docs -------------------------------------------------------------------------------
     def _docs_auth(self, request: Request) -> None:
@@ -267,8 +328,12 @@ class Ingress:
             spec = copy.deepcopy(app.openapi())
             if self._auth.enabled:
                 spec.setdefault("components", {})["securitySchemes"] = {
-                    _BEARER: {"type": "http", "scheme": "bearer",
-                              "description": "The server's token: `Authorization: Bearer <token>`."}}
+                    _BEARER: {
+                        "type": "http",
+                        "scheme": "bearer",
+                        "description": "The server's token: `Authorization: Bearer <token>`.",
+                    }
+                }
                 for path, operations in spec["paths"].items():
                     if path != "/v1/health":
                         for operation in operations.values():
@@ -280,10 +345,17 @@ class Ingress:
     async def _read_form(self, request: Request, content_type: str) -> tuple[bytes, ReferenceOptions]:
         """The multipart upload, parsed as it streams in: (file bytes, options)."""
         limits = self._limits
-        form = MultipartForm(content_type, {"file": limits.max_upload_bytes, "ref_caption": 4 * limits.max_prompt_chars,
-                                            "ref_megapixels": _MEGAPIXELS_BYTES},
-                             max_parts=limits.max_form_parts, max_header_bytes=limits.max_part_header_bytes,
-                             too_large_status={"file": 413})
+        form = MultipartForm(
+            content_type,
+            {
+                "file": limits.max_upload_bytes,
+                "ref_caption": 4 * limits.max_prompt_chars,
+                "ref_megapixels": _MEGAPIXELS_BYTES,
+            },
+            max_parts=limits.max_form_parts,
+            max_header_bytes=limits.max_part_header_bytes,
+            too_large_status={"file": 413},
+        )
         async with aclosing(self._bodies.chunks(request, limits.max_upload_bytes + _FORM_OVERHEAD, "file")) as chunks:
             await form.feed(chunks)
         if "file" not in form.parts:
@@ -307,16 +379,28 @@ class Ingress:
         if len(data) > limit:
             raise ApiError(413, field, f"the image is {len(data)} bytes, more than the {limit} accepted")
         if options.ref_megapixels > self._limits.max_megapixels:
-            raise ApiError(400, "ref_megapixels", f"{options.ref_megapixels} MP, more than the"
-                                                  f" {self._limits.max_megapixels} allowed")
+            raise ApiError(
+                400,
+                "ref_megapixels",
+                f"{options.ref_megapixels} MP, more than the {self._limits.max_megapixels} allowed",
+            )
         if len(options.ref_caption) > self._limits.max_prompt_chars:
-            raise ApiError(400, "ref_caption", f"{len(options.ref_caption)} characters, more than the"
-                                               f" {self._limits.max_prompt_chars} allowed")
+            raise ApiError(
+                400,
+                "ref_caption",
+                f"{len(options.ref_caption)} characters, more than the {self._limits.max_prompt_chars} allowed",
+            )
         # Decoding validates the file (corrupt, empty, bomb) and gives the encoded size; off the event loop.
         width, height, content_hash = await asyncio.to_thread(_inspect_image, data, options.ref_megapixels, field)
-        info = ReferenceInfo(reference_id=reference_id_for(content_hash, options), content_hash=content_hash,
-                             width=width, height=height, ref_megapixels=options.ref_megapixels,
-                             ref_caption=options.ref_caption, bytes=len(data))
+        info = ReferenceInfo(
+            reference_id=reference_id_for(content_hash, options),
+            content_hash=content_hash,
+            width=width,
+            height=height,
+            ref_megapixels=options.ref_megapixels,
+            ref_caption=options.ref_caption,
+            bytes=len(data),
+        )
         info = await self._call(self._store.put.remote(info, data))
         self._remember(info)
         return info
@@ -345,10 +429,15 @@ class Ingress:
         # The upload's caption and size apply unless this request sets them (the pair takes the left's).
         caption = body.ref_caption if "ref_caption" in body.model_fields_set else first.ref_caption
         megapixels = body.ref_megapixels if "ref_megapixels" in body.model_fields_set else first.ref_megapixels
-        return ReferenceSpec(layout="pair" if len(infos) == 2 else "single",
-                             content_hashes=tuple(i.content_hash for i in infos),
-                             reference_ids=tuple(i.reference_id for i in infos), ref_caption=caption,
-                             ref_megapixels=megapixels, width=body.width, height=body.height)
+        return ReferenceSpec(
+            layout="pair" if len(infos) == 2 else "single",
+            content_hashes=tuple(i.content_hash for i in infos),
+            reference_ids=tuple(i.reference_id for i in infos),
+            ref_caption=caption,
+            ref_megapixels=megapixels,
+            width=body.width,
+            height=body.height,
+        )
 
     async def _describe(self, ids: list[str], fields: list[str]) -> list[ReferenceInfo]:
         missing = [r for r in ids if r not in self._infos]
@@ -358,8 +447,12 @@ class Ingress:
                     self._remember(info)
         for reference_id, field in zip(ids, fields):
             if reference_id not in self._infos:
-                raise ApiError(404, field, f"unknown reference id {echo(reference_id)}: upload the image to"
-                                           " /v1/references first (ids are kept while the server has room)")
+                raise ApiError(
+                    404,
+                    field,
+                    f"unknown reference id {echo(reference_id)}: upload the image to"
+                    " /v1/references first (ids are kept while the server has room)",
+                )
         for reference_id in ids:
             self._infos.move_to_end(reference_id)
         return [self._infos[r] for r in ids]
@@ -383,8 +476,9 @@ class Ingress:
             self._rendering -= 1
 
     def _at_capacity(self) -> ApiError:
-        return ApiError(503, None, "the renderers are at capacity; retry after the Retry-After delay",
-                        headers=self._retry_after())
+        return ApiError(
+            503, None, "the renderers are at capacity; retry after the Retry-After delay", headers=self._retry_after()
+        )
 
     def _retry_after(self) -> dict[str, str]:
         return {"Retry-After": str(math.ceil(self._config.retry_after_s))}
@@ -394,20 +488,22 @@ class Ingress:
         overload, timeouts and replica errors into ApiErrors."""
         try:
             result = await asyncio.wait_for(response, timeout=self._config.request_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if hasattr(response, "cancel"):  # a deployment call; wait_for has cancelled a coroutine already
                 response.cancel()
-            raise ApiError(504, None, f"the render did not finish within request_timeout_s="
-                                      f"{self._config.request_timeout_s:g} s") from None
-        except Exception as e:  # noqa: BLE001 -- sorted below; anything unknown is re-raised as a 500
+            raise ApiError(
+                504, None, f"the render did not finish within request_timeout_s={self._config.request_timeout_s:g} s"
+            ) from None
+        except Exception as e:
             api_error = as_api_error(e)
             if api_error is not None:
                 raise api_error from None
             if isinstance(e, BackPressureError) or isinstance(getattr(e, "cause", None), BackPressureError):
                 raise self._at_capacity() from None
             if isinstance(e, (RayServeException, ray.exceptions.RayActorError)):  # overloaded, or its replica died
-                raise ApiError(503, None, f"renderer unavailable: {type(e).__name__}",
-                               headers=self._retry_after()) from None
+                raise ApiError(
+                    503, None, f"renderer unavailable: {type(e).__name__}", headers=self._retry_after()
+                ) from None
             raise
         if isinstance(result, ApiError):  # a replica answers bad input with a value, not a crash
             raise result
@@ -420,28 +516,51 @@ class Ingress:
             wants_json = "application/json" in accept and "image/png" not in accept
             fmt = "json" if wants_json or body.n > 1 else "png"
         if fmt == "png" and body.n > 1:
-            raise ApiError(400, "n", f"image/png carries one image, {body.n} were asked for: use"
-                                     " response_format 'json' for several")
+            raise ApiError(
+                400,
+                "n",
+                f"image/png carries one image, {body.n} were asked for: use response_format 'json' for several",
+            )
         return fmt
 
     @staticmethod
     def _metadata_headers(reply: RenderReply, reference: ReferenceSpec | None) -> dict[str, str]:
-        headers = {"X-Seed": str(reply.seeds[0]), "X-Batch-Size": str(reply.batch_size),
-                   "X-Batch-Id": reply.batch_id, "X-Replica": reply.replica,
-                   "X-Timings": ",".join(f"{k}={v:.4f}" for k, v in sorted(reply.timings.items()))}
+        headers = {
+            "X-Seed": str(reply.seeds[0]),
+            "X-Batch-Size": str(reply.batch_size),
+            "X-Batch-Id": reply.batch_id,
+            "X-Replica": reply.replica,
+            "X-Timings": ",".join(f"{k}={v:.4f}" for k, v in sorted(reply.timings.items())),
+        }
         if reference is not None:
             headers["X-Reference-Ids"] = ",".join(reference.reference_ids)
             headers["X-Cache-Hit"] = "true" if reply.cache_hit else "false"
         return headers
 
     @staticmethod
-    def _json_reply(body: RenderBody, settings: RenderSettings, reference: ReferenceSpec | None,
-                    reply: RenderReply) -> RenderResponse:
-        images = [ImageOut(seed=seed, width=settings.width, height=settings.height,
-                           png_base64=base64.b64encode(png).decode("ascii"))
-                  for seed, png in zip(reply.seeds, reply.pngs)]
-        return RenderResponse(images=images, prompt=body.prompt, seeds=reply.seeds, settings=settings,
-                              reference_ids=list(reference.reference_ids) if reference else [],
-                              timings=reply.timings, batch_size=reply.batch_size,
-                              batched_requests=reply.batched_requests, batch_id=reply.batch_id,
-                              cache_hit=reply.cache_hit, replica=reply.replica, cache=reply.cache)
+    def _json_reply(
+        body: RenderBody, settings: RenderSettings, reference: ReferenceSpec | None, reply: RenderReply
+    ) -> RenderResponse:
+        images = [
+            ImageOut(
+                seed=seed,
+                width=settings.width,
+                height=settings.height,
+                png_base64=base64.b64encode(png).decode("ascii"),
+            )
+            for seed, png in zip(reply.seeds, reply.pngs)
+        ]
+        return RenderResponse(
+            images=images,
+            prompt=body.prompt,
+            seeds=reply.seeds,
+            settings=settings,
+            reference_ids=list(reference.reference_ids) if reference else [],
+            timings=reply.timings,
+            batch_size=reply.batch_size,
+            batched_requests=reply.batched_requests,
+            batch_id=reply.batch_id,
+            cache_hit=reply.cache_hit,
+            replica=reply.replica,
+            cache=reply.cache,
+        )

@@ -109,12 +109,16 @@ class ReferenceLRU:
         return data
 
     def stats(self) -> dict[str, int]:
-        return {"files": len(self._files), "references": len(self._infos), "bytes": self.nbytes,
-                "max_bytes": self.max_bytes, "evictions": self.evictions}
+        return {
+            "files": len(self._files),
+            "references": len(self._infos),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+            "evictions": self.evictions,
+        }
 
 
-@serve.deployment(name="ReferenceStore", num_replicas=1, max_ongoing_requests=128,
-                  ray_actor_options={"num_cpus": 0})
+@serve.deployment(name="ReferenceStore", num_replicas=1, max_ongoing_requests=128, ray_actor_options={"num_cpus": 0})
 class ReferenceStore:
     """The Serve deployment around a ReferenceLRU and, when configured, DurableReferences.
 
@@ -161,5 +165,9 @@ class ReferenceStore:
         try:
             return await asyncio.to_thread(fn, *args)
         except StorageError as e:
-            raise ApiError(503, None, f"the reference store is unavailable ({type(e).__name__}); retry later",
-                           headers={"Retry-After": "5"}) from None
+            raise ApiError(
+                503,
+                None,
+                f"the reference store is unavailable ({type(e).__name__}); retry later",
+                headers={"Retry-After": "5"},
+            ) from None

@@ -66,8 +66,10 @@ class ReferenceSpec:
     def key(self) -> str:
         """The multiplexed id and cache key: every input of the RefKV, nothing else."""
         caption = hashlib.sha256(self.ref_caption.encode()).hexdigest()[:16]
-        return (f"{self.layout}:{'+'.join(self.content_hashes)}:{self.width}x{self.height}:"
-                f"{self.ref_megapixels!r}mp:{caption}")
+        return (
+            f"{self.layout}:{'+'.join(self.content_hashes)}:{self.width}x{self.height}:"
+            f"{self.ref_megapixels!r}mp:{caption}"
+        )
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,11 @@ class RenderJob:
 
     def group_key(self) -> tuple:
         """Jobs with equal keys can share one batched forward."""
-        return (self.reference.key if self.reference else None, self.settings.batch_key(), self.settings.negative_prompt)
+        return (
+            self.reference.key if self.reference else None,
+            self.settings.batch_key(),
+            self.settings.negative_prompt,
+        )
 
 
 @dataclass
@@ -166,7 +172,9 @@ class ReplicaRenderer:
         self._cache = RefKVCache(config.refkv_cache_bytes)
         # Encodes and renders run in these threads so the event loop stays free for routing,
         # batching and health checks; `_device_lock` keeps the device to one of them at a time.
-        self._pool = ThreadPoolExecutor(max_workers=config.max_ongoing_requests + 2, thread_name_prefix="snapref-device")
+        self._pool = ThreadPoolExecutor(
+            max_workers=config.max_ongoing_requests + 2, thread_name_prefix="snapref-device"
+        )
         self._device_lock = threading.Lock()
         self._busy_since: float | None = None
         self._last_progress = time.monotonic()
@@ -207,10 +215,19 @@ class ReplicaRenderer:
         adapter = None
         if r.adapter is not None:
             meta = r.adapter.adapter.meta
-            adapter = {"identity": r.adapter.identity, "base_model": meta.base_model, "num_blocks": meta.num_blocks,
-                       "modes": list(meta.modes)}  # not the file path: clients need not know the server's disk
-        return {"model": r.model_id, "adapter": adapter, "modes": adapter["modes"] if adapter else [],
-                "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch.")}
+            adapter = {
+                "identity": r.adapter.identity,
+                "base_model": meta.base_model,
+                "num_blocks": meta.num_blocks,
+                "modes": list(meta.modes),
+            }  # not the file path: clients need not know the server's disk
+        return {
+            "model": r.model_id,
+            "adapter": adapter,
+            "modes": adapter["modes"] if adapter else [],
+            "device": str(r.device),
+            "dtype": str(r.dtype).removeprefix("torch."),
+        }
 
     def check_health(self) -> None:
         """Raise (Serve then restarts the replica) if the device is stuck: busy with no progress."""
@@ -219,8 +236,10 @@ class ReplicaRenderer:
             return
         idle_for = time.monotonic() - self._last_progress
         if idle_for > self._config.stall_timeout_s:
-            raise RuntimeError(f"renderer stalled: the device has made no progress for {idle_for:.0f} s"
-                               f" (stall_timeout_s={self._config.stall_timeout_s})")
+            raise RuntimeError(
+                f"renderer stalled: the device has made no progress for {idle_for:.0f} s"
+                f" (stall_timeout_s={self._config.stall_timeout_s})"
+            )
 
     # -- references -------------------------------------------------------------------------
     async def _reference_kv(self, spec: ReferenceSpec):
@@ -233,21 +252,27 @@ class ReplicaRenderer:
         for _ in range(2):
             timing: dict[str, float] = {}
 
-            def create():
+            def create(data=data, timing=timing):
                 if data is None:
                     raise _Evicted
                 with self._device("encode"):
                     t0 = time.perf_counter()
                     kv = self._renderer.encode_reference(
-                        list(data), layout=spec.layout, ref_caption=spec.ref_caption,
-                        ref_megapixels=spec.ref_megapixels, width=spec.width, height=spec.height,
-                        sources=[f"reference {h[:12]}" for h in spec.content_hashes])
+                        list(data),
+                        layout=spec.layout,
+                        ref_caption=spec.ref_caption,
+                        ref_megapixels=spec.ref_megapixels,
+                        width=spec.width,
+                        height=spec.height,
+                        sources=[f"reference {h[:12]}" for h in spec.content_hashes],
+                    )
                     timing["encode_s"] = time.perf_counter() - t0
                 return kv
 
             try:
                 kv, hit = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self._cache.get_or_create, spec.key, create)
+                    self._pool, self._cache.get_or_create, spec.key, create
+                )
                 return kv, hit, timing.get("encode_s", 0.0)
             except _Evicted:
                 data = await self._fetch(spec)
@@ -309,23 +334,41 @@ class ReplicaRenderer:
     def _render_group(self, group: list[_Pending]) -> list[RenderReply]:
         from snapref_ray.requests import RenderRequest
 
-        requests = [RenderRequest(prompt=p.job.prompt, seed=seed, settings=p.job.settings)
-                    for p in group for seed in p.job.seeds]
+        requests = [
+            RenderRequest(prompt=p.job.prompt, seed=seed, settings=p.job.settings)
+            for p in group
+            for seed in p.job.seeds
+        ]
         started = time.perf_counter()
         with self._device("render"):
             results = self._renderer.render(requests, refkv=group[0].refkv, progress=self._tick)
         batch_id = uuid.uuid4().hex[:12]
         replies, i = [], 0
         for p in group:
-            mine = results[i:i + p.images]
+            mine = results[i : i + p.images]
             i += p.images
             t0 = time.perf_counter()
             pngs = [self._png(r, p.job) for r in mine]
             timings = {k: v for k, v in mine[0].timings.items() if k.endswith("_s")}
-            timings.update(encode_s=p.encode_s, png_s=time.perf_counter() - t0, queue_s=started - p.arrived,
-                           replica_s=time.perf_counter() - p.arrived)
-            replies.append(RenderReply(pngs, [r.request.seed for r in mine], timings, len(requests), len(group),
-                                       batch_id, p.cache_hit, self._replica, self._cache_stats()))
+            timings.update(
+                encode_s=p.encode_s,
+                png_s=time.perf_counter() - t0,
+                queue_s=started - p.arrived,
+                replica_s=time.perf_counter() - p.arrived,
+            )
+            replies.append(
+                RenderReply(
+                    pngs,
+                    [r.request.seed for r in mine],
+                    timings,
+                    len(requests),
+                    len(group),
+                    batch_id,
+                    p.cache_hit,
+                    self._replica,
+                    self._cache_stats(),
+                )
+            )
         return replies
 
     def _png(self, result, job: RenderJob) -> bytes:
@@ -334,11 +377,18 @@ class ReplicaRenderer:
         reference = job.reference
         adapter = self._renderer.adapter.identity if self._renderer.adapter is not None else None
         return encode_rendered_image(
-            result.image, prompt=job.prompt, seed=result.request.seed, settings=job.settings.model_dump(),
-            model=self._renderer.model_id, adapter=adapter,
+            result.image,
+            prompt=job.prompt,
+            seed=result.request.seed,
+            settings=job.settings.model_dump(),
+            model=self._renderer.model_id,
+            adapter=adapter,
             reference_hash=_reference_hash(reference) if reference else None,
-            extra_info={"reference_ids": list(reference.reference_ids) if reference else [],
-                        "content_hashes": list(reference.content_hashes) if reference else []})
+            extra_info={
+                "reference_ids": list(reference.reference_ids) if reference else [],
+                "content_hashes": list(reference.content_hashes) if reference else [],
+            },
+        )
 
     # -- device bookkeeping -----------------------------------------------------------------
     @contextmanager
@@ -356,8 +406,14 @@ class ReplicaRenderer:
 
     def _cache_stats(self) -> dict[str, int]:
         s = self._cache.stats
-        return {"hits": s.hits, "misses": s.misses, "encodes": s.encodes, "evictions": s.evictions,
-                "entries": len(self._cache), "bytes": self._cache.nbytes}
+        return {
+            "hits": s.hits,
+            "misses": s.misses,
+            "encodes": s.encodes,
+            "evictions": s.evictions,
+            "entries": len(self._cache),
+            "bytes": self._cache.nbytes,
+        }
 
 
 @serve.deployment(name="SnapRefRenderer")

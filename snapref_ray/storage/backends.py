@@ -20,9 +20,10 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class S3Options:
     # restarts (or a node whose network blips) must not fail a long job.
     outage_tolerance_s: float = 120.0
 
-    def resolved(self) -> "S3Options":
+    def resolved(self) -> S3Options:
         """The options with endpoint and region filled from the environment where they were None."""
         env = os.environ
         return replace(
@@ -102,7 +103,10 @@ def _botocore_retries(response: object) -> int:
 
 def _check_key(key: str) -> str:
     if not key or key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in key.split("/")):
-        raise StorageError(f"invalid storage key {key!r}: expected a relative path like 'images/x.png' without '.', '..' or empty parts")
+        raise StorageError(
+            f"invalid storage key {key!r}: expected a relative path like 'images/x.png' without '.', '..' "
+            f"or empty parts"
+        )
     return key
 
 
@@ -255,8 +259,19 @@ def s3_client(opts: S3Options | None = None):
     return client
 
 
-_RETRYABLE_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "Throttling", "ThrottlingException",
-                    "RequestTimeout", "RequestTimeTooSkewed", "503", "500", "502", "504"}
+_RETRYABLE_CODES = {
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "503",
+    "500",
+    "502",
+    "504",
+}
 
 
 def _status(err) -> int:
@@ -269,7 +284,8 @@ def _code(err) -> str:
 
 def _is_transient(err: BaseException) -> bool:
     from boto3.exceptions import RetriesExceededError as Boto3RetriesExceeded
-    from botocore.exceptions import ClientError, ConnectionError as BotoConnectionError, HTTPClientError
+    from botocore.exceptions import ClientError, HTTPClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
     from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceeded
 
     # The RetriesExceeded errors are what download_file raises after its own retries of a broken stream.
@@ -290,7 +306,7 @@ class S3Storage:
     def __init__(self, uri: str, s3: S3Options | None = None):
         if not uri.startswith("s3://"):
             raise StorageError(f"not an s3:// URI: {uri!r}")
-        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        bucket, _, prefix = uri[len("s3://") :].partition("/")
         if not bucket:
             raise StorageError(f"no bucket in {uri!r}: expected s3://bucket[/prefix]")
         self.bucket = bucket
@@ -310,13 +326,15 @@ class S3Storage:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _call(self, what: str, where: str, fn: Callable[[], T]) -> T:
-        """Run `fn`, retrying transient failures (outages, 5xx) for up to outage_tolerance_s; `where` is the URI for messages."""
+        """Run `fn`, retrying transient failures (outages, 5xx) for up to outage_tolerance_s.
+
+        `where` is the URI, for messages."""
         deadline = None
         attempt = 0
         while True:
             try:
                 result = fn()
-            except Exception as e:  # noqa: BLE001 — classified below, re-raised when not transient
+            except Exception as e:
                 if not _is_transient(e):
                     raise
                 now = time.monotonic()
@@ -324,8 +342,9 @@ class S3Storage:
                 if now >= deadline:
                     raise StorageError(
                         f"{what} {where} failed for {self.options.outage_tolerance_s:g} s "
-                        f"(endpoint {self.options.resolved().endpoint_url or 'AWS'}): {e}") from e
-                delay = min(0.25 * 2 ** attempt, 5.0) * (0.5 + random.random() / 2)
+                        f"(endpoint {self.options.resolved().endpoint_url or 'AWS'}): {e}"
+                    ) from e
+                delay = min(0.25 * 2**attempt, 5.0) * (0.5 + random.random() / 2)
                 attempt += 1
                 log.warning("S3 %s %s: %s; retrying in %.1f s", what, where, e, delay)
                 time.sleep(min(delay, max(deadline - now, 0.0)))
@@ -344,8 +363,13 @@ class S3Storage:
 
         content_type = content_type or mimetypes.guess_type(key)[0] or "application/octet-stream"
         try:
-            self._call("PUT", self.uri_for(key), lambda: self.client.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=data, ContentType=content_type))
+            self._call(
+                "PUT",
+                self.uri_for(key),
+                lambda: self.client.put_object(
+                    Bucket=self.bucket, Key=self._key(key), Body=data, ContentType=content_type
+                ),
+            )
         except ClientError as e:
             raise self._client_error("PUT", key, e) from e
 
@@ -382,11 +406,16 @@ class S3Storage:
         from botocore.exceptions import ClientError
 
         try:
-            return self._call("GET", self.uri_for(key), lambda: self.client.get_object(
-                Bucket=self.bucket, Key=self._key(key))["Body"].read())
+            return self._call(
+                "GET",
+                self.uri_for(key),
+                lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read(),
+            )
         except ClientError as e:
             if _code(e) in ("NoSuchKey", "404") or _status(e) == 404:
-                raise StorageError(f"no object {key!r} in storage {self.uri} ({self.uri_for(key)} does not exist)") from None
+                raise StorageError(
+                    f"no object {key!r} in storage {self.uri} ({self.uri_for(key)} does not exist)"
+                ) from None
             raise self._client_error("GET", key, e) from e
 
     def head(self, key: str) -> dict | None:
@@ -394,7 +423,9 @@ class S3Storage:
         from botocore.exceptions import ClientError
 
         try:
-            return self._call("HEAD", self.uri_for(key), lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(key)))
+            return self._call(
+                "HEAD", self.uri_for(key), lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            )
         except ClientError as e:
             if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
                 return None
@@ -408,7 +439,11 @@ class S3Storage:
         from botocore.exceptions import ClientError
 
         try:
-            self._call("download", self.uri_for(key), lambda: self.client.download_file(self.bucket, self._key(key), os.fspath(dest)))
+            self._call(
+                "download",
+                self.uri_for(key),
+                lambda: self.client.download_file(self.bucket, self._key(key), os.fspath(dest)),
+            )
         except ClientError as e:
             raise self._client_error("download", key, e) from e
 
@@ -420,7 +455,7 @@ class S3Storage:
         def list_all() -> list[str]:
             keys = []
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root + prefix):
-                keys.extend(obj["Key"][len(root):] for obj in page.get("Contents", ()))
+                keys.extend(obj["Key"][len(root) :] for obj in page.get("Contents", ()))
             return keys
 
         try:
@@ -432,7 +467,9 @@ class S3Storage:
         from botocore.exceptions import ClientError
 
         try:
-            self._call("DELETE", self.uri_for(key), lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key)))
+            self._call(
+                "DELETE", self.uri_for(key), lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+            )
         except ClientError as e:
             raise self._client_error("DELETE", key, e) from e
 
@@ -452,7 +489,7 @@ def open_storage(uri: str, s3: S3Options | None = None) -> Storage:
 
 def split_s3_uri(uri: str) -> tuple[str, str]:
     """``s3://bucket/a/b.bin`` -> ("bucket", "a/b.bin"); StorageError if there is no key."""
-    bucket, _, key = uri[len("s3://"):].partition("/") if uri.startswith("s3://") else ("", "", "")
+    bucket, _, key = uri[len("s3://") :].partition("/") if uri.startswith("s3://") else ("", "", "")
     if not bucket or not key or key.endswith("/"):
         raise StorageError(f"expected an object URI s3://bucket/key, got {uri!r}")
     return bucket, key

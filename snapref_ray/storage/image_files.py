@@ -60,8 +60,9 @@ def a1111_parameters(prompt: str, negative: str, settings: dict, seed: int, extr
     if "width" in settings and "height" in settings:
         fields.append(("Size", f"{settings['width']}x{settings['height']}"))
     # Unset (None) settings say nothing: they took the adapter kind's default, which a resolved copy names.
-    fields += [(k.replace("_", " ").capitalize(), v) for k, v in settings.items()
-               if k not in _NOT_IN_LINE and v is not None]
+    fields += [
+        (k.replace("_", " ").capitalize(), v) for k, v in settings.items() if k not in _NOT_IN_LINE and v is not None
+    ]
     fields += list(extra.items())
     lines = [prompt]
     if negative:
@@ -79,10 +80,12 @@ def _xmp_packet(info_json: str) -> bytes:
         f"<snapref:info>{escape(info_json)}</snapref:info>"
         "</rdf:Description></rdf:RDF></x:xmpmeta>"
         '<?xpacket end="w"?>'
-    ).encode("utf-8")
+    ).encode()
 
 
-def encode_image(img: Image.Image, fmt: ImageFormat = "png", *, parameters: str = "", info: dict | None = None) -> bytes:
+def encode_image(
+    img: Image.Image, fmt: ImageFormat = "png", *, parameters: str = "", info: dict | None = None
+) -> bytes:
     """Encode `img` with the A1111 `parameters` text and the JSON `info` embedded (see the module doc)."""
     if fmt not in EXTENSIONS:
         raise ValueError(f"image format must be one of {sorted(EXTENSIONS)}, got {fmt!r}")
@@ -98,15 +101,29 @@ def encode_image(img: Image.Image, fmt: ImageFormat = "png", *, parameters: str 
     else:
         exif = Image.Exif()
         if parameters:
-            exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment] = _USER_COMMENT_UNICODE + parameters.encode("utf-16-be")
+            exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment] = _USER_COMMENT_UNICODE + parameters.encode(
+                "utf-16-be"
+            )
         rgb = img if img.mode in ("RGB", "L") or (fmt == "webp" and img.mode == "RGBA") else img.convert("RGB")
-        rgb.save(buf, "WEBP" if fmt == "webp" else "JPEG", quality=_LOSSY_QUALITY, exif=exif, xmp=_xmp_packet(info_json))
+        rgb.save(
+            buf, "WEBP" if fmt == "webp" else "JPEG", quality=_LOSSY_QUALITY, exif=exif, xmp=_xmp_packet(info_json)
+        )
     return buf.getvalue()
 
 
-def encode_rendered_image(image: Image.Image, *, prompt: str, seed: int, settings: dict, model: str,
-                          adapter: str | None, reference_hash: str | None = None, item_id: str | None = None,
-                          fmt: ImageFormat = "png", extra_info: dict | None = None) -> bytes:
+def encode_rendered_image(
+    image: Image.Image,
+    *,
+    prompt: str,
+    seed: int,
+    settings: dict,
+    model: str,
+    adapter: str | None,
+    reference_hash: str | None = None,
+    item_id: str | None = None,
+    fmt: ImageFormat = "png",
+    extra_info: dict | None = None,
+) -> bytes:
     """The one writer of rendered images: job outputs, Ray Data rows, Serve replies and `txt2img` files.
 
     `settings` is `RenderSettings.model_dump()`. The JSON record holds prompt, seed, settings,
@@ -154,7 +171,7 @@ def read_image_parameters(data: bytes) -> str:
         if not raw:
             return ""
         if raw.startswith(_USER_COMMENT_UNICODE):
-            return raw[len(_USER_COMMENT_UNICODE):].decode("utf-16-be")
+            return raw[len(_USER_COMMENT_UNICODE) :].decode("utf-16-be")
         return raw[8:].decode("utf-8", errors="replace")  # ASCII / undefined charset prefix
 
 

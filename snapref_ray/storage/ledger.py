@@ -25,9 +25,13 @@ class OutputConflictError(RuntimeError):
 
 def _canonical(spec_dict: dict) -> bytes:
     try:
-        return json.dumps(spec_dict, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        return json.dumps(
+            spec_dict, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode()
     except (TypeError, ValueError) as e:
-        raise TypeError(f"job fingerprint: the spec must be plain JSON data (str, numbers, bools, None, lists, dicts): {e}") from e
+        raise TypeError(
+            f"job fingerprint: the spec must be plain JSON data (str, numbers, bools, None, lists, dicts): {e}"
+        ) from e
 
 
 def job_fingerprint(spec_dict: dict) -> str:
@@ -53,14 +57,21 @@ def claim_output(storage: Storage, fingerprint: str, spec_dict: dict, *, append:
     and the new job's items join the same tables. An output with committed metadata but no
     ``job.json`` (written by something else) is treated as foreign the same way.
     """
-    record = {"format": JOB_FORMAT, "fingerprint": fingerprint, "spec": spec_dict, "claimed_at": time.time(), "appended": []}
+    record = {
+        "format": JOB_FORMAT,
+        "fingerprint": fingerprint,
+        "spec": spec_dict,
+        "claimed_at": time.time(),
+        "appended": [],
+    }
     body = json.dumps(record, indent=2, sort_keys=True).encode()
     if not storage.exists(JOB_KEY):
         has_rows = bool(storage.list(METADATA_PREFIX + "/"))
         if has_rows and not append:
             raise OutputConflictError(
                 f"output {storage.uri} already holds metadata parts but no {JOB_KEY}: it was not written by this job "
-                f"(fingerprint {fingerprint[:12]}). Choose another output, or pass append=True to add to it.")
+                f"(fingerprint {fingerprint[:12]}). Choose another output, or pass append=True to add to it."
+            )
         if storage.put_if_absent(JOB_KEY, body):
             return
     job = json.loads(storage.get_bytes(JOB_KEY))
@@ -69,8 +80,10 @@ def claim_output(storage: Storage, fingerprint: str, spec_dict: dict, *, append:
     if not append:
         raise OutputConflictError(
             f"output {storage.uri} belongs to another job: {storage.uri_for(JOB_KEY)} has fingerprint "
-            f"{job.get('fingerprint', '?')[:12]}, this job's is {fingerprint[:12]}. Re-run the original spec to resume, "
-            f"choose another output, or pass append=True to add this job's images to the same dataset.")
+            f"{job.get('fingerprint', '?')[:12]}, this job's is {fingerprint[:12]}. Re-run the original "
+            f"spec to resume, "
+            f"choose another output, or pass append=True to add this job's images to the same dataset."
+        )
     job.setdefault("appended", []).append({"fingerprint": fingerprint, "spec": spec_dict, "claimed_at": time.time()})
     storage.put_bytes(JOB_KEY, json.dumps(job, indent=2, sort_keys=True).encode(), content_type="application/json")
 

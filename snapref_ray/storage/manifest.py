@@ -43,7 +43,7 @@ def read_manifest(uri: str, s3=None) -> list[dict[str, Any]]:
     fmt = manifest_format(uri)
     try:
         data = read_uri(uri, s3)
-    except Exception as exc:  # noqa: BLE001 — any storage failure is "cannot read the manifest"
+    except Exception as exc:
         if isinstance(exc, FileNotFoundError) or (not _has_scheme(uri) and not os.path.exists(uri)):
             raise ManifestError(f"manifest {uri} not found") from exc
         raise ManifestError(f"cannot read manifest {uri}: {exc}") from exc
@@ -65,7 +65,8 @@ def manifest_format(uri: str) -> str:
     ext = posixpath.splitext(uri.split("?", 1)[0])[1].lower()
     if ext not in _FORMATS:
         raise ManifestError(
-            f"manifest {uri}: unknown extension {ext or '(none)'!r}; expected one of {', '.join(sorted(_FORMATS))}")
+            f"manifest {uri}: unknown extension {ext or '(none)'!r}; expected one of {', '.join(sorted(_FORMATS))}"
+        )
     return _FORMATS[ext]
 
 
@@ -135,7 +136,8 @@ def _read_csv(data: bytes, uri: str) -> list[dict[str, Any]]:
         if len(cells) > len(names):
             raise ManifestError(
                 f"manifest {uri}: row {len(records) + 1} (line {reader.line_num}) has {len(cells)} cells, "
-                f"the header has {len(names)} columns")
+                f"the header has {len(names)} columns"
+            )
         records.append(dict(zip(names, cells)))
     return records
 
@@ -151,7 +153,8 @@ def _read_jsonl(data: bytes, uri: str) -> list[dict[str, Any]]:
             raise ManifestError(f"manifest {uri}: line {line_number} is not valid JSON ({exc.msg})") from exc
         if not isinstance(record, dict):
             raise ManifestError(
-                f"manifest {uri}: line {line_number} is a JSON {type(record).__name__}, expected an object")
+                f"manifest {uri}: line {line_number} is a JSON {type(record).__name__}, expected an object"
+            )
         records.append(record)
     return records
 

@@ -24,9 +24,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
-from typing import Iterable
+from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -56,64 +56,75 @@ def reference_image_key(reference_hash: str) -> str:
     return f"references/{reference_hash}.jpg"
 
 
-METADATA_SCHEMA = pa.schema([
-    ("item_id", pa.string()),
-    ("manifest_row", pa.int64()),
-    ("reference_uris", pa.list_(pa.string())),
-    ("reference_hash", pa.string()),
-    ("reference_image_key", pa.string()),
-    ("prompt", pa.string()),
-    ("negative_prompt", pa.string()),
-    ("seed", pa.int64()),
-    ("width", pa.int32()),
-    ("height", pa.int32()),
-    ("steps", pa.int32()),
-    ("cfg", pa.float32()),
-    ("sampler", pa.string()),
-    ("scheduler", pa.string()),
-    ("mode", pa.string()),
-    ("ref_weight", pa.float32()),
-    ("ref_guidance", pa.float32()),
-    ("ref_in_uncond", pa.bool_()),
-    ("correction", pa.string()),
-    ("ref_start", pa.float32()),
-    ("ref_end", pa.float32()),
-    ("ref_caption", pa.string()),
-    ("settings_json", pa.string()),
-    ("image_key", pa.string()),
-    ("image_uri", pa.string()),
-    ("thumb_key", pa.string()),
-    ("image_format", pa.string()),
-    ("adapter", pa.string()),
-    ("model", pa.string()),
-    ("worker_id", pa.string()),
-    ("node_id", pa.string()),
-    ("encode_s", pa.float32()),
-    ("sample_s", pa.float32()),
-    ("decode_s", pa.float32()),
-    ("upload_s", pa.float32()),
-    ("forward_batch", pa.int32()),  # images in the forward that rendered this one (the batch the worker chose)
-    ("attempt", pa.int32()),
-    ("started_at", pa.float64()),
-    ("finished_at", pa.float64()),
-])
+METADATA_SCHEMA = pa.schema(
+    [
+        ("item_id", pa.string()),
+        ("manifest_row", pa.int64()),
+        ("reference_uris", pa.list_(pa.string())),
+        ("reference_hash", pa.string()),
+        ("reference_image_key", pa.string()),
+        ("prompt", pa.string()),
+        ("negative_prompt", pa.string()),
+        ("seed", pa.int64()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("steps", pa.int32()),
+        ("cfg", pa.float32()),
+        ("sampler", pa.string()),
+        ("scheduler", pa.string()),
+        ("mode", pa.string()),
+        ("ref_weight", pa.float32()),
+        ("ref_guidance", pa.float32()),
+        ("ref_in_uncond", pa.bool_()),
+        ("correction", pa.string()),
+        ("ref_start", pa.float32()),
+        ("ref_end", pa.float32()),
+        ("ref_caption", pa.string()),
+        ("settings_json", pa.string()),
+        ("image_key", pa.string()),
+        ("image_uri", pa.string()),
+        ("thumb_key", pa.string()),
+        ("image_format", pa.string()),
+        ("adapter", pa.string()),
+        ("model", pa.string()),
+        ("worker_id", pa.string()),
+        ("node_id", pa.string()),
+        ("encode_s", pa.float32()),
+        ("sample_s", pa.float32()),
+        ("decode_s", pa.float32()),
+        ("upload_s", pa.float32()),
+        ("forward_batch", pa.int32()),  # images in the forward that rendered this one (the batch the worker chose)
+        ("attempt", pa.int32()),
+        ("started_at", pa.float64()),
+        ("finished_at", pa.float64()),
+    ]
+)
 
-ERRORS_SCHEMA = pa.schema([
-    pa.field("item_id", pa.string(), nullable=True),  # null where the row was too broken to get an id
-    pa.field("manifest_row", pa.int64(), nullable=True),
-    ("error", pa.string()),
-    ("stage", pa.string()),  # one of ERROR_STAGES
-    ("attempt", pa.int32()),
-    ("at", pa.float64()),
-])
+ERRORS_SCHEMA = pa.schema(
+    [
+        pa.field("item_id", pa.string(), nullable=True),  # null where the row was too broken to get an id
+        pa.field("manifest_row", pa.int64(), nullable=True),
+        ("error", pa.string()),
+        ("stage", pa.string()),  # one of ERROR_STAGES
+        ("attempt", pa.int32()),
+        ("at", pa.float64()),
+    ]
+)
 
 IMAGE_COLUMN = "image"
 IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 
 # Hugging Face `datasets` dtype names of the plain Arrow types used here; list columns are left out
 # of the features entry (datasets infers them from Arrow, and their feature spelling differs by version).
-_HF_DTYPES = {pa.string(): "string", pa.int64(): "int64", pa.int32(): "int32", pa.float32(): "float32",
-              pa.float64(): "float64", pa.bool_(): "bool", pa.binary(): "binary"}
+_HF_DTYPES = {
+    pa.string(): "string",
+    pa.int64(): "int64",
+    pa.int32(): "int32",
+    pa.float32(): "float32",
+    pa.float64(): "float64",
+    pa.bool_(): "bool",
+    pa.binary(): "binary",
+}
 
 
 def with_image_column(schema: pa.Schema) -> pa.Schema:
@@ -130,7 +141,7 @@ def with_image_column(schema: pa.Schema) -> pa.Schema:
 def _part_key(prefix: str) -> str:
     # UTC time first: names sort in commit order (what "keep the first committed row" relies on);
     # the uuid keeps concurrent writers (several drivers, append mode) from colliding.
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
     return f"{prefix}/part-{stamp}-{uuid.uuid4().hex}.parquet"
 
 
@@ -169,7 +180,9 @@ class _PartWriter:
         missing, unknown = names - row.keys(), row.keys() - names
         if missing or unknown:
             raise ValueError(
-                f"{self.prefix} row {row.get('item_id')!r}: missing columns {sorted(missing)}, unknown columns {sorted(unknown)}")
+                f"{self.prefix} row {row.get('item_id')!r}: missing columns {sorted(missing)}, unknown "
+                f"columns {sorted(unknown)}"
+            )
 
     def _append(self, row: dict) -> bool:
         """Buffer `row`; True when the buffer is full and should be flushed."""
@@ -193,7 +206,7 @@ class _PartWriter:
         while not self._stop.wait(self.flush_seconds):
             try:
                 self.flush()
-            except Exception:  # noqa: BLE001 — rows stay buffered; the next tick or close() retries
+            except Exception:
                 log.exception("periodic flush of %s failed; will retry", self.storage.uri_for(self.prefix))
 
     def flush(self) -> None:
@@ -244,11 +257,24 @@ class MetadataWriter(_PartWriter):
     yields PIL images; parts then hold flush_rows images in memory, so lower flush_rows for large images.
     """
 
-    def __init__(self, storage: Storage, *, prefix: str = METADATA_PREFIX, schema: pa.Schema = METADATA_SCHEMA,
-                 flush_rows: int = 256, flush_seconds: float = 30.0, embed_images: bool = False):
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prefix: str = METADATA_PREFIX,
+        schema: pa.Schema = METADATA_SCHEMA,
+        flush_rows: int = 256,
+        flush_seconds: float = 30.0,
+        embed_images: bool = False,
+    ):
         self.embed_images = embed_images
-        super().__init__(storage, prefix=prefix, schema=with_image_column(schema) if embed_images else schema,
-                         flush_rows=flush_rows, flush_seconds=flush_seconds)
+        super().__init__(
+            storage,
+            prefix=prefix,
+            schema=with_image_column(schema) if embed_images else schema,
+            flush_rows=flush_rows,
+            flush_seconds=flush_seconds,
+        )
         self._seen: set[str] = set()
 
     def add(self, row: dict, image_bytes: bytes | None = None) -> bool:
@@ -256,7 +282,9 @@ class MetadataWriter(_PartWriter):
         row = dict(row)
         if self.embed_images:
             if image_bytes is None:
-                raise ValueError(f"metadata row {row.get('item_id')!r}: embed_images is on but no image bytes were given")
+                raise ValueError(
+                    f"metadata row {row.get('item_id')!r}: embed_images is on but no image bytes were given"
+                )
             row[IMAGE_COLUMN] = {"bytes": image_bytes, "path": str(row.get("image_key", "")).rsplit("/", 1)[-1]}
         self._check_row(row)
         with self._lock:
@@ -277,25 +305,49 @@ class MetadataWriter(_PartWriter):
 class ErrorWriter(_PartWriter):
     """Records failures (ERRORS_SCHEMA) in ``errors/part-*.parquet``; same buffering as MetadataWriter."""
 
-    def __init__(self, storage: Storage, *, prefix: str = ERRORS_PREFIX, schema: pa.Schema = ERRORS_SCHEMA,
-                 flush_rows: int = 256, flush_seconds: float = 30.0):
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prefix: str = ERRORS_PREFIX,
+        schema: pa.Schema = ERRORS_SCHEMA,
+        flush_rows: int = 256,
+        flush_seconds: float = 30.0,
+    ):
         super().__init__(storage, prefix=prefix, schema=schema, flush_rows=flush_rows, flush_seconds=flush_seconds)
 
     def add(self, row: dict) -> None:
         """Queue one error row (all ERRORS_SCHEMA columns)."""
         if row.get("stage") not in ERROR_STAGES:
-            raise ValueError(f"error row {row.get('item_id')!r}: stage must be one of {ERROR_STAGES}, got {row.get('stage')!r}")
+            raise ValueError(
+                f"error row {row.get('item_id')!r}: stage must be one of {ERROR_STAGES}, got {row.get('stage')!r}"
+            )
         self._check_row(row)
         if self._append(dict(row)):
             self.flush()
 
-    def record(self, error: str | BaseException, stage: str, *, item_id: str | None = None,
-               manifest_row: int | None = None, attempt: int = 1) -> None:
+    def record(
+        self,
+        error: str | BaseException,
+        stage: str,
+        *,
+        item_id: str | None = None,
+        manifest_row: int | None = None,
+        attempt: int = 1,
+    ) -> None:
         """Shorthand for add(): an exception is recorded as ``TypeName: message``."""
         if isinstance(error, BaseException):
             error = f"{type(error).__name__}: {error}"
-        self.add({"item_id": item_id, "manifest_row": manifest_row, "error": error, "stage": stage,
-                  "attempt": attempt, "at": time.time()})
+        self.add(
+            {
+                "item_id": item_id,
+                "manifest_row": manifest_row,
+                "error": error,
+                "stage": stage,
+                "attempt": attempt,
+                "at": time.time(),
+            }
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,7 +416,9 @@ def read_errors_table(storage: Storage, exclude_ids: set[str] | None = None) -> 
 
 def write_summary(storage: Storage, summary: dict) -> None:
     """Write ``summary.json`` (replacing any earlier one: a resumed job rewrites it at its end)."""
-    storage.put_bytes(SUMMARY_KEY, json.dumps(summary, indent=2, sort_keys=True).encode(), content_type="application/json")
+    storage.put_bytes(
+        SUMMARY_KEY, json.dumps(summary, indent=2, sort_keys=True).encode(), content_type="application/json"
+    )
 
 
 def read_summary(storage: Storage) -> dict | None:

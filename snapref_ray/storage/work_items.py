@@ -23,9 +23,10 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -112,8 +113,10 @@ class JobValidationError(ValueError):
         self.errors = errors
         shown = "\n  ".join(str(error) for error in errors[:50])
         more = f"\n  ... and {len(errors) - 50} more" if len(errors) > 50 else ""
-        super().__init__(f"manifest {manifest}: {len(errors)} invalid row(s) and the job is strict; "
-                         f"nothing was rendered:\n  {shown}{more}")
+        super().__init__(
+            f"manifest {manifest}: {len(errors)} invalid row(s) and the job is strict; "
+            f"nothing was rendered:\n  {shown}{more}"
+        )
 
 
 def combined_reference_hash(layout: str, member_hashes: Iterable[str]) -> str:
@@ -121,15 +124,20 @@ def combined_reference_hash(layout: str, member_hashes: Iterable[str]) -> str:
     return hashlib.sha256("\n".join([layout, *member_hashes]).encode()).hexdigest()
 
 
-def item_id_for(explicit_id: str | None, image_index: int, reference_hash: str, prompt: str, seed: int,
-                settings: RenderSettings) -> str:
+def item_id_for(
+    explicit_id: str | None, image_index: int, reference_hash: str, prompt: str, seed: int, settings: RenderSettings
+) -> str:
     """Stable item id: "<id>-<image index>" for rows with an id, else a hash of what makes the image."""
     if explicit_id is not None:
         return f"{explicit_id}-{image_index}"
     # Unset (None) settings are left out, so adding an optional setting keeps existing ids.
     chosen = {k: v for k, v in settings.model_dump(mode="json").items() if v is not None}
-    canonical = json.dumps({"reference": reference_hash, "prompt": prompt, "seed": seed, "settings": chosen},
-                           sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = json.dumps(
+        {"reference": reference_hash, "prompt": prompt, "seed": seed, "settings": chosen},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
@@ -139,8 +147,13 @@ def load_work_items(spec: JobSpec, s3: S3Options | None = None) -> ValidatedJob:
     return build_work_items(spec, read_manifest(spec.manifest, s3), s3=s3)
 
 
-def build_work_items(spec: JobSpec, rows: Iterable[dict[str, Any]], *, s3: S3Options | None = None,
-                     read_reference: Callable[[str], bytes] | None = None) -> ValidatedJob:
+def build_work_items(
+    spec: JobSpec,
+    rows: Iterable[dict[str, Any]],
+    *,
+    s3: S3Options | None = None,
+    read_reference: Callable[[str], bytes] | None = None,
+) -> ValidatedJob:
     """Validate manifest rows and expand them into work items.
 
     `rows` as `read_manifest` gives them (row number under `ROW_KEY`; without it the position
@@ -175,23 +188,35 @@ def build_work_items(spec: JobSpec, rows: Iterable[dict[str, Any]], *, s3: S3Opt
 
     owner: dict[str, int] = {}  # item id -> manifest row that claimed it first
     for row in parsed:
-        failures = [(column, checked[uri]) for column, uri in zip(row.reference_fields, row.reference.uris)
-                    if isinstance(checked[uri], str)]
+        failures = [
+            (column, checked[uri])
+            for column, uri in zip(row.reference_fields, row.reference.uris)
+            if isinstance(checked[uri], str)
+        ]
         if failures:
             errors.extend(RowError(row.number, None, column, message) for column, message in failures)
             continue
         member_hashes = [job.reference_hashes[uri] for uri in row.reference.uris]
-        reference_hash = (member_hashes[0] if row.reference.layout == "single"
-                          else combined_reference_hash(row.reference.layout, member_hashes))
+        reference_hash = (
+            member_hashes[0]
+            if row.reference.layout == "single"
+            else combined_reference_hash(row.reference.layout, member_hashes)
+        )
         for image_index, seed in enumerate(row.seeds):
             item_id = item_id_for(row.explicit_id, image_index, reference_hash, row.prompt, seed, row.settings)
             if item_id in owner:
-                errors.append(RowError(row.number, item_id, "id" if row.explicit_id else None,
-                                       f"duplicate of row {owner[item_id]}"))
+                errors.append(
+                    RowError(
+                        row.number, item_id, "id" if row.explicit_id else None, f"duplicate of row {owner[item_id]}"
+                    )
+                )
                 continue
             owner[item_id] = row.number
-            job.items.append(WorkItem(item_id, row.number, row.reference, reference_hash, row.prompt, seed,
-                                      row.settings, image_index))
+            job.items.append(
+                WorkItem(
+                    item_id, row.number, row.reference, reference_hash, row.prompt, seed, row.settings, image_index
+                )
+            )
 
     first_use: dict[str, int] = {}
     for item in job.items:
@@ -218,9 +243,9 @@ class _Row:
     settings: RenderSettings
 
 
-def _parse_row(row: dict[str, Any], number: int, spec: JobSpec, base: str,
-               errors: list[RowError]) -> _Row | None:
+def _parse_row(row: dict[str, Any], number: int, spec: JobSpec, base: str, errors: list[RowError]) -> _Row | None:
     """Check every field of a row, appending one RowError per problem; None when any failed."""
+
     def fail(column: str | None, message: str) -> None:
         errors.append(RowError(number, None, column, message))
 
@@ -228,8 +253,11 @@ def _parse_row(row: dict[str, Any], number: int, spec: JobSpec, base: str,
         if column != ROW_KEY and column not in ALLOWED_COLUMNS:
             close = difflib.get_close_matches(column, sorted(ALLOWED_COLUMNS), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            fail(column, f"unknown column {column!r}{hint}; allowed: reference | references | left + right, prompt, "
-                         "id, seed | seeds | images_per_prompt, and any RenderSettings field")
+            fail(
+                column,
+                f"unknown column {column!r}{hint}; allowed: reference | references | left + right, prompt, "
+                "id, seed | seeds | images_per_prompt, and any RenderSettings field",
+            )
     reference, reference_fields = _parse_reference(row, base, fail)
     prompt = _parse_prompt(row, spec.allow_empty_prompt, fail)
     explicit_id = _parse_id(row, fail)
@@ -254,8 +282,11 @@ def _parse_reference(row, base, fail) -> tuple[ReferenceSpec | None, tuple[str, 
     elif forms[0] == "references":
         paths = _split_list(row["references"])
         if paths is None or not paths:
-            fail("references", f"expected a list of reference paths (a list, a JSON list or 'a.png|b.png'), "
-                               f"got {_short(row['references'])}")
+            fail(
+                "references",
+                f"expected a list of reference paths (a list, a JSON list or 'a.png|b.png'), "
+                f"got {_short(row['references'])}",
+            )
             return None, ()
         columns, layout = ("references",) * len(paths), ("single" if len(paths) == 1 else "multi")
     else:
@@ -337,8 +368,10 @@ def _parse_seeds(value, fail) -> list[int] | None:
             break
         seeds.append(item)
     if not seeds:
-        fail("seeds", f"expected a non-empty list of seeds in [0, 2**63) (a list, a JSON list or '1|2|3'), "
-                      f"got {_short(value)}")
+        fail(
+            "seeds",
+            f"expected a non-empty list of seeds in [0, 2**63) (a list, a JSON list or '1|2|3'), got {_short(value)}",
+        )
         return None
     return seeds
 
@@ -395,7 +428,7 @@ def _check_references(uris: list[str], read_reference: Callable[[str], bytes]) -
 def _check_reference(uri: str, read_reference: Callable[[str], bytes]) -> _Image | str:
     try:
         data = read_reference(uri)
-    except Exception as exc:  # noqa: BLE001 — recorded as the row's error; the job carries on
+    except Exception as exc:
         if isinstance(exc, FileNotFoundError) or ("://" not in uri and not os.path.exists(uri)):
             return f"reference file not found: {uri}"
         return f"cannot read reference {uri}: {exc}"

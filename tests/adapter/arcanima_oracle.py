@@ -50,7 +50,7 @@ def patchify(x_BCTHW: torch.Tensor) -> torch.Tensor:
     out = torch.empty(B, T, H // 2, W // 2, (C + 1) * 4, dtype=x.dtype)
     for m in range(2):
         for n in range(2):
-            out[..., m * 2 + n::4] = x[:, :, :, m::2, n::2].permute(0, 2, 3, 4, 1)
+            out[..., m * 2 + n :: 4] = x[:, :, :, m::2, n::2].permute(0, 2, 3, 4, 1)
     return out.reshape(B, -1, (C + 1) * 4)
 
 
@@ -61,7 +61,7 @@ def unpatchify(y: torch.Tensor, T: int, Hp: int, Wp: int, C: int) -> torch.Tenso
     out = torch.empty(B, C, T, 2 * Hp, 2 * Wp, dtype=y.dtype)
     for p1 in range(2):
         for p2 in range(2):
-            out[:, :, :, p1::2, p2::2] = y[..., p1 * 2 * C + p2 * C: p1 * 2 * C + (p2 + 1) * C].permute(0, 4, 1, 2, 3)
+            out[:, :, :, p1::2, p2::2] = y[..., p1 * 2 * C + p2 * C : p1 * 2 * C + (p2 + 1) * C].permute(0, 4, 1, 2, 3)
     return out
 
 
@@ -83,7 +83,7 @@ def rope_angles(positions: list[tuple[int, int, int]], head_dim: int) -> torch.T
         theta = 10000.0 * ratio ** (d / (d - 2))
         freqs.append(torch.tensor([theta ** (-2 * k / d) for k in range(d // 2)], dtype=F64))
     pos = torch.tensor(positions, dtype=F64)  # [L, 3]
-    return torch.cat([pos[:, a:a + 1] * freqs[a][None] for a in range(3)], dim=1)
+    return torch.cat([pos[:, a : a + 1] * freqs[a][None] for a in range(3)], dim=1)
 
 
 def rotate(x_HLD: torch.Tensor, angles_LP: torch.Tensor) -> torch.Tensor:
@@ -159,18 +159,27 @@ class Oracle:
             q = rotate(rms(self.heads_of(q), self.w[f"{p}.self_attn.q_norm.weight"]), angles)
             k = rotate(rms(self.heads_of(k), self.w[f"{p}.self_attn.k_norm.weight"]), angles)
             o = self.attend(q, k, self.heads_of(v), mask)
-            x = x + torch.cat([self.mod(f"{p}.adaln_modulation_self_attn", g["t"], 3)[2]
-                               * self.lin(f"{p}.self_attn.output_proj", o[g["slice"]], g["lora"]) for g in groups])
+            x = x + torch.cat(
+                [
+                    self.mod(f"{p}.adaln_modulation_self_attn", g["t"], 3)[2]
+                    * self.lin(f"{p}.self_attn.output_proj", o[g["slice"]], g["lora"])
+                    for g in groups
+                ]
+            )
 
             def cross(xg, g):
                 if not g["cross"]:
                     return torch.zeros_like(xg)
                 shift, scale, gate = self.mod(f"{p}.adaln_modulation_cross_attn", g["t"], 3)
                 hg = layer_norm(xg) * (1 + scale) + shift
-                qc = rms(self.heads_of(self.lin(f"{p}.cross_attn.q_proj", hg, g["lora"])),
-                         self.w[f"{p}.cross_attn.q_norm.weight"])
-                kc = rms(self.heads_of(self.lin(f"{p}.cross_attn.k_proj", context, g["lora"])),
-                         self.w[f"{p}.cross_attn.k_norm.weight"])
+                qc = rms(
+                    self.heads_of(self.lin(f"{p}.cross_attn.q_proj", hg, g["lora"])),
+                    self.w[f"{p}.cross_attn.q_norm.weight"],
+                )
+                kc = rms(
+                    self.heads_of(self.lin(f"{p}.cross_attn.k_proj", context, g["lora"])),
+                    self.w[f"{p}.cross_attn.k_norm.weight"],
+                )
                 vc = self.heads_of(self.lin(f"{p}.cross_attn.v_proj", context, g["lora"]))
                 return gate * self.lin(f"{p}.cross_attn.output_proj", self.attend(qc, kc, vc, None), g["lora"])
 
@@ -190,8 +199,15 @@ class Oracle:
         return self.lin("final_layer.linear", layer_norm(x_LD) * (1 + scale) + shift)
 
     # -- entry points ---------------------------------------------------------------------------
-    def joint_v2_velocity(self, x_B: torch.Tensor, sigma: float, contexts: list[torch.Tensor], reads: list[bool],
-                          ref_latent: torch.Tensor, strength: float) -> torch.Tensor:
+    def joint_v2_velocity(
+        self,
+        x_B: torch.Tensor,
+        sigma: float,
+        contexts: list[torch.Tensor],
+        reads: list[bool],
+        ref_latent: torch.Tensor,
+        strength: float,
+    ) -> torch.Tensor:
         """x_B [B, 16, 1, H, W]; ref_latent [1, 16, h, w]; contexts[b] [S, C]. Returns v [B, 16, 1, H, W]."""
         B, C, _, H, W = x_B.shape
         Hp, Wp = H // 2, W // 2
@@ -209,8 +225,10 @@ class Oracle:
                 mask = torch.zeros(Lt + Lr, Lt + Lr, dtype=torch.bool)
                 mask[:Lt, :] = True  # target queries: target + reference keys
                 mask[Lt:, Lt:] = True  # reference queries: reference keys only
-                groups = [dict(slice=slice(0, Lt), t=t_target, lora=strength, cross=True, angles=angles_t),
-                          dict(slice=slice(Lt, Lt + Lr), t=t_ref, lora=0.0, cross=False, angles=angles_r)]
+                groups = [
+                    dict(slice=slice(0, Lt), t=t_target, lora=strength, cross=True, angles=angles_t),
+                    dict(slice=slice(Lt, Lt + Lr), t=t_ref, lora=0.0, cross=False, angles=angles_r),
+                ]
                 x = self.run(torch.cat([target_tokens[b], ref_tokens[0]]), groups, ctx, mask)[:Lt]
             else:
                 groups = [dict(slice=slice(0, Lt), t=t_target, lora=0.0, cross=True, angles=angles_t)]
@@ -218,14 +236,22 @@ class Oracle:
             out.append(unpatchify(self.final(x, t_target)[None], 1, Hp, Wp, C)[0])
         return torch.stack(out)
 
-    def frames_velocity(self, x_BCTHW: torch.Tensor, sigma: float, context: torch.Tensor,
-                        lora_mult: float) -> torch.Tensor:
+    def frames_velocity(
+        self, x_BCTHW: torch.Tensor, sigma: float, context: torch.Tensor, lora_mult: float
+    ) -> torch.Tensor:
         """A plain forward of one row [1, 16, T, H, W] with every token using the LoRA x lora_mult."""
         _, C, T, H, W = x_BCTHW.shape
         Hp, Wp = H // 2, W // 2
         tokens = patchify(x_BCTHW.to(F64))[0] @ self.w["x_embedder.proj.1.weight"].T
         t = self.time(sigma)
-        groups = [dict(slice=slice(0, tokens.shape[0]), t=t, lora=lora_mult, cross=True,
-                       angles=rope_angles(grid_positions(T, Hp, Wp), self.head_dim))]
+        groups = [
+            dict(
+                slice=slice(0, tokens.shape[0]),
+                t=t,
+                lora=lora_mult,
+                cross=True,
+                angles=rope_angles(grid_positions(T, Hp, Wp), self.head_dim),
+            )
+        ]
         x = self.run(tokens, groups, context.to(F64), None)
         return unpatchify(self.final(x, t)[None], T, Hp, Wp, C)

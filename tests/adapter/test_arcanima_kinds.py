@@ -64,16 +64,19 @@ def files(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("name, kind, how", [
-    ("snapref", "snapref", "metadata"),
-    ("arcanima-v2", "arcanima-v2", "metadata"),
-    ("arcanima-pilot", "arcanima-pilot", "metadata"),
-    ("v2_peft", "arcanima-v2", "tensor signature"),
-    ("pilot_kohya", "arcanima-pilot", "tensor signature"),
-    ("style", "lora", "tensor signature"),
-    ("dit", "unusable", "not an adapter"),
-    ("junk", "unusable", "not an adapter"),
-])
+@pytest.mark.parametrize(
+    "name, kind, how",
+    [
+        ("snapref", "snapref", "metadata"),
+        ("arcanima-v2", "arcanima-v2", "metadata"),
+        ("arcanima-pilot", "arcanima-pilot", "metadata"),
+        ("v2_peft", "arcanima-v2", "tensor signature"),
+        ("pilot_kohya", "arcanima-pilot", "tensor signature"),
+        ("style", "lora", "tensor signature"),
+        ("dit", "unusable", "not an adapter"),
+        ("junk", "unusable", "not an adapter"),
+    ],
+)
 def test_inspect_names_each_kind(files, name, kind, how, capsys):
     info = inspect_file(files[name])
     assert (info["kind"], info["detected_by"]) == (kind, how)
@@ -122,8 +125,25 @@ def test_kinds_never_cross(files):
 
 
 def test_lora_flag_refuses_a_reference_adapter(files, tmp_path, capsys):
-    rc = main(["txt2img", "--models", str(files["models"]), "--prompt", "x", "--out", str(tmp_path / "o.png"),
-               "--lora", str(files["arcanima-pilot"]), "--steps", "1", "--width", "256", "--height", "256"])
+    rc = main(
+        [
+            "txt2img",
+            "--models",
+            str(files["models"]),
+            "--prompt",
+            "x",
+            "--out",
+            str(tmp_path / "o.png"),
+            "--lora",
+            str(files["arcanima-pilot"]),
+            "--steps",
+            "1",
+            "--width",
+            "256",
+            "--height",
+            "256",
+        ]
+    )
     assert rc == 2 and "pass it with --adapter" in capsys.readouterr().err
 
 
@@ -148,13 +168,19 @@ def test_block_layouts(tmp_path, files):
 def test_convert_renames_tensors_and_stamps_the_kind(files, tmp_path, capsys):
     src = tmp_path / "odd.safetensors"
     adapter = make_arcanima("arcanima-pilot", num_blocks=2, model_channels=W, context_dim=W, mlp_hidden=4 * W)
-    sd = {f"ref_adapter.blocks.{i}.{lin}.{part}": getattr(p, part).contiguous()
-          for i, b in enumerate(adapter.loras) for lin, p in b.items() for part in ("down", "up")}
+    sd = {
+        f"ref_adapter.blocks.{i}.{lin}.{part}": getattr(p, part).contiguous()
+        for i, b in enumerate(adapter.loras)
+        for lin, p in b.items()
+        for part in ("down", "up")
+    }
     save_file(sd, str(src))
     assert inspect_file(src)["kind"] == "unusable"
     mapping = tmp_path / "map.yaml"
-    mapping.write_text('rename:\n  - ["^ref_adapter\\\\.", "diffusion_model."]\n'
-                       '  - ["\\\\.(down|up)$", ".lora_\\\\1.weight"]\nkind: arcanima-pilot\n')
+    mapping.write_text(
+        'rename:\n  - ["^ref_adapter\\\\.", "diffusion_model."]\n'
+        '  - ["\\\\.(down|up)$", ".lora_\\\\1.weight"]\nkind: arcanima-pilot\n'
+    )
     out = tmp_path / "fixed.safetensors"
     assert main(["adapter", "convert", str(src), str(out), "--map", str(mapping)]) == 0
     assert "arcanima-pilot" in capsys.readouterr().out
@@ -171,6 +197,7 @@ def test_make_tiny_writes_each_kind(tmp_path, kind):
 
 
 # -- settings per kind ---------------------------------------------------------------------------
+
 
 def test_text_cfg_default_is_4_5():
     assert RenderSettings().cfg == 4.5
@@ -201,11 +228,17 @@ def test_strength_and_fidelity_per_kind():
         resolve_settings(RenderSettings(strength=0.5, ref_weight=0.8), "snapref")
 
 
-@pytest.mark.parametrize("field, value, kind", [
-    ("mode", "char", "arcanima-v2"), ("ref_caption", "1girl", "arcanima-v2"), ("ref_weight", 0.5, "arcanima-pilot"),
-    ("ref_megapixels", 0.5, "arcanima-pilot"), ("recompute_reference_every_step", True, "arcanima-v2"),
-    ("ref_outside", "no_reference", "snapref"),
-])
+@pytest.mark.parametrize(
+    "field, value, kind",
+    [
+        ("mode", "char", "arcanima-v2"),
+        ("ref_caption", "1girl", "arcanima-v2"),
+        ("ref_weight", 0.5, "arcanima-pilot"),
+        ("ref_megapixels", 0.5, "arcanima-pilot"),
+        ("recompute_reference_every_step", True, "arcanima-v2"),
+        ("ref_outside", "no_reference", "snapref"),
+    ],
+)
 def test_settings_that_do_not_apply_are_refused_by_name(field, value, kind):
     with pytest.raises(SettingsError) as e:
         resolve_settings(RenderSettings(**{field: value}), kind)
@@ -215,8 +248,10 @@ def test_settings_that_do_not_apply_are_refused_by_name(field, value, kind):
 def test_renderer_refuses_a_misfit_setting(files):
     v2 = Renderer.from_folder(files["models"], adapter=files["arcanima-v2"], device="cpu")
     with pytest.raises(RenderError, match="mode='char' does not apply to arcanima-v2 adapters"):
-        v2.render(RenderRequest(prompt="x", settings=RenderSettings(mode="char", **SMALL)),
-                  references=[(files["models"] / "reference.png").read_bytes()])
+        v2.render(
+            RenderRequest(prompt="x", settings=RenderSettings(mode="char", **SMALL)),
+            references=[(files["models"] / "reference.png").read_bytes()],
+        )
 
 
 def test_arcanima_guidance_rows_and_the_outside_option():

@@ -54,8 +54,9 @@ def contexts(seed: int) -> list[torch.Tensor]:
 
 def velocity(renderer, x, sigma, ctx, refkv, reads, strength) -> torch.Tensor:
     plan = StepPlan((Row.COND, Row.UNCOND), tuple(reads), False)
-    d = renderer.denoise_rows(x, sigma, plan, {Row.COND: [ctx[0]], Row.UNCOND: [ctx[1]]}, refkv, None, None,
-                              strength=strength)
+    d = renderer.denoise_rows(
+        x, sigma, plan, {Row.COND: [ctx[0]], Row.UNCOND: [ctx[1]]}, refkv, None, None, strength=strength
+    )
     return torch.cat([(x - d[Row.COND]) / sigma, (x - d[Row.UNCOND]) / sigma])
 
 
@@ -74,11 +75,17 @@ def test_v2_cached_read_equals_uncached_joint_attention(tiny_arc, renderers, str
     for i in range(len(sigmas) - 1):
         sigma = sigmas[i]
         v_prod = velocity(renderer, x, sigma, ctx, refkv, (True, False), strength)
-        v_oracle = oracle.joint_v2_velocity(torch.cat([x, x]), float(sigma), [c[0] for c in ctx], [True, False],
-                                            ref_latent, strength)
+        v_oracle = oracle.joint_v2_velocity(
+            torch.cat([x, x]), float(sigma), [c[0] for c in ctx], [True, False], ref_latent, strength
+        )
         scale = v_oracle.abs().max().item()
-        torch.testing.assert_close(v_prod.double(), v_oracle, rtol=0, atol=2e-5 * max(scale, 1.0),
-                                   msg=lambda m: f"step {i} (sigma {float(sigma):.4f}), strength {strength}: {m}")
+        torch.testing.assert_close(
+            v_prod.double(),
+            v_oracle,
+            rtol=0,
+            atol=2e-5 * max(scale, 1.0),
+            msg=lambda m: f"step {i} (sigma {float(sigma):.4f}), strength {strength}: {m}",
+        )
         # The read must matter, or the comparison would pass without it.
         no_ref = oracle.joint_v2_velocity(x, float(sigma), [ctx[0][0]], [False], ref_latent, strength)
         assert (v_oracle[:1] - no_ref).abs().max() > 1e-3 * scale

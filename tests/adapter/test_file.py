@@ -14,8 +14,19 @@ import torch
 from safetensors.torch import save_file
 
 from snapref_ray.adapter import (
-    FORMAT, REF_LINEARS, TARGET_LINEARS, AdapterError, AdapterMeta, adapter_identity, check_adapter_file,
-    estimate_file_size, format_inspection, inspect_adapter, load_adapter, make_adapter, save_adapter,
+    FORMAT,
+    REF_LINEARS,
+    TARGET_LINEARS,
+    AdapterError,
+    AdapterMeta,
+    adapter_identity,
+    check_adapter_file,
+    estimate_file_size,
+    format_inspection,
+    inspect_adapter,
+    load_adapter,
+    make_adapter,
+    save_adapter,
 )
 from snapref_ray.adapter import file as adapter_file
 from snapref_ray.adapter.file import adapter_state_dict, lora_key, quantize_fp8_rowwise
@@ -79,7 +90,7 @@ def test_round_trip_exact_formats(tiny, tmp_path, weight_format):
 def test_round_trip_fp8_rowwise(tiny, tmp_path):
     path = tmp_path / "a_fp8.safetensors"
     save_adapter(tiny, path, "fp8_e4m3fn_rowwise")
-    header = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    header = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])
     key = lora_key("ref", 2, "mlp.layer1", "up")
     assert header[key]["dtype"] == "F8_E4M3" and header[key]["shape"] == [64, 4]
     assert header[key + "_scale"] == {**header[key + "_scale"], "dtype": "F32", "shape": [64]}
@@ -145,9 +156,16 @@ def test_to_moves_weights_and_keeps_identity(tiny):
 def test_metadata_strings(tiny):
     md = make_adapter(**TINY, ref_alpha=2, target_alpha=0.5, device="meta").meta.to_metadata()
     assert md == {
-        "format": "anima_ref_kv/1", "base_model": "anima-base-v1.0", "num_blocks": "3", "model_channels": "32",
-        "ref_rank": "4", "target_rank": "2", "ref_alpha": "2", "target_alpha": "0.5",
-        "ref_rope_offset": '[0, "after_target", "after_target"]', "weight_format": "fp32",
+        "format": "anima_ref_kv/1",
+        "base_model": "anima-base-v1.0",
+        "num_blocks": "3",
+        "model_channels": "32",
+        "ref_rank": "4",
+        "target_rank": "2",
+        "ref_alpha": "2",
+        "target_alpha": "0.5",
+        "ref_rope_offset": '[0, "after_target", "after_target"]',
+        "weight_format": "fp32",
         "modes": '["cs", "char"]',
     }
     assert AdapterMeta.from_metadata(md).ref_scale == 0.5
@@ -194,22 +212,32 @@ def test_adapter_with_any_name_loads(tiny_file, tmp_path):
 
 
 def test_plain_lora_named_like_an_adapter_is_rejected(tmp_path):
-    sd = {f"diffusion_model.blocks.{i}.self_attn.q_proj.{part}.weight": torch.zeros(shape)
-          for i in range(2) for part, shape in (("lora_down", (4, 32)), ("lora_up", (32, 4)))}
+    sd = {
+        f"diffusion_model.blocks.{i}.self_attn.q_proj.{part}.weight": torch.zeros(shape)
+        for i in range(2)
+        for part, shape in (("lora_down", (4, 32)), ("lora_up", (32, 4)))
+    }
     path = write(tmp_path / "x_anima_ref_kv.safetensors", sd, {"ss_network_dim": "4"})
     with pytest.raises(AdapterError) as e:
         load_adapter(path)
     msg = str(e.value)
-    assert msg.startswith(f"{path}: looks like a standard LoRA (4 tensors, e.g."
-                          " 'diffusion_model.blocks.0.self_attn.q_proj.lora_down.weight'; no 'format' metadata)")
+    assert msg.startswith(
+        f"{path}: looks like a standard LoRA (4 tensors, e.g."
+        " 'diffusion_model.blocks.0.self_attn.q_proj.lora_down.weight'; no 'format' metadata)"
+    )
     assert "format='anima_ref_kv/1'" in msg
     assert msg.endswith("A plain LoRA is merged with --lora.")
 
 
 def test_plain_lora_with_kohya_keys_is_rejected(tmp_path):
-    path = write(tmp_path / "k.safetensors",
-                 {"lora_unet_blocks_0_self_attn_q_proj.lora_down.weight": torch.zeros(4, 32),
-                  "lora_unet_blocks_0_self_attn_q_proj.alpha": torch.tensor(4.0)}, None)
+    path = write(
+        tmp_path / "k.safetensors",
+        {
+            "lora_unet_blocks_0_self_attn_q_proj.lora_down.weight": torch.zeros(4, 32),
+            "lora_unet_blocks_0_self_attn_q_proj.alpha": torch.tensor(4.0),
+        },
+        None,
+    )
     with pytest.raises(AdapterError, match=r"looks like a standard LoRA \(2 tensors"):
         load_adapter(path)
 
@@ -224,31 +252,40 @@ def test_base_model_file_is_rejected(tmp_path, prefix):
     path = write(tmp_path / "anima.safetensors", sd, None)
     with pytest.raises(AdapterError) as e:
         load_adapter(path)
-    assert str(e.value) == (f"{path}: looks like an Anima base model (DiT weights, 2 blocks, e.g."
-                            f" '{prefix}blocks.0.self_attn.q_proj.weight'), not a SnapRef adapter; give it as"
-                            f" the model and the anima_ref_kv/1 adapter file separately")
+    assert str(e.value) == (
+        f"{path}: looks like an Anima base model (DiT weights, 2 blocks, e.g."
+        f" '{prefix}blocks.0.self_attn.q_proj.weight'), not a SnapRef adapter; give it as"
+        f" the model and the anima_ref_kv/1 adapter file separately"
+    )
 
 
 def test_hf_format_pt_file_is_rejected(tmp_path):
     path = write(tmp_path / "w.safetensors", {"some.weight": torch.zeros(2)}, {"format": "pt"})
     with pytest.raises(AdapterError) as e:
         load_adapter(path)
-    assert str(e.value) == (f"{path}: not a SnapRef adapter (format 'pt', 1 tensors, e.g. 'some.weight'); a SnapRef"
-                            " adapter is a safetensors file whose __metadata__ has format='anima_ref_kv/1'")
+    assert str(e.value) == (
+        f"{path}: not a SnapRef adapter (format 'pt', 1 tensors, e.g. 'some.weight'); a SnapRef"
+        " adapter is a safetensors file whose __metadata__ has format='anima_ref_kv/1'"
+    )
 
 
 def test_other_format_version_is_rejected(tiny, tmp_path):
     md = {**tiny.meta.to_metadata(), "format": "anima_ref_kv/2"}
     path = write(tmp_path / "v2.safetensors", adapter_state_dict(tiny), md)
-    with pytest.raises(AdapterError, match=re.escape("format 'anima_ref_kv/2' is not supported; this version reads"
-                                                     " 'anima_ref_kv/1' only")):
+    with pytest.raises(
+        AdapterError,
+        match=re.escape("format 'anima_ref_kv/2' is not supported; this version reads 'anima_ref_kv/1' only"),
+    ):
         load_adapter(path)
 
 
 def test_stripped_metadata_is_named(tiny, tmp_path):
     path = write(tmp_path / "stripped.safetensors", adapter_state_dict(tiny), None)
-    with pytest.raises(AdapterError, match=r"has SnapRef-style tensors \(e.g. 'modes.char.block_weight'\) but no"
-                                           r" 'format' metadata; its metadata is missing or was stripped"):
+    with pytest.raises(
+        AdapterError,
+        match=r"has SnapRef-style tensors \(e.g. 'modes.char.block_weight'\) but no"
+        r" 'format' metadata; its metadata is missing or was stripped",
+    ):
         load_adapter(path)
 
 
@@ -266,10 +303,16 @@ def test_truncated_file(tiny_file):
     assert msg.endswith("expected a SnapRef adapter (a safetensors file with metadata format='anima_ref_kv/1')")
 
 
-@pytest.mark.parametrize("data, reason", [
-    (b"", "0 bytes, too short for a header"),
-    (b"\x80\x04\x95" + b"\x00" * 64, "does not fit a 67-byte file; a pickle .ckpt/.pt file, or a truncated download?"),
-])
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"", "0 bytes, too short for a header"),
+        (
+            b"\x80\x04\x95" + b"\x00" * 64,
+            "does not fit a 67-byte file; a pickle .ckpt/.pt file, or a truncated download?",
+        ),
+    ],
+)
 def test_not_safetensors(tmp_path, data, reason):
     path = tmp_path / "adapter.safetensors"
     path.write_bytes(data)
@@ -289,8 +332,10 @@ def test_wrong_rank_shape_names_key_expected_and_found(tiny, tmp_path):
     path = write(tmp_path / "a.safetensors", sd, tiny.meta.to_metadata() | {"weight_format": "bf16"})
     with pytest.raises(AdapterError) as e:
         load_adapter(path)
-    assert str(e.value) == (f"{path}: invalid anima_ref_kv/1 adapter: tensor {key!r} has shape [8, 32], expected"
-                            " [4, 32] (LoRA down [rank, in], ref_rank 4, model_channels 32)")
+    assert str(e.value) == (
+        f"{path}: invalid anima_ref_kv/1 adapter: tensor {key!r} has shape [8, 32], expected"
+        " [4, 32] (LoRA down [rank, in], ref_rank 4, model_channels 32)"
+    )
 
 
 def test_target_rank_mismatch(tiny, tmp_path):
@@ -298,8 +343,10 @@ def test_target_rank_mismatch(tiny, tmp_path):
     key = lora_key("target", 0, "self_attn.q_proj", "up")
     sd[key] = torch.zeros(32, 3, dtype=torch.bfloat16)
     path = write(tmp_path / "a.safetensors", sd, tiny.meta.to_metadata() | {"weight_format": "bf16"})
-    with pytest.raises(AdapterError, match=re.escape(f"tensor {key!r} has shape [32, 3], expected [32, 2]"
-                                                     " (LoRA up [out, rank], target_rank 2")):
+    with pytest.raises(
+        AdapterError,
+        match=re.escape(f"tensor {key!r} has shape [32, 3], expected [32, 2] (LoRA up [out, rank], target_rank 2"),
+    ):
         load_adapter(path)
 
 
@@ -317,9 +364,11 @@ def test_missing_block_tensors(tiny, tmp_path):
     path = write(tmp_path / "a.safetensors", sd, tiny.meta.to_metadata() | {"weight_format": "bf16"})
     with pytest.raises(AdapterError) as e:
         load_adapter(path)
-    assert str(e.value) == (f"{path}: invalid anima_ref_kv/1 adapter: missing 4 tensor(s), e.g."
-                            " 'ref.blocks.2.mlp.layer1.lora_down.weight', 'ref.blocks.2.mlp.layer1.lora_up.weight',"
-                            " 'ref.blocks.2.mlp.layer2.lora_down.weight'")
+    assert str(e.value) == (
+        f"{path}: invalid anima_ref_kv/1 adapter: missing 4 tensor(s), e.g."
+        " 'ref.blocks.2.mlp.layer1.lora_down.weight', 'ref.blocks.2.mlp.layer1.lora_up.weight',"
+        " 'ref.blocks.2.mlp.layer2.lora_down.weight'"
+    )
 
 
 def test_more_blocks_than_metadata_says(tiny, tmp_path):
@@ -337,8 +386,10 @@ def test_dtype_must_match_weight_format(tiny, tmp_path):
     path = write(tmp_path / "a.safetensors", adapter_state_dict(tiny, "bf16"), md)
     with pytest.raises(AdapterError) as e:
         load_adapter(path)
-    assert str(e.value) == (f"{path}: invalid anima_ref_kv/1 adapter: 66 LoRA tensor(s) are BF16, expected F16"
-                            " (weight_format 'fp16'), e.g. 'ref.blocks.0.self_attn.q_proj.lora_down.weight'")
+    assert str(e.value) == (
+        f"{path}: invalid anima_ref_kv/1 adapter: 66 LoRA tensor(s) are BF16, expected F16"
+        " (weight_format 'fp16'), e.g. 'ref.blocks.0.self_attn.q_proj.lora_down.weight'"
+    )
 
 
 def test_fp8_without_scales(tiny, tmp_path):
@@ -347,9 +398,11 @@ def test_fp8_without_scales(tiny, tmp_path):
     path = write(tmp_path / "a.safetensors", sd, md)
     with pytest.raises(AdapterError) as e:
         load_adapter(path)
-    assert str(e.value) == (f"{path}: invalid anima_ref_kv/1 adapter: missing 66 row-scale tensor(s) (a float32"
-                            " [rows] `.weight_scale` goes with every fp8 weight), e.g."
-                            " 'ref.blocks.0.self_attn.q_proj.lora_down.weight_scale'")
+    assert str(e.value) == (
+        f"{path}: invalid anima_ref_kv/1 adapter: missing 66 row-scale tensor(s) (a float32"
+        " [rows] `.weight_scale` goes with every fp8 weight), e.g."
+        " 'ref.blocks.0.self_attn.q_proj.lora_down.weight_scale'"
+    )
 
 
 def test_missing_mode_vector(tiny, tmp_path):
@@ -358,8 +411,10 @@ def test_missing_mode_vector(tiny, tmp_path):
     path = write(tmp_path / "a.safetensors", sd, tiny.meta.to_metadata() | {"weight_format": "bf16"})
     with pytest.raises(AdapterError) as e:
         load_adapter(path)
-    assert str(e.value) == (f"{path}: invalid anima_ref_kv/1 adapter: mode 'char' is listed in metadata 'modes' but"
-                            " tensor 'modes.char.block_weight' is missing (expected float32 [3])")
+    assert str(e.value) == (
+        f"{path}: invalid anima_ref_kv/1 adapter: mode 'char' is listed in metadata 'modes' but"
+        " tensor 'modes.char.block_weight' is missing (expected float32 [3])"
+    )
 
 
 def test_missing_metadata_keys(tiny, tmp_path):
@@ -371,15 +426,25 @@ def test_missing_metadata_keys(tiny, tmp_path):
     assert str(e.value) == f"{path}: anima_ref_kv/1 metadata is incomplete: missing key(s) 'ref_rank', 'modes'"
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("num_blocks", "many", "malformed anima_ref_kv/1 metadata: 'num_blocks' = 'many' is not an integer"),
-    ("modes", "cs", "malformed anima_ref_kv/1 metadata: 'modes' = 'cs' is not a JSON list"),
-    ("weight_format", "int4", "adapter metadata 'weight_format' is 'int4', expected one of bf16, fp16, fp32,"
-                              " fp8_e4m3fn_rowwise"),
-    ("ref_rope_offset", '[0, "after", 3]', "adapter metadata 'ref_rope_offset' must be [dt, dh, dw], each an"
-                                           " integer or 'after_target', found [0, 'after', 3]"),
-    ("ref_rank", "0", "adapter metadata 'ref_rank' must be a positive integer, found 0"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("num_blocks", "many", "malformed anima_ref_kv/1 metadata: 'num_blocks' = 'many' is not an integer"),
+        ("modes", "cs", "malformed anima_ref_kv/1 metadata: 'modes' = 'cs' is not a JSON list"),
+        (
+            "weight_format",
+            "int4",
+            "adapter metadata 'weight_format' is 'int4', expected one of bf16, fp16, fp32, fp8_e4m3fn_rowwise",
+        ),
+        (
+            "ref_rope_offset",
+            '[0, "after", 3]',
+            "adapter metadata 'ref_rope_offset' must be [dt, dh, dw], each an"
+            " integer or 'after_target', found [0, 'after', 3]",
+        ),
+        ("ref_rank", "0", "adapter metadata 'ref_rank' must be a positive integer, found 0"),
+    ],
+)
 def test_malformed_metadata(tiny, tmp_path, key, value, message):
     md = tiny.meta.to_metadata() | {key: value}
     path = write(tmp_path / "a.safetensors", adapter_state_dict(tiny), md)
@@ -470,14 +535,30 @@ def test_inspect_adapter(tiny, tmp_path):
     info = inspect_adapter(path)
     json.dumps(info)  # the CLI may print it as JSON
     assert info == {
-        "path": str(path), "file_size": path.stat().st_size, "format": "anima_ref_kv/1",
-        "base_model": "anima-base-v1.0", "num_blocks": 3, "model_channels": 32, "context_dim": 16, "mlp_hidden": 64,
-        "ref_rank": 4, "target_rank": 2, "ref_alpha": 4.0, "target_alpha": 2.0, "ref_scale": 1.0, "target_scale": 1.0,
-        "ref_linears": list(REF_LINEARS), "target_linears": ["self_attn.q_proj"],
-        "ref_rope_offset": [0, "after_target", "after_target"], "modes": ["cs", "char"],
+        "path": str(path),
+        "file_size": path.stat().st_size,
+        "format": "anima_ref_kv/1",
+        "base_model": "anima-base-v1.0",
+        "num_blocks": 3,
+        "model_channels": 32,
+        "context_dim": 16,
+        "mlp_hidden": 64,
+        "ref_rank": 4,
+        "target_rank": 2,
+        "ref_alpha": 4.0,
+        "target_alpha": 2.0,
+        "ref_scale": 1.0,
+        "target_scale": 1.0,
+        "ref_linears": list(REF_LINEARS),
+        "target_linears": ["self_attn.q_proj"],
+        "ref_rope_offset": [0, "after_target", "after_target"],
+        "modes": ["cs", "char"],
         "mode_weights": {"cs": [1.0, 1.0, 1.0], "char": [1.0, 1.0, 0.25]},
-        "num_parameters": 8448, "weight_format": "fp8_e4m3fn_rowwise", "tensor_dtypes": ["F32", "F8_E4M3"],
-        "num_tensors": 2 * 66 + 2, "identity": adapter_identity(path),
+        "num_parameters": 8448,
+        "weight_format": "fp8_e4m3fn_rowwise",
+        "tensor_dtypes": ["F32", "F8_E4M3"],
+        "num_tensors": 2 * 66 + 2,
+        "identity": adapter_identity(path),
     }
 
 
@@ -516,5 +597,6 @@ def test_negative_mode_weights_are_refused(tiny, tmp_path):
     path = write(tmp_path / "a.safetensors", sd, tiny.meta.to_metadata() | {"weight_format": "bf16"})
     with pytest.raises(AdapterError) as e:
         load_adapter(path)
-    assert str(e.value) == (f"{path}: tensor 'modes.char.block_weight' must hold finite weights >= 0,"
-                            " found [1.0, -0.5, 0.25]")
+    assert str(e.value) == (
+        f"{path}: tensor 'modes.char.block_weight' must hold finite weights >= 0, found [1.0, -0.5, 0.25]"
+    )

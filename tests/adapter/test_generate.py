@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from snapref_ray.adapter import (
-    REF_LINEARS, AdapterError, char_mode_weights, estimate_file_size, make_adapter,
+    REF_LINEARS,
+    AdapterError,
+    char_mode_weights,
+    estimate_file_size,
+    make_adapter,
 )
 
 SMALL = dict(num_blocks=4, model_channels=64, context_dim=32, mlp_hidden=128, ref_rank=16, target_rank=8)

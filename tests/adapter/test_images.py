@@ -13,8 +13,14 @@ import torch
 from PIL import Image
 
 from snapref_ray.adapter import (
-    MAX_REFERENCE_PIXELS, ReferenceImageError, content_hash, fit_megapixels, image_to_pixels, open_reference,
-    prepare_reference, stitch_side_by_side,
+    MAX_REFERENCE_PIXELS,
+    ReferenceImageError,
+    content_hash,
+    fit_megapixels,
+    image_to_pixels,
+    open_reference,
+    prepare_reference,
+    stitch_side_by_side,
 )
 
 
@@ -26,6 +32,7 @@ def encode(img: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
 
 def png(width: int, height: int, bit_depth: int, color_type: int, rows: bytes | None = None) -> bytes:
     """A PNG written by hand: lets a test claim any size, or use 16-bit colour PIL cannot write."""
+
     def chunk(tag: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
 
@@ -67,9 +74,9 @@ def test_palette_with_transparent_index_goes_on_white():
 
 def test_rgba_is_composited_on_white():
     img = Image.new("RGBA", (3, 1))
-    img.putpixel((0, 0), (0, 0, 0, 0))        # fully transparent black -> white, not black
-    img.putpixel((1, 0), (255, 0, 0, 128))    # half red over white
-    img.putpixel((2, 0), (0, 0, 255, 255))    # opaque stays
+    img.putpixel((0, 0), (0, 0, 0, 0))  # fully transparent black -> white, not black
+    img.putpixel((1, 0), (255, 0, 0, 128))  # half red over white
+    img.putpixel((2, 0), (0, 0, 255, 255))  # opaque stays
     out = open_reference(encode(img))
     assert rgb(out, (0, 0)) == (255, 255, 255)
     r, g, b = rgb(out, (1, 0))
@@ -154,8 +161,11 @@ def test_text_file():
 def test_truncated_png():
     noise = Image.frombytes("RGB", (64, 64), bytes(range(256)) * 48)
     data = encode(noise)
-    with pytest.raises(ReferenceImageError, match=r"^ref\.png: cannot decode the image, the file is truncated or"
-                                                  r" corrupt \(OSError: "):
+    with pytest.raises(
+        ReferenceImageError,
+        match=r"^ref\.png: cannot decode the image, the file is truncated or"
+        r" corrupt \(OSError: ",
+    ):
         open_reference(data[: len(data) // 2], "ref.png")
 
 
@@ -177,8 +187,10 @@ def test_decompression_bomb_is_refused_from_the_header():
     # pixel is ever decoded.
     with pytest.raises(ReferenceImageError) as e:
         open_reference(png(9_000, 9_000, 8, 2), "bomb.png")
-    assert str(e.value) == (f"bomb.png: image is 9000x9000 = 81,000,000 pixels, more than the"
-                            f" {MAX_REFERENCE_PIXELS:,} allowed for a reference (possible decompression bomb)")
+    assert str(e.value) == (
+        f"bomb.png: image is 9000x9000 = 81,000,000 pixels, more than the"
+        f" {MAX_REFERENCE_PIXELS:,} allowed for a reference (possible decompression bomb)"
+    )
 
 
 @pytest.mark.parametrize("side", [50_000, 10_000])
@@ -186,8 +198,9 @@ def test_pils_bomb_checks_become_our_error(side):
     # 2.5 G pixels makes PIL raise DecompressionBombError while opening, 100 M makes it warn.
     with pytest.raises(ReferenceImageError) as e:
         open_reference(png(side, side, 8, 2), "bomb.png")
-    assert str(e.value).startswith(f"bomb.png: refused as a possible decompression bomb: Image size"
-                                   f" ({side * side} pixels) exceeds limit of")
+    assert str(e.value).startswith(
+        f"bomb.png: refused as a possible decompression bomb: Image size ({side * side} pixels) exceeds limit of"
+    )
 
 
 def test_our_limit_does_not_depend_on_pils(monkeypatch):
@@ -216,14 +229,17 @@ def test_real_but_large_compressible_image_is_fine():
 # Fitting, stitching, pixels
 
 
-@pytest.mark.parametrize("size, megapixels, expected", [
-    ((1024, 1024), 1.0, (992, 992)),     # 1,048,576 px > 1e6: scaled to 1000x1000, then down to 992
-    ((4000, 3000), 1.0, (1152, 864)),    # 1154.7x866.0 -> multiples of 16
-    ((832, 1216), 1.0, (816, 1200)),     # 1.01 MP -> 827x1209 -> 816x1200
-    ((500, 300), 1.0, (496, 288)),       # small: never enlarged, only rounded down
-    ((512, 768), 1.0, (512, 768)),       # already fine: unchanged
-    ((3000, 1000), 0.25, (864, 288)),    # 866.0x288.7
-])
+@pytest.mark.parametrize(
+    "size, megapixels, expected",
+    [
+        ((1024, 1024), 1.0, (992, 992)),  # 1,048,576 px > 1e6: scaled to 1000x1000, then down to 992
+        ((4000, 3000), 1.0, (1152, 864)),  # 1154.7x866.0 -> multiples of 16
+        ((832, 1216), 1.0, (816, 1200)),  # 1.01 MP -> 827x1209 -> 816x1200
+        ((500, 300), 1.0, (496, 288)),  # small: never enlarged, only rounded down
+        ((512, 768), 1.0, (512, 768)),  # already fine: unchanged
+        ((3000, 1000), 0.25, (864, 288)),  # 866.0x288.7
+    ],
+)
 def test_fit_megapixels(size, megapixels, expected):
     img = Image.new("RGB", size, (1, 2, 3))
     out = fit_megapixels(img, megapixels)
@@ -250,8 +266,11 @@ def test_fit_keeps_content():
 
 
 def test_fit_refuses_slivers():
-    with pytest.raises(ReferenceImageError, match=r"a 4000x10 reference fitted to 1.0 MP would be 4000x10, less than"
-                                                  r" 16 px on a side"):
+    with pytest.raises(
+        ReferenceImageError,
+        match=r"a 4000x10 reference fitted to 1.0 MP would be 4000x10, less than"
+        r" 16 px on a side",
+    ):
         fit_megapixels(Image.new("RGB", (4000, 10)))
     with pytest.raises(ValueError, match="megapixels must be > 0"):
         fit_megapixels(Image.new("RGB", (64, 64)), 0)
@@ -296,8 +315,8 @@ def test_prepare_pair_stitches_left_then_right():
     _, _, h, w = px.shape
     assert h % 16 == 0 and w % 16 == 0 and h * w <= 0.5e6
     assert abs(w / h - 1.0) < 0.05  # two 1:2 portraits side by side make a square
-    assert px[0, :, h // 2, 5].tolist() == [1.0, -1.0, -1.0]          # red on the left
-    assert px[0, :, h // 2, w - 5].tolist() == [-1.0, -1.0, 1.0]      # blue on the right
+    assert px[0, :, h // 2, 5].tolist() == [1.0, -1.0, -1.0]  # red on the left
+    assert px[0, :, h // 2, w - 5].tolist() == [-1.0, -1.0, 1.0]  # blue on the right
 
 
 def test_prepare_multi_keeps_each():
@@ -306,12 +325,15 @@ def test_prepare_multi_keeps_each():
     assert [tuple(p.shape) for p in out] == [(1, 3, 64, 64), (1, 3, 704, 1408)]
 
 
-@pytest.mark.parametrize("layout, n, message", [
-    ("single", 2, "reference layout 'single' needs exactly 1 image(s), got 2"),
-    ("pair", 1, "reference layout 'pair' needs exactly 2 image(s), got 1"),
-    ("multi", 0, "reference layout 'multi' needs at least 1 image(s), got 0"),
-    ("grid", 1, "reference layout must be one of single, pair, multi, found 'grid'"),
-])
+@pytest.mark.parametrize(
+    "layout, n, message",
+    [
+        ("single", 2, "reference layout 'single' needs exactly 1 image(s), got 2"),
+        ("pair", 1, "reference layout 'pair' needs exactly 2 image(s), got 1"),
+        ("multi", 0, "reference layout 'multi' needs at least 1 image(s), got 0"),
+        ("grid", 1, "reference layout must be one of single, pair, multi, found 'grid'"),
+    ],
+)
 def test_prepare_counts(layout, n, message):
     images = [encode(Image.new("RGB", (32, 32)))] * n
     with pytest.raises(ReferenceImageError) as e:

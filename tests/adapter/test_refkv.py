@@ -19,8 +19,13 @@ def test_pickle_round_trip_is_exact(dtype):
     back = pickle.loads(pickle.dumps(kv, protocol=5))
     assert back.dtype == dtype
     assert torch.equal(back.kv_N2HLD, kv.kv_N2HLD)
-    assert (back.grids, back.offsets, back.target_grid, back.adapter_id, back.reference_id) == \
-        (kv.grids, kv.offsets, kv.target_grid, kv.adapter_id, kv.reference_id)
+    assert (back.grids, back.offsets, back.target_grid, back.adapter_id, back.reference_id) == (
+        kv.grids,
+        kv.offsets,
+        kv.target_grid,
+        kv.adapter_id,
+        kv.reference_id,
+    )
 
 
 def test_wire_form_aliases_a_read_only_buffer_without_copying():

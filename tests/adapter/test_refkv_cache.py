@@ -40,8 +40,7 @@ def test_concurrent_misses_on_one_key_encode_once():
         return kv_of(2, "same")
 
     results = []
-    threads = [threading.Thread(target=lambda: results.append(cache.get_or_create("k", slow_encode)))
-               for _ in range(4)]
+    threads = [threading.Thread(target=lambda: results.append(cache.get_or_create("k", slow_encode))) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:

@@ -16,13 +16,18 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import dit_forward, snapref_steps
 from benchmarks.common import (
-    REAL, SCALED, block_linear_dims, build_dit, dit_forward_flop_breakdown, dit_forward_flops, interleaved,
+    REAL,
+    SCALED,
+    block_linear_dims,
+    build_dit,
+    dit_forward_flop_breakdown,
+    dit_forward_flops,
+    interleaved,
     paired_ratio,
 )
 from snapref_ray.models.attention import RefRead
 from snapref_ray.models.dit import real_dit_config
 from snapref_ray.models.ops import LoRAPair
-
 
 # Counts that are legitimately zero (the no-reference step reads nothing).
 ZERO_ALLOWED = ("reading_rows",)
@@ -88,8 +93,14 @@ def test_snapref_steps_smoke_prints_every_field(capsys):
     _assert_positive_numbers({k: table[k] for k in snapref_steps.FIELDS if k != "environment"}, "table")
     # Rows and reads per setting are the engine's plan (snapref-adapter.md §5).
     plans = {name: (s["rows"], s["reading_rows"]) for name, s in table["settings"].items()}
-    assert plans == {"no_reference": (2, 0), "snapref_default": (2, 1), "ref_in_uncond": (2, 2),
-                     "ref_guidance": (3, 2), "recompute_every_step": (2, 1), "char_mode": (2, 1)}
+    assert plans == {
+        "no_reference": (2, 0),
+        "snapref_default": (2, 1),
+        "ref_in_uncond": (2, 2),
+        "ref_guidance": (3, 2),
+        "recompute_every_step": (2, 1),
+        "char_mode": (2, 1),
+    }
     assert table["settings"]["no_reference"]["ratio_to_no_reference"] == 1.0
     assert table["settings"]["no_reference"]["flop_ratio_to_no_reference"] == 1.0
     # RefKV at the smoke geometry: 2 blocks x (K, V) x 64 wide x 16 reference tokens, fp32.
@@ -122,15 +133,20 @@ def test_flop_model_linear_part_equals_torch_flop_counter():
     rk, rv = torch.randn(2, 9, 32, generator=gen), torch.randn(2, 9, 32, generator=gen)
     refs = [RefRead(rk, rv, torch.tensor([True, False, True]), 1.0)] * 2
     dims = block_linear_dims(config)
-    lora = {"self_attn.q_proj": LoRAPair(torch.randn(4, dims["self_attn.q_proj"][0]),
-                                         torch.randn(dims["self_attn.q_proj"][1], 4), 1.0),
-            "cross_attn.k_proj": LoRAPair(torch.randn(5, dims["cross_attn.k_proj"][0]),
-                                          torch.randn(dims["cross_attn.k_proj"][1], 5), 1.0)}
+    lora = {
+        "self_attn.q_proj": LoRAPair(
+            torch.randn(4, dims["self_attn.q_proj"][0]), torch.randn(dims["self_attn.q_proj"][1], 4), 1.0
+        ),
+        "cross_attn.k_proj": LoRAPair(
+            torch.randn(5, dims["cross_attn.k_proj"][0]), torch.randn(dims["cross_attn.k_proj"][1], 5), 1.0
+        ),
+    }
     ranks = {"self_attn.q_proj": 4, "cross_attn.k_proj": 5}
     with FlopCounterMode(display=False) as counter:
         dit(x, torch.full((3,), 0.5), ctx, loras=[lora, lora], refs=refs)
-    split = dit_forward_flop_breakdown(config, rows=3, tokens=30, context_rows=7, reading_rows=2, ref_tokens=9,
-                                       lora_ranks=ranks)
+    split = dit_forward_flop_breakdown(
+        config, rows=3, tokens=30, context_rows=7, reading_rows=2, ref_tokens=9, lora_ranks=ranks
+    )
     assert split["linear"] == counter.get_total_flops()
     inner, L = config.num_heads * config.head_dim, 30
     assert split["attention"] == 2 * (4 * L * (3 * L + 2 * 9) * inner + 4 * L * 7 * inner * 3)
@@ -148,22 +164,30 @@ def test_flop_model_real_size_ratios_match_the_issue():
     no_ref = f(rows=2)
     default = f(rows=2, reading_rows=1, ref_tokens=4096, lora_ranks={"self_attn.q_proj": 64})
     guided = f(rows=3, reading_rows=2, ref_tokens=4096, lora_ranks={"self_attn.q_proj": 64})
-    stream = dit_forward_flops(config, rows=1, tokens=4096, context_rows=512,
-                               lora_ranks={p: 128 for p in block_linear_dims(config)}, final_layer=False)
+    stream = dit_forward_flops(
+        config,
+        rows=1,
+        tokens=4096,
+        context_rows=512,
+        lora_ranks={p: 128 for p in block_linear_dims(config)},
+        final_layer=False,
+    )
     assert default / no_ref == pytest.approx(1.1115, abs=5e-4)
     assert guided / default == pytest.approx(1.5487, abs=5e-4)
     assert (default + stream) / default == pytest.approx(1.5049, abs=5e-4)
     # The width-scaled geometry divides every length by 4, so every FLOP term by exactly 64.
-    assert dit_forward_flops(SCALED.config, rows=2, tokens=SCALED.tokens, context_rows=SCALED.context_rows) * 64 \
-        == pytest.approx(dit_forward_flops(REAL.config, rows=2, tokens=REAL.tokens, context_rows=REAL.context_rows),
-                         rel=2e-3)
+    assert dit_forward_flops(
+        SCALED.config, rows=2, tokens=SCALED.tokens, context_rows=SCALED.context_rows
+    ) * 64 == pytest.approx(
+        dit_forward_flops(REAL.config, rows=2, tokens=REAL.tokens, context_rows=REAL.context_rows), rel=2e-3
+    )
 
 
 def test_interleaved_rotates_the_order_and_drops_warmup():
     calls = []
     cases = {name: (lambda name=name: calls.append(name)) for name in "abc"}
     times = interleaved(cases, torch.device("cpu"), rounds=3, warmup_rounds=1)
-    assert calls == list("abc" "bca" "cab" "abc")
+    assert calls == list("abcbcacababc")
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
     assert paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0
 
@@ -174,8 +198,9 @@ def test_orchestration_smoke_measures_busy_fraction_with_and_without_overlap(cap
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("orchestration", Path(__file__).parents[2] / "benchmarks" /
-                                                  "orchestration.py")
+    spec = importlib.util.spec_from_file_location(
+        "orchestration", Path(__file__).parents[2] / "benchmarks" / "orchestration.py"
+    )
     orchestration = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(orchestration)
     result = orchestration.main(["--smoke"])
@@ -186,9 +211,14 @@ def test_orchestration_smoke_measures_busy_fraction_with_and_without_overlap(cap
         assert run["images"] == run["references"] * 8 and run["max_encodes_per_reference"] == 1
         assert 0 < run["workers_busy"] <= 1
     (overlap,) = result["overlap"]
-    assert set(overlap) == {"workers", "prompts_per_reference", "workers_busy_with_overlap",
-                            "workers_busy_without_overlap", "images_per_s_with_overlap",
-                            "images_per_s_without_overlap"}
+    assert set(overlap) == {
+        "workers",
+        "prompts_per_reference",
+        "workers_busy_with_overlap",
+        "workers_busy_without_overlap",
+        "images_per_s_with_overlap",
+        "images_per_s_without_overlap",
+    }
 
 
 @pytest.mark.slow
@@ -213,8 +243,14 @@ def test_gpu_suite_smoke_writes_json_and_markdown(tmp_path, capsys):
     assert json.loads((tmp_path / "gpu_suite.json").read_text()) == json.loads(json.dumps(result))
     assert set(gpu_suite.FIELDS) <= set(result)
     assert set(result["step"]) == {"eager", "compiled", "compiled_speedup"} and not result["skipped"]
-    assert set(result["snapref"]) == {"no_reference", "snapref_default", "ref_in_uncond", "ref_guidance",
-                                      "recompute_every_step", "char_mode"}
+    assert set(result["snapref"]) == {
+        "no_reference",
+        "snapref_default",
+        "ref_in_uncond",
+        "ref_guidance",
+        "recompute_every_step",
+        "char_mode",
+    }
     assert result["snapref"]["no_reference"]["ratio_to_no_reference"] == 1.0
     assert result["images_per_gpu_hour"]["images_per_gpu_hour"] > 0 and result["memory"]["peak"] > 0
     markdown = (tmp_path / "gpu_suite.md").read_text()

@@ -33,5 +33,8 @@ def test_ray_data_vs_job_smoke(capsys):
     grouped = runs["ray_data_grouped"]
     assert 1 <= grouped["max_encodes_per_reference"] <= grouped["actors"] <= 2
     assert runs["ray_data_ungrouped"]["reference_encodes"] >= 3
-    assert set(result["ratios"]) == {f"{a}_{f}" for a in ("job_vs_ray_data_grouped", "ray_data_grouped_vs_ray_data_ungrouped")
-                                     for f in ("images_per_s", "rendering_images_per_s")}
+    assert set(result["ratios"]) == {
+        f"{a}_{f}"
+        for a in ("job_vs_ray_data_grouped", "ray_data_grouped_vs_ray_data_ungrouped")
+        for f in ("images_per_s", "rendering_images_per_s")
+    }

@@ -32,8 +32,14 @@ def test_serve_latency_smoke_prints_every_section(tmp_path: Path) -> None:
 
     out = tmp_path / "serve.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_latency.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serve_latency.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # stdout is the JSON alone
     assert result == json.loads(out.read_text())

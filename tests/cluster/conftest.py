@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -32,10 +32,12 @@ def _start_ray(env_vars: dict[str, str]) -> None:
         ray.shutdown()
     # PYTHONPATH: workers import the project (and the test doubles of test_scheduler) from the
     # checkout even where it is not pip-installed.
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-           "AWS_EC2_METADATA_DISABLED": "true", **env_vars}
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": env})
+    env = {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+        "AWS_EC2_METADATA_DISABLED": "true",
+        **env_vars,
+    }
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env})
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +116,15 @@ def job_inputs(tmp_path_factory) -> JobInputs:
     """Three generated references with three scene prompts each, and a manifest with bad rows too."""
     folder = tmp_path_factory.mktemp("job-inputs")
     colours = {"red": (200, 40, 40), "green": (40, 160, 60), "blue": (40, 70, 200)}
-    refs = tuple(make_reference_png(folder / "refs" / f"{name}.png", c).relative_to(folder).as_posix()
-                 for name, c in colours.items())
-    good = [{"reference": ref, "prompt": prompt, "seed": 10 * i + j}
-            for i, ref in enumerate(refs) for j, prompt in enumerate(GOOD_PROMPTS)]
+    refs = tuple(
+        make_reference_png(folder / "refs" / f"{name}.png", c).relative_to(folder).as_posix()
+        for name, c in colours.items()
+    )
+    good = [
+        {"reference": ref, "prompt": prompt, "seed": 10 * i + j}
+        for i, ref in enumerate(refs)
+        for j, prompt in enumerate(GOOD_PROMPTS)
+    ]
     whole = make_reference_png(folder / "refs" / "whole.png", (90, 90, 90)).read_bytes()
     (folder / "refs" / "corrupt.png").write_bytes(whole[: len(whole) * 2 // 3])  # a truncated download
     bad = [
@@ -135,24 +142,44 @@ def job_inputs(tmp_path_factory) -> JobInputs:
         13: ("prompt", "empty prompt"),
         14: ("width", "width must be a multiple of 16 between 256 and 4096, got 100000"),
     }
-    return JobInputs(folder, refs, write_manifest(folder / "good.csv", good),
-                     write_manifest(folder / "with_bad_rows.csv", good + bad), expected)
+    return JobInputs(
+        folder,
+        refs,
+        write_manifest(folder / "good.csv", good),
+        write_manifest(folder / "with_bad_rows.csv", good + bad),
+        expected,
+    )
 
 
-def job_spec(manifest: Path | str, models: Path, out: str, *, defaults: dict | None = None,
-             cluster: dict | None = None, output: dict | None = None, **top):
+def job_spec(
+    manifest: Path | str,
+    models: Path,
+    out: str,
+    *,
+    defaults: dict | None = None,
+    cluster: dict | None = None,
+    output: dict | None = None,
+    **top,
+):
     """A JobSpec for the tiny models with fast settings; `cluster`/`output`/`defaults` entries override."""
     from snapref_ray.storage.jobspec import JobSpec
 
-    return JobSpec.model_validate({
-        "models": {"models_dir": str(models)},
-        "manifest": str(manifest),
-        "defaults": {**FAST_DEFAULTS, **(defaults or {})},
-        "output": {"uri": out, **(output or {})},
-        "cluster": {"num_workers": 2, "max_batch": 2, "max_in_flight_per_worker": 2, "device": "cpu",
-                    **(cluster or {})},
-        **top,
-    })
+    return JobSpec.model_validate(
+        {
+            "models": {"models_dir": str(models)},
+            "manifest": str(manifest),
+            "defaults": {**FAST_DEFAULTS, **(defaults or {})},
+            "output": {"uri": out, **(output or {})},
+            "cluster": {
+                "num_workers": 2,
+                "max_batch": 2,
+                "max_in_flight_per_worker": 2,
+                "device": "cpu",
+                **(cluster or {}),
+            },
+            **top,
+        }
+    )
 
 
 def expected_item_ids(spec) -> set[str]:

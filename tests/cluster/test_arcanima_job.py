@@ -20,12 +20,13 @@ pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(600), 
 def test_job_renders_with_an_arcanima_adapter(kind, job_inputs, tiny_models, tmp_path):
     adapter = write_tiny_adapter(tmp_path / f"{kind}.safetensors", TinyConfig(), kind)
     refs = job_inputs.references
-    rows = [{"reference": refs[0], "prompt": "1girl, solo, park", "strength": 0.7},
-            {"reference": refs[1], "prompt": "1girl, solo, beach", "fidelity": 1.0},
-            {"reference": refs[0], "prompt": "1girl, solo, city", "mode": "char"}]
+    rows = [
+        {"reference": refs[0], "prompt": "1girl, solo, park", "strength": 0.7},
+        {"reference": refs[1], "prompt": "1girl, solo, beach", "fidelity": 1.0},
+        {"reference": refs[0], "prompt": "1girl, solo, city", "mode": "char"},
+    ]
     manifest = write_manifest(job_inputs.folder / f"{kind}.csv", rows)
-    spec = job_spec(manifest, tiny_models, str(tmp_path / "out"), adapter=str(adapter),
-                    cluster={"num_workers": 1})
+    spec = job_spec(manifest, tiny_models, str(tmp_path / "out"), adapter=str(adapter), cluster={"num_workers": 1})
     summary = run_job(spec, progress=False, write_gallery=False)
     assert summary["images_this_run"] == 2 and summary["failed_items"] == 1
     errors = pd.read_parquet(tmp_path / "out" / "errors")

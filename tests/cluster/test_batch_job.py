@@ -37,10 +37,28 @@ def local_job(ray_cluster_s3, job_inputs, tiny_models, tmp_path_factory):
 @pytest.mark.slow
 def test_local_job_renders_every_good_row(local_job):
     spec, summary, out = local_job
-    assert {k: summary[k] for k in ("manifest_rows", "invalid_rows", "items", "images_this_run", "images_total",
-                                    "failed_items", "skipped_already_done", "interrupted")} == {
-        "manifest_rows": 14, "invalid_rows": 5, "items": 9, "images_this_run": 9, "images_total": 9,
-        "failed_items": 0, "skipped_already_done": 0, "interrupted": False}
+    assert {
+        k: summary[k]
+        for k in (
+            "manifest_rows",
+            "invalid_rows",
+            "items",
+            "images_this_run",
+            "images_total",
+            "failed_items",
+            "skipped_already_done",
+            "interrupted",
+        )
+    } == {
+        "manifest_rows": 14,
+        "invalid_rows": 5,
+        "items": 9,
+        "images_this_run": 9,
+        "images_total": 9,
+        "failed_items": 0,
+        "skipped_already_done": 0,
+        "interrupted": False,
+    }
     assert json.loads((out / "summary.json").read_text()) == summary
 
 
@@ -86,8 +104,12 @@ def test_each_reference_is_encoded_exactly_once(local_job):
     _, summary, out = local_job
     frame = pd.read_parquet(out / "metadata")
     assert frame["reference_hash"].nunique() == 3
-    assert (summary["references"], summary["reference_encodes"], summary["encodes_per_reference"],
-            summary["max_encodes_per_reference"]) == (3, 3, 1.0, 1)
+    assert (
+        summary["references"],
+        summary["reference_encodes"],
+        summary["encodes_per_reference"],
+        summary["max_encodes_per_reference"],
+    ) == (3, 3, 1.0, 1)
     assert summary["scheduler"]["encodes_requested"] == 3
     assert summary["scheduler"]["local_encodes"] == 0
 
@@ -128,9 +150,13 @@ def test_another_spec_is_refused_unless_appending(local_job, job_inputs, tiny_mo
         run_job(other, progress=False, write_gallery=False)
     assert sorted(read_item_ids(open_storage(str(out)))) == sorted(expected_item_ids(spec))
 
-    extra = write_manifest(job_inputs.folder / "extra.csv", [
-        {"reference": job_inputs.references[1], "prompt": "1girl, solo, mountain, snow", "seed": 7},
-        {"reference": job_inputs.references[1], "prompt": "1girl, solo, train station", "seed": 8}])
+    extra = write_manifest(
+        job_inputs.folder / "extra.csv",
+        [
+            {"reference": job_inputs.references[1], "prompt": "1girl, solo, mountain, snow", "seed": 7},
+            {"reference": job_inputs.references[1], "prompt": "1girl, solo, train station", "seed": 8},
+        ],
+    )
     appended = job_spec(extra, tiny_models, str(out), output={"append": True})
     summary = run_job(appended, progress=False, write_gallery=False)
     assert (summary["images_this_run"], summary["failed_items"]) == (2, 0)
@@ -145,8 +171,9 @@ def test_another_spec_is_refused_unless_appending(local_job, job_inputs, tiny_mo
 
 
 @pytest.mark.slow
-def test_job_reads_from_and_writes_to_s3_with_embedded_images(s3_server, job_inputs, tiny_models, tmp_path,
-                                                              monkeypatch):
+def test_job_reads_from_and_writes_to_s3_with_embedded_images(
+    s3_server, job_inputs, tiny_models, tmp_path, monkeypatch
+):
     """Manifest and references on S3 (relative paths resolve against the manifest's prefix), output
     to s3:// through `endpoint_url`, image bytes embedded in the Parquet for Hugging Face datasets."""
     from pyarrow import fs
@@ -155,19 +182,30 @@ def test_job_reads_from_and_writes_to_s3_with_embedded_images(s3_server, job_inp
     prefix = f"batch-{uuid.uuid4().hex[:8]}"
     client = s3_server.client()
     for ref in job_inputs.references:
-        client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/inputs/{ref}",
-                          Body=(job_inputs.folder / ref).read_bytes())
-    client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/inputs/good.csv",
-                      Body=job_inputs.good_manifest.read_bytes())
+        client.put_object(
+            Bucket=s3_server.bucket, Key=f"{prefix}/inputs/{ref}", Body=(job_inputs.folder / ref).read_bytes()
+        )
+    client.put_object(
+        Bucket=s3_server.bucket, Key=f"{prefix}/inputs/good.csv", Body=job_inputs.good_manifest.read_bytes()
+    )
     out_uri = f"s3://{s3_server.bucket}/{prefix}/out"
-    spec = job_spec(f"s3://{s3_server.bucket}/{prefix}/inputs/good.csv", tiny_models, out_uri,
-                    output={"embed_images": True, "s3": {"endpoint_url": s3_server.endpoint_url}})
+    spec = job_spec(
+        f"s3://{s3_server.bucket}/{prefix}/inputs/good.csv",
+        tiny_models,
+        out_uri,
+        output={"embed_images": True, "s3": {"endpoint_url": s3_server.endpoint_url}},
+    )
     summary = run_job(spec, progress=False, write_gallery=False)
     assert (summary["images_this_run"], summary["failed_items"], summary["invalid_rows"]) == (9, 0, 0)
     assert (summary["reference_encodes"], summary["encodes_per_reference"]) == (3, 1.0)
 
-    s3fs = fs.S3FileSystem(endpoint_override=s3_server.endpoint_url, scheme="http", region="us-east-1",
-                           access_key=s3_server.access_key, secret_key=s3_server.secret_key)
+    s3fs = fs.S3FileSystem(
+        endpoint_override=s3_server.endpoint_url,
+        scheme="http",
+        region="us-east-1",
+        access_key=s3_server.access_key,
+        secret_key=s3_server.secret_key,
+    )
     table = pq.read_table(f"{s3_server.bucket}/{prefix}/out/metadata", filesystem=s3fs)
     frame = pd.read_parquet(f"{s3_server.bucket}/{prefix}/out/metadata", filesystem=s3fs)
     assert sorted(table.column("item_id").to_pylist()) == sorted(frame["item_id"]) == sorted(expected_item_ids(spec))
@@ -191,7 +229,8 @@ def test_job_reads_from_and_writes_to_s3_with_embedded_images(s3_server, job_inp
     local.mkdir()
     for key in sorted(k for k in keys if k.startswith(f"{prefix}/out/metadata/")):
         (local / key.rsplit("/", 1)[1]).write_bytes(client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read())
-    ds = datasets.load_dataset("parquet", data_files=str(local / "*.parquet"), split="train",
-                               cache_dir=str(tmp_path / "hf-cache"))
+    ds = datasets.load_dataset(
+        "parquet", data_files=str(local / "*.parquet"), split="train", cache_dir=str(tmp_path / "hf-cache")
+    )
     assert ds.num_rows == 9 and isinstance(ds.features["image"], datasets.Image)
     assert {row["image"].size for row in ds} == {(256, 256)}

@@ -40,11 +40,14 @@ def test_launcher_accepts_it_after_filling_in_aws_defaults(config):
     assert prepared["available_node_types"]["head"]["max_workers"] == 0
 
 
-@pytest.mark.parametrize("break_it, message", [
-    (lambda c: c["available_node_types"]["gpu_g6e"].update(max_worker=4), "Additional properties"),
-    (lambda c: c["available_node_types"]["gpu_g6e"]["resources"].update(GPU=0.5), "is not of type 'integer'"),
-    (lambda c: c.update(idle_timeout_minute=5), "Additional properties"),
-])
+@pytest.mark.parametrize(
+    "break_it, message",
+    [
+        (lambda c: c["available_node_types"]["gpu_g6e"].update(max_worker=4), "Additional properties"),
+        (lambda c: c["available_node_types"]["gpu_g6e"]["resources"].update(GPU=0.5), "is not of type 'integer'"),
+        (lambda c: c.update(idle_timeout_minute=5), "Additional properties"),
+    ],
+)
 def test_the_schema_check_catches_typos_and_fractional_resources(schema, config, break_it, message):
     broken = copy.deepcopy(config)
     break_it(broken)
@@ -72,7 +75,7 @@ def test_head_runs_no_workers_and_gpu_types_autoscale(config):
 def test_setup_installs_only_this_project_over_the_image(config):
     """torch and every other dependency come from the image (deploy/Dockerfile): a node that boots
     installs the synced checkout without dependencies, nothing else."""
-    (remote, local), = config["file_mounts"].items()
+    ((remote, local),) = config["file_mounts"].items()
     assert local == "."
     assert config["setup_commands"] == [f"pip install --no-cache-dir --no-deps -e {remote}"]
     assert not any("torch" in c for c in config["setup_commands"] + config["worker_setup_commands"])

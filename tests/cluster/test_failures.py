@@ -1,5 +1,6 @@
 """Failures during a batch job, with real render workers: a killed worker, an interrupted driver, a
-driver killed with SIGKILL, an S3 outage and a poison item. In every case the output lists each item exactly once and loses none."""
+driver killed with SIGKILL, an S3 outage and a poison item. In every case the output lists each item
+exactly once and loses none."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
@@ -36,8 +37,10 @@ def _manifest(folder: Path, name: str, references: int, prompts: int) -> Path:
     rows = []
     for r in range(references):
         ref = make_reference_png(folder / "refs" / f"ref{r}.png", (60 * r % 256, 90, 200 - 50 * r))
-        rows += [{"reference": ref.relative_to(folder).as_posix(), "prompt": p, "seed": 100 * r + i}
-                 for i, p in enumerate(PROMPTS[:prompts])]
+        rows += [
+            {"reference": ref.relative_to(folder).as_posix(), "prompt": p, "seed": 100 * r + i}
+            for i, p in enumerate(PROMPTS[:prompts])
+        ]
     return write_manifest(folder / name, rows)
 
 
@@ -73,9 +76,13 @@ def test_killed_worker_mid_job_loses_and_duplicates_nothing(tmp_path, tiny_model
 
     killer = threading.Thread(target=kill_a_worker, daemon=True)
     killer.start()
-    summary = run_job(spec, progress=False, write_gallery=False,
-                      on_workers=lambda h, i: (handles.extend(h), infos.extend(i)),
-                      on_progress=lambda n: first_commit.set())
+    summary = run_job(
+        spec,
+        progress=False,
+        write_gallery=False,
+        on_workers=lambda h, i: (handles.extend(h), infos.extend(i)),
+        on_progress=lambda n: first_commit.set(),
+    )
     killer.join(timeout=60)
     assert killed["pid"] in {i.pid for i in infos}
     assert (summary["images_this_run"], summary["failed_items"]) == (12, 0)
@@ -103,8 +110,13 @@ def test_interrupted_driver_resumes_and_renders_only_what_was_missing(tmp_path, 
     log = open(log_path, "wb")
     # With its progress bar: "| 3/18 [" says the driver has committed 3 items (the bar moves
     # after each commit), which is when it is interrupted.
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.generate_dataset", str(spec_file)],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.generate_dataset", str(spec_file)],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
@@ -134,7 +146,10 @@ def test_interrupted_driver_resumes_and_renders_only_what_was_missing(tmp_path, 
 
     resumed = run_job(spec, progress=False, write_gallery=False)
     assert (resumed["skipped_already_done"], resumed["images_this_run"], resumed["images_total"]) == (
-        len(committed), 18 - len(committed), 18)
+        len(committed),
+        18 - len(committed),
+        18,
+    )
     frame = _assert_exactly_once(str(out), expected).set_index("item_id")
     # The items committed before the interrupt were not rendered again.
     assert frame.loc[before.index, "finished_at"].tolist() == before.tolist()
@@ -146,8 +161,14 @@ def test_killed_driver_sigkill_resumes_with_the_same_command_every_item_once(tmp
     manifest = _manifest(tmp_path, "m.csv", references=3, prompts=6)
     out = tmp_path / "out"
     # Parts every 0.5 s, so that some items are committed when the driver dies.
-    spec = job_spec(manifest, tiny_models, str(out), defaults={"steps": 4}, cluster={"max_batch": 1},
-                    output={"metadata_flush_seconds": 0.5})
+    spec = job_spec(
+        manifest,
+        tiny_models,
+        str(out),
+        defaults={"steps": 4},
+        cluster={"max_batch": 1},
+        output={"metadata_flush_seconds": 0.5},
+    )
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     expected = expected_item_ids(spec)
@@ -158,16 +179,18 @@ def test_killed_driver_sigkill_resumes_with_the_same_command_every_item_once(tmp
     storage = open_storage(str(out))
     with open(tmp_path / "driver.log", "wb") as log:
         # Its own session: whatever the dead driver leaves behind is killed by group at the end.
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + 240
             while time.monotonic() < deadline and proc.poll() is None:
                 if (out / "metadata").is_dir() and len(read_item_ids(storage)) >= 2:
                     break
                 time.sleep(0.05)
-            assert proc.poll() is None, "the job ended before it could be killed:\n" + \
-                (tmp_path / "driver.log").read_text()[-3000:]
+            assert proc.poll() is None, (
+                "the job ended before it could be killed:\n" + (tmp_path / "driver.log").read_text()[-3000:]
+            )
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
         finally:
@@ -185,7 +208,10 @@ def test_killed_driver_sigkill_resumes_with_the_same_command_every_item_once(tmp
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = read_summary(storage)
     assert (summary["skipped_already_done"], summary["images_this_run"], summary["images_total"]) == (
-        len(committed), 18 - len(committed), 18)
+        len(committed),
+        18 - len(committed),
+        18,
+    )
     frame = _assert_exactly_once(str(out), expected).set_index("item_id")
     assert frame.loc[before.index, "finished_at"].tolist() == before.tolist()  # not rendered again
 
@@ -193,7 +219,7 @@ def test_killed_driver_sigkill_resumes_with_the_same_command_every_item_once(tmp
 def _part_time(key: str) -> float:
     """The UTC time a metadata part's write began, from its name (part-YYYYmmddTHHMMSSffffffZ-uuid)."""
     stamp = re.search(r"part-(\d{8}T\d{12}Z)-", key).group(1)
-    return datetime.strptime(stamp, "%Y%m%dT%H%M%S%fZ").replace(tzinfo=timezone.utc).timestamp()
+    return datetime.strptime(stamp, "%Y%m%dT%H%M%S%fZ").replace(tzinfo=UTC).timestamp()
 
 
 @pytest.mark.slow
@@ -203,8 +229,14 @@ def test_s3_outage_mid_job_commits_metadata_during_it_after_retries(tmp_path, ti
     out_uri = f"s3://{s3_server.bucket}/{prefix}"
     # The first commit starts the 2 s flush timer and, at once, the outage: the flush that falls inside
     # the 6 s outage has to ride it out (the driver's S3 retries) and lands after the restart.
-    spec = job_spec(manifest, tiny_models, out_uri, defaults={"steps": 3}, cluster={"max_batch": 1},
-                    output={"s3": {"endpoint_url": s3_server.endpoint_url}, "metadata_flush_seconds": 2.0})
+    spec = job_spec(
+        manifest,
+        tiny_models,
+        out_uri,
+        defaults={"steps": 3},
+        cluster={"max_batch": 1},
+        output={"s3": {"endpoint_url": s3_server.endpoint_url}, "metadata_flush_seconds": 2.0},
+    )
     first_commit = threading.Event()
     outage: dict[str, float] = {}
 
@@ -234,8 +266,13 @@ def test_s3_outage_mid_job_commits_metadata_during_it_after_retries(tmp_path, ti
     during = [o["Key"] for o in listed if outage["stopped"] < _part_time(o["Key"]) < outage["restarting"]]
     assert during, (outage, [o["Key"] for o in listed])
     # ... after retries of that very PUT, which the driver logs with their count.
-    retried = [int(m.group(1)) for r in caplog.records if any(key in r.getMessage() for key in during)
-               for m in [re.search(r"succeeded after (\d+) retries", r.getMessage())] if m]
+    retried = [
+        int(m.group(1))
+        for r in caplog.records
+        if any(key in r.getMessage() for key in during)
+        for m in [re.search(r"succeeded after (\d+) retries", r.getMessage())]
+        if m
+    ]
     print(f"\nmetadata parts written during the outage: {len(during)}; retries of their PUTs: {retried}")
     assert retried and min(retried) >= 1
 
@@ -247,8 +284,9 @@ def test_poison_item_is_recorded_with_its_last_exception(tmp_path, tiny_models):
     # stream refuses it (sides are multiples of 16) on every attempt. Should validation learn to
     # reject it up front, this test needs another input that fails only on the workers.
     make_reference_png(tmp_path / "refs" / "sliver.png", (10, 10, 10), size=(1024, 8))
-    rows = pd.read_csv(manifest).to_dict("records") + [{"reference": "refs/sliver.png", "prompt": "1girl, poison",
-                                                         "seed": 5}]
+    rows = pd.read_csv(manifest).to_dict("records") + [
+        {"reference": "refs/sliver.png", "prompt": "1girl, poison", "seed": 5}
+    ]
     manifest = write_manifest(tmp_path / "with_poison.csv", rows)
     out = tmp_path / "out"
     spec = job_spec(manifest, tiny_models, str(out), cluster={"max_attempts": 3})
@@ -263,9 +301,14 @@ def test_poison_item_is_recorded_with_its_last_exception(tmp_path, tiny_models):
     assert len(errors) == 1
     error = errors[0]
     assert (error["item_id"], error["manifest_row"], error["stage"], error["attempt"]) == (
-        _poison_id(spec), 5, "encode", 3)
-    assert error["error"].startswith("ReferenceImageError: a 1024x8 reference fitted to 1.0 MP would be 1024x8, "
-                                     "less than 16 px on a side"), error["error"]
+        _poison_id(spec),
+        5,
+        "encode",
+        3,
+    )
+    assert error["error"].startswith(
+        "ReferenceImageError: a 1024x8 reference fitted to 1.0 MP would be 1024x8, less than 16 px on a side"
+    ), error["error"]
 
 
 def _poison_id(spec) -> str:

@@ -44,17 +44,23 @@ def _manifest(folder: Path, references: int, prompts: int) -> Path:
     rows = []
     for r in range(references):
         ref = make_reference_png(folder / "refs" / f"ref{r}.png", (50 * r % 256, 100, 220 - 40 * r))
-        rows += [{"reference": ref.relative_to(folder).as_posix(), "prompt": p, "seed": 100 * r + i}
-                 for i, p in enumerate(PROMPTS[:prompts])]
+        rows += [
+            {"reference": ref.relative_to(folder).as_posix(), "prompt": p, "seed": 100 * r + i}
+            for i, p in enumerate(PROMPTS[:prompts])
+        ]
     return write_manifest(folder / "manifest.csv", rows)
 
 
 def _cluster_spec(manifest: Path, models: Path, out: Path, cluster: FakeCluster, **shape):
     """device auto on a cluster: every worker asks for num_gpus=1 (the fake nodes have GPU: 1 and
     no CUDA, so the tiny models run on CPU there)."""
-    return job_spec(manifest, models, str(out), defaults={"steps": 3},
-                    cluster={"address": cluster.address, "device": "auto", "num_workers": None, "max_batch": 1,
-                             **shape})
+    return job_spec(
+        manifest,
+        models,
+        str(out),
+        defaults={"steps": 3},
+        cluster={"address": cluster.address, "device": "auto", "num_workers": None, "max_batch": 1, **shape},
+    )
 
 
 def _exactly_once(out: Path, expected: set[str]) -> pd.DataFrame:
@@ -70,13 +76,23 @@ def _exactly_once(out: Path, expected: set[str]) -> pd.DataFrame:
 
 def test_job_on_a_cold_cluster_gets_gpu_nodes_and_later_workers_join(cluster, tiny_models, tmp_path):
     assert cluster.gpu_node_ids() == []  # only the head: no GPU anywhere yet
-    spec = _cluster_spec(_manifest(tmp_path, references=4, prompts=6), tiny_models, tmp_path / "out", cluster,
-                         min_workers=1, max_workers=3)
+    spec = _cluster_spec(
+        _manifest(tmp_path, references=4, prompts=6),
+        tiny_models,
+        tmp_path / "out",
+        cluster,
+        min_workers=1,
+        max_workers=3,
+    )
     joins: list[tuple[float, str]] = []  # (time, node_id) of each worker joining the schedule
     first_commit: list[float] = []
-    summary = run_job(spec, progress=False, write_gallery=False,
-                      on_workers=lambda handles, infos: joins.extend((time.monotonic(), i.node_id) for i in infos),
-                      on_progress=lambda n: first_commit or first_commit.append(time.monotonic()))
+    summary = run_job(
+        spec,
+        progress=False,
+        write_gallery=False,
+        on_workers=lambda handles, infos: joins.extend((time.monotonic(), i.node_id) for i in infos),
+        on_progress=lambda n: first_commit or first_commit.append(time.monotonic()),
+    )
 
     frame = _exactly_once(tmp_path / "out", expected_item_ids(spec))
     assert (summary["images_this_run"], summary["failed_items"]) == (24, 0)
@@ -94,8 +110,14 @@ def test_job_on_a_cold_cluster_gets_gpu_nodes_and_later_workers_join(cluster, ti
 
 
 def test_whole_node_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_models, tmp_path):
-    spec = _cluster_spec(_manifest(tmp_path, references=3, prompts=6), tiny_models, tmp_path / "out", cluster,
-                         min_workers=2, max_workers=2)
+    spec = _cluster_spec(
+        _manifest(tmp_path, references=3, prompts=6),
+        tiny_models,
+        tmp_path / "out",
+        cluster,
+        min_workers=2,
+        max_workers=2,
+    )
     infos_seen = []
     committed = threading.Event()
     killed: dict[str, object] = {}
@@ -109,9 +131,13 @@ def test_whole_node_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_mo
 
     killer = threading.Thread(target=kill_a_node, daemon=True)
     killer.start()
-    summary = run_job(spec, progress=False, write_gallery=False,
-                      on_workers=lambda handles, infos: infos_seen.extend(infos),
-                      on_progress=lambda n: len(infos_seen) >= 2 and committed.set())
+    summary = run_job(
+        spec,
+        progress=False,
+        write_gallery=False,
+        on_workers=lambda handles, infos: infos_seen.extend(infos),
+        on_progress=lambda n: len(infos_seen) >= 2 and committed.set(),
+    )
     killer.join(timeout=60)
     assert "pid" in killed, "the node was never killed"
     assert killed["node"] not in cluster.raylet_pids()  # it is gone for good
@@ -126,14 +152,37 @@ def test_ray_job_submit_with_token_auth(cluster, tiny_models, tmp_path):
     manifest = _manifest(tmp_path, references=2, prompts=2)
     out = tmp_path / "out"
     spec_path = tmp_path / "job.yaml"
-    spec_path.write_text(yaml.safe_dump({
-        "models": {"models_dir": str(tiny_models)}, "manifest": str(manifest), "output": {"uri": str(out)},
-        "defaults": {"width": 256, "height": 256, "steps": 2, "cfg": 1.0, "sampler": "euler"},
-        "cluster": {"max_workers": 2, "max_batch": 1}}))
+    spec_path.write_text(
+        yaml.safe_dump(
+            {
+                "models": {"models_dir": str(tiny_models)},
+                "manifest": str(manifest),
+                "output": {"uri": str(out)},
+                "defaults": {"width": 256, "height": 256, "steps": 2, "cfg": 1.0, "sampler": "euler"},
+                "cluster": {"max_workers": 2, "max_batch": 1},
+            }
+        )
+    )
     submission = f"snapref-test-{time.time_ns()}"
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", cluster.dashboard_url,
-           "--submission-id", submission, "--working-dir", str(REPO), "--",
-           "python", "-m", "jobs.generate_dataset", str(spec_path), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "job",
+        "submit",
+        "--address",
+        cluster.dashboard_url,
+        "--submission-id",
+        submission,
+        "--working-dir",
+        str(REPO),
+        "--",
+        "python",
+        "-m",
+        "jobs.generate_dataset",
+        str(spec_path),
+        "--no-progress",
+    ]
     done = subprocess.run(cmd, env=cluster.driver_env(), capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"Job '{submission}' succeeded" in done.stdout + done.stderr
@@ -145,8 +194,13 @@ def test_ray_job_submit_with_token_auth(cluster, tiny_models, tmp_path):
     # Without the token mode the same CLI is refused (what users of Ray 2.60 clusters meet).
     env = {k: v for k, v in cluster.driver_env().items() if k != "RAY_AUTH_MODE"}
     env["RAY_AUTH_MODE"] = "disabled"
-    refused = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "job", "list", "--address",
-                              cluster.dashboard_url], env=env, capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(
+        [sys.executable, "-m", "ray.scripts.scripts", "job", "list", "--address", cluster.dashboard_url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode != 0
 
 
@@ -159,8 +213,15 @@ def test_cross_node_transfer_benchmark_smoke(cluster):
     assert set(cross_node_transfer.FIELDS) <= set(record)
     assert record["nodes"]["holder"] != record["nodes"]["reader"]
     assert record["refkv_bytes"] > 100 * 1024  # above Ray's inline limit: fetched from the other object store
-    assert record["refkv_bytes"] == 2 * record["encode"]["blocks_real"] * record["refkv_shape"][2] \
-        * record["refkv_shape"][3] * record["refkv_shape"][4] * 2  # bf16 K and V of every block
+    assert (
+        record["refkv_bytes"]
+        == 2
+        * record["encode"]["blocks_real"]
+        * record["refkv_shape"][2]
+        * record["refkv_shape"][3]
+        * record["refkv_shape"][4]
+        * 2
+    )  # bf16 K and V of every block
     assert [row["gbps"] for row in record["break_even"][:3]] == [10.0, 25.0, 100.0]
     for row in record["break_even"]:
         assert set(cross_node_transfer.BREAK_EVEN_FIELDS) <= set(row)

@@ -48,17 +48,28 @@ def server(haproxy_dir: Path, tiny_models: Path, tmp_path_factory) -> Iterator[t
     from snapref_ray.pipelines.serve_app import APP_NAME, build_app
 
     # Durable references (a folder every fake node sees): the store may live on the node that dies.
-    config = ServeConfig(models_dir=str(tiny_models), host="127.0.0.1", port=free_port(), token=TOKEN,
-                         topology="fused", min_replicas=REPLICAS, max_replicas=REPLICAS, gpus_per_replica=1,
-                         cpus_per_replica=1, request_timeout_s=120,
-                         references_uri=str(tmp_path_factory.mktemp("durable-references")))
+    config = ServeConfig(
+        models_dir=str(tiny_models),
+        host="127.0.0.1",
+        port=free_port(),
+        token=TOKEN,
+        topology="fused",
+        min_replicas=REPLICAS,
+        max_replicas=REPLICAS,
+        gpus_per_replica=1,
+        cpus_per_replica=1,
+        request_timeout_s=120,
+        references_uri=str(tmp_path_factory.mktemp("durable-references")),
+    )
     env = direct_ingress_env(config, haproxy_binary(), haproxy_dir)
     # head_cpus=2: the reference store and Serve's own actors fit on the head; each GPU node's one CPU
     # goes to its replica.
     with fake_cluster(max_gpu_nodes=REPLICAS, head_cpus=2, env=env) as cluster, cluster.connected():
         # One HAProxy, on the head: every fake node shares this machine's ports.
-        serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": config.port,
-                                                             "request_timeout_s": config.proxy_timeout_s()})
+        serve.start(
+            proxy_location="HeadOnly",
+            http_options={"host": config.host, "port": config.port, "request_timeout_s": config.proxy_timeout_s()},
+        )
         try:
             serve.run(build_app(config), name=APP_NAME, route_prefix="/")
             yield cluster, f"http://127.0.0.1:{config.port}"
@@ -86,6 +97,7 @@ def _haproxy_servers(haproxy_dir: Path, count: int, timeout_s: float = 60.0) -> 
 
 def _spread(client: SnapRefClient, reference_id: str, rounds: int = 3) -> list[str]:
     """Replicas that answered batches of concurrent renders (HAProxy's leastconn spreads them)."""
+
     def render(seed: int) -> str:
         return client.render("1girl, portrait", reference_id=reference_id, seed=seed, **SMALL)["replica"]
 
@@ -98,8 +110,9 @@ def _spread(client: SnapRefClient, reference_id: str, rounds: int = 3) -> list[s
     return answered
 
 
-def test_haproxy_on_the_head_spreads_renders_over_replicas_on_two_gpu_nodes(server, haproxy_dir, client,
-                                                                            tiny_models: Path) -> None:
+def test_haproxy_on_the_head_spreads_renders_over_replicas_on_two_gpu_nodes(
+    server, haproxy_dir, client, tiny_models: Path
+) -> None:
     cluster, _ = server
     # Two replicas of one GPU each and two one-GPU nodes (the head has none): one replica per node.
     assert len(cluster.gpu_node_ids()) == REPLICAS
@@ -118,8 +131,9 @@ def test_a_lost_gpu_node_leaves_the_survivor_answering(server, haproxy_dir, clie
     cluster.kill_node(victim)
     # HAProxy still lists the dead replica until Serve notices; a request it sends there finds a
     # refused or silent connection and is re-dispatched to the other replica.
-    answers = [client.render("1girl, after the node loss", reference_id=reference_id, seed=i, **SMALL)
-               for i in range(6)]
+    answers = [
+        client.render("1girl, after the node loss", reference_id=reference_id, seed=i, **SMALL) for i in range(6)
+    ]
     assert all(a["images"] for a in answers)
     # One replica answered them all: sequential requests to two live replicas would alternate (leastconn
     # with both idle), so the other one is the victim's.

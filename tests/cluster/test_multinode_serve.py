@@ -44,12 +44,23 @@ def cluster() -> FakeCluster:
 def server(cluster: FakeCluster, tiny_models: Path) -> str:
     from snapref_ray.pipelines.serve_app import APP_NAME, build_app
 
-    config = ServeConfig(models_dir=str(tiny_models), host="127.0.0.1", port=free_port(), token=TOKEN,
-                         min_replicas=2, max_replicas=2, gpus_per_replica=1, cpus_per_replica=1,
-                         max_batch_size=4, request_timeout_s=120)
+    config = ServeConfig(
+        models_dir=str(tiny_models),
+        host="127.0.0.1",
+        port=free_port(),
+        token=TOKEN,
+        min_replicas=2,
+        max_replicas=2,
+        gpus_per_replica=1,
+        cpus_per_replica=1,
+        max_batch_size=4,
+        request_timeout_s=120,
+    )
     # One proxy, on the head: every fake node shares this machine's ports.
-    serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": config.port,
-                                                         "request_timeout_s": config.proxy_timeout_s()})
+    serve.start(
+        proxy_location="HeadOnly",
+        http_options={"host": config.host, "port": config.port, "request_timeout_s": config.proxy_timeout_s()},
+    )
     try:
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{config.port}"
@@ -77,8 +88,9 @@ def _renderer_replicas(cluster: FakeCluster) -> dict[str, dict]:
 def references(client: SnapRefClient, tmp_path_factory) -> list[str]:
     folder = tmp_path_factory.mktemp("serve-refs")
     colours = [(40 + 25 * i, 200 - 20 * i, (90 * i) % 256) for i in range(8)]
-    return [client.upload_reference(make_reference_png(folder / f"r{i}.png", c).read_bytes())
-            for i, c in enumerate(colours)]
+    return [
+        client.upload_reference(make_reference_png(folder / f"r{i}.png", c).read_bytes()) for i, c in enumerate(colours)
+    ]
 
 
 def test_two_replicas_on_two_nodes_and_requests_follow_their_reference(cluster, client, references, capsys):
@@ -105,10 +117,12 @@ def test_two_replicas_on_two_nodes_and_requests_follow_their_reference(cluster, 
     later_hits = [a["cache_hit"] for ref in references for a in answers[ref][1:]]
     per_replica = Counter(answers[ref][0]["replica"] for ref in references)
     with capsys.disabled():
-        print(f"\nServe affinity on 2 nodes: {sum(hits)}/{len(hits)} cache hits overall "
-              f"({100 * sum(hits) / len(hits):.1f}%), {sum(later_hits)}/{len(later_hits)} after each reference's "
-              f"first request ({100 * sum(later_hits) / len(later_hits):.1f}%), "
-              f"{sum(followed)}/{len(followed)} on the encoding replica; first encodes per replica {dict(per_replica)}")
+        print(
+            f"\nServe affinity on 2 nodes: {sum(hits)}/{len(hits)} cache hits overall "
+            f"({100 * sum(hits) / len(hits):.1f}%), {sum(later_hits)}/{len(later_hits)} after each reference's "
+            f"first request ({100 * sum(later_hits) / len(later_hits):.1f}%), "
+            f"{sum(followed)}/{len(followed)} on the encoding replica; first encodes per replica {dict(per_replica)}"
+        )
     assert len(per_replica) == 2  # the references are spread over both replicas
     assert sum(later_hits) / len(later_hits) >= 0.9
     assert sum(followed) / len(followed) >= 0.9
@@ -124,13 +138,17 @@ def test_killed_replica_answers_503_in_flight_and_later_requests_succeed(cluster
     def render(seed: int) -> tuple[int | str, float]:
         t0 = time.monotonic()
         try:
-            client.render("1girl, night", reference_id=victim_refs[seed % len(victim_refs)], seed=seed,
-                          **{**SMALL, "steps": 60, "width": 512, "height": 512})
+            client.render(
+                "1girl, night",
+                reference_id=victim_refs[seed % len(victim_refs)],
+                seed=seed,
+                **{**SMALL, "steps": 60, "width": 512, "height": 512},
+            )
             return 200, time.monotonic() - t0
         except ApiError as e:
             errors.append(f"{e.status}: {e}")
             return e.status, time.monotonic() - t0
-        except Exception as e:  # noqa: BLE001 — a broken connection is a finding too
+        except Exception as e:
             return type(e).__name__, time.monotonic() - t0
 
     errors: list[str] = []
@@ -158,5 +176,7 @@ def test_killed_replica_answers_503_in_flight_and_later_requests_succeed(cluster
             time.sleep(1.0)
     assert answer is not None and answer["images"], "no request succeeded after the replica was killed"
     assert answer["replica"] != victim
-    print(f"\nafter the kill: {dict(statuses)}; the next request went to "
-          f"{'the surviving replica' if answer['replica'] in survivors else 'a replacement replica'}")
+    print(
+        f"\nafter the kill: {dict(statuses)}; the next request went to "
+        f"{'the surviving replica' if answer['replica'] in survivors else 'a replacement replica'}"
+    )

@@ -10,20 +10,23 @@ from snapref_ray.cluster.pool import PoolPlan, PoolShape, plan_pool
 from snapref_ray.storage.jobspec import JobSpecError, quick_spec
 
 
-@pytest.mark.parametrize("device, on_cluster, gpus_now, shape, expected", [
-    # A cold autoscaling cluster: no GPU up yet, still GPU workers (their demand brings the nodes).
-    ("auto", True, 0, PoolShape(min_workers=1, max_workers=4), PoolPlan(True, 1, 4)),
-    ("auto", True, 0, PoolShape(), PoolPlan(True, 1, 1)),
-    ("auto", True, 3, PoolShape(), PoolPlan(True, 1, 3)),
-    ("cuda", False, 0, PoolShape(max_workers=2), PoolPlan(True, 1, 2)),
-    # A laptop without GPUs: the demo's CPU workers.
-    ("auto", False, 0, PoolShape(), PoolPlan(False, 1, 2)),
-    ("auto", False, 2, PoolShape(), PoolPlan(True, 1, 2)),
-    ("cpu", True, 8, PoolShape(cpu_workers=3), PoolPlan(False, 1, 3)),
-    # num_workers: exactly N.
-    ("auto", True, 0, PoolShape(num_workers=5), PoolPlan(True, 5, 5)),
-    ("auto", True, 0, PoolShape(min_workers=3), PoolPlan(True, 3, 3)),
-])
+@pytest.mark.parametrize(
+    "device, on_cluster, gpus_now, shape, expected",
+    [
+        # A cold autoscaling cluster: no GPU up yet, still GPU workers (their demand brings the nodes).
+        ("auto", True, 0, PoolShape(min_workers=1, max_workers=4), PoolPlan(True, 1, 4)),
+        ("auto", True, 0, PoolShape(), PoolPlan(True, 1, 1)),
+        ("auto", True, 3, PoolShape(), PoolPlan(True, 1, 3)),
+        ("cuda", False, 0, PoolShape(max_workers=2), PoolPlan(True, 1, 2)),
+        # A laptop without GPUs: the demo's CPU workers.
+        ("auto", False, 0, PoolShape(), PoolPlan(False, 1, 2)),
+        ("auto", False, 2, PoolShape(), PoolPlan(True, 1, 2)),
+        ("cpu", True, 8, PoolShape(cpu_workers=3), PoolPlan(False, 1, 3)),
+        # num_workers: exactly N.
+        ("auto", True, 0, PoolShape(num_workers=5), PoolPlan(True, 5, 5)),
+        ("auto", True, 0, PoolShape(min_workers=3), PoolPlan(True, 3, 3)),
+    ],
+)
 def test_plan(device, on_cluster, gpus_now, shape, expected):
     assert plan_pool(shape, device, on_cluster=on_cluster, gpus_now=gpus_now) == expected
 
@@ -39,11 +42,26 @@ def test_quick_form_flags_reach_the_cluster_section(tmp_path, monkeypatch):
     import snapref_ray.pipelines.generate_dataset as job
 
     seen = {}
-    monkeypatch.setattr(job, "run_job", lambda spec, **kw: seen.setdefault("spec", spec) and {
-        "failed_items": 0, "images_total": 0, "output": "", "images_this_run": 0, "skipped_already_done": 0,
-        "invalid_rows": 0, "images_per_hour": 0.0, "encodes_per_reference": 0.0})
-    args = build_parser().parse_args(["render", "m.csv", "--models", "models", "--out", str(tmp_path),
-                                      "--min-workers", "2", "--max-workers", "6"])
+    monkeypatch.setattr(
+        job,
+        "run_job",
+        lambda spec, **kw: (
+            seen.setdefault("spec", spec)
+            and {
+                "failed_items": 0,
+                "images_total": 0,
+                "output": "",
+                "images_this_run": 0,
+                "skipped_already_done": 0,
+                "invalid_rows": 0,
+                "images_per_hour": 0.0,
+                "encodes_per_reference": 0.0,
+            }
+        ),
+    )
+    args = build_parser().parse_args(
+        ["render", "m.csv", "--models", "models", "--out", str(tmp_path), "--min-workers", "2", "--max-workers", "6"]
+    )
     assert args.func(args) == 0
     cluster = seen["spec"].cluster
     assert (cluster.num_workers, cluster.min_workers, cluster.max_workers) == (None, 2, 6)

@@ -35,8 +35,14 @@ MiB = 2**20
 class FakeWorker:
     """Sleeps for the GPU; keeps a device LRU like RenderWorker; logs every call it runs."""
 
-    def __init__(self, name: str, render_s: float = 0.05, encode_s: float = 0.02, refkv_bytes: int = 64 * 1024,
-                 die_on_first_render: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        render_s: float = 0.05,
+        encode_s: float = 0.02,
+        refkv_bytes: int = 64 * 1024,
+        die_on_first_render: str | None = None,
+    ) -> None:
         self.name, self.render_s, self.encode_s, self.refkv_bytes = name, render_s, encode_s, refkv_bytes
         self.die_marker = die_on_first_render  # a file path: die once, on the first render, then never again
         self.cache = RefKVCache(1 << 40)
@@ -56,8 +62,15 @@ class FakeWorker:
         with self.lock:
             self.log.append(("stream", reference_hash))
         tokens = self.refkv_bytes // (2 * 64 * 4)
-        return RefKV(torch.full((1, 2, 1, tokens, 64), float(len(self.log))), ((1, 1, 1),), ((0, 0, 0),), (1, 16, 16),
-                     "fake-adapter", reference_hash, self.encode_s)
+        return RefKV(
+            torch.full((1, 2, 1, tokens, 64), float(len(self.log))),
+            ((1, 1, 1),),
+            ((0, 0, 0),),
+            (1, 16, 16),
+            "fake-adapter",
+            reference_hash,
+            self.encode_s,
+        )
 
     def encode(self, task):
         kv, hit = self.cache.get_or_create(task.key, lambda: self._encode(task.reference_hash))
@@ -82,25 +95,48 @@ class FakeWorker:
                     assert shared.reference_id == task.reference.reference_hash
                     source = "object_store"
                     # A private copy, as RenderWorker keeps on CPU: the store's copy is not pinned.
-                    return RefKV(shared.kv_N2HLD.clone(), shared.grids, shared.offsets, shared.target_grid,
-                                 shared.adapter_id, shared.reference_id, shared.encode_seconds)
+                    return RefKV(
+                        shared.kv_N2HLD.clone(),
+                        shared.grids,
+                        shared.offsets,
+                        shared.target_grid,
+                        shared.adapter_id,
+                        shared.reference_id,
+                        shared.encode_seconds,
+                    )
                 source = "encoded"
                 return self._encode(task.reference.reference_hash)
 
             self.cache.get_or_create(task.reference.key, fetch_or_encode)
             time.sleep(self.render_s)
             with self.lock:
-                self.log.append(("render", task.reference.reference_hash, tuple(i.item_id for i in task.items),
-                                 source, tuple(i.settings.steps for i in task.items)))
+                self.log.append(
+                    (
+                        "render",
+                        task.reference.reference_hash,
+                        tuple(i.item_id for i in task.items),
+                        source,
+                        tuple(i.settings.steps for i in task.items),
+                    )
+                )
             outcomes = []
             for item in task.items:
                 if "poison" in item.prompt:
                     attempt = task.attempts[item.item_id]
-                    outcomes.append(ItemOutcome(item.item_id, error=f"RuntimeError: poisoned (attempt {attempt})",
-                                                stage="sample", refkv_source=source))
+                    outcomes.append(
+                        ItemOutcome(
+                            item.item_id,
+                            error=f"RuntimeError: poisoned (attempt {attempt})",
+                            stage="sample",
+                            refkv_source=source,
+                        )
+                    )
                 else:
-                    outcomes.append(ItemOutcome(item.item_id, row={"item_id": item.item_id, "worker": self.name},
-                                                refkv_source=source))
+                    outcomes.append(
+                        ItemOutcome(
+                            item.item_id, row={"item_id": item.item_id, "worker": self.name}, refkv_source=source
+                        )
+                    )
             return outcomes
         finally:
             with self.lock:
@@ -117,8 +153,9 @@ def make_workers():
 
     def make(n: int, *, options: dict | None = None, per_worker: list[dict] | None = None, **kwargs):
         opts = {"max_concurrency": 4, "max_restarts": -1, "max_task_retries": 0, **(options or {})}
-        handles = [FakeWorker.options(**opts).remote(f"w{i}", **kwargs, **((per_worker or [{}] * n)[i]))
-                   for i in range(n)]
+        handles = [
+            FakeWorker.options(**opts).remote(f"w{i}", **kwargs, **((per_worker or [{}] * n)[i])) for i in range(n)
+        ]
         started.extend(handles)
         return handles, ray.get([h.info.remote() for h in handles], timeout=60)
 
@@ -129,8 +166,10 @@ def make_workers():
 
 def items(reference: str, n: int, *, settings: RenderSettings = SETTINGS, prompt: str = "scene") -> list[WorkItem]:
     spec = ReferenceSpec((f"/refs/{reference}.png",), "single")
-    return [WorkItem(f"{reference}-{i}", i + 1, spec, f"hash-{reference}", f"{prompt} {i}", i, settings, 0)
-            for i in range(n)]
+    return [
+        WorkItem(f"{reference}-{i}", i + 1, spec, f"hash-{reference}", f"{prompt} {i}", i, settings, 0)
+        for i in range(n)
+    ]
 
 
 class Recorder:
@@ -142,11 +181,14 @@ class Recorder:
         self.progress_calls = 0
 
     def scheduler(self, handles, infos, **config) -> BatchScheduler:
-        return BatchScheduler(handles, infos, SchedulerConfig(wait_timeout_s=0.2, **config),
-                              on_done=lambda outcome, item: self.done.update([item.item_id]),
-                              on_failed=lambda outcome, item, attempt: self.failed.append(
-                                  (item.item_id, outcome.error, attempt)),
-                              on_progress=self._progress)
+        return BatchScheduler(
+            handles,
+            infos,
+            SchedulerConfig(wait_timeout_s=0.2, **config),
+            on_done=lambda outcome, item: self.done.update([item.item_id]),
+            on_failed=lambda outcome, item, attempt: self.failed.append((item.item_id, outcome.error, attempt)),
+            on_progress=self._progress,
+        )
 
     def _progress(self, n: int) -> None:
         self.progress_calls += 1
@@ -241,13 +283,17 @@ def test_batches_hold_only_items_with_equal_settings(make_workers):
     other = SETTINGS.model_copy(update={"steps": 3})
     work = [item for pair in zip(items("A", 4), items("A", 3, settings=other, prompt="other")) for item in pair]
     work.append(items("A", 4)[3])  # 7 items: steps 2, 3, 2, 3, 2, 3, 2
-    work = [WorkItem(f"i{n}", n, w.reference, w.reference_hash, w.prompt, w.seed, w.settings, 0)
-            for n, w in enumerate(work)]
+    work = [
+        WorkItem(f"i{n}", n, w.reference, w.reference_hash, w.prompt, w.seed, w.settings, 0) for n, w in enumerate(work)
+    ]
     rec = Recorder()
     rec.scheduler(handles, infos, max_in_flight_per_worker=1, max_batch=3).run(work)
     renders = [c for c in calls_of(handles[0])[0] if c[0] == "render"]
     assert [(c[2], c[4]) for c in renders] == [
-        (("i0", "i2", "i4"), (2, 2, 2)), (("i1", "i3", "i5"), (3, 3, 3)), (("i6",), (2,))]
+        (("i0", "i2", "i4"), (2, 2, 2)),
+        (("i1", "i3", "i5"), (3, 3, 3)),
+        (("i6",), (2,)),
+    ]
 
 
 def test_a_poison_item_fails_after_max_attempts_with_its_last_error(make_workers):
@@ -264,8 +310,7 @@ def test_a_poison_item_fails_after_max_attempts_with_its_last_error(make_workers
 @pytest.mark.slow
 def test_a_dead_workers_batch_is_requeued_and_the_worker_probed(make_workers, tmp_path):
     # max_task_retries=0: Ray does not re-run the call, the scheduler sees the death itself.
-    handles, infos = make_workers(2, render_s=0.1,
-                                  per_worker=[{}, {"die_on_first_render": str(tmp_path / "w1-died")}])
+    handles, infos = make_workers(2, render_s=0.1, per_worker=[{}, {"die_on_first_render": str(tmp_path / "w1-died")}])
     rec = Recorder()
     scheduler = rec.scheduler(handles, infos, max_in_flight_per_worker=1, max_batch=1)
     work = items("A", 12)
@@ -292,8 +337,12 @@ def _pid_once_back(handle, timeout_s: float = 60.0) -> int:
 
 @pytest.mark.slow
 def test_a_worker_that_never_comes_back_is_retired(make_workers, tmp_path):
-    handles, infos = make_workers(2, render_s=0.3, options={"max_restarts": 0},
-                                  per_worker=[{}, {"die_on_first_render": str(tmp_path / "w1-died")}])
+    handles, infos = make_workers(
+        2,
+        render_s=0.3,
+        options={"max_restarts": 0},
+        per_worker=[{}, {"die_on_first_render": str(tmp_path / "w1-died")}],
+    )
     rec = Recorder()
     work = items("A", 10)  # ~3 s on the surviving worker: time for the probes to find w1 dead
     stats = rec.scheduler(handles, infos, max_in_flight_per_worker=1, max_batch=1, max_probe_failures=2).run(work)

@@ -38,8 +38,13 @@ def tensors():
     return q, k, v, 2 * torch.randn(H, LR, D, generator=g), torch.randn(H, LR, D, generator=g)
 
 
-ROWS = [(True, True, True, True), (True, False, True, True), (False, True, False, False),
-        (True, True, False, False), (False, False, False, False)]
+ROWS = [
+    (True, True, True, True),
+    (True, False, True, True),
+    (False, True, False, False),
+    (True, True, False, False),
+    (False, False, False, False),
+]
 
 
 @pytest.mark.parametrize("form", READ_FORMS)
@@ -56,8 +61,9 @@ def test_lse_merge_matches_the_concatenation_form(tensors, weight):
     q, k, v, rk, rv = tensors
     rows = (True, False, True, True)
     ref = RefRead(rk, rv, rows, weight)
-    torch.testing.assert_close(attention(q, k, v, ref, form="lse"), attention(q, k, v, ref, form="concat"),
-                               rtol=0, atol=2e-6)
+    torch.testing.assert_close(
+        attention(q, k, v, ref, form="lse"), attention(q, k, v, ref, form="concat"), rtol=0, atol=2e-6
+    )
     # The reference really moves the reading rows (the comparison above is not vacuous).
     plain = attention(q, k, v)
     assert (attention(q, k, v, ref, form="lse") - plain)[0].abs().max() > 0.1
@@ -67,8 +73,12 @@ def test_rows_as_a_tensor_still_work_and_are_read_once(tensors):
     q, k, v, rk, rv = tensors
     as_tensor = RefRead(rk, rv, torch.tensor([False, True, True, False]), 0.5)
     assert as_tensor.reading == (1, 2) and as_tensor.num_rows == 4
-    torch.testing.assert_close(attention(q, k, v, as_tensor),
-                               attention(q, k, v, RefRead(rk, rv, (False, True, True, False), 0.5)), rtol=0, atol=0)
+    torch.testing.assert_close(
+        attention(q, k, v, as_tensor),
+        attention(q, k, v, RefRead(rk, rv, (False, True, True, False), 0.5)),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_rows_must_match_the_batch(tensors):

@@ -1,7 +1,6 @@
 import pytest
 
-from snapref_ray.models.block_map import (INHERITED_28_TO_40, INSERTED_28_TO_40, BlockLayoutError,
-                                          adapter_block_map)
+from snapref_ray.models.block_map import INHERITED_28_TO_40, INSERTED_28_TO_40, BlockLayoutError, adapter_block_map
 
 # snapref-adapter.md §7 / anima-model.md §9
 SPEC_MAP = [0, 1, 3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 19, 20, 22, 23, 25, 26, 28, 29, 31, 32, 34, 35, 37, 38, 39]
@@ -23,8 +22,11 @@ def test_equal_counts_are_identity(n):
 
 
 def test_28_to_30_names_both_counts():
-    with pytest.raises(BlockLayoutError, match=r"an adapter with 28 blocks cannot be attached to a model with 30 blocks"
-                                               r" \(supported: equal counts, or 28 -> 40\)"):
+    with pytest.raises(
+        BlockLayoutError,
+        match=r"an adapter with 28 blocks cannot be attached to a model with 30 blocks"
+        r" \(supported: equal counts, or 28 -> 40\)",
+    ):
         adapter_block_map(28, 30)
 
 

@@ -16,16 +16,30 @@ def touch(root: Path, *names: str) -> None:
 
 
 def test_tiny_names(tmp_path):
-    touch(tmp_path, "dit.safetensors", "text_encoder.safetensors", "vae.safetensors", "adapter.safetensors",
-          "tokenizers/qwen/", "tokenizers/t5/")
+    touch(
+        tmp_path,
+        "dit.safetensors",
+        "text_encoder.safetensors",
+        "vae.safetensors",
+        "adapter.safetensors",
+        "tokenizers/qwen/",
+        "tokenizers/t5/",
+    )
     files = resolve_model_files(tmp_path)
     assert files.dit.name == "dit.safetensors" and files.adapter.name == "adapter.safetensors"
     assert files.qwen_tokenizer == tmp_path / "tokenizers" / "qwen"
 
 
 def test_comfyui_folder_layout_and_an_adapter_is_never_taken_for_the_dit(tmp_path):
-    touch(tmp_path, "diffusion_models/anima-base-v1.0.safetensors", "text_encoders/qwen_3_06b_base.safetensors",
-          "vae/qwen_image_vae.safetensors", "snapref_anima_ref_kv_v1.safetensors", "qwen/", "t5/")
+    touch(
+        tmp_path,
+        "diffusion_models/anima-base-v1.0.safetensors",
+        "text_encoders/qwen_3_06b_base.safetensors",
+        "vae/qwen_image_vae.safetensors",
+        "snapref_anima_ref_kv_v1.safetensors",
+        "qwen/",
+        "t5/",
+    )
     files = resolve_model_files(tmp_path)
     assert files.dit.name == "anima-base-v1.0.safetensors"
     assert files.text_encoder.parent.name == "text_encoders" and files.vae.parent.name == "vae"

@@ -36,8 +36,11 @@ def test_truncated_file(tmp_path, sd):
 def test_pickle_checkpoint_is_refused_without_unpickling(tmp_path, sd):
     path = tmp_path / "dit.safetensors"  # a torch.save file under a safetensors name
     torch.save(sd, path)
-    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: not a safetensors file \(header length \d+"
-                                              r" does not fit a \d+-byte file; a pickle"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{re.escape(str(path))}: not a safetensors file \(header length \d+"
+        r" does not fit a \d+-byte file; a pickle",
+    ):
         load_dit(path)
 
 
@@ -77,8 +80,9 @@ def test_wrong_shape(tmp_path, sd):
     path = write(tmp_path / "dit.safetensors", broken)
     with pytest.raises(CheckpointError) as err:
         load_dit(path)
-    assert str(err.value) == (f"{path}: tensor 'blocks.1.self_attn.k_proj.weight' has shape [64, 32],"
-                              " expected [64, 64]")
+    assert str(err.value) == (
+        f"{path}: tensor 'blocks.1.self_attn.k_proj.weight' has shape [64, 32], expected [64, 64]"
+    )
 
 
 def test_missing_tensor_needed_for_the_config(tmp_path, sd):
@@ -86,8 +90,10 @@ def test_missing_tensor_needed_for_the_config(tmp_path, sd):
     path = write(tmp_path / "dit.safetensors", broken)
     with pytest.raises(CheckpointError) as err:
         load_dit(path)
-    assert str(err.value) == (f"{path}: missing tensor 'x_embedder.proj.1.weight', needed to infer the model's"
-                              " shape (is this an Anima DiT file?)")
+    assert str(err.value) == (
+        f"{path}: missing tensor 'x_embedder.proj.1.weight', needed to infer the model's"
+        " shape (is this an Anima DiT file?)"
+    )
 
 
 def test_file_without_llm_adapter(tmp_path, sd):

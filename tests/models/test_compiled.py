@@ -25,20 +25,27 @@ BLOCKS, WIDTH, HEAD_DIM, CONTEXT = 2, 64, 32, 64
 
 @pytest.fixture(scope="module")
 def dit():
-    return load_dit(make_tiny_dit_state_dict(model_channels=WIDTH, num_blocks=BLOCKS, head_dim=HEAD_DIM,
-                                             context_dim=CONTEXT, seed=3))
+    return load_dit(
+        make_tiny_dit_state_dict(
+            model_channels=WIDTH, num_blocks=BLOCKS, head_dim=HEAD_DIM, context_dim=CONTEXT, seed=3
+        )
+    )
 
 
 def _inputs(rows: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, 16, 1, 8, 6, generator=g), torch.full((rows,), 0.7),
-            torch.randn(rows, 12, CONTEXT, generator=g))
+    return (
+        torch.randn(rows, 16, 1, 8, 6, generator=g),
+        torch.full((rows,), 0.7),
+        torch.randn(rows, 12, CONTEXT, generator=g),
+    )
 
 
 def _refs(dit, reading: tuple[bool, ...], seed: int, weights=(1.0, 0.25)):
     g = torch.Generator().manual_seed(seed)
-    kv = dit.reference_kv(torch.randn(1, 16, 1, 6, 6, generator=g), torch.randn(1, 12, CONTEXT, generator=g),
-                          rope_offset=(0, 0, 3))
+    kv = dit.reference_kv(
+        torch.randn(1, 16, 1, 6, 6, generator=g), torch.randn(1, 12, CONTEXT, generator=g), rope_offset=(0, 0, 3)
+    )
     return [RefRead(k, v, reading, w) for (k, v), w in zip(kv, weights)]
 
 
@@ -51,7 +58,7 @@ def _target_loras(seed: int):
 def _no_syncs():
     if torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode("error")
-        return contextlib.ExitStack().callback(torch.cuda.set_sync_debug_mode, "default")  # noqa
+        return contextlib.ExitStack().callback(torch.cuda.set_sync_debug_mode, "default")
     return contextlib.nullcontext()
 
 

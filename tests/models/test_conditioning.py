@@ -7,12 +7,16 @@ import torch
 
 from snapref_ray.models.conditioning import CONTEXT_ROWS, PromptEncoder
 from snapref_ray.models.qwen3 import load_text_encoder
-from snapref_ray.models.tiny_text import (TINY_QWEN_VOCAB, TINY_T5_VOCAB, make_tiny_qwen3_state_dict,
-                                         write_tiny_tokenizers)
+from snapref_ray.models.tiny_text import (
+    TINY_QWEN_VOCAB,
+    TINY_T5_VOCAB,
+    make_tiny_qwen3_state_dict,
+    write_tiny_tokenizers,
+)
 from snapref_ray.models.tokenizer import AnimaTokenizer
 
-TEXT_DIM = 64   # tiny Qwen3 width (the adapter's source dim)
-CTX_DIM = 32    # tiny adapter output width (the DiT's context dim)
+TEXT_DIM = 64  # tiny Qwen3 width (the adapter's source dim)
+CTX_DIM = 32  # tiny adapter output width (the DiT's context dim)
 
 
 class CountingEncoder(torch.nn.Module):
@@ -45,9 +49,15 @@ def make_adapter(dtype=torch.float32):
     from diffusers import AnimaTextConditioner
 
     torch.manual_seed(0)
-    adapter = AnimaTextConditioner(source_dim=TEXT_DIM, target_dim=CTX_DIM, model_dim=CTX_DIM, num_layers=2,
-                                   num_attention_heads=2, target_vocab_size=TINY_T5_VOCAB,
-                                   min_sequence_length=0)  # the adapter contract: [B, Lt, D], no padding
+    adapter = AnimaTextConditioner(
+        source_dim=TEXT_DIM,
+        target_dim=CTX_DIM,
+        model_dim=CTX_DIM,
+        num_layers=2,
+        num_attention_heads=2,
+        target_vocab_size=TINY_T5_VOCAB,
+        min_sequence_length=0,
+    )  # the adapter contract: [B, Lt, D], no padding
     return adapter.to(dtype).eval()
 
 
@@ -79,7 +89,7 @@ def test_short_prompt_is_padded_to_512_zero_rows(tokenizer, text_encoder, adapte
 
 
 def test_weights_multiply_exactly_their_rows(tokenizer, text_encoder, adapter):
-    """"(x:1.0)" tokenizes exactly like "(x:1.5)", so the two contexts differ only by the weight."""
+    """ "(x:1.0)" tokenizes exactly like "(x:1.5)", so the two contexts differ only by the weight."""
     enc = PromptEncoder(tokenizer, text_encoder, adapter)
     plain = enc.encode("1girl, (long hair:1.0), smile")
     weighted = enc.encode("1girl, (long hair:1.5), smile")
@@ -109,7 +119,7 @@ def test_empty_prompt_goes_through_the_encoder(tokenizer, text_encoder, adapter)
     assert ctx.shape == (1, CONTEXT_ROWS, CTX_DIM)
     with torch.no_grad():
         endoftext = text_encoder(torch.tensor([[TINY_QWEN_VOCAB - 3]]))  # <|endoftext|>, the pad token
-        row0 = adapter(endoftext, torch.tensor([[1]]))[0, 0]               # T5 </s>
+        row0 = adapter(endoftext, torch.tensor([[1]]))[0, 0]  # T5 </s>
     assert torch.equal(ctx[0, 0], row0) and bool(row0.abs().sum() > 0)
     assert torch.count_nonzero(ctx[0, 1:]) == 0
 
@@ -140,8 +150,8 @@ def test_cache_reuses_encodings_and_hands_out_copies(tokenizer, text_encoder, ad
     assert counting.calls == 1
     assert torch.equal(second, reference(tokenizer, text_encoder, adapter, "smile"))
     enc.encode("solo")
-    enc.encode("1girl")        # evicts "smile", the least recently used
-    enc.encode("solo")         # still cached
+    enc.encode("1girl")  # evicts "smile", the least recently used
+    enc.encode("solo")  # still cached
     assert counting.calls == 3
     enc.encode("smile")
     assert counting.calls == 4

@@ -13,8 +13,18 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from snapref_ray.models.attention import RefRead
-from snapref_ray.models.dit import (BLOCK_LINEARS, AnimaDiT, DiTConfig, TimeEmbedding, load_dit, modulate, modulation,
-                                    patchify, real_dit_config, timestep_sinusoid)
+from snapref_ray.models.dit import (
+    BLOCK_LINEARS,
+    AnimaDiT,
+    DiTConfig,
+    TimeEmbedding,
+    load_dit,
+    modulate,
+    modulation,
+    patchify,
+    real_dit_config,
+    timestep_sinusoid,
+)
 from snapref_ray.models.ops import Linear, LoRAPair
 from snapref_ray.models.rope import apply_rope, dit_rope, dit_rope_axis_dims
 from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict
@@ -54,17 +64,27 @@ def diffusers_dit(config: DiTConfig, sd: dict[str, torch.Tensor]):
 
     Only the parity tests need diffusers; they skip by name without it (a failure under SNAPREF_NO_SKIP).
     """
-    CosmosTransformer3DModel = pytest.importorskip("diffusers", reason="the DiT parity oracle needs diffusers"
-                                                   ).CosmosTransformer3DModel
+    CosmosTransformer3DModel = pytest.importorskip(
+        "diffusers", reason="the DiT parity oracle needs diffusers"
+    ).CosmosTransformer3DModel
 
     # No torchvision here, so diffusers' padding-mask resize is unavailable: instead its
     # `condition_mask` input carries the zero channel (concatenated in the same place, channel 16).
     model = CosmosTransformer3DModel(
-        in_channels=config.in_channels + 1, out_channels=config.in_channels, num_attention_heads=config.num_heads,
-        attention_head_dim=config.head_dim, num_layers=config.num_blocks,
-        mlp_ratio=config.mlp_hidden / config.model_channels, text_embed_dim=config.context_dim,
-        adaln_lora_dim=config.adaln_lora_dim, max_size=(128, 240, 240), patch_size=(1, 2, 2),
-        rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=False, extra_pos_embed_type=None)
+        in_channels=config.in_channels + 1,
+        out_channels=config.in_channels,
+        num_attention_heads=config.num_heads,
+        attention_head_dim=config.head_dim,
+        num_layers=config.num_blocks,
+        mlp_ratio=config.mlp_hidden / config.model_channels,
+        text_embed_dim=config.context_dim,
+        adaln_lora_dim=config.adaln_lora_dim,
+        max_size=(128, 240, 240),
+        patch_size=(1, 2, 2),
+        rope_scale=(1.0, 4.0, 4.0),
+        concat_padding_mask=False,
+        extra_pos_embed_type=None,
+    )
     converted = {to_diffusers_key(k): v for k, v in sd.items() if not k.startswith("llm_adapter.")}
     model.load_state_dict(converted, strict=True)
     for block in model.transformer_blocks:  # diffusers' Attention defaults to eps 1e-5; Cosmos uses 1e-6
@@ -76,8 +96,13 @@ def diffusers_dit(config: DiTConfig, sd: dict[str, torch.Tensor]):
 def run_diffusers(model, x_BCTHW: torch.Tensor, sigma_B: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
     B, _, T, H, W = x_BCTHW.shape
     with torch.no_grad():
-        return model(x_BCTHW, timestep=sigma_B, encoder_hidden_states=context,
-                     condition_mask=torch.zeros(B, 1, T, H, W), return_dict=False)[0]
+        return model(
+            x_BCTHW,
+            timestep=sigma_B,
+            encoder_hidden_states=context,
+            condition_mask=torch.zeros(B, 1, T, H, W),
+            return_dict=False,
+        )[0]
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -98,10 +123,19 @@ def tiny():
 
 # --- parity with diffusers -------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_full_width_block_matches_diffusers():
-    sd = small_sd(model_channels=2048, num_blocks=1, head_dim=128, context_dim=1024, adaln_lora_dim=256,
-                  adapter_dim=1024, adapter_heads=16, seed=3)
+    sd = small_sd(
+        model_channels=2048,
+        num_blocks=1,
+        head_dim=128,
+        context_dim=1024,
+        adaln_lora_dim=256,
+        adapter_dim=1024,
+        adapter_heads=16,
+        seed=3,
+    )
     ours = load_dit(sd)
     assert (ours.config.model_channels, ours.config.num_heads, ours.config.mlp_hidden) == (2048, 16, 8192)
     ref_model = diffusers_dit(ours.config, sd)
@@ -162,6 +196,7 @@ def test_diffusers_key_mapping_covers_the_real_layout(ref_keys_dir):
 
 # --- RoPE numbers (anima-model.md §2.4) --------------------------------------------------------
 
+
 def test_dit_rope_split_and_ntk_bases():
     assert dit_rope_axis_dims(128) == (44, 42, 42)
     cos, sin = dit_rope((1, 3, 2), 128, offset=(0, 0, 0))
@@ -193,6 +228,7 @@ def test_apply_rope_pairs_j_with_j_plus_half():
 
 # --- forward behaviour -----------------------------------------------------------------------
 
+
 def test_4d_input_and_scalar_sigma(tiny):
     model, _ = tiny
     x = torch.randn(2, 16, 1, 4, 6)
@@ -211,18 +247,26 @@ def test_cfg_rows_in_one_batch_equal_separate_calls(tiny):
     context = torch.randn(2, 8, 64)
     with torch.no_grad():
         both = model(x, sigma, context)
-        rows = [model(x[i:i + 1], sigma[i:i + 1], context[i:i + 1]) for i in range(2)]
+        rows = [model(x[i : i + 1], sigma[i : i + 1], context[i : i + 1]) for i in range(2)]
     torch.testing.assert_close(both, torch.cat(rows), rtol=0, atol=1e-5)
 
 
 def _random_loras(config: DiTConfig, seed: int, rank: int = 4) -> list[dict[str, LoRAPair]]:
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        shapes = {name: tuple(m.weight.shape) for name, m in AnimaDiT(config).blocks[0].named_modules()
-                  if isinstance(m, Linear) and name in BLOCK_LINEARS}
+        shapes = {
+            name: tuple(m.weight.shape)
+            for name, m in AnimaDiT(config).blocks[0].named_modules()
+            if isinstance(m, Linear) and name in BLOCK_LINEARS
+        }
     assert sorted(shapes) == sorted(BLOCK_LINEARS)
-    return [{name: LoRAPair(torch.randn(rank, i, generator=gen) * 0.3, torch.randn(o, rank, generator=gen) * 0.3, 0.5)
-             for name, (o, i) in shapes.items()} for _ in range(config.num_blocks)]
+    return [
+        {
+            name: LoRAPair(torch.randn(rank, i, generator=gen) * 0.3, torch.randn(o, rank, generator=gen) * 0.3, 0.5)
+            for name, (o, i) in shapes.items()
+        }
+        for _ in range(config.num_blocks)
+    ]
 
 
 def test_runtime_loras_equal_merged_weights(tiny):
@@ -274,6 +318,7 @@ def test_ref_read_reaches_only_reading_rows_and_weight_zero_is_no_ref(tiny):
 
 
 # --- reference_kv ----------------------------------------------------------------------------
+
 
 def test_reference_kv_shapes_and_dtype(tiny):
     model, _ = tiny
@@ -331,8 +376,7 @@ def test_reference_kv_loras(tiny):
         base = model.reference_kv(x, context)
         zero_up = model.reference_kv(x, context, loras=[{"mlp.layer1": LoRAPair(down, torch.zeros(512, 4), 1.0)}] * 3)
         mlp0 = model.reference_kv(x, context, loras=[{"mlp.layer1": LoRAPair(down, up, 0.5)}, None, None])
-        kproj0 = model.reference_kv(
-            x, context, loras=[{"self_attn.k_proj": LoRAPair(down, up[:128], 0.5)}, None, None])
+        kproj0 = model.reference_kv(x, context, loras=[{"self_attn.k_proj": LoRAPair(down, up[:128], 0.5)}, None, None])
     for (k, v), (kz, vz) in zip(base, zero_up):
         assert torch.equal(k, kz) and torch.equal(v, vz)
     # An MLP LoRA in block 0 acts after block 0's self-attention: only later blocks see it.
@@ -344,6 +388,7 @@ def test_reference_kv_loras(tiny):
 
 
 # --- dtypes ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_model(tiny, dtype):
@@ -385,6 +430,7 @@ def test_tiny_model_stays_finite_over_30_euler_steps():
 
 
 # --- load_dit --------------------------------------------------------------------------------
+
 
 def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
     """Equal up to float reordering (memory-mapped and in-memory weights may take different BLAS paths)."""
@@ -430,8 +476,10 @@ def test_load_dit_ignores_extra_keys_with_one_log_line(tmp_path, small, caplog):
 
 def test_load_dit_counts_blocks_from_the_file(tmp_path):
     path = tmp_path / "five.safetensors"
-    save_file({"net." + k: v for k, v in make_tiny_dit_state_dict(num_blocks=5, adapter_blocks=2,
-                                                                  t5_vocab=64).items()}, str(path))
+    save_file(
+        {"net." + k: v for k, v in make_tiny_dit_state_dict(num_blocks=5, adapter_blocks=2, t5_vocab=64).items()},
+        str(path),
+    )
     model = load_dit(path)
     assert model.config.num_blocks == len(model.blocks) == 5
     assert model.config.adapter.num_blocks == len(model.llm_adapter.blocks) == 2
@@ -475,8 +523,9 @@ def _quantise(sd: dict[str, torch.Tensor], fp8: torch.dtype, scales: str, suffix
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("scales,suffix", [("tensor", "weight_scale"), ("row", "weight_scale"),
-                                           ("row", "scale_weight"), ("none", "")])
+@pytest.mark.parametrize(
+    "scales,suffix", [("tensor", "weight_scale"), ("row", "weight_scale"), ("row", "scale_weight"), ("none", "")]
+)
 def test_load_dit_fp8(tmp_path, small, fp8, scales, suffix):
     sd, _ = small
     file_sd, dequant = _quantise(sd, fp8, scales, suffix)

@@ -33,23 +33,34 @@ def random_adapter(config: LLMAdapterConfig, seed: int) -> tuple[LLMAdapter, dic
 
 def diffusers_adapter(config: LLMAdapterConfig, sd: dict[str, torch.Tensor]):
     """The oracle; only the parity test needs diffusers (skips by name without it)."""
-    AnimaTextConditioner = pytest.importorskip("diffusers", reason="the LLM adapter parity oracle needs diffusers"
-                                               ).AnimaTextConditioner
+    AnimaTextConditioner = pytest.importorskip(
+        "diffusers", reason="the LLM adapter parity oracle needs diffusers"
+    ).AnimaTextConditioner
 
-    model = AnimaTextConditioner(source_dim=config.source_dim, target_dim=config.model_dim,
-                                 model_dim=config.model_dim, num_layers=config.num_blocks,
-                                 num_attention_heads=config.num_heads, mlp_ratio=config.mlp_hidden / config.model_dim,
-                                 target_vocab_size=config.vocab_size, min_sequence_length=0)
+    model = AnimaTextConditioner(
+        source_dim=config.source_dim,
+        target_dim=config.model_dim,
+        model_dim=config.model_dim,
+        num_layers=config.num_blocks,
+        num_attention_heads=config.num_heads,
+        mlp_ratio=config.mlp_hidden / config.model_dim,
+        target_vocab_size=config.vocab_size,
+        min_sequence_length=0,
+    )
     model.load_state_dict(sd, strict=True)
     return model.eval()
 
 
-@pytest.mark.parametrize("config", [
-    # real widths (1024-d, 16 x 64 heads), 2 of the 6 blocks, a small vocabulary to keep memory modest
-    LLMAdapterConfig(source_dim=1024, model_dim=1024, num_blocks=2, num_heads=16, mlp_hidden=4096, vocab_size=500),
-    # source width != model width: the cross-attention k/v projections read the source width
-    LLMAdapterConfig(source_dim=48, model_dim=64, num_blocks=3, num_heads=4, mlp_hidden=256, vocab_size=100),
-], ids=["real-width", "tiny"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        # real widths (1024-d, 16 x 64 heads), 2 of the 6 blocks, a small vocabulary to keep memory modest
+        LLMAdapterConfig(source_dim=1024, model_dim=1024, num_blocks=2, num_heads=16, mlp_hidden=4096, vocab_size=500),
+        # source width != model width: the cross-attention k/v projections read the source width
+        LLMAdapterConfig(source_dim=48, model_dim=64, num_blocks=3, num_heads=4, mlp_hidden=256, vocab_size=100),
+    ],
+    ids=["real-width", "tiny"],
+)
 def test_matches_diffusers_anima_text_conditioner(config):
     ours, sd = random_adapter(config, seed=0)
     ref_model = diffusers_adapter(config, sd)
@@ -60,8 +71,10 @@ def test_matches_diffusers_anima_text_conditioner(config):
         out = ours(source, ids)
         ref = ref_model(source, ids)
     diff = (out - ref).abs().max().item()
-    print(f"\nLLM adapter {config.model_dim}-d x {config.num_blocks} blocks: max abs diff {diff:.3g},"
-          f" output max {ref.abs().max():.3g}")
+    print(
+        f"\nLLM adapter {config.model_dim}-d x {config.num_blocks} blocks: max abs diff {diff:.3g},"
+        f" output max {ref.abs().max():.3g}"
+    )
     assert out.shape == (2, 9, config.model_dim)
     assert diff < 1e-4 * ref.abs().max().item()
 

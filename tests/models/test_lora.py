@@ -30,20 +30,32 @@ def stand_in(num_blocks: int = 2, seed: int = 0) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
 
     def attn(q_in, kv_in, out_name):
-        return Holder(q_proj=linear(q_in, D, g), k_proj=linear(kv_in, D, g), v_proj=linear(kv_in, D, g),
-                      **{out_name: linear(D, D, g)})
+        return Holder(
+            q_proj=linear(q_in, D, g),
+            k_proj=linear(kv_in, D, g),
+            v_proj=linear(kv_in, D, g),
+            **{out_name: linear(D, D, g)},
+        )
 
     def adaln(out):
         return nn.Sequential(nn.SiLU(), linear(D, ADALN, g), linear(ADALN, out, g))
 
     blocks = nn.ModuleList(
-        Holder(self_attn=attn(D, D, "output_proj"), cross_attn=attn(D, CTX, "output_proj"),
-               mlp=Holder(layer1=linear(D, HIDDEN, g), layer2=linear(HIDDEN, D, g)),
-               adaln_modulation_self_attn=adaln(3 * D), adaln_modulation_cross_attn=adaln(3 * D),
-               adaln_modulation_mlp=adaln(3 * D))
-        for _ in range(num_blocks))
-    adapter_block = Holder(self_attn=attn(D, D, "o_proj"), cross_attn=attn(D, D, "o_proj"),
-                           mlp=nn.Sequential(linear(D, HIDDEN, g), nn.GELU(), linear(HIDDEN, D, g)))
+        Holder(
+            self_attn=attn(D, D, "output_proj"),
+            cross_attn=attn(D, CTX, "output_proj"),
+            mlp=Holder(layer1=linear(D, HIDDEN, g), layer2=linear(HIDDEN, D, g)),
+            adaln_modulation_self_attn=adaln(3 * D),
+            adaln_modulation_cross_attn=adaln(3 * D),
+            adaln_modulation_mlp=adaln(3 * D),
+        )
+        for _ in range(num_blocks)
+    )
+    adapter_block = Holder(
+        self_attn=attn(D, D, "o_proj"),
+        cross_attn=attn(D, D, "o_proj"),
+        mlp=nn.Sequential(linear(D, HIDDEN, g), nn.GELU(), linear(HIDDEN, D, g)),
+    )
     return Holder(
         t_embedder=nn.Sequential(nn.Identity(), Holder(linear_1=linear(D, D, g), linear_2=linear(D, 3 * D, g))),
         x_embedder=Holder(proj=nn.Sequential(nn.Identity(), linear(68, D, g))),
@@ -60,8 +72,14 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def random_lora(model: nn.Module, paths, seed: int = 1, alpha: float | None = 1.0) -> dict[str, LoRAModule]:
     g = torch.Generator().manual_seed(seed)
     modules = dict(model.named_modules())
-    return {p: LoRAModule(down=torch.randn(RANK, modules[p].in_features, generator=g),
-                          up=torch.randn(modules[p].out_features, RANK, generator=g), alpha=alpha) for p in paths}
+    return {
+        p: LoRAModule(
+            down=torch.randn(RANK, modules[p].in_features, generator=g),
+            up=torch.randn(modules[p].out_features, RANK, generator=g),
+            alpha=alpha,
+        )
+        for p in paths
+    }
 
 
 def expected_delta(module: LoRAModule) -> torch.Tensor:
@@ -69,10 +87,19 @@ def expected_delta(module: LoRAModule) -> torch.Tensor:
     return (module.up.double() @ module.down.double() * scale).float()
 
 
-PATHS = ["blocks.0.self_attn.q_proj", "blocks.1.cross_attn.k_proj", "blocks.1.mlp.layer2",
-         "blocks.0.adaln_modulation_mlp.1", "final_layer.linear", "final_layer.adaln_modulation.2",
-         "x_embedder.proj.1", "t_embedder.1.linear_2", "llm_adapter.blocks.0.self_attn.o_proj",
-         "llm_adapter.blocks.0.mlp.2", "llm_adapter.out_proj"]
+PATHS = [
+    "blocks.0.self_attn.q_proj",
+    "blocks.1.cross_attn.k_proj",
+    "blocks.1.mlp.layer2",
+    "blocks.0.adaln_modulation_mlp.1",
+    "final_layer.linear",
+    "final_layer.adaln_modulation.2",
+    "x_embedder.proj.1",
+    "t_embedder.1.linear_2",
+    "llm_adapter.blocks.0.self_attn.o_proj",
+    "llm_adapter.blocks.0.mlp.2",
+    "llm_adapter.out_proj",
+]
 DIT_ONLY = [p for p in PATHS if not p.startswith("llm_adapter.")]
 
 
@@ -87,8 +114,11 @@ def to_comfyui(lora, prefix="diffusion_model."):
 
 def to_peft(lora, prefix="diffusion_model."):
     # No alpha in a PEFT file (scale 1), so fold alpha/r into B to describe the same update.
-    return {k: v for p, m in lora.items() for k, v in (
-        (f"{prefix}{p}.lora_A.weight", m.down), (f"{prefix}{p}.lora_B.weight", m.up * (m.alpha / RANK)))}
+    return {
+        k: v
+        for p, m in lora.items()
+        for k, v in ((f"{prefix}{p}.lora_A.weight", m.down), (f"{prefix}{p}.lora_B.weight", m.up * (m.alpha / RANK)))
+    }
 
 
 def to_kohya(lora):
@@ -195,13 +225,19 @@ def test_two_loras_stack():
     merge_loras(model, [(first, 0.8), (second, -0.5)])
     after = weights(model)
     q = "blocks.0.self_attn.q_proj"
-    assert torch.allclose(after[q], before[q] + 0.8 * expected_delta(first[q]) - 0.5 * expected_delta(second[q]),
-                          atol=1e-5)
-    assert torch.allclose(after["blocks.0.mlp.layer1"],
-                          before["blocks.0.mlp.layer1"] + 0.8 * expected_delta(first["blocks.0.mlp.layer1"]), atol=1e-5)
-    assert torch.allclose(after["llm_adapter.out_proj"],
-                          before["llm_adapter.out_proj"] - 0.5 * expected_delta(second["llm_adapter.out_proj"]),
-                          atol=1e-5)
+    assert torch.allclose(
+        after[q], before[q] + 0.8 * expected_delta(first[q]) - 0.5 * expected_delta(second[q]), atol=1e-5
+    )
+    assert torch.allclose(
+        after["blocks.0.mlp.layer1"],
+        before["blocks.0.mlp.layer1"] + 0.8 * expected_delta(first["blocks.0.mlp.layer1"]),
+        atol=1e-5,
+    )
+    assert torch.allclose(
+        after["llm_adapter.out_proj"],
+        before["llm_adapter.out_proj"] - 0.5 * expected_delta(second["llm_adapter.out_proj"]),
+        atol=1e-5,
+    )
 
 
 def test_28_block_lora_on_40_block_model_hits_the_inherited_blocks_only():
@@ -213,8 +249,9 @@ def test_28_block_lora_on_40_block_model_hits_the_inherited_blocks_only():
     after = weights(model)
     for k, new in enumerate(INHERITED_28_TO_40):
         name = f"blocks.{new}.self_attn.q_proj"
-        assert torch.allclose(after[name], before[name] + expected_delta(lora[f"blocks.{k}.self_attn.q_proj"]),
-                              atol=1e-5), (k, new)
+        assert torch.allclose(
+            after[name], before[name] + expected_delta(lora[f"blocks.{k}.self_attn.q_proj"]), atol=1e-5
+        ), (k, new)
     for new in INSERTED_28_TO_40:
         assert torch.equal(after[f"blocks.{new}.self_attn.q_proj"], before[f"blocks.{new}.self_attn.q_proj"])
     # the LLM adapter's blocks are not DiT blocks: never remapped
@@ -230,8 +267,11 @@ def test_lora_blocks_overrides_the_guess():
     lora = random_lora(model, ["blocks.2.mlp.layer1"])  # touches only block 2: guessed as a 28-block LoRA
     merge_loras(model, [(lora, 1.0)], lora_blocks=40)
     after = weights(model)
-    assert torch.allclose(after["blocks.2.mlp.layer1"], before["blocks.2.mlp.layer1"]
-                          + expected_delta(lora["blocks.2.mlp.layer1"]), atol=1e-5)
+    assert torch.allclose(
+        after["blocks.2.mlp.layer1"],
+        before["blocks.2.mlp.layer1"] + expected_delta(lora["blocks.2.mlp.layer1"]),
+        atol=1e-5,
+    )
     guessed = stand_in(num_blocks=40)
     merge_loras(guessed, [(lora, 1.0)])
     assert torch.equal(weights(guessed)["blocks.2.mlp.layer1"], before["blocks.2.mlp.layer1"])  # inserted block
@@ -251,8 +291,11 @@ def test_lora_matching_nothing_is_an_error():
     lora = {"llm_adapter.blocks.3.self_attn.q_proj": lora["blocks.0.self_attn.q_proj"]}
     model = stand_in()
     before = weights(model)
-    with pytest.raises(LoRAError, match=r"LoRA 1 of 1: none of its 1 modules exist in the model"
-                                        r" \(e.g. 'llm_adapter.blocks.3.self_attn.q_proj'\)"):
+    with pytest.raises(
+        LoRAError,
+        match=r"LoRA 1 of 1: none of its 1 modules exist in the model"
+        r" \(e.g. 'llm_adapter.blocks.3.self_attn.q_proj'\)",
+    ):
         merge_loras(model, [(lora, 1.0)])
     assert all(torch.equal(before[n], w) for n, w in weights(model).items())
 
@@ -271,8 +314,11 @@ def test_shape_mismatch_names_the_module_and_changes_nothing():
     before = weights(model)
     good = random_lora(model, ["blocks.0.mlp.layer1"])
     bad = {"blocks.1.cross_attn.k_proj": LoRAModule(torch.ones(RANK, D), torch.ones(D, RANK), 1.0)}  # in is CTX
-    with pytest.raises(LoRAError, match=r"LoRA 2 of 2: module 'blocks.1.cross_attn.k_proj' gives a \[8, 8\] update,"
-                                        r" but the weight is \[8, 6\]"):
+    with pytest.raises(
+        LoRAError,
+        match=r"LoRA 2 of 2: module 'blocks.1.cross_attn.k_proj' gives a \[8, 8\] update,"
+        r" but the weight is \[8, 6\]",
+    ):
         merge_loras(model, [(good, 1.0), (bad, 1.0)])
     assert all(torch.equal(before[n], w) for n, w in weights(model).items())
 
@@ -281,9 +327,12 @@ def test_unparseable_keys_are_named():
     sd = to_comfyui(random_lora(stand_in(), ["blocks.0.self_attn.q_proj"]))
     sd["lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight"] = torch.ones(2, 4)
     sd["diffusion_model.blocks.0.self_attn.q_proj.dora_scale"] = torch.ones(1, 8)
-    with pytest.raises(LoRAError, match=r"LoRA state dict: 2 key\(s\) are not LoRA weights of an Anima DiT linear"
-                                        r".*'lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight',"
-                                        r" 'diffusion_model.blocks.0.self_attn.q_proj.dora_scale'"):
+    with pytest.raises(
+        LoRAError,
+        match=r"LoRA state dict: 2 key\(s\) are not LoRA weights of an Anima DiT linear"
+        r".*'lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight',"
+        r" 'diffusion_model.blocks.0.self_attn.q_proj.dora_scale'",
+    ):
         read_lora(sd)
 
 
@@ -293,12 +342,19 @@ def test_unknown_kohya_module_is_named():
 
 
 def test_missing_half_and_rank_mismatch_are_named():
-    with pytest.raises(LoRAError, match=r"module 'blocks.0.mlp.layer1' has no up matrix \(found only"
-                                        r" 'diffusion_model.blocks.0.mlp.layer1.lora_down.weight'\)"):
+    with pytest.raises(
+        LoRAError,
+        match=r"module 'blocks.0.mlp.layer1' has no up matrix \(found only"
+        r" 'diffusion_model.blocks.0.mlp.layer1.lora_down.weight'\)",
+    ):
         read_lora({"diffusion_model.blocks.0.mlp.layer1.lora_down.weight": torch.ones(2, 8)})
     with pytest.raises(LoRAError, match=r"module 'blocks.0.mlp.layer1': down .* has rank 2 but up .* has rank 3"):
-        read_lora({"diffusion_model.blocks.0.mlp.layer1.lora_down.weight": torch.ones(2, 8),
-                   "diffusion_model.blocks.0.mlp.layer1.lora_up.weight": torch.ones(16, 3)})
+        read_lora(
+            {
+                "diffusion_model.blocks.0.mlp.layer1.lora_down.weight": torch.ones(2, 8),
+                "diffusion_model.blocks.0.mlp.layer1.lora_up.weight": torch.ones(16, 3),
+            }
+        )
 
 
 def test_float8_weight_is_dequantised_and_stored_merged():
@@ -334,8 +390,14 @@ def test_merge_into_the_real_dit():
 
     dit = load_dit(make_tiny_dit_state_dict(num_blocks=2, model_channels=64, adapter_blocks=1))
     before = weights(dit)
-    paths = ["blocks.1.self_attn.q_proj", "blocks.0.cross_attn.k_proj", "blocks.1.adaln_modulation_cross_attn.2",
-             "final_layer.adaln_modulation.1", "x_embedder.proj.1", "llm_adapter.blocks.0.cross_attn.v_proj"]
+    paths = [
+        "blocks.1.self_attn.q_proj",
+        "blocks.0.cross_attn.k_proj",
+        "blocks.1.adaln_modulation_cross_attn.2",
+        "final_layer.adaln_modulation.1",
+        "x_embedder.proj.1",
+        "llm_adapter.blocks.0.cross_attn.v_proj",
+    ]
     lora = random_lora(dit, paths)
     merge_loras(dit, [(read_lora(to_kohya(lora)), 0.5)])
     after = weights(dit)

@@ -27,9 +27,18 @@ def hf_qwen3(sd: dict[str, torch.Tensor], vocab: int, layers: int):
     from transformers import Qwen3Config as HFQwen3Config
     from transformers import Qwen3Model
 
-    cfg = HFQwen3Config(vocab_size=vocab, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
-                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                        rope_theta=1e6, max_position_embeddings=4096)
+    cfg = HFQwen3Config(
+        vocab_size=vocab,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+    )
     model = Qwen3Model(cfg)
     model.load_state_dict({k.removeprefix("model."): v.float() for k, v in sd.items()}, strict=True)
     return model.eval()
@@ -136,8 +145,9 @@ def test_single_masked_token_equals_unmasked():
 def test_config_is_inferred_from_shapes():
     sd = make_tiny_qwen3_state_dict(hidden=48, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=96, vocab=77)
     model = load_text_encoder(sd)
-    assert model.config == Qwen3Config(vocab_size=77, hidden_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
-                                       head_dim=16, intermediate_size=96)
+    assert model.config == Qwen3Config(
+        vocab_size=77, hidden_size=48, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96
+    )
 
 
 def test_keys_without_prefix_and_lm_head_load_the_same(tmp_path):
@@ -181,11 +191,17 @@ def test_dtype_argument_casts_the_stored_weights():
 def test_missing_tensors_are_named():
     sd = tiny_sd()
     del sd["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(CheckpointError, match=r"^<state dict>: missing tensor 'layers\.1\.mlp\.up_proj\.weight' "
-                                              r"\(expected shape \[128, 64\]\)$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^<state dict>: missing tensor 'layers\.1\.mlp\.up_proj\.weight' "
+        r"\(expected shape \[128, 64\]\)$",
+    ):
         load_text_encoder(sd)
     sd = tiny_sd()
     del sd["model.layers.0.self_attn.q_norm.weight"]
-    with pytest.raises(CheckpointError, match=r"^<state dict>: not a Qwen3 text encoder: missing tensor "
-                                              r"'model\.layers\.0\.self_attn\.q_norm\.weight'$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^<state dict>: not a Qwen3 text encoder: missing tensor "
+        r"'model\.layers\.0\.self_attn\.q_norm\.weight'$",
+    ):
         load_text_encoder(sd)

@@ -36,6 +36,12 @@ def test_config_inferred_from_real_shapes(ref_keys_dir):
         sd[key] = torch.empty([int(n) for n in shape.strip("[]").split(", ")], device="meta")
     assert DiTConfig.from_state_dict(sd) == real_dit_config(28)
     # Anima-2.9B: 12 more blocks with the same shapes
-    sd.update({k.replace("blocks.0.", f"blocks.{n}.", 1): v
-               for k, v in sd.items() if k.startswith("blocks.0.") for n in range(28, 40)})
+    sd.update(
+        {
+            k.replace("blocks.0.", f"blocks.{n}.", 1): v
+            for k, v in sd.items()
+            if k.startswith("blocks.0.")
+            for n in range(28, 40)
+        }
+    )
     assert DiTConfig.from_state_dict(sd) == real_dit_config(40)

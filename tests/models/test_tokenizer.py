@@ -29,28 +29,32 @@ def tiny(tiny_dirs) -> AnimaTokenizer:
 
 # --- weight syntax -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("prompt, expected", [
-    ("a (b) c", [("a ", 1.0), ("b", 1.1), (" c", 1.0)]),
-    ("((a))", [("a", 1.1 * 1.1)]),
-    ("(((a)))", [("a", 1.1 * 1.1 * 1.1)]),
-    ("(a:1.5)", [("a", 1.5)]),
-    ("((a:1.5))", [("a", 1.5)]),                                  # an explicit weight replaces the outer one
-    ("(a (b:0.5) c:2)", [("a ", 2.0), ("b", 0.5), (" c", 2.0)]),  # the last colon of the group is its weight
-    ("(a:1.2:1.3)", [("a:1.2", 1.3)]),
-    ("(a:b)", [("a:b", 1.1)]),                                    # not a number: literal text, x1.1
-    ("(:1.2)", [(":1.2", 1.1)]),                                  # a colon at the start is text
-    ("\\(a\\)", [("(a)", 1.0)]),                                  # escaped: literal parentheses
-    ("\\((a)\\)", [("(", 1.0), ("a", 1.1), (")", 1.0)]),
-    ("(a\\):1.2)", [("a)", 1.2)]),
-    ("()", []),
-    ("", []),
-    # Unbalanced, as ComfyUI: an unclosed "(" leaves literal text ...
-    ("a (b", [("a ", 1.0), ("(b", 1.0)]),
-    # ... a stray ")" drives the depth negative, so what follows stays literal too ...
-    ("a) (b)", [("a) (b)", 1.0)]),
-    # ... and an unclosed group that ends in ")" is weighted as a whole.
-    ("(a (b)", [("a ", 1.1), ("(b", 1.1)]),
-])
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("a (b) c", [("a ", 1.0), ("b", 1.1), (" c", 1.0)]),
+        ("((a))", [("a", 1.1 * 1.1)]),
+        ("(((a)))", [("a", 1.1 * 1.1 * 1.1)]),
+        ("(a:1.5)", [("a", 1.5)]),
+        ("((a:1.5))", [("a", 1.5)]),  # an explicit weight replaces the outer one
+        ("(a (b:0.5) c:2)", [("a ", 2.0), ("b", 0.5), (" c", 2.0)]),  # the last colon of the group is its weight
+        ("(a:1.2:1.3)", [("a:1.2", 1.3)]),
+        ("(a:b)", [("a:b", 1.1)]),  # not a number: literal text, x1.1
+        ("(:1.2)", [(":1.2", 1.1)]),  # a colon at the start is text
+        ("\\(a\\)", [("(a)", 1.0)]),  # escaped: literal parentheses
+        ("\\((a)\\)", [("(", 1.0), ("a", 1.1), (")", 1.0)]),
+        ("(a\\):1.2)", [("a)", 1.2)]),
+        ("()", []),
+        ("", []),
+        # Unbalanced, as ComfyUI: an unclosed "(" leaves literal text ...
+        ("a (b", [("a ", 1.0), ("(b", 1.0)]),
+        # ... a stray ")" drives the depth negative, so what follows stays literal too ...
+        ("a) (b)", [("a) (b)", 1.0)]),
+        # ... and an unclosed group that ends in ")" is weighted as a whole.
+        ("(a (b)", [("a ", 1.1), ("(b", 1.1)]),
+    ],
+)
 def test_parse_prompt_weights(prompt, expected):
     got = parse_prompt_weights(prompt)
     assert [s for s, _ in got] == [s for s, _ in expected]
@@ -58,6 +62,7 @@ def test_parse_prompt_weights(prompt, expected):
 
 
 # --- real tokenizer files --------------------------------------------------------------------------
+
 
 def test_empty_prompt(real):
     assert real.tokenize("") == TokenizedPrompt(qwen_ids=[151643], t5_ids=[1], t5_weights=[1.0])
@@ -106,8 +111,10 @@ def transformers_tokenizers(real_tokenizer_dirs):
     from transformers import Qwen2Tokenizer, T5TokenizerFast
 
     qwen_dir, t5_dir = real_tokenizer_dirs
-    return (Qwen2Tokenizer.from_pretrained(str(qwen_dir), local_files_only=True),
-            T5TokenizerFast.from_pretrained(str(t5_dir), local_files_only=True))
+    return (
+        Qwen2Tokenizer.from_pretrained(str(qwen_dir), local_files_only=True),
+        T5TokenizerFast.from_pretrained(str(t5_dir), local_files_only=True),
+    )
 
 
 @pytest.mark.parametrize("prompt", ORACLE_PROMPTS)
@@ -142,12 +149,15 @@ def test_special_token_text_maps_to_its_id(real):
 def test_embedding_references_are_dropped_like_a_missing_embedding(real):
     got = real.tokenize("1girl embedding:easynegative, smile")
     # ComfyUI cuts before " embedding:", drops the name, keeps its trailing comma and the rest.
-    assert got.qwen_ids == (real.qwen.encode("1girl", add_special_tokens=False).ids
-                            + real.qwen.encode(", smile", add_special_tokens=False).ids)
+    assert got.qwen_ids == (
+        real.qwen.encode("1girl", add_special_tokens=False).ids
+        + real.qwen.encode(", smile", add_special_tokens=False).ids
+    )
     assert got.t5_ids == (real.t5.encode("1girl").ids[:-1] + real.t5.encode(", smile").ids[:-1] + [1])
 
 
 # --- tiny tokenizers --------------------------------------------------------------------------------
+
 
 def test_tiny_tokenizers_have_the_announced_sizes_and_special_ids(tiny, tiny_dirs):
     qwen_dir, t5_dir = tiny_dirs
@@ -192,8 +202,11 @@ def test_missing_files_are_named(tiny_dirs, tmp_path):
     qwen_dir = tmp_path / "qwen"
     shutil.copytree(tiny_dirs[0], qwen_dir)
     (qwen_dir / "merges.txt").unlink()
-    with pytest.raises(FileNotFoundError, match=r"Qwen tokenizer needs tokenizer\.json, or vocab\.json \+ merges\.txt "
-                                                r"\+ tokenizer_config\.json; merges\.txt is missing"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"Qwen tokenizer needs tokenizer\.json, or vocab\.json \+ merges\.txt "
+        r"\+ tokenizer_config\.json; merges\.txt is missing",
+    ):
         AnimaTokenizer(qwen_dir, tiny_dirs[1])
     with pytest.raises(FileNotFoundError, match=r"T5 tokenizer needs tokenizer\.json"):
         AnimaTokenizer(tiny_dirs[0], tmp_path)

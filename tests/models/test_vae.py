@@ -38,9 +38,13 @@ def to_diffusers_keys(sd: dict[str, torch.Tensor], cfg: VAEConfig) -> dict[str, 
         k = re.sub(r"\.middle\.([02])\.", lambda m: f".mid_block.resnets.{int(m.group(1)) // 2}.", k)
         k = k.replace("encoder.downsamples.", "encoder.down_blocks.")
         k = re.sub(r"^decoder\.upsamples\.(\d+)\.", up_block, k)
-        k = (k.replace(".residual.0.", ".norm1.").replace(".residual.2.", ".conv1.")
-             .replace(".residual.3.", ".norm2.").replace(".residual.6.", ".conv2.")
-             .replace(".shortcut.", ".conv_shortcut."))
+        k = (
+            k.replace(".residual.0.", ".norm1.")
+            .replace(".residual.2.", ".conv1.")
+            .replace(".residual.3.", ".norm2.")
+            .replace(".residual.6.", ".conv2.")
+            .replace(".shortcut.", ".conv_shortcut.")
+        )
         out[k] = value
     return out
 
@@ -48,9 +52,13 @@ def to_diffusers_keys(sd: dict[str, torch.Tensor], cfg: VAEConfig) -> dict[str, 
 def diffusers_vae(sd: dict[str, torch.Tensor], cfg: VAEConfig):
     from diffusers import AutoencoderKLQwenImage
 
-    model = AutoencoderKLQwenImage(base_dim=cfg.base_dim, z_dim=cfg.z_dim, dim_mult=list(cfg.dim_mult),
-                                   num_res_blocks=cfg.num_res_blocks,
-                                   temperal_downsample=list(cfg.temporal_downsample))
+    model = AutoencoderKLQwenImage(
+        base_dim=cfg.base_dim,
+        z_dim=cfg.z_dim,
+        dim_mult=list(cfg.dim_mult),
+        num_res_blocks=cfg.num_res_blocks,
+        temperal_downsample=list(cfg.temporal_downsample),
+    )
     model.load_state_dict(to_diffusers_keys(sd, cfg), strict=True)
     return model.eval()
 
@@ -166,8 +174,12 @@ def test_missing_and_misshaped_keys_are_named():
         load_vae(sd)
     sd = make_tiny_vae_state_dict()
     sd["encoder.middle.1.to_qkv.weight"] = torch.zeros(96, 32, 1)
-    with pytest.raises(CheckpointError, match=re.escape(
-            "VAE state dict: tensor 'encoder.middle.1.to_qkv.weight' has shape [96, 32, 1], expected [96, 32, 1, 1]")):
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
+            "VAE state dict: tensor 'encoder.middle.1.to_qkv.weight' has shape [96, 32, 1], expected [96, 32, 1, 1]"
+        ),
+    ):
         load_vae(sd)
     with pytest.raises(CheckpointError, match=r"missing tensor 'conv2\.weight'"):
         load_vae({k: v for k, v in make_tiny_vae_state_dict().items() if k != "conv2.weight"})

@@ -31,8 +31,12 @@ from tests.ray_data.conftest import FAST_SETTINGS, REPO
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 BUCKET = "my-bucket"  # the README's names, created on the test server
-PROMPTS = ["1girl, solo, city street, night", "1girl, solo, beach", "1girl, solo, library, reading",
-           "1girl, solo, rain, umbrella"]
+PROMPTS = [
+    "1girl, solo, city street, night",
+    "1girl, solo, beach",
+    "1girl, solo, library, reading",
+    "1girl, solo, rain, umbrella",
+]
 
 
 def readme_block(marker: str = "ray-data-pipeline") -> str:
@@ -49,11 +53,15 @@ def _upload_folder(client, folder: Path, prefix: str) -> None:
 
 
 def _read_parquet_prefix(client, prefix: str) -> pa.Table:
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
-            if o["Key"].endswith(".parquet")]
+    keys = [
+        o["Key"]
+        for o in client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+        if o["Key"].endswith(".parquet")
+    ]
     assert keys, f"nothing written under s3://{BUCKET}/{prefix}"
-    return pa.concat_tables([pq.read_table(io.BytesIO(client.get_object(Bucket=BUCKET, Key=k)["Body"].read()))
-                             for k in keys])
+    return pa.concat_tables(
+        [pq.read_table(io.BytesIO(client.get_object(Bucket=BUCKET, Key=k)["Body"].read())) for k in keys]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +79,27 @@ def inputs(s3_server, tiny_models, tmp_path_factory):
         references[f"s3://{BUCKET}/refs/{name}.png"] = data
     whole = make_reference_png(folder / "whole.png", (90, 90, 90)).read_bytes()
     client.put_object(Bucket=BUCKET, Key="refs/corrupt.png", Body=whole[: len(whole) * 2 // 3])
-    rows = [{"reference": uri, "prompt": prompt, "seed": 100 * i + j, "character": uri.rsplit("/", 1)[-1][:-4],
-             **FAST_SETTINGS} for i, uri in enumerate(references) for j, prompt in enumerate(PROMPTS)]
-    rows.insert(5, {"reference": f"s3://{BUCKET}/refs/corrupt.png", "prompt": "1girl, park", "seed": 7,
-                    "character": "corrupt", **FAST_SETTINGS})
+    rows = [
+        {
+            "reference": uri,
+            "prompt": prompt,
+            "seed": 100 * i + j,
+            "character": uri.rsplit("/", 1)[-1][:-4],
+            **FAST_SETTINGS,
+        }
+        for i, uri in enumerate(references)
+        for j, prompt in enumerate(PROMPTS)
+    ]
+    rows.insert(
+        5,
+        {
+            "reference": f"s3://{BUCKET}/refs/corrupt.png",
+            "prompt": "1girl, park",
+            "seed": 7,
+            "character": "corrupt",
+            **FAST_SETTINGS,
+        },
+    )
     local_csv = folder / "prompts.csv"
     with open(local_csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -135,8 +160,10 @@ def test_each_image_equals_renderer_render_of_the_same_batch(rendered, inputs, t
         assert len({r["reference"] for r in rows}) == 1  # a batched forward reads one reference
         settings = RenderSettings.model_validate_json(rows[0]["settings_json"])
         assert settings == RenderSettings(**FAST_SETTINGS)
-        expected = tiny_renderer.render([RenderRequest(prompt=r["prompt"], seed=r["seed"], settings=settings)
-                                         for r in rows], references=[references[rows[0]["reference"]]])
+        expected = tiny_renderer.render(
+            [RenderRequest(prompt=r["prompt"], seed=r["seed"], settings=settings) for r in rows],
+            references=[references[rows[0]["reference"]]],
+        )
         for row, want in zip(rows, expected):
             image = Image.open(io.BytesIO(row["image"]))
             assert image.format == "PNG" and image.size == (256, 256)
@@ -187,7 +214,7 @@ def test_two_actors_and_their_cache_counters(rendered):
 
 def test_readme_block_is_the_one_that_ran():
     code = readme_block()
-    assert "SnapRefRenderer" in code and "write_parquet(\"s3://my-bucket/renders/\")" in code
+    assert "SnapRefRenderer" in code and 'write_parquet("s3://my-bucket/renders/")' in code
     assert "ActorPoolStrategy" in code and "concurrency=" not in code  # Ray 2.60: `concurrency` is deprecated
 
 
@@ -205,8 +232,10 @@ def job_output(ray_s3_env, s3_server, inputs, tiny_models, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("job-inputs")
     refs = [make_reference_png(folder / f"{n}.png", c).name for n, c in (("a", (200, 90, 40)), ("b", (40, 90, 200)))]
-    manifest = write_manifest(folder / "manifest.csv", [{"reference": r, "prompt": p, "seed": i}
-                                                        for r in refs for i, p in enumerate(PROMPTS[:2])])
+    manifest = write_manifest(
+        folder / "manifest.csv",
+        [{"reference": r, "prompt": p, "seed": i} for r in refs for i, p in enumerate(PROMPTS[:2])],
+    )
     out = f"s3://{BUCKET}/run1"  # the README's read_results example reads this
     spec = job_spec(manifest, tiny_models, out)
     summary = run_job(spec, progress=False, write_gallery=False)
@@ -214,8 +243,9 @@ def job_output(ray_s3_env, s3_server, inputs, tiny_models, tmp_path_factory):
     storage = open_storage(out, s3_server.s3_options())
     first = sorted(k for k in storage.list("metadata/") if k.endswith(".parquet"))[0]
     part = pq.read_table(io.BytesIO(storage.get_bytes(first)))
-    part = part.set_column(part.column_names.index("worker_id"), "worker_id",
-                           pa.array(["later-duplicate"] * part.num_rows))
+    part = part.set_column(
+        part.column_names.index("worker_id"), "worker_id", pa.array(["later-duplicate"] * part.num_rows)
+    )
     buf = io.BytesIO()
     pq.write_table(part, buf)
     storage.put_bytes("metadata/part-99990101T000000000000Z-duplicate.parquet", buf.getvalue())
@@ -250,8 +280,10 @@ def test_read_results_refuses_a_folder_without_job_output(tmp_path):
 
 
 def test_readme_read_results_block_runs_as_written(job_output, s3_server):
-    exec(compile(readme_block("ray-data-read-results"), "README.md:ray-data-read-results", "exec"),
-         {"__name__": "readme_read_results"})
+    exec(
+        compile(readme_block("ray-data-read-results"), "README.md:ray-data-read-results", "exec"),
+        {"__name__": "readme_read_results"},
+    )
     table = _read_parquet_prefix(s3_server.client(), "run1-cs/")
     assert table.column_names == ["item_id", "prompt", "image"]
     client = s3_server.client()

@@ -26,8 +26,10 @@ from tests.ray_data.conftest import FAST_SETTINGS
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("refs")
-    paths = {name: make_reference_png(folder / f"{name}.png", colour)
-             for name, colour in {"red": (200, 40, 40), "green": (40, 160, 60)}.items()}
+    paths = {
+        name: make_reference_png(folder / f"{name}.png", colour)
+        for name, colour in {"red": (200, 40, 40), "green": (40, 160, 60)}.items()
+    }
     whole = make_reference_png(folder / "whole.png", (90, 90, 90)).read_bytes()
     (folder / "corrupt.png").write_bytes(whole[: len(whole) // 2])
     return folder, paths
@@ -36,16 +38,20 @@ def refs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def snapref(tiny_models, refs):
     folder, _ = refs
-    return SnapRefRenderer(str(tiny_models), device="cpu", defaults=FAST_SETTINGS, max_batch=2,
-                           references_base=str(folder))
+    return SnapRefRenderer(
+        str(tiny_models), device="cpu", defaults=FAST_SETTINGS, max_batch=2, references_base=str(folder)
+    )
 
 
 def _oracle_check(renderer, rows: list[dict], reference_images: list[bytes], layout: str = "single") -> None:
     """Rows of one batch_id, in batch order, equal Renderer.render of the same requests (bitwise)."""
     rows = sorted(rows, key=lambda r: r["batch_index"])
     settings = RenderSettings.model_validate_json(rows[0]["settings_json"])
-    expected = renderer.render([RenderRequest(prompt=r["prompt"], seed=r["seed"], settings=settings) for r in rows],
-                               references=reference_images, layout=layout)
+    expected = renderer.render(
+        [RenderRequest(prompt=r["prompt"], seed=r["seed"], settings=settings) for r in rows],
+        references=reference_images,
+        layout=layout,
+    )
     for row, want in zip(rows, expected):
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(row["image"]))), np.asarray(want.image))
 
@@ -54,16 +60,28 @@ def _oracle_check(renderer, rows: list[dict], reference_images: list[bytes], lay
 def test_rows_group_into_batched_forwards_and_bad_rows_get_errors(snapref, refs, tiny_renderer):
     folder, paths = refs
     red, green = str(paths["red"]), str(paths["green"])
-    batch = pa.table({
-        "reference": [red, "red.png", green, red, red, str(folder / "missing.png"), red, red, red, None],
-        "prompt": ["1girl, a", "1girl, b", "1girl, a", "1girl, c", "1girl, d", "1girl, e", "1girl, f", " ", "1girl, g",
-                   "1girl, h"],
-        "seed": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
-        "steps": [None, None, None, 3, None, None, None, None, None, None],
-        "sampler": [None, None, None, None, None, None, "dpmpp_9m", None, None, None],
-        "seeds": [None, None, None, None, None, None, None, None, "1|2", None],
-        "note": [f"n{i}" for i in range(10)],
-    })
+    batch = pa.table(
+        {
+            "reference": [red, "red.png", green, red, red, str(folder / "missing.png"), red, red, red, None],
+            "prompt": [
+                "1girl, a",
+                "1girl, b",
+                "1girl, a",
+                "1girl, c",
+                "1girl, d",
+                "1girl, e",
+                "1girl, f",
+                " ",
+                "1girl, g",
+                "1girl, h",
+            ],
+            "seed": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+            "steps": [None, None, None, 3, None, None, None, None, None, None],
+            "sampler": [None, None, None, None, None, None, "dpmpp_9m", None, None, None],
+            "seeds": [None, None, None, None, None, None, None, None, "1|2", None],
+            "note": [f"n{i}" for i in range(10)],
+        }
+    )
     out = snapref(batch)
 
     # The input's own columns first (steps, sampler and seed are output columns too: replaced by the checked values).
@@ -91,8 +109,9 @@ def test_rows_group_into_batched_forwards_and_bad_rows_get_errors(snapref, refs,
     assert shapes == sorted([(red_hash, 2, 2), (red_hash, 2, 1), (red_hash, 3, 1), (green_hash, 2, 1)])
     assert rows[1]["reference_uris"] == [red]
     for group in by_batch.values():
-        _oracle_check(tiny_renderer, group, [paths["red" if group[0]["reference_hash"][:6] == red_hash else "green"]
-                                             .read_bytes()])
+        _oracle_check(
+            tiny_renderer, group, [paths["red" if group[0]["reference_hash"][:6] == red_hash else "green"].read_bytes()]
+        )
     # Two references encoded; steps do not change a RefKV (same size, same key), so red steps 3 is a hit.
     assert (rows[-1]["actor_encodes"], rows[-1]["actor_cache_hits"]) == (2, 2)
     assert [r["refkv_cache_hit"] for r in good] == [False, False, False, True, True]
@@ -107,8 +126,9 @@ def test_the_cache_is_keyed_by_content_across_batches_and_formats(snapref, refs)
     before = snapref.cache.stats.encodes
     # numpy-dict batch (Ray Data's default format), the reference as inline bytes: the green RefKV of the
     # previous batch (read from a path) is a hit.
-    out = snapref({"reference": np.array([data], dtype=object), "prompt": np.array(["1girl, z"]),
-                   "seed": np.array([11])})
+    out = snapref(
+        {"reference": np.array([data], dtype=object), "prompt": np.array(["1girl, z"]), "seed": np.array([11])}
+    )
     (row,) = out.to_pylist()
     assert row["error"] is None and row["refkv_cache_hit"] is True
     assert snapref.cache.stats.encodes == before
@@ -118,9 +138,14 @@ def test_the_cache_is_keyed_by_content_across_batches_and_formats(snapref, refs)
 @pytest.mark.slow
 def test_pairs_and_corrupt_inline_bytes_from_a_pandas_batch(snapref, refs, tiny_renderer):
     folder, paths = refs
-    frame = pd.DataFrame({"left": [str(paths["red"]), str(paths["red"])],
-                          "right": [str(paths["green"]), "corrupt.png"],
-                          "prompt": ["2girls, park", "2girls, cafe"], "seed": [5, 6]})
+    frame = pd.DataFrame(
+        {
+            "left": [str(paths["red"]), str(paths["red"])],
+            "right": [str(paths["green"]), "corrupt.png"],
+            "prompt": ["2girls, park", "2girls, cafe"],
+            "seed": [5, 6],
+        }
+    )
     rows = snapref(frame).to_pylist()
 
     assert rows[1]["error_stage"] == "encode" and "cannot decode the image" in rows[1]["error"]

@@ -59,8 +59,9 @@ def file_url(path: str | os.PathLike) -> str:
     return Path(path).resolve().as_uri()
 
 
-def dump_dom(url: str, *, window_size: tuple[int, int] = (1280, 2400), budget_ms: int = 5000,
-             timeout_s: float = 60) -> str:
+def dump_dom(
+    url: str, *, window_size: tuple[int, int] = (1280, 2400), budget_ms: int = 5000, timeout_s: float = 60
+) -> str:
     """The serialized DOM after the page loaded and ran for ``budget_ms`` of virtual time.
 
     Virtual time advances only when the page is idle, so images and scripts finish loading
@@ -70,8 +71,14 @@ def dump_dom(url: str, *, window_size: tuple[int, int] = (1280, 2400), budget_ms
     return _run([f"--window-size={w},{h}", f"--virtual-time-budget={budget_ms}", "--dump-dom", url], timeout_s).stdout
 
 
-def screenshot(url: str, path: str | os.PathLike, *, window_size: tuple[int, int] = (1280, 900),
-               budget_ms: int = 5000, timeout_s: float = 60) -> Path:
+def screenshot(
+    url: str,
+    path: str | os.PathLike,
+    *,
+    window_size: tuple[int, int] = (1280, 900),
+    budget_ms: int = 5000,
+    timeout_s: float = 60,
+) -> Path:
     """Save a PNG screenshot of the page's viewport to ``path``; returns the path."""
     path = Path(path).resolve()
     w, h = window_size

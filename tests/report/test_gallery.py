@@ -48,16 +48,44 @@ def metadata_row(i: int, ref: int, per_ref: int, *, prompt: str | None = None) -
     started = T0 + 2.0 * (i // 3)
     row = dict.fromkeys(METADATA_SCHEMA.names)
     row.update(
-        item_id=item_id, manifest_row=i, reference_uris=[f"refs/character_{ref}.png"], reference_hash=ref_hash,
+        item_id=item_id,
+        manifest_row=i,
+        reference_uris=[f"refs/character_{ref}.png"],
+        reference_hash=ref_hash,
         reference_image_key=reference_image_key(ref_hash),
         prompt=prompt if prompt is not None else f"character {ref} in scene {i % per_ref}",
-        negative_prompt="blurry", seed=1000 + i, width=96, height=64, steps=8, cfg=4.5, sampler="er_sde",
-        scheduler="simple", mode="snapref", ref_weight=1.0, ref_guidance=0.0, ref_in_uncond=False,
-        correction="none", ref_start=0.0, ref_end=1.0, ref_caption="", settings_json="{}",
-        image_key=image_key(item_id), image_uri=f"/out/{image_key(item_id)}", thumb_key=thumb_key(item_id),
-        image_format="png", adapter="tiny-snapref", model="tiny-anima", worker_id=f"worker-{i % 3}",
-        node_id="node-0", encode_s=0.1, sample_s=1.5, decode_s=0.2, upload_s=0.05, attempt=1,
-        started_at=started, finished_at=started + 2.0,
+        negative_prompt="blurry",
+        seed=1000 + i,
+        width=96,
+        height=64,
+        steps=8,
+        cfg=4.5,
+        sampler="er_sde",
+        scheduler="simple",
+        mode="snapref",
+        ref_weight=1.0,
+        ref_guidance=0.0,
+        ref_in_uncond=False,
+        correction="none",
+        ref_start=0.0,
+        ref_end=1.0,
+        ref_caption="",
+        settings_json="{}",
+        image_key=image_key(item_id),
+        image_uri=f"/out/{image_key(item_id)}",
+        thumb_key=thumb_key(item_id),
+        image_format="png",
+        adapter="tiny-snapref",
+        model="tiny-anima",
+        worker_id=f"worker-{i % 3}",
+        node_id="node-0",
+        encode_s=0.1,
+        sample_s=1.5,
+        decode_s=0.2,
+        upload_s=0.05,
+        attempt=1,
+        started_at=started,
+        finished_at=started + 2.0,
     )
     return row
 
@@ -124,16 +152,57 @@ def small_job(tmp_path_factory):
     root = tmp_path_factory.mktemp("job")
     storage, rows = write_job(root, n_refs=3, per_ref=4, images=True, evil_item=5)
     with ErrorWriter(storage, flush_seconds=0) as errors:
-        errors.add({"item_id": "item-00001", "manifest_row": 1, "error": "RayActorError: worker died",
-                    "stage": "sample", "attempt": 1, "at": T0 + 3})  # retried and succeeded: not failed
-        errors.add({"item_id": "item-00012", "manifest_row": 12, "error": "ValueError: <bad> & \"size\"",
-                    "stage": "sample", "attempt": 1, "at": T0 + 5})
-        errors.add({"item_id": "item-00012", "manifest_row": 12, "error": "ValueError: still <bad>",
-                    "stage": "sample", "attempt": 2, "at": T0 + 9})
-        errors.add({"item_id": None, "manifest_row": 13, "error": "field 'prompt': empty", "stage": "validate",
-                    "attempt": 1, "at": T0})
-    write_summary(storage, {"images_this_run": 12, "wall_seconds": 20.0, "images_per_hour": 2160.0,
-                            "encodes_per_reference": 1.0, "failed_items": 1, "scheduler": {"done_items": 12}})
+        errors.add(
+            {
+                "item_id": "item-00001",
+                "manifest_row": 1,
+                "error": "RayActorError: worker died",
+                "stage": "sample",
+                "attempt": 1,
+                "at": T0 + 3,
+            }
+        )  # retried and succeeded: not failed
+        errors.add(
+            {
+                "item_id": "item-00012",
+                "manifest_row": 12,
+                "error": 'ValueError: <bad> & "size"',
+                "stage": "sample",
+                "attempt": 1,
+                "at": T0 + 5,
+            }
+        )
+        errors.add(
+            {
+                "item_id": "item-00012",
+                "manifest_row": 12,
+                "error": "ValueError: still <bad>",
+                "stage": "sample",
+                "attempt": 2,
+                "at": T0 + 9,
+            }
+        )
+        errors.add(
+            {
+                "item_id": None,
+                "manifest_row": 13,
+                "error": "field 'prompt': empty",
+                "stage": "validate",
+                "attempt": 1,
+                "at": T0,
+            }
+        )
+    write_summary(
+        storage,
+        {
+            "images_this_run": 12,
+            "wall_seconds": 20.0,
+            "images_per_hour": 2160.0,
+            "encodes_per_reference": 1.0,
+            "failed_items": 1,
+            "scheduler": {"done_items": 12},
+        },
+    )
     result = write_report(str(root))
     return root, rows, result
 
@@ -158,7 +227,8 @@ def test_gallery_in_chromium_shows_every_reference_and_loads_every_thumbnail(sma
     sections = dom.find("section", "ref")
     assert [s["data-reference-hash"] for s in sections] == [f"{r:02x}" * 32 for r in range(3)]
     assert [img["src"] for img in dom.find("img", "reference")] == [
-        f"references/{s['data-reference-hash']}.jpg" for s in sections]
+        f"references/{s['data-reference-hash']}.jpg" for s in sections
+    ]
     figures = dom.find("figure", "scene")
     assert [f["data-item-id"] for f in figures] == [r["item_id"] for r in rows]
     thumbs = dom.find("img", "thumb")
@@ -168,14 +238,21 @@ def test_gallery_in_chromium_shows_every_reference_and_loads_every_thumbnail(sma
     links = [a["href"] for a in dom.find("a") if a.get("href", "").startswith("images/")]
     assert links == [f"images/{r['item_id']}.png" for r in rows]
     # Seed and settings on hover; the prompt as caption, the hostile one as inert text.
-    assert figures[0]["title"].splitlines()[:2] == ["item item-00000 · seed 1000",
-                                                    "96×64 · steps 8 · cfg 4.5 · er_sde/simple"]
+    assert figures[0]["title"].splitlines()[:2] == [
+        "item item-00000 · seed 1000",
+        "96×64 · steps 8 · cfg 4.5 · er_sde/simple",
+    ]
     assert dom.captions[5] == EVIL and dom.captions[0] == "character 0 in scene 0"
     assert dom.find("b") == [] and len(dom.find("script")) == 1
     # Header links to the plots; the failed items are the two without an image, last attempt shown.
     assert [a["href"] for a in dom.find("a") if a.get("href", "").startswith("report/")] == [
-        "report/throughput.svg", "report/workers.svg", "report/latency.svg",
-        "report/throughput.svg", "report/workers.svg", "report/latency.svg"]  # text links, then previews
+        "report/throughput.svg",
+        "report/workers.svg",
+        "report/latency.svg",
+        "report/throughput.svg",
+        "report/workers.svg",
+        "report/latency.svg",
+    ]  # text links, then previews
     failed = [tr.get("data-item-id") for tr in dom.find("tr") if "data-item-id" in tr]
     assert failed == ["item-00012", ""]
 
@@ -190,8 +267,9 @@ def test_gallery_source_escapes_user_strings(small_job):
 
 def test_gallery_screenshot_shows_the_images(small_job, tmp_path):
     root, rows, _ = small_job
-    shot = browser.screenshot(browser.file_url(root / "gallery.html"), tmp_path / "gallery.png",
-                              window_size=(1280, 1000))
+    shot = browser.screenshot(
+        browser.file_url(root / "gallery.html"), tmp_path / "gallery.png", window_size=(1280, 1000)
+    )
     img = Image.open(shot).convert("RGB")
     assert img.size == (1280, 1000)
     assert max(ImageStat.Stat(img).stddev) > 20  # not a blank page
@@ -239,7 +317,10 @@ def test_rewrite_with_fewer_pages_deletes_stale_pages(tmp_path):
     assert write_gallery(storage, table, page_size=10)[-1] == "gallery-5.html"
     assert write_gallery(storage, table.slice(0, 25), page_size=10) == [page_key(p) for p in (1, 2, 3)]
     assert [k for k in storage.list("gallery") if k.endswith(".html")] == [
-        "gallery-2.html", "gallery-3.html", "gallery.html"]
+        "gallery-2.html",
+        "gallery-3.html",
+        "gallery.html",
+    ]
 
 
 def test_empty_job_still_writes_a_page(tmp_path):

@@ -30,7 +30,8 @@ def bars(svg: str, series: str | None = None) -> list[ET.Element]:
     root = ET.fromstring(svg.encode("utf-8"))
     assert root.tag == f"{SVG}svg"
     return [
-        r for r in root.iter(f"{SVG}rect")
+        r
+        for r in root.iter(f"{SVG}rect")
         if "bar" in r.get("class", "").split() and (series is None or r.get("data-series") == series)
     ]
 
@@ -102,12 +103,14 @@ def test_nice_ticks_and_durations():
 
 def test_write_plots_stores_three_svgs(tmp_path):
     storage = open_storage(str(tmp_path / "job"))
-    table = pa.table({
-        "worker_id": ["w0", "w1", "w0", "w1"],
-        "started_at": [T0, T0, T0 + 4, T0 + 3],
-        "finished_at": [T0 + 4, T0 + 3, T0 + 8, T0 + 6],
-        "sample_s": [3.5, 2.5, 3.5, 2.5],
-    })
+    table = pa.table(
+        {
+            "worker_id": ["w0", "w1", "w0", "w1"],
+            "started_at": [T0, T0, T0 + 4, T0 + 3],
+            "finished_at": [T0 + 4, T0 + 3, T0 + 8, T0 + 6],
+            "sample_s": [3.5, 2.5, 3.5, 2.5],
+        }
+    )
     assert write_plots(storage, table) == PLOT_KEYS
     svgs = {name: storage.get_bytes(key).decode("utf-8") for name, key in PLOT_KEYS.items()}
     assert len(bars(svgs["throughput"])) == 8  # 8 s of completions in 1 s bins
@@ -117,8 +120,14 @@ def test_write_plots_stores_three_svgs(tmp_path):
 
 def test_write_plots_with_no_rows_draws_empty_charts(tmp_path):
     storage = open_storage(str(tmp_path / "job"))
-    empty = pa.table({"worker_id": pa.array([], pa.string()), "started_at": pa.array([], pa.float64()),
-                      "finished_at": pa.array([], pa.float64()), "sample_s": pa.array([], pa.float64())})
+    empty = pa.table(
+        {
+            "worker_id": pa.array([], pa.string()),
+            "started_at": pa.array([], pa.float64()),
+            "finished_at": pa.array([], pa.float64()),
+            "sample_s": pa.array([], pa.float64()),
+        }
+    )
     write_plots(storage, empty)
     for key in PLOT_KEYS.values():
         svg = storage.get_bytes(key).decode("utf-8")

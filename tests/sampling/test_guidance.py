@@ -30,16 +30,16 @@ def test_rescale_cfg_multiplier_zero_is_cfg(case):
 def rescale_reference(x, sigma, d_c, d_u, s, phi):
     """§6.7 in float64 with explicit loops over (row, column W) for the std."""
     x, d_c, d_u = x.double(), d_c.double(), d_u.double()
-    x_in = x / (sigma ** 2 + 1)
-    c = (x_in - d_c) * (sigma ** 2 + 1) ** 0.5 / sigma
-    u = (x_in - d_u) * (sigma ** 2 + 1) ** 0.5 / sigma
+    x_in = x / (sigma**2 + 1)
+    c = (x_in - d_c) * (sigma**2 + 1) ** 0.5 / sigma
+    u = (x_in - d_u) * (sigma**2 + 1) ** 0.5 / sigma
     g = u + s * (c - u)
     g_r = torch.empty_like(g)
     for b in range(g.shape[0]):
         for w in range(g.shape[-1]):
             g_r[b, ..., w] = g[b, ..., w] * c[b, ..., w].std() / g[b, ..., w].std()  # unbiased over (C, T, H)
     g_f = phi * g_r + (1 - phi) * g
-    return x_in - g_f * sigma / (sigma ** 2 + 1) ** 0.5
+    return x_in - g_f * sigma / (sigma**2 + 1) ** 0.5
 
 
 def test_rescale_cfg_matches_reference(case):

@@ -66,12 +66,15 @@ def test_corrections_change_only_the_guided_estimate(correction):
     # Without the reference row the correction has nothing to act on.
     plan_default = plan_step(RenderSettings(cfg=4.0), 0.9, True)
     base = {Row.COND: dc, Row.UNCOND: du}
-    assert torch.equal(Combiner(RenderSettings(cfg=4.0, correction=correction))(x, torch.tensor(0.9), plan_default, base),
-                       Combiner(RenderSettings(cfg=4.0, correction="none"))(x, torch.tensor(0.9), plan_default, base))
+    assert torch.equal(
+        Combiner(RenderSettings(cfg=4.0, correction=correction))(x, torch.tensor(0.9), plan_default, base),
+        Combiner(RenderSettings(cfg=4.0, correction="none"))(x, torch.tensor(0.9), plan_default, base),
+    )
 
 
 # --- float64 re-derivation of the combination (snapref-adapter.md §5, anima-model.md §6.7, §6.8) ----------------
 # Written with numpy and explicit per-(row, channel) loops, apart from the torch code it checks.
+
 
 def _apg_np(delta: np.ndarray, along: np.ndarray, eta: float, threshold: float) -> np.ndarray:
     """Per (row, channel): clip g's L2 norm over (T, H, W) to `threshold`, then g_perp + eta * g_par w.r.t. `along`."""
@@ -89,8 +92,8 @@ def _apg_np(delta: np.ndarray, along: np.ndarray, eta: float, threshold: float) 
 
 def _rescale_np(x: np.ndarray, sigma: float, guided: np.ndarray, cond: np.ndarray, phi: float) -> np.ndarray:
     """RescaleCFG's std matching in ComfyUI's v space; unbiased std over (C, T, H) per (row, column W)."""
-    root = np.sqrt(sigma ** 2 + 1.0)
-    x_in = x / (sigma ** 2 + 1.0)
+    root = np.sqrt(sigma**2 + 1.0)
+    x_in = x / (sigma**2 + 1.0)
     v_guided = (x_in - guided) * root / sigma
     v_cond = (x_in - cond) * root / sigma
     out = np.empty_like(x)

@@ -67,7 +67,7 @@ def er_sde_reference(x, sigmas, c, k, seeds):
     alpha = [1 - s for s in sig]
 
     def ns(v):
-        return v * (math.exp(v ** 0.3) + 10)
+        return v * (math.exp(v**0.3) + 10)
 
     if isinstance(seeds, int):  # ComfyUI: one generator, one randn of the whole batch per step
         draw_noise = comfyui_noise_sampler(x, seeds)
@@ -93,9 +93,9 @@ def er_sde_reference(x, sigmas, c, k, seeds):
             if i >= 2:
                 s2 = h * sum((p - lam[i]) / ns(p) for p in points)
                 ddd = (dd - prev_dd) / ((lam[i] - lam[i - 2]) / 2)
-                x = x + alpha[i + 1] * (delta ** 2 / 2 + s2 * ns(lam[i + 1])) * ddd
+                x = x + alpha[i + 1] * (delta**2 / 2 + s2 * ns(lam[i + 1])) * ddd
             prev_dd = dd
-        var = lam[i + 1] ** 2 - lam[i] ** 2 * r ** 2
+        var = lam[i + 1] ** 2 - lam[i] ** 2 * r**2
         eps = draw_noise().double()
         x = x + alpha[i + 1] * eps * (math.sqrt(var) if var > 0 else 0.0)
         prev_d = d
@@ -166,7 +166,7 @@ def test_er_sde_per_row_seeds_equal_separate_runs():
     batch = sample_er_sde(Recorder(), start(seeds), sigmas, seed=seeds)
     for b, s in enumerate(seeds):
         alone = sample_er_sde(Recorder(), start([s]), sigmas, seed=s)
-        assert torch.equal(batch[b:b + 1], alone)
+        assert torch.equal(batch[b : b + 1], alone)
     ref = er_sde_reference(start(seeds), sigmas.double().tolist(), 0.6, 0.25, seeds)
     assert torch.allclose(batch.double(), ref, rtol=1e-4, atol=1e-5)
 

@@ -21,11 +21,17 @@ from PIL import Image
 from snapref_ray.client import ApiError as ClientError
 from snapref_ray.client import SnapRefClient, _multipart
 from snapref_ray.serve.api import (
-    ApiError, ReferenceInfo, ReferenceOptions, RenderBody, check_limits, check_reference_fields, reference_id_for,
+    ApiError,
+    ReferenceInfo,
+    ReferenceOptions,
+    RenderBody,
+    check_limits,
+    check_reference_fields,
+    reference_id_for,
     validation_error,
 )
-from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.config import ServeConfig, ServeLimits
+from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.references import ReferenceLRU
 from snapref_ray.storage.image_files import read_image_info
 from tests.serve.conftest import free_port
@@ -40,8 +46,16 @@ LIMITS = ServeLimits(max_upload_bytes=200_000, max_steps=8, max_n=3, max_side=51
 def server(tiny_models: Path):
     from snapref_ray.pipelines.serve_app import start_local, stop_local
 
-    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), token=TOKEN, limits=LIMITS,
-                         min_replicas=1, max_replicas=1, max_batch_size=4, request_timeout_s=120)
+    config = ServeConfig(
+        models_dir=str(tiny_models),
+        port=free_port(),
+        token=TOKEN,
+        limits=LIMITS,
+        min_replicas=1,
+        max_replicas=1,
+        max_batch_size=4,
+        request_timeout_s=120,
+    )
     try:
         yield start_local(config, num_cpus=6)
     finally:
@@ -90,17 +104,24 @@ def _render_error(client: SnapRefClient, **body) -> ClientError:
 def _parse_form(body: bytes, content_type: str, chunk: int = 7) -> MultipartForm:
     async def chunks():
         for i in range(0, len(body), chunk):
-            yield body[i:i + chunk]
+            yield body[i : i + chunk]
 
-    form = MultipartForm(content_type, {"file": 10_000, "ref_caption": 100, "ref_megapixels": 64}, max_parts=4,
-                         max_header_bytes=256, too_large_status={"file": 413})
+    form = MultipartForm(
+        content_type,
+        {"file": 10_000, "ref_caption": 100, "ref_megapixels": 64},
+        max_parts=4,
+        max_header_bytes=256,
+        too_large_status={"file": 413},
+    )
     asyncio.run(form.feed(chunks()))
     return form
 
 
 def test_multipart_round_trip_keeps_binary_content() -> None:
     data = b"\x89PNG\r\n\x1a\n\r\n--not-a-boundary\r\n\x00\xff" * 50
-    body, content_type = _multipart({"ref_caption": "blue hair, ünïcode", "ref_megapixels": "0.5"}, "file", "a.png", data)
+    body, content_type = _multipart(
+        {"ref_caption": "blue hair, ünïcode", "ref_megapixels": "0.5"}, "file", "a.png", data
+    )
     for chunk in (1, 7, len(body)):  # streamed in pieces that split boundaries and headers anywhere
         form = _parse_form(body, content_type, chunk)
         assert (bytes(form.parts["file"].data), form.parts["file"].filename) == (data, "a.png")
@@ -129,13 +150,16 @@ def test_render_body_is_the_request_model() -> None:
     assert body.settings() == RenderSettings(steps=5, mode="char", ref_weight=0.7)
 
 
-@pytest.mark.parametrize("body, field, message", [
-    ({"steps": 0}, "steps", "greater than or equal to 1"),
-    ({"width": 100}, "width", "width must be a multiple of 16 between 256 and 4096, got 100"),
-    ({"sampler": "dpm"}, "sampler", "'euler' or 'er_sde'"),
-    ({"colour": "red"}, "colour", "Extra inputs are not permitted"),
-    ({"ref_start": 0.9, "ref_end": 0.1}, "ref_start", "ref_start (0.9) must not exceed ref_end (0.1)"),
-])
+@pytest.mark.parametrize(
+    "body, field, message",
+    [
+        ({"steps": 0}, "steps", "greater than or equal to 1"),
+        ({"width": 100}, "width", "width must be a multiple of 16 between 256 and 4096, got 100"),
+        ({"sampler": "dpm"}, "sampler", "'euler' or 'er_sde'"),
+        ({"colour": "red"}, "colour", "Extra inputs are not permitted"),
+        ({"ref_start": 0.9, "ref_end": 0.1}, "ref_start", "ref_start (0.9) must not exceed ref_end (0.1)"),
+    ],
+)
 def test_validation_errors_name_the_field(body: dict, field: str, message: str) -> None:
     from pydantic import ValidationError
 
@@ -146,23 +170,34 @@ def test_validation_errors_name_the_field(body: dict, field: str, message: str) 
     assert message in err.message
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"steps": 9}, "steps"), ({"n": 4}, "n"), ({"width": 528}, "width"), ({"prompt": "x" * 201}, "prompt"),
-    ({"negative_prompt": "x" * 201}, "negative_prompt"), ({"ref_megapixels": 3.0}, "ref_megapixels"),
-    ({"denoise": 0.5}, "denoise"), ({"recompute_reference_every_step": True}, "recompute_reference_every_step"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"steps": 9}, "steps"),
+        ({"n": 4}, "n"),
+        ({"width": 528}, "width"),
+        ({"prompt": "x" * 201}, "prompt"),
+        ({"negative_prompt": "x" * 201}, "negative_prompt"),
+        ({"ref_megapixels": 3.0}, "ref_megapixels"),
+        ({"denoise": 0.5}, "denoise"),
+        ({"recompute_reference_every_step": True}, "recompute_reference_every_step"),
+    ],
+)
 def test_server_limits_name_the_field(body: dict, field: str) -> None:
     with pytest.raises(ApiError) as info:
         check_limits(RenderBody(**{"prompt": "p", **SMALL, **body}), LIMITS)
     assert (info.value.status, info.value.field) == (400, field)
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"left_reference_id": "a"}, "right_reference_id"),
-    ({"right_reference_id": "a"}, "left_reference_id"),
-    ({"reference_id": "a", "reference_image": "eA=="}, "reference_image"),
-    ({"reference_id": "a", "left_reference_id": "b", "right_reference_id": "c"}, "right_reference_id"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"left_reference_id": "a"}, "right_reference_id"),
+        ({"right_reference_id": "a"}, "left_reference_id"),
+        ({"reference_id": "a", "reference_image": "eA=="}, "reference_image"),
+        ({"reference_id": "a", "left_reference_id": "b", "right_reference_id": "c"}, "right_reference_id"),
+    ],
+)
 def test_reference_fields_are_exclusive(body: dict, field: str) -> None:
     with pytest.raises(ApiError) as info:
         check_reference_fields(RenderBody(prompt="p", **body))
@@ -173,8 +208,9 @@ def test_reference_store_evicts_by_bytes() -> None:
     lru = ReferenceLRU(max_bytes=10)
 
     def info(h: str, rid: str) -> ReferenceInfo:
-        return ReferenceInfo(reference_id=rid, content_hash=h, width=16, height=16, ref_megapixels=1.0,
-                             ref_caption="", bytes=4)
+        return ReferenceInfo(
+            reference_id=rid, content_hash=h, width=16, height=16, ref_megapixels=1.0, ref_caption="", bytes=4
+        )
 
     lru.put(info("h1", "a"), b"1111")
     lru.put(info("h1", "a2"), b"1111")  # same file, second caption: stored once
@@ -256,9 +292,14 @@ def test_same_image_twice_gives_the_same_id(client: SnapRefClient, reference_png
     assert first["content_hash"] == hashlib.sha256(reference_png).hexdigest()
     assert (first["width"], first["height"], first["bytes"]) == (128, 192, len(reference_png))  # already < 1 MP
     again = client.upload_reference_info(reference_png)
-    as_json = json.loads(_raw(server + "/v1/references", "POST",
-                              json.dumps({"image": base64.b64encode(reference_png).decode()}).encode(),
-                              {"Content-Type": "application/json"})[2])
+    as_json = json.loads(
+        _raw(
+            server + "/v1/references",
+            "POST",
+            json.dumps({"image": base64.b64encode(reference_png).decode()}).encode(),
+            {"Content-Type": "application/json"},
+        )[2]
+    )
     assert first == again == as_json
     captioned = client.upload_reference_info(reference_png, ref_caption="1girl, blue dress", ref_megapixels=0.01)
     assert captioned["reference_id"] != first["reference_id"]
@@ -275,22 +316,34 @@ def test_upload_and_render_round_trip_png(client: SnapRefClient, reference_id: s
     info = read_image_info(png)
     assert (info["seed"], info["prompt"], info["reference_ids"]) == (11, "1girl, in a garden", [reference_id])
     assert info["settings"]["steps"] == 2
-    status, headers, _ = _raw(server + "/v1/render", "POST",
-                              json.dumps({"prompt": "x", "reference_id": reference_id, **SMALL}).encode(),
-                              {"Content-Type": "application/json", "Accept": "image/png"})
+    status, headers, _ = _raw(
+        server + "/v1/render",
+        "POST",
+        json.dumps({"prompt": "x", "reference_id": reference_id, **SMALL}).encode(),
+        {"Content-Type": "application/json", "Accept": "image/png"},
+    )
     assert (status, headers["Content-Type"], headers["X-Seed"]) == (200, "image/png", "0")
     assert headers["X-Reference-Ids"] == reference_id and headers["X-Cache-Hit"] in ("true", "false")
 
 
 @pytest.mark.slow
 def test_json_mode_returns_metadata(client: SnapRefClient, reference_id: str) -> None:
-    answer = client.render("1girl, reading", reference_id=reference_id, seed=3, response_format="json",
-                           mode="char", ref_weight=0.8, **SMALL)
+    answer = client.render(
+        "1girl, reading",
+        reference_id=reference_id,
+        seed=3,
+        response_format="json",
+        mode="char",
+        ref_weight=0.8,
+        **SMALL,
+    )
     assert answer["prompt"] == "1girl, reading" and answer["seeds"] == [3]
     assert answer["settings"]["mode"] == "char" and answer["settings"]["ref_weight"] == 0.8
     assert answer["settings"]["cfg"] == 4.5  # defaults filled in
     assert answer["reference_ids"] == [reference_id]
-    assert {"encode_s", "text_s", "sample_s", "decode_s", "png_s", "queue_s", "replica_s", "call_s", "total_s"} <= set(answer["timings"])
+    assert {"encode_s", "text_s", "sample_s", "decode_s", "png_s", "queue_s", "replica_s", "call_s", "total_s"} <= set(
+        answer["timings"]
+    )
     timings = answer["timings"]  # nested spans: the replica's work inside the ingress's call inside the request
     assert 0 < timings["sample_s"] < timings["replica_s"] <= timings["call_s"] <= timings["total_s"]
     assert answer["batch_size"] >= 1 and answer["batched_requests"] >= 1 and isinstance(answer["cache_hit"], bool)
@@ -312,8 +365,11 @@ def test_n_images_have_consecutive_distinct_seeds(client: SnapRefClient, referen
 def test_reference_is_encoded_once_per_replica(client: SnapRefClient, reference_png: bytes) -> None:
     ref = client.upload_reference(reference_png, ref_caption="encoded-once test")  # a key no replica holds yet
     with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda s: client.render("1girl", reference_id=ref, seed=s, response_format="json",
-                                                        **SMALL), range(4)))
+        answers = list(
+            pool.map(
+                lambda s: client.render("1girl", reference_id=ref, seed=s, response_format="json", **SMALL), range(4)
+            )
+        )
     (replica,) = {a["replica"] for a in answers}  # one replica in this module
     assert [a["cache_hit"] for a in answers].count(False) == 1  # the one that encoded; the others waited for it
     encoders = [a for a in answers if not a["cache_hit"]]
@@ -335,19 +391,32 @@ def test_inline_reference_and_two_characters(client: SnapRefClient, reference_pn
     buf = io.BytesIO()
     other.save(buf, "PNG")
     right = client.upload_reference(buf.getvalue())
-    pair = client.render("2girls, side by side", left_reference_id=reference_id, right_reference_id=right,
-                         response_format="json", **SMALL)
+    pair = client.render(
+        "2girls, side by side",
+        left_reference_id=reference_id,
+        right_reference_id=right,
+        response_format="json",
+        **SMALL,
+    )
     assert pair["reference_ids"] == [reference_id, right] and len(pair["images"]) == 1
     plain = client.render("scenery", response_format="json", **SMALL)  # no reference at all
     assert plain["reference_ids"] == [] and plain["cache_hit"] is None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("body, field", [
-    ({"steps": 0}, "steps"), ({"width": 100}, "width"), ({"colour": "red"}, "colour"), ({"steps": 9}, "steps"),
-    ({"n": 4}, "n"), ({"n": 2, "response_format": "png"}, "n"), ({"ref_start": 0.9, "ref_end": 0.1}, "ref_start"),
-    ({"left_reference_id": "x"}, "right_reference_id"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"steps": 0}, "steps"),
+        ({"width": 100}, "width"),
+        ({"colour": "red"}, "colour"),
+        ({"steps": 9}, "steps"),
+        ({"n": 4}, "n"),
+        ({"n": 2, "response_format": "png"}, "n"),
+        ({"ref_start": 0.9, "ref_end": 0.1}, "ref_start"),
+        ({"left_reference_id": "x"}, "right_reference_id"),
+    ],
+)
 def test_bad_fields_are_400_naming_the_field(client: SnapRefClient, body: dict, field: str) -> None:
     err = _render_error(client, prompt="p", **{**SMALL, **body})
     assert (err.status, err.field) == (400, field)
@@ -358,12 +427,16 @@ def test_bad_fields_are_400_naming_the_field(client: SnapRefClient, body: dict, 
 def test_malformed_bodies_are_400(server: str) -> None:
     status, _, body = _raw(server + "/v1/render", "POST", b"{not json", {"Content-Type": "application/json"})
     assert (status, _error(body)[0]) == (400, "body") and "Invalid JSON" in _error(body)[1]
-    status, _, body = _raw(server + "/v1/render", "POST", json.dumps({"seed": 1}).encode(),
-                           {"Content-Type": "application/json"})
+    status, _, body = _raw(
+        server + "/v1/render", "POST", json.dumps({"seed": 1}).encode(), {"Content-Type": "application/json"}
+    )
     assert (status, _error(body)[0]) == (400, "prompt")
-    status, _, body = _raw(server + "/v1/render", "POST",
-                           json.dumps({"prompt": "p", "reference_image": "not base64!", **SMALL}).encode(),
-                           {"Content-Type": "application/json"})
+    status, _, body = _raw(
+        server + "/v1/render",
+        "POST",
+        json.dumps({"prompt": "p", "reference_image": "not base64!", **SMALL}).encode(),
+        {"Content-Type": "application/json"},
+    )
     assert (status, _error(body)[0]) == (400, "reference_image") and "not valid base64" in _error(body)[1]
     status, _, body = _raw(server + "/v1/references", "POST", b"raw", {"Content-Type": "image/png"})
     assert (status, _error(body)[0]) == (415, "Content-Type")
@@ -398,8 +471,9 @@ def test_oversized_upload_is_413(client: SnapRefClient, server: str) -> None:
     # No Content-Length (chunked): refused from the bytes actually received.
     head = b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.png"\r\n\r\n'
     chunks = iter([head] + [b"\x00" * 100_000] * 5)
-    status, _, answer = _raw(server + "/v1/references", "POST", chunks,
-                             {"Content-Type": "multipart/form-data; boundary=b"})
+    status, _, answer = _raw(
+        server + "/v1/references", "POST", chunks, {"Content-Type": "multipart/form-data; boundary=b"}
+    )
     assert (status, _error(answer)[0]) == (413, "file")
     assert "exceeds" in _error(answer)[1]
 
@@ -408,8 +482,12 @@ def test_oversized_upload_is_413(client: SnapRefClient, server: str) -> None:
 def test_corrupt_or_hostile_images_are_400(client: SnapRefClient, reference_png: bytes) -> None:
     bomb = io.BytesIO()
     Image.new("1", (9000, 8000)).save(bomb, "PNG")  # 72 MP in a few kB: refused on its header
-    cases = [(reference_png[: len(reference_png) // 2], "truncated or corrupt"), (b"", "empty file"),
-             (b"GIF89a but not really an image", "not an image format"), (bomb.getvalue(), "decompression bomb")]
+    cases = [
+        (reference_png[: len(reference_png) // 2], "truncated or corrupt"),
+        (b"", "empty file"),
+        (b"GIF89a but not really an image", "not an image format"),
+        (bomb.getvalue(), "decompression bomb"),
+    ]
     for data, message in cases:
         with pytest.raises(ClientError) as info:
             client.upload_reference(data)

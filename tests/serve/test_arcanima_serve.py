@@ -30,8 +30,16 @@ def served(request, tiny_models: Path, tmp_path_factory):
 
     kind = request.param
     adapter = write_tiny_adapter(tmp_path_factory.mktemp(kind) / "adapter.safetensors", TinyConfig(), kind)
-    config = ServeConfig(models_dir=str(tiny_models), adapter=str(adapter), port=free_port(), token=TOKEN,
-                         min_replicas=1, max_replicas=1, max_batch_size=4, request_timeout_s=300)
+    config = ServeConfig(
+        models_dir=str(tiny_models),
+        adapter=str(adapter),
+        port=free_port(),
+        token=TOKEN,
+        min_replicas=1,
+        max_replicas=1,
+        max_batch_size=4,
+        request_timeout_s=300,
+    )
     try:
         url = start_local(config, num_cpus=4)
         yield kind, SnapRefClient(url, token=TOKEN, timeout=600, retries=0)
@@ -42,8 +50,16 @@ def served(request, tiny_models: Path, tmp_path_factory):
 def test_endpoint_renders_with_the_file_kind(served, tiny_models):
     kind, client = served
     ref = client.upload_reference((tiny_models / "reference.png").read_bytes())
-    png = client.render("1girl, solo, beach", reference_id=ref, width=256, height=256, steps=2, sampler="euler",
-                        strength=0.7, fidelity=1.0)
+    png = client.render(
+        "1girl, solo, beach",
+        reference_id=ref,
+        width=256,
+        height=256,
+        steps=2,
+        sampler="euler",
+        strength=0.7,
+        fidelity=1.0,
+    )
     assert Image.open(io.BytesIO(png)).size == (256, 256)
     with pytest.raises(ClientError) as e:
         client.render("1girl", reference_id=ref, width=256, height=256, steps=1, mode="char")

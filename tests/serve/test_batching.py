@@ -22,9 +22,18 @@ def client(tiny_models: Path):
     from snapref_ray.pipelines.serve_app import start_local, stop_local
 
     # No token on loopback (allowed); a wide wait window so requests sent together surely meet.
-    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), min_replicas=1, max_replicas=1,
-                         max_batch_size=MAX_BATCH, max_ongoing_requests=12, max_queued_requests=32,
-                         batch_wait_timeout_s=0.5, limits=ServeLimits(max_n=MAX_BATCH), request_timeout_s=120)
+    config = ServeConfig(
+        models_dir=str(tiny_models),
+        port=free_port(),
+        min_replicas=1,
+        max_replicas=1,
+        max_batch_size=MAX_BATCH,
+        max_ongoing_requests=12,
+        max_queued_requests=32,
+        batch_wait_timeout_s=0.5,
+        limits=ServeLimits(max_n=MAX_BATCH),
+        request_timeout_s=120,
+    )
     try:
         yield SnapRefClient(start_local(config, num_cpus=6), timeout=120, retries=0)
     finally:
@@ -69,8 +78,9 @@ def _check_accounting(answers: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_concurrent_compatible_requests_are_batched(client: SnapRefClient, references: list[str]) -> None:
-    answers = _together(client, [{"prompt": f"1girl, scene {i}", "seed": i, "reference_id": references[0], **SMALL}
-                                 for i in range(4)])
+    answers = _together(
+        client, [{"prompt": f"1girl, scene {i}", "seed": i, "reference_id": references[0], **SMALL} for i in range(4)]
+    )
     _check_accounting(answers)
     assert max(a["batch_size"] for a in answers) > 1
     assert len(_by_batch(answers)) < 4
@@ -80,10 +90,12 @@ def test_concurrent_compatible_requests_are_batched(client: SnapRefClient, refer
 
 @pytest.mark.slow
 def test_incompatible_requests_never_share_a_forward(client: SnapRefClient, references: list[str]) -> None:
-    bodies = ([{"prompt": "a", "reference_id": references[0], **SMALL} for _ in range(2)]
-              + [{"prompt": "b", "reference_id": references[0], **SMALL, "steps": 3} for _ in range(2)]
-              + [{"prompt": "c", "reference_id": references[1], **SMALL} for _ in range(2)]
-              + [{"prompt": "d", "reference_id": references[0], **SMALL, "negative_prompt": "blurry"}])
+    bodies = (
+        [{"prompt": "a", "reference_id": references[0], **SMALL} for _ in range(2)]
+        + [{"prompt": "b", "reference_id": references[0], **SMALL, "steps": 3} for _ in range(2)]
+        + [{"prompt": "c", "reference_id": references[1], **SMALL} for _ in range(2)]
+        + [{"prompt": "d", "reference_id": references[0], **SMALL, "negative_prompt": "blurry"}]
+    )
     answers = _together(client, bodies)
     _check_accounting(answers)
     for batch in _by_batch(answers).values():
@@ -95,8 +107,9 @@ def test_incompatible_requests_never_share_a_forward(client: SnapRefClient, refe
 
 @pytest.mark.slow
 def test_batches_count_images_not_requests(client: SnapRefClient, references: list[str]) -> None:
-    answers = _together(client, [{"prompt": "p", "reference_id": references[0], "n": n, "seed": 10 * n, **SMALL}
-                                 for n in (3, 2, 2, 1)])
+    answers = _together(
+        client, [{"prompt": "p", "reference_id": references[0], "n": n, "seed": 10 * n, **SMALL} for n in (3, 2, 2, 1)]
+    )
     _check_accounting(answers)  # includes batch_size <= MAX_BATCH images
     assert sorted(len(a["images"]) for a in answers) == [1, 2, 2, 3]
     assert {a["seeds"][0]: a["seeds"] for a in answers}[30] == [30, 31, 32]

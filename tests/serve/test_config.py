@@ -32,8 +32,17 @@ def test_every_field_says_why() -> None:
             assert info.description and len(info.description) > 20, f"{model.__name__}.{name} lacks a description"
 
 
-@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True),
-                                            ("0.0.0.0", False), ("10.1.2.3", False), ("localhost", False)])
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("0.0.0.0", False),
+        ("10.1.2.3", False),
+        ("localhost", False),
+    ],
+)
 def test_loopback_hosts(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
 
@@ -81,9 +90,13 @@ def test_bearer_auth_compares_in_constant_time(monkeypatch) -> None:
     auth.check("Bearer tok")
     auth.check("bearer  tok ")
     assert calls == [(b"tok", b"tok"), (b"tok", b"tok")]
-    for header, message in [(None, "missing bearer token"), ("", "missing bearer token"),
-                            ("Basic dG9rOg==", "must be 'Bearer <token>'"), ("Bearer", "must be 'Bearer <token>'"),
-                            ("Bearer tok2", "invalid bearer token")]:
+    for header, message in [
+        (None, "missing bearer token"),
+        ("", "missing bearer token"),
+        ("Basic dG9rOg==", "must be 'Bearer <token>'"),
+        ("Bearer", "must be 'Bearer <token>'"),
+        ("Bearer tok2", "invalid bearer token"),
+    ]:
         with pytest.raises(ApiError) as info:
             auth.check(header)
         assert (info.value.status, info.value.field) == (401, "Authorization")
@@ -93,16 +106,32 @@ def test_bearer_auth_compares_in_constant_time(monkeypatch) -> None:
 
 
 def test_built_app_sets_backpressure_autoscaling_and_gpus() -> None:
-    config = ServeConfig(models_dir="m", gpus_per_replica=1, min_replicas=2, max_replicas=6, target_ongoing_requests=3,
-                         upscale_delay_s=7, downscale_delay_s=70, max_ongoing_requests=9, max_queued_requests=11,
-                         retry_after_s=2.5, request_timeout_s=50, ingress_max_queued_requests=99)
+    config = ServeConfig(
+        models_dir="m",
+        gpus_per_replica=1,
+        min_replicas=2,
+        max_replicas=6,
+        target_ongoing_requests=3,
+        upscale_delay_s=7,
+        downscale_delay_s=70,
+        max_ongoing_requests=9,
+        max_queued_requests=11,
+        retry_after_s=2.5,
+        request_timeout_s=50,
+        ingress_max_queued_requests=99,
+    )
     deployments = _deployments(build_app(config))
     assert set(deployments) == {"SnapRefIngress", "SnapRefRenderer", "ReferenceStore"}
     renderer = deployments["SnapRefRenderer"]
     assert renderer["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
-    assert renderer["autoscaling_config"] == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
-                                              "target_ongoing_requests": 3.0, "upscale_delay_s": 7.0,
-                                              "downscale_delay_s": 70.0}
+    assert renderer["autoscaling_config"] == {
+        "min_replicas": 2,
+        "initial_replicas": 2,
+        "max_replicas": 6,
+        "target_ongoing_requests": 3.0,
+        "upscale_delay_s": 7.0,
+        "downscale_delay_s": 70.0,
+    }
     assert (renderer["max_ongoing_requests"], renderer["max_queued_requests"]) == (9, 11)
     assert renderer["backpressure_config"] == {"status_code": 503, "retry_after_s": 2.5}
     assert renderer["graceful_shutdown_timeout_s"] == 60.0  # request_timeout_s + 10: drains what it holds
@@ -129,10 +158,21 @@ def test_topology_auto_fuses_only_a_single_renderer() -> None:
 
 
 def test_fused_app_is_ingress_replicas_that_render() -> None:
-    config = ServeConfig(models_dir="m", topology="fused", gpus_per_replica=1, min_replicas=2, max_replicas=6,
-                         target_ongoing_requests=3, max_ongoing_requests=9, max_queued_requests=11,
-                         ingress_max_ongoing_requests=120, ingress_max_queued_requests=99, retry_after_s=2.5,
-                         request_timeout_s=50, health_check_period_s=4)
+    config = ServeConfig(
+        models_dir="m",
+        topology="fused",
+        gpus_per_replica=1,
+        min_replicas=2,
+        max_replicas=6,
+        target_ongoing_requests=3,
+        max_ongoing_requests=9,
+        max_queued_requests=11,
+        ingress_max_ongoing_requests=120,
+        ingress_max_queued_requests=99,
+        retry_after_s=2.5,
+        request_timeout_s=50,
+        health_check_period_s=4,
+    )
     deployments = _deployments(build_app(config))
     assert set(deployments) == {"SnapRefIngress", "ReferenceStore"}
     ingress = deployments["SnapRefIngress"]

@@ -36,7 +36,9 @@ BIG_UPLOAD_BYTES = 6 * 2**20
 LIMITS = ServeLimits(max_upload_bytes=8 * 2**20)
 REPLICAS = 2
 
-needs_haproxy = pytest.mark.skipif(haproxy_binary() is None, reason="haproxy is not installed (apt-get install haproxy)")
+needs_haproxy = pytest.mark.skipif(
+    haproxy_binary() is None, reason="haproxy is not installed (apt-get install haproxy)"
+)
 
 
 # -- without a server ----------------------------------------------------------------------------
@@ -49,8 +51,12 @@ def test_environment_restores_what_it_changed(monkeypatch) -> None:
 
 
 def test_grpc_limit_carries_the_largest_upload_and_reply() -> None:
-    config = ServeConfig(models_dir="m", limits=ServeLimits(max_upload_bytes=100 * 2**20, max_megapixels=4.0, max_n=4),
-                         max_batch_size=4, reference_store_bytes=2**30)
+    config = ServeConfig(
+        models_dir="m",
+        limits=ServeLimits(max_upload_bytes=100 * 2**20, max_megapixels=4.0, max_n=4),
+        max_batch_size=4,
+        reference_store_bytes=2**30,
+    )
     limit = grpc_message_limit(config)
     assert limit >= 2 * config.limits.max_upload_bytes  # a pair of uploads read back by a renderer
     assert limit >= 4 * 4.0e6 * 3  # four stored 4 MP RGB PNGs in one reply
@@ -62,12 +68,18 @@ def test_each_server_gets_its_own_haproxy_files_and_ports(tmp_path: Path) -> Non
     a = direct_ingress_env(config, "/usr/sbin/haproxy", tmp_path / "a")
     b = direct_ingress_env(config, "/usr/sbin/haproxy", tmp_path / "b")
     assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and a["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/usr/sbin/haproxy"
-    for name in ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_SERVER_STATE_BASE",
-                 "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"):
+    for name in (
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC",
+        "RAY_SERVE_HAPROXY_SOCKET_PATH",
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE",
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH",
+    ):
         assert a[name].startswith(str(tmp_path / "a")) and b[name].startswith(str(tmp_path / "b"))
     # Serve's defaults (8404, 9101) would make a second server on the machine fail to start its HAProxy.
-    ports = {a[f"RAY_SERVE_{name}_PORT"] for name in ("HAPROXY_STATS", "HAPROXY_METRICS", "FALLBACK_PROXY_HTTP",
-                                                        "FALLBACK_PROXY_GRPC")}
+    ports = {
+        a[f"RAY_SERVE_{name}_PORT"]
+        for name in ("HAPROXY_STATS", "HAPROXY_METRICS", "FALLBACK_PROXY_HTTP", "FALLBACK_PROXY_GRPC")
+    }
     assert len(ports) == 4 and ports.isdisjoint({"8404", "9101", "8500", "9500"})
 
 
@@ -91,7 +103,9 @@ def test_the_operators_own_serve_settings_win(monkeypatch) -> None:
         assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/opt/haproxy/bin/haproxy"
         # HAProxy refuses unix socket paths over 97 bytes; Serve puts a 56-character node id folder
         # between this folder and the socket name.
-        longest = max(len(env[name]) for name in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"))
+        longest = max(
+            len(env[name]) for name in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH")
+        )
         assert longest + 57 <= 97
     finally:
         serve_app._haproxy_dir.cleanup()
@@ -105,8 +119,15 @@ def server(tiny_models: Path):
         pytest.skip("haproxy is not installed (apt-get install haproxy)")
     from snapref_ray.pipelines import serve_app
 
-    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), limits=LIMITS, topology="fused",
-                         min_replicas=REPLICAS, max_replicas=REPLICAS, reference_store_bytes=64 * 2**20)
+    config = ServeConfig(
+        models_dir=str(tiny_models),
+        port=free_port(),
+        limits=LIMITS,
+        topology="fused",
+        min_replicas=REPLICAS,
+        max_replicas=REPLICAS,
+        reference_store_bytes=64 * 2**20,
+    )
     try:
         url = serve_app.start_local(config, num_cpus=6)
         yield url, config, Path(serve_app._haproxy_dir.name)
@@ -165,8 +186,9 @@ def test_haproxy_spreads_renders_over_the_fused_replicas(server, tiny_models: Pa
     reference_id = client.upload_reference((tiny_models / "reference.png").read_bytes())
 
     def render(seed: int) -> str:
-        body = json.dumps({"prompt": "a girl", "seed": seed, "reference_id": reference_id, "width": 256,
-                           "height": 256, "steps": 4}).encode()
+        body = json.dumps(
+            {"prompt": "a girl", "seed": seed, "reference_id": reference_id, "width": 256, "height": 256, "steps": 4}
+        ).encode()
         request = Request(f"{url}/v1/render", data=body, headers={"Content-Type": "application/json"})
         with urlopen(request, timeout=300) as r:
             assert r.headers["Content-Type"] == "image/png" and r.read()[:4] == b"\x89PNG"
@@ -232,8 +254,9 @@ def _port_of_replica(workdir: Path, actor_name: str) -> int:
     """The port HAProxy forwards to for the ingress replica whose actor is `actor_name`
     ("SERVE_REPLICA::<app>#<deployment>#<id>"; HAProxy names it SERVE_REPLICA_<app>-<deployment>-<id>)."""
     replica_id = actor_name.rsplit("#", 1)[-1]
-    match = re.search(rf"^\s*server\s+SERVE_REPLICA\S*-{re.escape(replica_id)}\s+[\d.]+:(\d+)", _haproxy_cfg(workdir),
-                      flags=re.M)
+    match = re.search(
+        rf"^\s*server\s+SERVE_REPLICA\S*-{re.escape(replica_id)}\s+[\d.]+:(\d+)", _haproxy_cfg(workdir), flags=re.M
+    )
     assert match, (actor_name, _haproxy_cfg(workdir))
     return int(match.group(1))
 
@@ -273,8 +296,12 @@ def test_a_killed_replica_comes_back_behind_the_same_address(server, tiny_models
     while True:  # back when HAProxy forwards to a new replica beside the survivor
         try:
             live = _ingress_actor_names()
-            if names[0] not in live and len(live) == REPLICAS and len(set(_ingress_servers(workdir))) == REPLICAS \
-                    and all(_health(f"http://{h}:{p}") == 200 for h, p in _ingress_servers(workdir)):
+            if (
+                names[0] not in live
+                and len(live) == REPLICAS
+                and len(set(_ingress_servers(workdir))) == REPLICAS
+                and all(_health(f"http://{h}:{p}") == 200 for h, p in _ingress_servers(workdir))
+            ):
                 break
         except (HTTPError, URLError, ConnectionError, TimeoutError):
             pass

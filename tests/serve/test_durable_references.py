@@ -27,8 +27,15 @@ SMALL = {"width": 256, "height": 256, "steps": 1}
 
 
 def _info(data: bytes, reference_id: str = "ab" * 16) -> ReferenceInfo:
-    return ReferenceInfo(reference_id=reference_id, content_hash=hashlib.sha256(data).hexdigest(), width=16,
-                         height=16, ref_megapixels=1.0, ref_caption="c", bytes=len(data))
+    return ReferenceInfo(
+        reference_id=reference_id,
+        content_hash=hashlib.sha256(data).hexdigest(),
+        width=16,
+        height=16,
+        ref_megapixels=1.0,
+        ref_caption="c",
+        bytes=len(data),
+    )
 
 
 def test_durable_references_are_content_addressed_and_keyed_safely(tmp_path: Path) -> None:
@@ -38,7 +45,9 @@ def test_durable_references_are_content_addressed_and_keyed_safely(tmp_path: Pat
     store.put(info, data)
     store.put(info, data)  # idempotent: same id, same bytes
     assert (tmp_path / "refs" / "files" / info.content_hash).read_bytes() == data
-    assert json.loads((tmp_path / "refs" / "references" / f"{info.reference_id}.json").read_text())["ref_caption"] == "c"
+    assert (
+        json.loads((tmp_path / "refs" / "references" / f"{info.reference_id}.json").read_text())["ref_caption"] == "c"
+    )
     again = DurableReferences(str(tmp_path / "refs"))  # a new process over the same folder
     assert again.info(info.reference_id) == info and again.file(info.content_hash) == data
     assert again.info("cd" * 16) is None and again.file("0" * 64) is None
@@ -63,17 +72,28 @@ def s3_serve(tiny_models: Path, s3_server, tmp_path_factory):
     s3 = s3_server.client()
     for path in tiny_models.rglob("*"):
         if path.is_file():
-            s3.put_object(Bucket=s3_server.bucket, Key=f"models-{run}/tiny/{path.relative_to(tiny_models)}",
-                          Body=path.read_bytes())
+            s3.put_object(
+                Bucket=s3_server.bucket,
+                Key=f"models-{run}/tiny/{path.relative_to(tiny_models)}",
+                Body=path.read_bytes(),
+            )
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     # Credentials reach the replicas as on a cluster node: through the environment, never the config.
     os.environ.update(AWS_ACCESS_KEY_ID=s3_server.access_key, AWS_SECRET_ACCESS_KEY=s3_server.secret_key)
-    config = ServeConfig(models_dir=f"s3://{s3_server.bucket}/models-{run}/tiny", port=free_port(),
-                         references_uri=f"s3://{s3_server.bucket}/refs-{run}", reference_store_replicas=2,
-                         s3_endpoint_url=s3_server.endpoint_url, s3_region="us-east-1",
-                         model_cache_dir=str(tmp_path_factory.mktemp("model-cache")),
-                         min_replicas=1, max_replicas=1, max_batch_size=2, limits=ServeLimits(max_n=2),
-                         request_timeout_s=120)
+    config = ServeConfig(
+        models_dir=f"s3://{s3_server.bucket}/models-{run}/tiny",
+        port=free_port(),
+        references_uri=f"s3://{s3_server.bucket}/refs-{run}",
+        reference_store_replicas=2,
+        s3_endpoint_url=s3_server.endpoint_url,
+        s3_region="us-east-1",
+        model_cache_dir=str(tmp_path_factory.mktemp("model-cache")),
+        min_replicas=1,
+        max_replicas=1,
+        max_batch_size=2,
+        limits=ServeLimits(max_n=2),
+        request_timeout_s=120,
+    )
     try:
         url = start_local(config, num_cpus=6)
         yield SnapRefClient(url, timeout=120, retries=0), config, f"refs-{run}"
@@ -101,8 +121,9 @@ def test_models_from_s3_and_references_survive_a_redeploy(s3_serve, s3_server, t
     s3 = s3_server.client()
     body = s3.get_object(Bucket=s3_server.bucket, Key=f"{prefix}/files/{info['content_hash']}")["Body"].read()
     assert body == png
-    stored = json.loads(s3.get_object(Bucket=s3_server.bucket,
-                                      Key=f"{prefix}/references/{info['reference_id']}.json")["Body"].read())
+    stored = json.loads(
+        s3.get_object(Bucket=s3_server.bucket, Key=f"{prefix}/references/{info['reference_id']}.json")["Body"].read()
+    )
     assert stored == info
 
     # Every replica replaced (ingress, both stores, renderer): all in-memory state is gone.
@@ -111,8 +132,13 @@ def test_models_from_s3_and_references_survive_a_redeploy(s3_serve, s3_server, t
     again = client.render("1girl", reference_id=info["reference_id"], response_format="json", seed=1, **SMALL)
     assert again["reference_ids"] == [info["reference_id"]]
     assert again["cache_hit"] is False and again["cache"]["encodes"] == 1  # re-encoded from the stored file
-    pair = client.render("2girls", left_reference_id=info["reference_id"], right_reference_id=info["reference_id"],
-                         response_format="json", **SMALL)
+    pair = client.render(
+        "2girls",
+        left_reference_id=info["reference_id"],
+        right_reference_id=info["reference_id"],
+        response_format="json",
+        **SMALL,
+    )
     assert len(pair["images"]) == 1
     # An id that was never uploaded is still a 404, not a storage error.
     with pytest.raises(ClientError) as err:

@@ -30,16 +30,35 @@ from tests.serve.conftest import free_port
 TOKEN = "hostile-test-token"
 AUTH = f"Bearer {TOKEN}"
 SMALL = {"width": 256, "height": 256, "steps": 1}
-LIMITS = ServeLimits(max_upload_bytes=300_000, max_steps=8, max_n=2, max_side=512, max_prompt_chars=200,
-                     max_form_parts=8, max_part_header_bytes=1024)
+LIMITS = ServeLimits(
+    max_upload_bytes=300_000,
+    max_steps=8,
+    max_n=2,
+    max_side=512,
+    max_prompt_chars=200,
+    max_form_parts=8,
+    max_part_header_bytes=1024,
+)
 # Small enough that the flood below (30 slow clients) would fill the ingress without admission.
-CONFIG = {"token": TOKEN, "limits": LIMITS, "min_replicas": 1, "max_replicas": 1, "max_batch_size": 2,
-          "request_timeout_s": 120, "retry_after_s": 2, "body_timeout_s": 5.0, "body_min_rate_bytes_s": 1000.0,
-          "body_grace_s": 1.0, "fast_body_s": 0.3, "max_slow_bodies": 3, "ingress_max_ongoing_requests": 10,
-          # A short proxy queue: were the ingress full, health would get Serve's 503 at once, not wait.
-          # (Not shorter: the router also counts requests waiting for their replica assignment, so a
-          # burst of a few requests to an idle ingress can briefly queue.)
-          "ingress_max_queued_requests": 8}
+CONFIG = {
+    "token": TOKEN,
+    "limits": LIMITS,
+    "min_replicas": 1,
+    "max_replicas": 1,
+    "max_batch_size": 2,
+    "request_timeout_s": 120,
+    "retry_after_s": 2,
+    "body_timeout_s": 5.0,
+    "body_min_rate_bytes_s": 1000.0,
+    "body_grace_s": 1.0,
+    "fast_body_s": 0.3,
+    "max_slow_bodies": 3,
+    "ingress_max_ongoing_requests": 10,
+    # A short proxy queue: were the ingress full, health would get Serve's 503 at once, not wait.
+    # (Not shorter: the router also counts requests waiting for their replica assignment, so a
+    # burst of a few requests to an idle ingress can briefly queue.)
+    "ingress_max_queued_requests": 8,
+}
 SOCKET_TIMEOUT = 60
 
 
@@ -82,8 +101,14 @@ def reference_id(server: int, reference_png: bytes) -> str:
 
 
 # -- raw HTTP ----------------------------------------------------------------------------------
-def _request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
-             host: str = "127.0.0.1", content_length: int | None = None) -> bytes:
+def _request(
+    method: str,
+    path: str,
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
+    content_length: int | None = None,
+) -> bytes:
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", "Connection: close"]
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     if body or method in ("POST", "PUT") or content_length is not None:
@@ -110,8 +135,9 @@ def _read_answer(sock: socket.socket, started: float, head: bool = False) -> Ans
         if not chunk:
             break
         body += chunk
-    return Answer(int(status_line.split()[1]), headers, body[:length] if length >= 0 else body,
-                  time.perf_counter() - started)
+    return Answer(
+        int(status_line.split()[1]), headers, body[:length] if length >= 0 else body, time.perf_counter() - started
+    )
 
 
 def _send(port: int, raw: bytes, head: bool = False) -> Answer:
@@ -141,7 +167,9 @@ def _multipart(parts: list[tuple[bytes, bytes]], boundary: bytes = b"hostileboun
 
 
 def _disposition(name: str, filename: str | None = None) -> bytes:
-    return (f'Content-Disposition: form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")).encode()
+    return (
+        f'Content-Disposition: form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+    ).encode()
 
 
 def _upload_raw(port: int, body: bytes, content_type: str) -> Answer:
@@ -183,7 +211,7 @@ class HealthProbe:
                 self.results.append((-1, float("nan")))
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> "HealthProbe":
+    def __enter__(self) -> HealthProbe:
         self._thread.start()
         return self
 
@@ -193,19 +221,33 @@ class HealthProbe:
 
     def figures(self) -> dict:
         latencies = sorted(s for _, s in self.results)
-        return {"probes": len(self.results), "non_200": sum(1 for code, _ in self.results if code != 200),
-                "p50_ms": round(statistics.median(latencies) * 1e3, 1),
-                "max_ms": round(latencies[-1] * 1e3, 1)}
+        return {
+            "probes": len(self.results),
+            "non_200": sum(1 for code, _ in self.results if code != 200),
+            "p50_ms": round(statistics.median(latencies) * 1e3, 1),
+            "max_ms": round(latencies[-1] * 1e3, 1),
+        }
 
 
 # -- 1. slow bodies ----------------------------------------------------------------------------
-def _slow_client(port: int, path: str, content_type: str, prefix: bytes, declared: int, chunk: int,
-                 interval: float, give_up_s: float = 30.0) -> Answer | None:
+def _slow_client(
+    port: int,
+    path: str,
+    content_type: str,
+    prefix: bytes,
+    declared: int,
+    chunk: int,
+    interval: float,
+    give_up_s: float = 30.0,
+) -> Answer | None:
     """Valid headers with the token, then `chunk` bytes every `interval` s; the answer (None: no answer)."""
     with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT) as sock:
         started = time.perf_counter()
-        sock.sendall(_request("POST", path, prefix, {"Authorization": AUTH, "Content-Type": content_type},
-                              content_length=declared))
+        sock.sendall(
+            _request(
+                "POST", path, prefix, {"Authorization": AUTH, "Content-Type": content_type}, content_length=declared
+            )
+        )
         sent = len(prefix)
         while time.perf_counter() - started < give_up_s:
             readable, _, _ = select.select([sock], [], [], interval)
@@ -221,8 +263,9 @@ def _slow_client(port: int, path: str, content_type: str, prefix: bytes, declare
 
 
 @pytest.mark.slow
-def test_slow_body_flood_leaves_health_and_normal_clients_served(server: int, reference_id: str,
-                                                                 reference_png: bytes) -> None:
+def test_slow_body_flood_leaves_health_and_normal_clients_served(
+    server: int, reference_id: str, reference_png: bytes
+) -> None:
     form_prefix = b"--b\r\n" + _disposition("file", "a.png") + b"\r\n\r\n"
     kinds = [  # (path, content type, prefix, bytes per send, seconds between sends)
         ("/v1/render", "application/json", b'{"prompt": "', 1, 0.5),  # a byte every 0.5 s: below the minimum rate
@@ -255,11 +298,17 @@ def test_slow_body_flood_leaves_health_and_normal_clients_served(server: int, re
     assert normal_upload.status == 200 and normal_render.status == 200, (normal_upload, normal_render)
     health = probe.figures()
     assert health["probes"] >= 5 and health["non_200"] == 0, probe.results
-    _report("slow-body flood", clients=flood, answers={s: statuses.count(s) for s in sorted(set(statuses))},
-            answer_s={s: round(statistics.median(a.seconds for a in answers if a.status == s), 2)
-                      for s in sorted(set(statuses))},
-            normal_upload_ms=round(normal_upload.seconds * 1e3, 1), normal_render_ms=round(normal_render.seconds * 1e3, 1),
-            health=health)
+    _report(
+        "slow-body flood",
+        clients=flood,
+        answers={s: statuses.count(s) for s in sorted(set(statuses))},
+        answer_s={
+            s: round(statistics.median(a.seconds for a in answers if a.status == s), 2) for s in sorted(set(statuses))
+        },
+        normal_upload_ms=round(normal_upload.seconds * 1e3, 1),
+        normal_render_ms=round(normal_render.seconds * 1e3, 1),
+        health=health,
+    )
     _assert_serving(server, reference_id)
 
 
@@ -280,25 +329,32 @@ def test_many_part_flood_is_refused_at_the_first_extra_part(server: int, referen
         assert a.status == 400, a
         error = a.error()
         # The first offending part and how far the parser got, not a list of every part.
-        assert (error["field"], error["message"]) == ("f0", "part 1 is named 'f0'; an upload takes only file,"
-                                                            " ref_caption, ref_megapixels")
+        assert (error["field"], error["message"]) == (
+            "f0",
+            "part 1 is named 'f0'; an upload takes only file, ref_caption, ref_megapixels",
+        )
         assert len(a.body) < 300
     assert during.status == 200
     assert probe.figures()["non_200"] == 0
-    _report("multipart 4000 unknown parts x16 (4 at a time)", status=400,
-            answer_ms_p50=round(statistics.median(a.seconds for a in answers) * 1e3, 1),
-            body_bytes=len(answers[0].body), health=probe.figures())
+    _report(
+        "multipart 4000 unknown parts x16 (4 at a time)",
+        status=400,
+        answer_ms_p50=round(statistics.median(a.seconds for a in answers) * 1e3, 1),
+        body_bytes=len(answers[0].body),
+        health=probe.figures(),
+    )
 
     # Parts with accepted names but too many of them: refused at part max_form_parts + 1.
     many, content_type = _multipart([(_disposition("ref_caption"), b"a")] + [(b"X-Pad: 1", b"v")] * 3000)
     answer = _upload_raw(server, many, content_type)
     assert answer.status == 400
     assert answer.error()["message"].startswith("part 2 has no 'Content-Disposition: form-data; name=...' header")
-    counted, content_type = _multipart([(_disposition(n), b"1") for n in ("file", "ref_caption", "ref_megapixels")]
-                                       * 2)
+    counted, content_type = _multipart([(_disposition(n), b"1") for n in ("file", "ref_caption", "ref_megapixels")] * 2)
     answer = _upload_raw(server, counted, content_type)
-    assert answer.status == 400 and answer.error() == {"field": "file", "message":
-                                                       "part 4 repeats 'file' (first sent as part 1)"}
+    assert answer.status == 400 and answer.error() == {
+        "field": "file",
+        "message": "part 4 repeats 'file' (first sent as part 1)",
+    }
     _assert_serving(server, reference_id)
 
 
@@ -333,7 +389,10 @@ def test_part_header_size_limit(server: int, reference_png: bytes) -> None:
     no_name = b"".join(b"--b\r\n" + b"X-Empty: 1\r\n\r\n" + b"\r\n" for _ in range(20)) + b"--b--\r\n"
     answer = _upload_raw(server, no_name, "multipart/form-data; boundary=b")
     assert answer.status == 400
-    assert answer.error() == {"field": "body", "message": "part 1 has no 'Content-Disposition: form-data; name=...' header"}
+    assert answer.error() == {
+        "field": "body",
+        "message": "part 1 has no 'Content-Disposition: form-data; name=...' header",
+    }
     truncated, content_type = _multipart([(_disposition("file", "a.png"), reference_png)])
     answer = _upload_raw(server, truncated[:-20], content_type)
     assert answer.status == 400 and "ends before the closing boundary" in answer.error()["message"]
@@ -342,19 +401,22 @@ def test_part_header_size_limit(server: int, reference_png: bytes) -> None:
 
 # -- 3. exact validation -------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("raw, field, message", [
-    (b'{"prompt": "p", "width": true}', "width", "Input should be a valid integer"),
-    (b'{"prompt": "p", "steps": 2.0}', "steps", "Input should be a valid integer"),
-    (b'{"prompt": "p", "cfg": "4"}', "cfg", "Input should be a valid number"),
-    (b'{"prompt": "p", "ref_in_uncond": 1}', "ref_in_uncond", "Input should be a valid boolean"),
-    (b'{"prompt": "p", "cfg": NaN}', "cfg", "NaN is not a number this API accepts"),
-    (b'{"prompt": "p", "ref_weight": Infinity}', "ref_weight", "Infinity is not a number this API accepts"),
-    (b'{"prompt": "p", "ref_weight": -Infinity}', "ref_weight", "-Infinity is not a number this API accepts"),
-    (b'{"prompt": "p", "cfg": 1e999}', "cfg", "Infinity is not a number this API accepts"),
-    (b'{"prompt": "p", "' + b"k" * 500 + b'": 1}', "k" * 64, "Extra inputs are not permitted"),
-    (b'["prompt"]', "body", "expected a JSON object, got list"),
-    (b'{"prompt": "\xff"}', "body", "the body is not UTF-8 JSON"),
-])
+@pytest.mark.parametrize(
+    "raw, field, message",
+    [
+        (b'{"prompt": "p", "width": true}', "width", "Input should be a valid integer"),
+        (b'{"prompt": "p", "steps": 2.0}', "steps", "Input should be a valid integer"),
+        (b'{"prompt": "p", "cfg": "4"}', "cfg", "Input should be a valid number"),
+        (b'{"prompt": "p", "ref_in_uncond": 1}', "ref_in_uncond", "Input should be a valid boolean"),
+        (b'{"prompt": "p", "cfg": NaN}', "cfg", "NaN is not a number this API accepts"),
+        (b'{"prompt": "p", "ref_weight": Infinity}', "ref_weight", "Infinity is not a number this API accepts"),
+        (b'{"prompt": "p", "ref_weight": -Infinity}', "ref_weight", "-Infinity is not a number this API accepts"),
+        (b'{"prompt": "p", "cfg": 1e999}', "cfg", "Infinity is not a number this API accepts"),
+        (b'{"prompt": "p", "' + b"k" * 500 + b'": 1}', "k" * 64, "Extra inputs are not permitted"),
+        (b'["prompt"]', "body", "expected a JSON object, got list"),
+        (b'{"prompt": "\xff"}', "body", "the body is not UTF-8 JSON"),
+    ],
+)
 def test_render_fields_are_exactly_typed(server: int, raw: bytes, field: str, message: str) -> None:
     answer = _post_json(server, "/v1/render", raw)
     assert answer.status == 400, answer
@@ -366,13 +428,18 @@ def test_render_fields_are_exactly_typed(server: int, raw: bytes, field: str, me
 
 @pytest.mark.slow
 def test_upload_fields_are_exactly_typed(server: int, reference_png: bytes, reference_id: str) -> None:
-    for fields, field, message in [({"ref_megapixels": "nan"}, "ref_megapixels", "NaN is not a number"),
-                                   ({"ref_megapixels": "inf"}, "ref_megapixels", "Infinity is not a number"),
-                                   ({"ref_megapixels": "true"}, "ref_megapixels", "not a number: 'true'")]:
+    for fields, field, message in [
+        ({"ref_megapixels": "nan"}, "ref_megapixels", "NaN is not a number"),
+        ({"ref_megapixels": "inf"}, "ref_megapixels", "Infinity is not a number"),
+        ({"ref_megapixels": "true"}, "ref_megapixels", "not a number: 'true'"),
+    ]:
         answer = _upload(server, reference_png, **fields)
         assert answer.status == 400 and answer.error()["field"] == field and message in answer.error()["message"]
         _report(f"multipart {fields}", status=answer.status, field=field, ms=round(answer.seconds * 1e3, 1))
-    parts = [(_disposition("ref_caption"), "blue \xe9".encode("latin-1")), (_disposition("file", "a.png"), reference_png)]
+    parts = [
+        (_disposition("ref_caption"), "blue \xe9".encode("latin-1")),
+        (_disposition("file", "a.png"), reference_png),
+    ]
     answer = _upload_raw(server, *_multipart(parts))
     assert answer.status == 400
     assert answer.error() == {"field": "ref_caption", "message": "part 1 ('ref_caption') is not UTF-8 text (byte 5)"}
@@ -388,14 +455,21 @@ def test_upload_fields_are_exactly_typed(server: int, reference_png: bytes, refe
 @pytest.mark.slow
 def test_bad_ref_megapixels_on_render_names_ref_megapixels(server: int, reference_id: str) -> None:
     # Valid for the request model (> 0) but too small for the reference: found in the renderer replica.
-    answer = _post_json(server, "/v1/render", {"prompt": "p", "reference_id": reference_id, "ref_megapixels": 0.0001,
-                                               **SMALL})
+    answer = _post_json(
+        server, "/v1/render", {"prompt": "p", "reference_id": reference_id, "ref_megapixels": 0.0001, **SMALL}
+    )
     assert answer.status == 400
     error = answer.error()
     assert error["field"] == "ref_megapixels" and "fitted to 0.0001 MP" in error["message"], error
-    _report("render ref_megapixels=0.0001 (found in the renderer replica)", status=answer.status,
-            field=error["field"], ms=round(answer.seconds * 1e3, 1))
-    answer = _post_json(server, "/v1/render", {"prompt": "p", "reference_id": reference_id, "ref_megapixels": 99, **SMALL})
+    _report(
+        "render ref_megapixels=0.0001 (found in the renderer replica)",
+        status=answer.status,
+        field=error["field"],
+        ms=round(answer.seconds * 1e3, 1),
+    )
+    answer = _post_json(
+        server, "/v1/render", {"prompt": "p", "reference_id": reference_id, "ref_megapixels": 99, **SMALL}
+    )
     assert answer.status == 400 and answer.error()["field"] == "ref_megapixels"
     _assert_serving(server, reference_id)
 
@@ -415,8 +489,12 @@ def test_render_requires_json_and_unknown_ids_are_echoed_short(server: int, refe
     assert answer.status == 404
     message = answer.error()["message"]
     assert f"'{'a' * 64}'..." in message and "a" * 65 not in message and len(answer.body) < 300
-    _report("render reference_id of 10,000 characters", status=404, body_bytes=len(answer.body),
-            ms=round(answer.seconds * 1e3, 1))
+    _report(
+        "render reference_id of 10,000 characters",
+        status=404,
+        body_bytes=len(answer.body),
+        ms=round(answer.seconds * 1e3, 1),
+    )
     _assert_serving(server, reference_id)
 
 
@@ -457,7 +535,10 @@ def test_openapi_declares_bearer_and_docs_need_the_token(server: int) -> None:
         _report(f"GET {path} without token", status=401, ms=round(answer.seconds * 1e3, 1))
     spec = json.loads(_get(server, "/openapi.json").body)
     assert spec["components"]["securitySchemes"]["bearerAuth"] == {
-        "type": "http", "scheme": "bearer", "description": "The server's token: `Authorization: Bearer <token>`."}
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The server's token: `Authorization: Bearer <token>`.",
+    }
     for path, operations in spec["paths"].items():
         for method, operation in operations.items():
             expected = [] if path == "/v1/health" else [{"bearerAuth": []}]
@@ -484,7 +565,9 @@ def _worker_stderr() -> str:
     import ray
 
     session = ray._private.worker._global_node.get_session_dir_path()
-    return "\n".join(Path(f).read_text(errors="replace") for f in glob.glob(os.path.join(session, "logs", "worker-*.err")))
+    return "\n".join(
+        Path(f).read_text(errors="replace") for f in glob.glob(os.path.join(session, "logs", "worker-*.err"))
+    )
 
 
 def _wait_for_log(deployment: str, needle: str, timeout: float = 20.0) -> str:
@@ -498,10 +581,17 @@ def _wait_for_log(deployment: str, needle: str, timeout: float = 20.0) -> str:
 
 @pytest.mark.slow
 def test_disconnect_mid_body_is_an_info_line_and_replica_400s_are_not_crashes(server: int, reference_id: str) -> None:
-    for i in range(3):
+    for _ in range(3):
         with socket.create_connection(("127.0.0.1", server), timeout=SOCKET_TIMEOUT) as sock:
-            sock.sendall(_request("POST", "/v1/render", b'{"prompt": "half', {"Authorization": AUTH,
-                                  "Content-Type": "application/json"}, content_length=1000))
+            sock.sendall(
+                _request(
+                    "POST",
+                    "/v1/render",
+                    b'{"prompt": "half',
+                    {"Authorization": AUTH, "Content-Type": "application/json"},
+                    content_length=1000,
+                )
+            )
             time.sleep(0.2)
         # closed with 984 bytes still owed
     ingress_log = _wait_for_log("SnapRefIngress", "client disconnected after")
@@ -514,8 +604,9 @@ def test_disconnect_mid_body_is_an_info_line_and_replica_400s_are_not_crashes(se
     for mark in ("unexpected error in", "TaskCancelledError", "ClientDisconnect"):
         assert mark not in stderr, stderr[-3000:]
 
-    answer = _post_json(server, "/v1/render", {"prompt": "p", "reference_id": reference_id, "ref_megapixels": 0.0002,
-                                               **SMALL})
+    answer = _post_json(
+        server, "/v1/render", {"prompt": "p", "reference_id": reference_id, "ref_megapixels": 0.0002, **SMALL}
+    )
     assert answer.status == 400 and answer.error()["field"] == "ref_megapixels"
     time.sleep(1.0)  # log lines are flushed asynchronously
     from snapref_ray.pipelines.serve_app import rendering_deployment

@@ -89,13 +89,21 @@ def _serve_haproxy_config(workdir: Path, port: int, servers: list[tuple[str, int
     from ray.serve.config import HTTPOptions
 
     env = direct_ingress_env(ServeConfig(models_dir="m"), haproxy_binary(), workdir)
-    config = HAProxyConfig(http_options=HTTPOptions(host="127.0.0.1", port=port),
-                           socket_path=str(workdir / "admin.sock"), server_state_base=str(workdir),
-                           server_state_file=str(workdir / "server-state"), stats_port=free_port(),
-                           metrics_port=free_port(), metrics_enabled=False, has_received_routes=True,
-                           has_received_servers=True, retry_on=env["RAY_SERVE_HAPROXY_RETRY_ON"])
-    backend = BackendConfig(name="snapref", path_prefix="/",
-                            servers=[ServerConfig(name, "127.0.0.1", p) for name, p in servers])
+    config = HAProxyConfig(
+        http_options=HTTPOptions(host="127.0.0.1", port=port),
+        socket_path=str(workdir / "admin.sock"),
+        server_state_base=str(workdir),
+        server_state_file=str(workdir / "server-state"),
+        stats_port=free_port(),
+        metrics_port=free_port(),
+        metrics_enabled=False,
+        has_received_routes=True,
+        has_received_servers=True,
+        retry_on=env["RAY_SERVE_HAPROXY_RETRY_ON"],
+    )
+    backend = BackendConfig(
+        name="snapref", path_prefix="/", servers=[ServerConfig(name, "127.0.0.1", p) for name, p in servers]
+    )
     path = workdir / "haproxy.cfg"
     api = HAProxyApi(config, {"snapref": backend}, config_file_path=str(path))
     api._initialize_directories_and_error_files()
@@ -153,8 +161,9 @@ def test_two_writes_are_often_lost_when_the_replica_dies_reading(front) -> None:
     url, dying = front
 
     def send() -> None:
-        with urlopen(Request(f"{url}/v1/render", data=BODY, headers={"Content-Type": "application/json"}),
-                     timeout=10) as r:
+        with urlopen(
+            Request(f"{url}/v1/render", data=BODY, headers={"Content-Type": "application/json"}), timeout=10
+        ) as r:
             assert r.read() == b"\x89PNG"
 
     sent, lost = _until_the_dying_server_read(dying, send)
@@ -166,6 +175,7 @@ def test_snaprefclient_requests_are_re_sent_by_the_front(front) -> None:
     url, dying = front
     client = SnapRefClient(url, token="", retries=0)  # HAProxy's own re-send, nothing from the client
     sent, lost = _until_the_dying_server_read(dying, lambda: client.render("1girl", width=256))
-    print(f"RESEND one write (SnapRefClient, retries=0): {lost} of {sent} requests lost, "
-          f"{HITS} read by the dying server")
+    print(
+        f"RESEND one write (SnapRefClient, retries=0): {lost} of {sent} requests lost, {HITS} read by the dying server"
+    )
     assert lost == 0

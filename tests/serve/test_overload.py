@@ -33,10 +33,20 @@ SLOW = {"width": 512, "height": 512, "steps": 50}
 def server(request, tiny_models: Path):
     from snapref_ray.pipelines.serve_app import start_local, stop_local
 
-    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), topology=request.param, min_replicas=1, max_replicas=1,
-                         max_ongoing_requests=1, max_queued_requests=1, max_batch_size=1, batch_wait_timeout_s=0,
-                         retry_after_s=RETRY_AFTER_S, limits=ServeLimits(max_n=1, max_steps=200, max_side=512),
-                         request_timeout_s=120)
+    config = ServeConfig(
+        models_dir=str(tiny_models),
+        port=free_port(),
+        topology=request.param,
+        min_replicas=1,
+        max_replicas=1,
+        max_ongoing_requests=1,
+        max_queued_requests=1,
+        max_batch_size=1,
+        batch_wait_timeout_s=0,
+        retry_after_s=RETRY_AFTER_S,
+        limits=ServeLimits(max_n=1, max_steps=200, max_side=512),
+        request_timeout_s=120,
+    )
     try:
         yield start_local(config, num_cpus=6)
     finally:
@@ -89,8 +99,10 @@ def test_burst_gets_prompt_503s_while_admitted_requests_complete(server: str, re
 
 @pytest.mark.slow
 def test_server_recovers_after_the_burst(server: str, reference_id: str) -> None:
-    status, headers, body, _ = _post(server + "/v1/render", {"prompt": "after", "reference_id": reference_id,
-                                                             "width": 256, "height": 256, "steps": 2})
+    status, headers, body, _ = _post(
+        server + "/v1/render",
+        {"prompt": "after", "reference_id": reference_id, "width": 256, "height": 256, "steps": 2},
+    )
     assert status == 200 and headers["X-Cache-Hit"] == "true"
 
 
@@ -109,7 +121,6 @@ def test_check_health_fails_only_when_the_device_is_stuck() -> None:
         replica.check_health()
 
 
-
 def test_a_fused_replica_admits_renders_up_to_its_slots_and_cancels_them_on_timeout() -> None:
     from snapref_ray.serve.ingress import Ingress
 
@@ -124,13 +135,23 @@ def test_a_fused_replica_admits_renders_up_to_its_slots_and_cancels_them_on_time
                 self.cancelled += 1
                 raise
 
-    config = ServeConfig(models_dir="m", topology="fused", max_ongoing_requests=1, max_queued_requests=1,
-                         request_timeout_s=0.3, retry_after_s=2)
+    config = ServeConfig(
+        models_dir="m",
+        topology="fused",
+        max_ongoing_requests=1,
+        max_queued_requests=1,
+        request_timeout_s=0.3,
+        retry_after_s=2,
+    )
     wrapped = Ingress.func_or_class
 
     class _FusedIngress:  # the admission logic alone: no model, no ASGI app
-        _render, _call, _at_capacity, _retry_after = (wrapped._render, wrapped._call, wrapped._at_capacity,
-                                                      wrapped._retry_after)
+        _render, _call, _at_capacity, _retry_after = (
+            wrapped._render,
+            wrapped._call,
+            wrapped._at_capacity,
+            wrapped._retry_after,
+        )
 
     ingress = _FusedIngress()
     ingress._config, ingress._renderer, ingress._local = config, None, _SlowRenderer()

@@ -49,8 +49,13 @@ def test_list_is_a_sorted_string_prefix(storage):
         storage.put_bytes(key, b"x")
     assert storage.list("metadata/") == ["metadata/part-1.parquet", "metadata/part-2.parquet"]
     assert storage.list("meta") == ["metadata/part-1.parquet", "metadata/part-2.parquet", "metadataX/y"]
-    assert storage.list("") == ["images/a.png", "metadata/part-1.parquet", "metadata/part-2.parquet",
-                                "metadataX/y", "summary.json"]
+    assert storage.list("") == [
+        "images/a.png",
+        "metadata/part-1.parquet",
+        "metadata/part-2.parquet",
+        "metadataX/y",
+        "summary.json",
+    ]
     assert storage.list("errors/") == []
 
 
@@ -169,7 +174,8 @@ def test_options_fall_back_to_aws_environment(monkeypatch):
     monkeypatch.delenv("AWS_REGION")
     assert S3Options().resolved().region == "us-west-2"
     assert S3Options(region="ap-south-1", endpoint_url="http://127.0.0.1:8").resolved() == S3Options(
-        region="ap-south-1", endpoint_url="http://127.0.0.1:8")
+        region="ap-south-1", endpoint_url="http://127.0.0.1:8"
+    )
 
 
 def test_credentials_and_endpoint_from_environment_reach_the_server(s3_server, monkeypatch):
@@ -183,8 +189,14 @@ def test_credentials_and_endpoint_from_environment_reach_the_server(s3_server, m
 
 
 def test_wrong_secret_is_an_error_not_a_retry(s3_server):
-    opts = S3Options(endpoint_url=s3_server.endpoint_url, access_key=s3_server.access_key, secret_key="wrong",
-                     region="us-east-1", max_attempts=1, outage_tolerance_s=600)
+    opts = S3Options(
+        endpoint_url=s3_server.endpoint_url,
+        access_key=s3_server.access_key,
+        secret_key="wrong",
+        region="us-east-1",
+        max_attempts=1,
+        outage_tolerance_s=600,
+    )
     st = open_storage(f"s3://{s3_server.bucket}/x", opts)
     with pytest.raises(StorageError, match=r"PUT s3://snapref-test/x/a failed .*SignatureDoesNotMatch"):
         st.put_bytes("a", b"x")
@@ -200,7 +212,7 @@ def test_put_survives_a_server_restart(s3_server):
     def put() -> None:
         try:
             st.put_bytes("during", b"written across an outage")
-        except BaseException as e:  # noqa: BLE001 — reported below
+        except BaseException as e:
             errors.append(e)
 
     s3_server.stop()
@@ -222,7 +234,9 @@ def test_outage_longer_than_tolerance_fails_with_a_clear_error(s3_server):
     st = open_storage(f"s3://{s3_server.bucket}/outage2", s3_server.s3_options(max_attempts=1, outage_tolerance_s=1))
     s3_server.stop(graceful=False)
     try:
-        with pytest.raises(StorageError, match=rf"PUT s3://snapref-test/outage2/k failed for 1 s \(endpoint {s3_server.endpoint_url}\)"):
+        with pytest.raises(
+            StorageError, match=rf"PUT s3://snapref-test/outage2/k failed for 1 s \(endpoint {s3_server.endpoint_url}\)"
+        ):
             st.put_bytes("k", b"x")
     finally:
         s3_server.start()

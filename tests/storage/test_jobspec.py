@@ -10,8 +10,15 @@ from pydantic import BaseModel
 
 from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.backends import S3Options
-from snapref_ray.storage.jobspec import (JobSpec, JobSpecError, ModelFilesError, RowDefaults, load_job_spec,
-                                         quick_spec, spec_fingerprint)
+from snapref_ray.storage.jobspec import (
+    JobSpec,
+    JobSpecError,
+    ModelFilesError,
+    RowDefaults,
+    load_job_spec,
+    quick_spec,
+    spec_fingerprint,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,8 +42,14 @@ def make_models_dir(root: Path, names: tuple[str, ...]) -> Path:
     return root
 
 
-TINY_NAMES = ("dit.safetensors", "text_encoder.safetensors", "vae.safetensors", "adapter.safetensors",
-              "tokenizers/qwen/", "tokenizers/t5/")
+TINY_NAMES = (
+    "dit.safetensors",
+    "text_encoder.safetensors",
+    "vae.safetensors",
+    "adapter.safetensors",
+    "tokenizers/qwen/",
+    "tokenizers/t5/",
+)
 
 
 def test_example_spec_loads_with_paths_beside_it():
@@ -44,7 +57,12 @@ def test_example_spec_loads_with_paths_beside_it():
     assert spec.manifest == str(REPO / "snapref_ray" / "examples" / "example_manifest.csv")
     assert spec.models.models_dir == str(REPO / "tiny")
     assert spec.output.uri == str(REPO / "demo-output")
-    assert (spec.defaults.width, spec.defaults.height, spec.defaults.steps, spec.defaults.sampler) == (256, 256, 4, "euler")
+    assert (spec.defaults.width, spec.defaults.height, spec.defaults.steps, spec.defaults.sampler) == (
+        256,
+        256,
+        4,
+        "euler",
+    )
     assert spec.cluster.cpu_workers == 2 and spec.strict is False
 
 
@@ -56,26 +74,46 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
     assert spec.defaults.settings() == RenderSettings()
     assert (spec.defaults.seed, spec.defaults.images_per_prompt) == (0, 1)
     assert spec.cluster.model_dump() == {
-        "address": None, "num_workers": None, "min_workers": 1, "max_workers": None, "cpu_workers": 2,
-        "num_cpus_per_worker": 1.0, "refkv_cache_bytes": 8 * 2**30, "max_in_flight_per_worker": 2, "max_attempts": 3,
-        "max_batch": 4, "device": "auto", "dtype": "auto", "transfer_gbps": None, "start_timeout_s": 900.0,
-        "compile": False, "output_threads": 4}
+        "address": None,
+        "num_workers": None,
+        "min_workers": 1,
+        "max_workers": None,
+        "cpu_workers": 2,
+        "num_cpus_per_worker": 1.0,
+        "refkv_cache_bytes": 8 * 2**30,
+        "max_in_flight_per_worker": 2,
+        "max_attempts": 3,
+        "max_batch": 4,
+        "device": "auto",
+        "dtype": "auto",
+        "transfer_gbps": None,
+        "start_timeout_s": 900.0,
+        "compile": False,
+        "output_threads": 4,
+    }
     assert spec.output.model_dump() == {
-        "uri": "./output", "image_format": "png", "embed_images": False, "append": False,
+        "uri": "./output",
+        "image_format": "png",
+        "embed_images": False,
+        "append": False,
         "s3": {"endpoint_url": None, "region": None, "retry_mode": "adaptive", "max_attempts": 10},
-        "metadata_flush_seconds": 30.0}
+        "metadata_flush_seconds": 30.0,
+    }
     assert (spec.adapter, spec.loras, spec.strict, spec.allow_empty_prompt) == (None, [], False, False)
 
 
 def test_typos_and_bad_values_name_the_file_and_field_path(tmp_path):
-    path = write_spec(tmp_path, """
+    path = write_spec(
+        tmp_path,
+        """
 models: {models_dir: m}
 manifest: m.csv
 defaults: {sampeler: euler, width: 100000}
 loras: [{path: a.safetensors, strenght: 0.5}]
 cluster: {num_worker: 2}
 outptu: {}
-""")
+""",
+    )
     with pytest.raises(JobSpecError) as info:
         load_job_spec(str(path))
     assert str(info.value) == (
@@ -84,20 +122,31 @@ outptu: {}
         "  defaults.width: width must be a multiple of 16 between 256 and 4096, got 100000\n"
         "  defaults.sampeler: unknown field (did you mean 'sampler'?)\n"
         "  cluster.num_worker: unknown field (did you mean 'num_workers'?)\n"
-        "  outptu: unknown field (did you mean 'output'?)")
+        "  outptu: unknown field (did you mean 'output'?)"
+    )
 
 
-@pytest.mark.parametrize("text, message", [
-    ("manifest: m.csv\n", "invalid job spec {path}:\n  models: Field required"),
-    ("models: {}\nmanifest: m.csv\n", "invalid job spec {path}:\n  models: give models_dir, or every model file; "
-                                      "missing: dit, text_encoder, vae, qwen_tokenizer, t5_tokenizer"),
-    ("models: {models_dir: m}\nmanifest: m.csv\ndefaults: {sampler: dpmpp}\n",
-     "invalid job spec {path}:\n  defaults.sampler: Input should be 'euler' or 'er_sde'"),
-    ("models: {models_dir: m}\nmanifest: m.csv\noutput: {image_format: gif}\n",
-     "invalid job spec {path}:\n  output.image_format: Input should be 'png', 'webp' or 'jpeg'"),
-    ("- a\n- b\n", "{path}: expected a mapping of spec fields at the top, found list"),
-    ("models: [\n", "{path}: not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("manifest: m.csv\n", "invalid job spec {path}:\n  models: Field required"),
+        (
+            "models: {}\nmanifest: m.csv\n",
+            "invalid job spec {path}:\n  models: give models_dir, or every model file; "
+            "missing: dit, text_encoder, vae, qwen_tokenizer, t5_tokenizer",
+        ),
+        (
+            "models: {models_dir: m}\nmanifest: m.csv\ndefaults: {sampler: dpmpp}\n",
+            "invalid job spec {path}:\n  defaults.sampler: Input should be 'euler' or 'er_sde'",
+        ),
+        (
+            "models: {models_dir: m}\nmanifest: m.csv\noutput: {image_format: gif}\n",
+            "invalid job spec {path}:\n  output.image_format: Input should be 'png', 'webp' or 'jpeg'",
+        ),
+        ("- a\n- b\n", "{path}: expected a mapping of spec fields at the top, found list"),
+        ("models: [\n", "{path}: not valid YAML"),
+    ],
+)
 def test_spec_errors(tmp_path, text, message):
     path = write_spec(tmp_path, text)
     with pytest.raises(JobSpecError) as info:
@@ -111,14 +160,17 @@ def test_missing_spec_file(tmp_path):
 
 
 def test_relative_paths_resolve_against_the_spec_folder(tmp_path):
-    path = write_spec(tmp_path, """
+    path = write_spec(
+        tmp_path,
+        """
 models: {dit: m/dit.safetensors, text_encoder: /abs/te.safetensors, vae: s3://b/vae.safetensors,
          qwen_tokenizer: tok/qwen, t5_tokenizer: tok/t5}
 adapter: ../adapters/a.safetensors
 loras: [{path: loras/l.safetensors}]
 manifest: data/m.parquet
 output: {uri: out}
-""")
+""",
+    )
     spec = load_job_spec(str(path))
     assert spec.models.dit == str(tmp_path / "m" / "dit.safetensors")
     assert spec.models.text_encoder == "/abs/te.safetensors"
@@ -144,13 +196,24 @@ def test_every_spec_field_says_why():
             for sub in (field.annotation, *getattr(field.annotation, "__args__", ())):
                 if isinstance(sub, type) and issubclass(sub, BaseModel) and sub is not model:
                     walk(sub)
+
     walk(JobSpec)
 
 
 def test_quick_spec_routes_overrides(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    spec = quick_spec("refs/m.csv", "models", "a.safetensors", "s3://bucket/out", workers=3,
-                      steps=8, seed=5, strict=True, max_batch=2, image_format="webp")
+    spec = quick_spec(
+        "refs/m.csv",
+        "models",
+        "a.safetensors",
+        "s3://bucket/out",
+        workers=3,
+        steps=8,
+        seed=5,
+        strict=True,
+        max_batch=2,
+        image_format="webp",
+    )
     assert spec.manifest == str(tmp_path / "refs" / "m.csv")
     assert spec.models.models_dir == str(tmp_path / "models")
     assert spec.adapter == str(tmp_path / "a.safetensors")
@@ -176,14 +239,22 @@ def test_fingerprint_holds_what_determines_the_images():
     json.dumps(fingerprint)  # storable as it is
     assert fingerprint["defaults"]["steps"] == 30 and fingerprint["manifest"] == "/m.csv"
     # Where and how fast it runs is not part of the job's identity ...
-    same = [base_spec(cluster={"num_workers": 16, "address": "auto"}), base_spec(output={"uri": "s3://b/o"}),
-            base_spec(strict=True)]
+    same = [
+        base_spec(cluster={"num_workers": 16, "address": "auto"}),
+        base_spec(output={"uri": "s3://b/o"}),
+        base_spec(strict=True),
+    ]
     assert all(spec_fingerprint(spec) == fingerprint for spec in same)
     # ... what the images are made of is.
-    different = [base_spec(defaults={"steps": 31}), base_spec(adapter="/b.safetensors"),
-                 base_spec(loras=[{"path": "/l.safetensors", "strength": 0.5}]), base_spec(manifest="/n.csv"),
-                 base_spec(models={"models_dir": "/other"}), base_spec(output={"image_format": "webp"}),
-                 base_spec(cluster={"dtype": "float32"})]
+    different = [
+        base_spec(defaults={"steps": 31}),
+        base_spec(adapter="/b.safetensors"),
+        base_spec(loras=[{"path": "/l.safetensors", "strength": 0.5}]),
+        base_spec(manifest="/n.csv"),
+        base_spec(models={"models_dir": "/other"}),
+        base_spec(output={"image_format": "webp"}),
+        base_spec(cluster={"dtype": "float32"}),
+    ]
     assert all(spec_fingerprint(spec) != fingerprint for spec in different)
 
 
@@ -192,21 +263,37 @@ def test_model_files_from_a_tiny_folder(tmp_path):
     spec = base_spec(models={"models_dir": str(models)}, adapter=None)
     files = spec.model_files()
     assert (files.dit, files.text_encoder, files.vae, files.adapter) == (
-        models / "dit.safetensors", models / "text_encoder.safetensors", models / "vae.safetensors",
-        models / "adapter.safetensors")
+        models / "dit.safetensors",
+        models / "text_encoder.safetensors",
+        models / "vae.safetensors",
+        models / "adapter.safetensors",
+    )
     assert (files.qwen_tokenizer, files.t5_tokenizer) == (models / "tokenizers" / "qwen", models / "tokenizers" / "t5")
     # An explicit file and the spec's adapter win over the folder's.
     spec = base_spec(models={"models_dir": str(models), "vae": "/x/vae.safetensors"}, adapter="/y/a.safetensors")
-    assert (spec.model_files().vae, spec.model_files().adapter) == (Path("/x/vae.safetensors"), Path("/y/a.safetensors"))
+    assert (spec.model_files().vae, spec.model_files().adapter) == (
+        Path("/x/vae.safetensors"),
+        Path("/y/a.safetensors"),
+    )
 
 
 def test_model_files_from_comfyui_names(tmp_path):
-    models = make_models_dir(tmp_path / "comfy", (
-        "anima-base-v1.0.safetensors", "qwen_3_06b_base.safetensors", "qwen_image_vae.safetensors",
-        "tokenizers/qwen/", "tokenizers/t5/"))
+    models = make_models_dir(
+        tmp_path / "comfy",
+        (
+            "anima-base-v1.0.safetensors",
+            "qwen_3_06b_base.safetensors",
+            "qwen_image_vae.safetensors",
+            "tokenizers/qwen/",
+            "tokenizers/t5/",
+        ),
+    )
     files = base_spec(models={"models_dir": str(models)}).model_files()
     assert (files.dit.name, files.text_encoder.name, files.vae.name) == (
-        "anima-base-v1.0.safetensors", "qwen_3_06b_base.safetensors", "qwen_image_vae.safetensors")
+        "anima-base-v1.0.safetensors",
+        "qwen_3_06b_base.safetensors",
+        "qwen_image_vae.safetensors",
+    )
     assert files.adapter == Path("/a.safetensors")
 
 
@@ -226,8 +313,17 @@ def test_model_files_errors(tmp_path):
 
 
 def test_s3_options_come_from_the_output_section():
-    spec = base_spec(output={"s3": {"endpoint_url": "http://127.0.0.1:9000", "region": "eu-west-1",
-                                    "retry_mode": "standard", "max_attempts": 4}})
-    assert spec.s3_options() == S3Options(endpoint_url="http://127.0.0.1:9000", region="eu-west-1",
-                                          retry_mode="standard", max_attempts=4)
+    spec = base_spec(
+        output={
+            "s3": {
+                "endpoint_url": "http://127.0.0.1:9000",
+                "region": "eu-west-1",
+                "retry_mode": "standard",
+                "max_attempts": 4,
+            }
+        }
+    )
+    assert spec.s3_options() == S3Options(
+        endpoint_url="http://127.0.0.1:9000", region="eu-west-1", retry_mode="standard", max_attempts=4
+    )
     assert "access_key" not in type(spec.output.s3).model_fields  # credentials never live in a spec

@@ -20,8 +20,12 @@ from snapref_ray.storage.ledger import (
 from snapref_ray.storage.metadata import MetadataWriter
 from tests.storage.test_metadata import make_row
 
-SPEC = {"models": "s3://models/anima", "adapter": "snapref.safetensors", "defaults": {"steps": 30, "cfg": 4.0},
-        "manifest_sha256": "0" * 64}
+SPEC = {
+    "models": "s3://models/anima",
+    "adapter": "snapref.safetensors",
+    "defaults": {"steps": 30, "cfg": 4.0},
+    "manifest_sha256": "0" * 64,
+}
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -35,7 +39,8 @@ def storage(request, tmp_path):
 def test_fingerprint_is_sha256_of_canonical_json():
     expected = hashlib.sha256(
         b'{"adapter":"snapref.safetensors","defaults":{"cfg":4.0,"steps":30},'
-        b'"manifest_sha256":"' + b"0" * 64 + b'","models":"s3://models/anima"}').hexdigest()
+        b'"manifest_sha256":"' + b"0" * 64 + b'","models":"s3://models/anima"}'
+    ).hexdigest()
     assert job_fingerprint(SPEC) == expected
     reordered = dict(reversed(list(SPEC.items())))
     assert job_fingerprint(reordered) == expected
@@ -65,7 +70,8 @@ def test_claim_resume_conflict_and_append(storage):
     assert str(e.value) == (
         f"output {storage.uri} belongs to another job: {storage.uri_for('job.json')} has fingerprint {fp[:12]}, "
         f"this job's is {ofp[:12]}. Re-run the original spec to resume, choose another output, or pass "
-        f"append=True to add this job's images to the same dataset.")
+        f"append=True to add this job's images to the same dataset."
+    )
     assert read_job(storage)["appended"] == []
 
     claim_output(storage, ofp, other, append=True)

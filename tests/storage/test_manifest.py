@@ -10,8 +10,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from snapref_ray.storage.manifest import (ROW_KEY, ManifestError, manifest_base, manifest_format, read_manifest,
-                                          resolve_relative)
+from snapref_ray.storage.manifest import (
+    ROW_KEY,
+    ManifestError,
+    manifest_base,
+    manifest_format,
+    read_manifest,
+    resolve_relative,
+)
 
 ROWS = [
     {"reference": "refs/a.png", "prompt": "1girl, solo, beach", "seed": 3, "steps": 8},
@@ -53,13 +59,16 @@ def test_three_formats_give_the_same_rows(tmp_path):
     assert jsonl_rows == expected
     assert ndjson_rows == expected
     assert parquet_rows == expected
-    assert csv_rows == [{k: (str(v) if k not in ("prompt", ROW_KEY) else v) for k, v in row.items()} for row in expected]
+    assert csv_rows == [
+        {k: (str(v) if k not in ("prompt", ROW_KEY) else v) for k, v in row.items()} for row in expected
+    ]
 
 
 def test_csv_row_numbers_count_records_not_lines(tmp_path):
     path = tmp_path / "m.csv"
-    path.write_bytes("\ufeffreference , prompt\n\na.png,\"1girl, solo\"\n  ,  \nb.png,\"multi\nline\"\nc.png,x\n"
-                     .encode("utf-8"))
+    path.write_bytes(
+        '\ufeffreference , prompt\n\na.png,"1girl, solo"\n  ,  \nb.png,"multi\nline"\nc.png,x\n'.encode("utf-8")
+    )
     rows = read_manifest(str(path))
     # BOM and padded header names are tolerated; blank lines are neither records nor counted.
     assert rows == [
@@ -79,20 +88,30 @@ def test_parquet_nan_and_list_cells(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("m.txt", b"x", "manifest {path}: unknown extension '.txt'; expected one of .csv, .jsonl, .ndjson, .parquet"),
-    ("m.csv", b"reference,prompt\n", "manifest {path} has no rows"),
-    ("m.csv", b"", "manifest {path} has no rows"),
-    ("m.csv", b"reference,prompt,reference\na,b,c\n", "manifest {path}: header repeats column(s) reference"),
-    ("m.csv", b"reference,,prompt\na,b,c\n", "manifest {path}: header has an empty column name (column 2)"),
-    ("m.csv", b"reference,prompt\na.png,p\nb.png,p,extra\n",
-     "manifest {path}: row 2 (line 3) has 3 cells, the header has 2 columns"),
-    ("m.csv", b"reference,__row__\na,1\n", "manifest {path}: column name '__row__' is reserved for the row number"),
-    ("m.csv", b"reference\n\xff\xfe\n", "manifest {path}: not UTF-8 text"),
-    ("m.jsonl", b'{"reference": "a"}\n\n{"reference": \n', "manifest {path}: line 3 is not valid JSON (Expecting value)"),
-    ("m.jsonl", b'["a", "b"]\n', "manifest {path}: line 1 is a JSON list, expected an object"),
-    ("m.parquet", b"PAR1 not really", "manifest {path}: not a readable Parquet file"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("m.txt", b"x", "manifest {path}: unknown extension '.txt'; expected one of .csv, .jsonl, .ndjson, .parquet"),
+        ("m.csv", b"reference,prompt\n", "manifest {path} has no rows"),
+        ("m.csv", b"", "manifest {path} has no rows"),
+        ("m.csv", b"reference,prompt,reference\na,b,c\n", "manifest {path}: header repeats column(s) reference"),
+        ("m.csv", b"reference,,prompt\na,b,c\n", "manifest {path}: header has an empty column name (column 2)"),
+        (
+            "m.csv",
+            b"reference,prompt\na.png,p\nb.png,p,extra\n",
+            "manifest {path}: row 2 (line 3) has 3 cells, the header has 2 columns",
+        ),
+        ("m.csv", b"reference,__row__\na,1\n", "manifest {path}: column name '__row__' is reserved for the row number"),
+        ("m.csv", b"reference\n\xff\xfe\n", "manifest {path}: not UTF-8 text"),
+        (
+            "m.jsonl",
+            b'{"reference": "a"}\n\n{"reference": \n',
+            "manifest {path}: line 3 is not valid JSON (Expecting value)",
+        ),
+        ("m.jsonl", b'["a", "b"]\n', "manifest {path}: line 1 is a JSON list, expected an object"),
+        ("m.parquet", b"PAR1 not really", "manifest {path}: not a readable Parquet file"),
+    ],
+)
 def test_unreadable_manifests_name_file_and_place(tmp_path, name, content, message):
     path = tmp_path / name
     path.write_bytes(content)
@@ -108,7 +127,11 @@ def test_missing_manifest(tmp_path):
 
 def test_manifest_format_by_extension():
     assert [manifest_format(u) for u in ("a.CSV", "s3://b/x/m.jsonl", "m.ndjson", "/d/m.parquet")] == [
-        "csv", "jsonl", "jsonl", "parquet"]
+        "csv",
+        "jsonl",
+        "jsonl",
+        "parquet",
+    ]
 
 
 def test_relative_paths_resolve_against_the_manifest_folder(tmp_path):
@@ -138,13 +161,17 @@ def test_s3_manifest_reads_like_a_local_one(tmp_path, s3_server):
     local = write_csv(tmp_path / "m.csv", ROWS)
     bucket, prefix, client = s3_server.bucket, "test_manifest", s3_server.client()
     client.put_object(Bucket=bucket, Key=f"{prefix}/m.csv", Body=local.read_bytes())
-    client.put_object(Bucket=bucket, Key=f"{prefix}/m.parquet", Body=write_parquet(tmp_path / "m.parquet", ROWS).read_bytes())
+    client.put_object(
+        Bucket=bucket, Key=f"{prefix}/m.parquet", Body=write_parquet(tmp_path / "m.parquet", ROWS).read_bytes()
+    )
     options = s3_server.s3_options()
 
     assert read_manifest(f"s3://{bucket}/{prefix}/m.csv", options) == read_manifest(str(local))
     assert read_manifest(f"s3://{bucket}/{prefix}/m.parquet", options) == read_manifest(str(tmp_path / "m.parquet"))
     with pytest.raises(ManifestError) as info:
         read_manifest(f"s3://{bucket}/{prefix}/missing.csv", options)
-    assert str(info.value) == (f"cannot read manifest s3://{bucket}/{prefix}/missing.csv: no object "
-                               f"'{prefix}/missing.csv' in storage s3://{bucket} "
-                               f"(s3://{bucket}/{prefix}/missing.csv does not exist)")
+    assert str(info.value) == (
+        f"cannot read manifest s3://{bucket}/{prefix}/missing.csv: no object "
+        f"'{prefix}/missing.csv' in storage s3://{bucket} "
+        f"(s3://{bucket}/{prefix}/missing.csv does not exist)"
+    )

@@ -36,17 +36,45 @@ def make_row(i: int, **overrides) -> dict:
     s = RenderSettings(width=512, height=768, steps=28, cfg=4.5, ref_weight=1.25, ref_end=0.75, ref_caption="solo")
     item_id = f"item-{i:04d}"
     row = {
-        "item_id": item_id, "manifest_row": i, "reference_uris": [f"refs/char{i % 3}.png", "refs/extra.png"],
-        "reference_hash": f"{i % 3:064x}", "reference_image_key": reference_image_key(f"{i % 3:064x}"),
-        "prompt": f"1girl, scene {i}", "negative_prompt": "lowres", "seed": 2**40 + i,
-        "width": s.width, "height": s.height, "steps": s.steps, "cfg": s.cfg, "sampler": s.sampler,
-        "scheduler": s.scheduler, "mode": s.mode, "ref_weight": s.ref_weight, "ref_guidance": s.ref_guidance,
-        "ref_in_uncond": s.ref_in_uncond, "correction": s.correction, "ref_start": s.ref_start, "ref_end": s.ref_end,
-        "ref_caption": s.ref_caption, "settings_json": s.model_dump_json(), "image_key": image_key(item_id),
-        "image_uri": f"/out/{image_key(item_id)}", "thumb_key": thumb_key(item_id), "image_format": "png",
-        "adapter": "snapref.safetensors", "model": "anima-tiny", "worker_id": f"w{i % 2}", "node_id": "node-a",
-        "encode_s": 0.5, "sample_s": 2.25, "decode_s": 0.125, "upload_s": 0.0625, "forward_batch": 4, "attempt": 1,
-        "started_at": 1_800_000_000.5 + i, "finished_at": 1_800_000_003.25 + i,
+        "item_id": item_id,
+        "manifest_row": i,
+        "reference_uris": [f"refs/char{i % 3}.png", "refs/extra.png"],
+        "reference_hash": f"{i % 3:064x}",
+        "reference_image_key": reference_image_key(f"{i % 3:064x}"),
+        "prompt": f"1girl, scene {i}",
+        "negative_prompt": "lowres",
+        "seed": 2**40 + i,
+        "width": s.width,
+        "height": s.height,
+        "steps": s.steps,
+        "cfg": s.cfg,
+        "sampler": s.sampler,
+        "scheduler": s.scheduler,
+        "mode": s.mode,
+        "ref_weight": s.ref_weight,
+        "ref_guidance": s.ref_guidance,
+        "ref_in_uncond": s.ref_in_uncond,
+        "correction": s.correction,
+        "ref_start": s.ref_start,
+        "ref_end": s.ref_end,
+        "ref_caption": s.ref_caption,
+        "settings_json": s.model_dump_json(),
+        "image_key": image_key(item_id),
+        "image_uri": f"/out/{image_key(item_id)}",
+        "thumb_key": thumb_key(item_id),
+        "image_format": "png",
+        "adapter": "snapref.safetensors",
+        "model": "anima-tiny",
+        "worker_id": f"w{i % 2}",
+        "node_id": "node-a",
+        "encode_s": 0.5,
+        "sample_s": 2.25,
+        "decode_s": 0.125,
+        "upload_s": 0.0625,
+        "forward_batch": 4,
+        "attempt": 1,
+        "started_at": 1_800_000_000.5 + i,
+        "finished_at": 1_800_000_003.25 + i,
     }
     row.update(overrides)
     return row
@@ -65,18 +93,58 @@ def _pyarrow_fs(storage, request):
     if isinstance(storage, LocalStorage):
         return pa.fs.LocalFileSystem(), storage.uri
     server = request.getfixturevalue("s3_server")
-    fs = pa.fs.S3FileSystem(endpoint_override=server.endpoint_url, scheme="http", access_key=server.access_key,
-                            secret_key=server.secret_key, region="us-east-1")
+    fs = pa.fs.S3FileSystem(
+        endpoint_override=server.endpoint_url,
+        scheme="http",
+        access_key=server.access_key,
+        secret_key=server.secret_key,
+        region="us-east-1",
+    )
     return fs, f"{storage.bucket}/{storage.prefix}"
 
 
 def test_schema_columns_exactly():
     assert METADATA_SCHEMA.names == [
-        "item_id", "manifest_row", "reference_uris", "reference_hash", "reference_image_key", "prompt",
-        "negative_prompt", "seed", "width", "height", "steps", "cfg", "sampler", "scheduler", "mode", "ref_weight",
-        "ref_guidance", "ref_in_uncond", "correction", "ref_start", "ref_end", "ref_caption", "settings_json",
-        "image_key", "image_uri", "thumb_key", "image_format", "adapter", "model", "worker_id", "node_id", "encode_s",
-        "sample_s", "decode_s", "upload_s", "forward_batch", "attempt", "started_at", "finished_at"]
+        "item_id",
+        "manifest_row",
+        "reference_uris",
+        "reference_hash",
+        "reference_image_key",
+        "prompt",
+        "negative_prompt",
+        "seed",
+        "width",
+        "height",
+        "steps",
+        "cfg",
+        "sampler",
+        "scheduler",
+        "mode",
+        "ref_weight",
+        "ref_guidance",
+        "ref_in_uncond",
+        "correction",
+        "ref_start",
+        "ref_end",
+        "ref_caption",
+        "settings_json",
+        "image_key",
+        "image_uri",
+        "thumb_key",
+        "image_format",
+        "adapter",
+        "model",
+        "worker_id",
+        "node_id",
+        "encode_s",
+        "sample_s",
+        "decode_s",
+        "upload_s",
+        "forward_batch",
+        "attempt",
+        "started_at",
+        "finished_at",
+    ]
     assert METADATA_SCHEMA.field("reference_uris").type == pa.list_(pa.string())
     assert METADATA_SCHEMA.field("width").type == pa.int32() and METADATA_SCHEMA.field("cfg").type == pa.float32()
     assert ERRORS_SCHEMA.names == ["item_id", "manifest_row", "error", "stage", "attempt", "at"]
@@ -141,7 +209,9 @@ def test_rows_must_match_the_schema(tmp_path):
     writer = MetadataWriter(LocalStorage(tmp_path), flush_seconds=0)
     row = make_row(1)
     del row["seed"]
-    with pytest.raises(ValueError, match=r"metadata row 'item-0001': missing columns \['seed'\], unknown columns \['colour'\]"):
+    with pytest.raises(
+        ValueError, match=r"metadata row 'item-0001': missing columns \['seed'\], unknown columns \['colour'\]"
+    ):
         writer.add({**row, "colour": "red"})
     with pytest.raises(ValueError, match=r"metadata row 'item-0002' does not fit the schema: .*"):
         writer.add(make_row(2, width="wide"))
@@ -243,8 +313,12 @@ def test_embedded_images_load_as_pil_with_hf_datasets(tmp_path, monkeypatch):
     assert hf["info"]["features"]["seed"] == {"dtype": "int64", "_type": "Value"}
     assert part.column("image").to_pylist()[0]["path"] == "item-0000.png"
 
-    ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "out" / "metadata" / "*.parquet"),
-                               split="train", cache_dir=str(tmp_path / "hf-cache"))
+    ds = datasets.load_dataset(
+        "parquet",
+        data_files=str(tmp_path / "out" / "metadata" / "*.parquet"),
+        split="train",
+        cache_dir=str(tmp_path / "hf-cache"),
+    )
     assert ds.num_rows == 3
     assert isinstance(ds.features["image"], datasets.Image)
     by_id = {r["item_id"]: r for r in ds}
@@ -262,9 +336,12 @@ def test_errors_table_drops_items_that_later_succeeded(storage):
     with ErrorWriter(storage, flush_seconds=0) as errors:
         errors.record(RuntimeError("CUDA out of memory"), "sample", item_id="item-0001", attempt=1)
         errors.record("reference file refs/missing.png does not exist", "validate", manifest_row=17)
-        errors.record(ValueError("sampler 'dpm' is not one of euler, er_sde"), "validate", item_id="item-0005",
-                      manifest_row=5)
-        with pytest.raises(ValueError, match=r"stage must be one of \('validate', 'encode', 'sample', 'write'\), got 'upload'"):
+        errors.record(
+            ValueError("sampler 'dpm' is not one of euler, er_sde"), "validate", item_id="item-0005", manifest_row=5
+        )
+        with pytest.raises(
+            ValueError, match=r"stage must be one of \('validate', 'encode', 'sample', 'write'\), got 'upload'"
+        ):
             errors.record("x", "upload", item_id="item-0006")
     with MetadataWriter(storage, flush_seconds=0) as meta:
         meta.add(make_row(1))  # the OOM item succeeded on its second attempt
@@ -272,10 +349,20 @@ def test_errors_table_drops_items_that_later_succeeded(storage):
     table = read_errors_table(storage)
     assert table.schema.equals(ERRORS_SCHEMA)
     assert table.select(["item_id", "manifest_row", "error", "stage", "attempt"]).to_pylist() == [
-        {"item_id": None, "manifest_row": 17, "error": "reference file refs/missing.png does not exist",
-         "stage": "validate", "attempt": 1},
-        {"item_id": "item-0005", "manifest_row": 5, "error": "ValueError: sampler 'dpm' is not one of euler, er_sde",
-         "stage": "validate", "attempt": 1},
+        {
+            "item_id": None,
+            "manifest_row": 17,
+            "error": "reference file refs/missing.png does not exist",
+            "stage": "validate",
+            "attempt": 1,
+        },
+        {
+            "item_id": "item-0005",
+            "manifest_row": 5,
+            "error": "ValueError: sampler 'dpm' is not one of euler, er_sde",
+            "stage": "validate",
+            "attempt": 1,
+        },
     ]
     assert read_errors_table(storage, exclude_ids=set()).num_rows == 3
     assert read_errors_table(storage, exclude_ids={"item-0005"}).column("item_id").to_pylist() == ["item-0001", None]

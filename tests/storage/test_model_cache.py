@@ -111,8 +111,12 @@ def test_concurrent_processes_download_once(s3_server, tmp_path):
     log = tmp_path / "downloads.log"
     ctx = mp.get_context("spawn")  # no fork of a process that runs threads (boto3, pytest-timeout)
     barrier, results = ctx.Barrier(3), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(uri, str(tmp_path / "cache"), s3_server.s3_options(), str(log),
-                                               barrier, results)) for _ in range(3)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(uri, str(tmp_path / "cache"), s3_server.s3_options(), str(log), barrier, results)
+        )
+        for _ in range(3)
+    ]
     for p in procs:
         p.start()
     try:

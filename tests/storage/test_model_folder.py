@@ -22,7 +22,9 @@ def test_s3_models_folder_is_mirrored_once_with_its_layout(s3_server, tiny_model
     client = s3_server.client()
     files = sorted(p for p in tiny_models.rglob("*") if p.is_file())
     for path in files:
-        client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{path.relative_to(tiny_models)}", Body=path.read_bytes())
+        client.put_object(
+            Bucket=s3_server.bucket, Key=f"{prefix}/{path.relative_to(tiny_models)}", Body=path.read_bytes()
+        )
     uri = f"s3://{s3_server.bucket}/{prefix}"
     folder = ensure_local_folder(uri, tmp_path / "cache", s3_server.s3_options())
     for path in files:
@@ -37,5 +39,6 @@ def test_bucket_root_and_empty_prefix_are_clear_errors(s3_server, tmp_path):
     with pytest.raises(StorageError, match="give a prefix"):
         ensure_local_folder(f"s3://{s3_server.bucket}", tmp_path, s3_server.s3_options())
     with pytest.raises(StorageError, match="empty or does not exist"):
-        ensure_local_folder(f"s3://{s3_server.bucket}/nothing-here-{uuid.uuid4().hex}", tmp_path,
-                            s3_server.s3_options())
+        ensure_local_folder(
+            f"s3://{s3_server.bucket}/nothing-here-{uuid.uuid4().hex}", tmp_path, s3_server.s3_options()
+        )
