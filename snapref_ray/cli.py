@@ -5,41 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
-import typing
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from snapref_ray.cli_flags import add_model_flags, add_settings_flags, model_spec_from, settings_from
 from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.cli import add_serve_parser
+from snapref_ray.validation import format_validation_error
 
 log = logging.getLogger("snapref_ray")
-
-
-def _field_type(annotation) -> type:
-    """int, float, bool or str for a field annotation; `X | None` counts as X."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if args and type(None) in typing.get_args(annotation):
-        annotation = args[0] if len(args) == 1 else annotation
-    return annotation if annotation in (int, float, bool) else str
-
-
-def _settings_flags(p: argparse.ArgumentParser) -> None:
-    """Flags for every RenderSettings field, named like the field (--ref-weight for ref_weight)."""
-    for name, info in RenderSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        kind = _field_type(info.annotation)
-        if kind is bool:
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=info.description)
-        else:
-            p.add_argument(flag, dest=name, type=kind, default=None, help=info.description)
-
-
-def _settings_from(args: argparse.Namespace) -> RenderSettings:
-    given = {name: getattr(args, name) for name in RenderSettings.model_fields if getattr(args, name, None) is not None}
-    return RenderSettings(**given)
 
 
 def _progress(total_label: str):
@@ -66,80 +44,78 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_txt2img(args: argparse.Namespace) -> int:
-    from snapref_ray.engine import Renderer
     from snapref_ray.requests import RenderRequest
-    from snapref_ray.storage.image_files import encode_rendered_image
+    from snapref_ray.service import RefKVKey, RenderService
+    from snapref_ray.service.records import encode_output
+    from snapref_ray.service.references import ReferenceIdentity
 
-    settings = _settings_from(args)
-    renderer = Renderer.from_folder(
-        args.models,
-        adapter=args.adapter,
-        loras=[(p, s) for p, s in (_parse_lora(x) for x in args.lora)],
-        device=args.device,
-        compile=args.compile,
-    )
-    references = None
-    layout = "single"
-    if args.reference:
-        references = [Path(p).read_bytes() for p in args.reference]
-        layout = "multi" if len(references) > 1 else "single"
-        if args.reference2:
-            if len(args.reference) != 1:
-                raise SystemExit("--reference2 (a second character) goes with exactly one --reference")
-            references.append(Path(args.reference2).read_bytes())
-            layout = "pair"
+    service = RenderService.load(model_spec_from(args))
+    settings = service.resolve(settings_from(args))
+    references, layout = _reference_images(args)
     init = None
     if args.init_image:
         from PIL import Image
 
         init = Image.open(args.init_image)
     requests = [RenderRequest(prompt=args.prompt, seed=args.seed + i, settings=settings) for i in range(args.n)]
+    reference_hash = ReferenceIdentity.of_images(layout, references).hash if references else None
+    refkv = None
+    if references and not settings.recompute_reference_every_step:
+        key = RefKVKey.for_settings(reference_hash, settings)
+        sources = [*args.reference, *([args.reference2] if args.reference2 else [])]
+        refkv, _ = service.refkv(key, layout, lambda: references, sources=sources)
     bar, update = _progress("sampling")
     with bar:
-        results = renderer.render(requests, references=references, layout=layout, init_image=init, progress=update)
+        rendered = service.render(
+            requests,
+            refkv=refkv,
+            references=references if settings.recompute_reference_every_step else None,
+            layout=layout,
+            reference_hash=reference_hash,
+            init_image=init,
+            progress=update,
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for i, result in enumerate(results):
-        path = out if len(results) == 1 else out.with_name(f"{out.stem}_{i:03d}{out.suffix}")
-        path.write_bytes(
-            encode_rendered_image(
-                result.image,
-                prompt=result.request.prompt,
-                seed=result.request.seed,
-                settings=settings.model_dump(),
-                model=renderer.model_id,
-                adapter=renderer.adapter.identity if renderer.adapter else None,
-                reference_hash=_reference_hash(references, layout),
-                fmt=_format_of(path),
-            )
-        )
-        t = result.timings
+    fmt = _format_of(out)
+    for i, image in enumerate(rendered):
+        path = out if len(rendered) == 1 else out.with_name(f"{out.stem}_{i:03d}{out.suffix}")
+        path.write_bytes(encode_output(image, model=service.model_id, adapter=service.adapter_id, fmt=fmt))
+        t = image.timings
+        encode_s = refkv.encode_seconds if refkv is not None else t.get("encode_s", 0.0)
         print(
-            f"{path}  seed {result.request.seed}  sample {t['sample_s']:.2f} s  decode {t['decode_s']:.2f} s"
-            + (f"  reference encode {t['encode_s']:.2f} s" if references else "")
+            f"{path}  seed {image.request.seed}  sample {t['sample_s']:.2f} s  decode {t['decode_s']:.2f} s"
+            + (f"  reference encode {encode_s:.2f} s" if references else "")
         )
     return 0
 
 
-def _reference_hash(references: list[bytes] | None, layout: str) -> str | None:
-    """The hash a batch job gives the same reference (one file's content hash, or the pair/multi hash)."""
-    from snapref_ray.adapter.images import content_hash
-    from snapref_ray.storage.work_items import combined_reference_hash
+def _reference_images(args: argparse.Namespace) -> tuple[list[bytes] | None, str]:
+    """(the reference files' bytes, layout) of --reference (repeatable) and --reference2."""
+    if not args.reference:
+        if args.reference2:
+            raise ValueError("--reference2 (a second character) goes with exactly one --reference")
+        return None, "single"
+    references = [_read_file(p, "--reference") for p in args.reference]
+    layout = "multi" if len(references) > 1 else "single"
+    if args.reference2:
+        if len(args.reference) != 1:
+            raise ValueError("--reference2 (a second character) goes with exactly one --reference")
+        references.append(_read_file(args.reference2, "--reference2"))
+        layout = "pair"
+    return references, layout
 
-    if not references:
-        return None
-    hashes = [content_hash(data) for data in references]
-    return hashes[0] if layout == "single" else combined_reference_hash(layout, hashes)
+
+def _read_file(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise FileNotFoundError(f"{flag} {path}: {e.strerror or e}") from None
 
 
 def _format_of(path: Path) -> str:
     """png, webp or jpeg from the output file's extension (png when it names none of them)."""
     return {".webp": "webp", ".jpg": "jpeg", ".jpeg": "jpeg"}.get(path.suffix.lower(), "png")
-
-
-def _parse_lora(text: str) -> tuple[str, float]:
-    path, _, strength = text.partition(":") if not Path(text).exists() else (text, "", "")
-    return path, float(strength) if strength else 1.0
 
 
 def cmd_adapter_inspect(args: argparse.Namespace) -> int:
@@ -165,21 +141,19 @@ def cmd_render(args: argparse.Namespace) -> int:
     target = args.spec_or_manifest
     if target.endswith((".yaml", ".yml")):
         spec = load_job_spec(target)
+        update = {"model": model_spec_from(args, spec.model)}
         if args.out:
-            spec = spec.model_copy(update={"output": spec.output.model_copy(update={"uri": args.out})})
-        if args.compile:
-            spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"compile": True})})
+            update["output"] = spec.output.model_copy(update={"uri": args.out})
+        spec = spec.model_copy(update=update)
     else:
-        if not args.models or not args.out:
-            raise SystemExit("the quick form needs --models DIR and --out DIR_OR_S3_URI")
+        if not args.model_models_dir or not args.out:
+            raise ValueError("the quick form needs --models DIR and --out DIR_OR_S3_URI")
         overrides = {
             name: getattr(args, name)
             for name in (*RenderSettings.model_fields, "min_workers", "max_workers")
             if getattr(args, name, None) is not None
         }
-        if args.compile:
-            overrides["compile"] = True
-        spec = quick_spec(target, args.models, args.adapter, args.out, workers=args.workers, **overrides)
+        spec = quick_spec(target, args.out, model=model_spec_from(args), workers=args.workers, **overrides)
     summary = run_job(spec, progress=not args.no_progress)
     _print_summary(summary)
     return 1 if summary["failed_items"] else 0
@@ -206,7 +180,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     spec = load_job_spec(str(Path(__file__).parent / "examples" / "example_spec.yaml"))
     spec = spec.model_copy(
         update={
-            "models": spec.models.model_copy(update={"models_dir": str(models)}),
+            "model": spec.model.model_copy(update={"models_dir": str(models)}),
             "output": spec.output.model_copy(update={"uri": str(out)}),
         }
     )
@@ -227,6 +201,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="snapref-ray", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of a usage error too (also: SNAPREF_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-tiny", help="write a tiny random-weight model set (real file layouts) for tests and demos")
@@ -241,31 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_make_tiny)
 
-    p = sub.add_parser("txt2img", help="render images from a prompt (optionally with a SnapRef reference)")
-    p.add_argument("--models", required=True, help="model folder (tiny or real)")
+    p = sub.add_parser("txt2img", help="render images from a prompt (optionally with a reference)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--out", required=True, help="output PNG path (numbered when --n > 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1, help="images, consecutive seeds, one batch")
     p.add_argument(
-        "--adapter",
-        help="reference adapter: SnapRef anima_ref_kv/1, ArcAnima v2 or pilot; the kind is"
-        " detected from the file (default: adapter.safetensors in --models if present)",
-    )
-    p.add_argument(
         "--reference", action="append", default=[], help="reference image; repeat for several of one character"
     )
     p.add_argument("--reference2", help="second character's reference, stitched to the right of --reference")
-    p.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        help="standard (style) LoRA to merge, PATH[:STRENGTH]; repeatable. Reference adapters go with --adapter",
-    )
     p.add_argument("--init-image", help="input image for img2img (use with --denoise < 1)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--compile", action="store_true", help="DiT forward through torch.compile")
-    _settings_flags(p)
+    add_model_flags(p, models_required=True)
+    add_settings_flags(p)
     p.set_defaults(func=cmd_txt2img)
 
     p = sub.add_parser("adapter", help="reference adapter files (SnapRef, ArcAnima v2 and pilot)")
@@ -288,8 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "spec_or_manifest", help="job spec (.yaml) or manifest (.csv/.jsonl/.parquet; columns reference, prompt)"
     )
-    p.add_argument("--models", help="model folder (quick form)")
-    p.add_argument("--adapter", help="SnapRef adapter (quick form; default: adapter.safetensors in --models)")
     p.add_argument("--out", help="output folder or s3://bucket/prefix")
     p.add_argument("--workers", type=int, help="exactly N render workers (default: --min-workers/--max-workers)")
     p.add_argument("--min-workers", type=int, help="start rendering once N workers are ready (default 1)")
@@ -300,13 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
         "at start, or 2 CPU workers on a machine without GPUs)",
     )
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        default=None,
-        help="DiT forward through torch.compile (cluster.compile in a job spec)",
-    )
-    _settings_flags(p)
+    add_model_flags(p)
+    add_settings_flags(p)
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser("demo", help="make the tiny models and render the bundled example on a local Ray")
@@ -324,20 +281,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. A usage error (a setting, file or model that does not fit) is one line on stderr
+    and exit status 2; `--debug` (or SNAPREF_DEBUG=1) shows its traceback instead."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    debug = args.debug or os.environ.get("SNAPREF_DEBUG", "").strip().lower() in {"1", "true", "yes"}
     try:
         return args.func(args)
-    except ValidationError as e:
-        for err in e.errors():
-            field = ".".join(str(x) for x in err["loc"]) or "settings"
-            print(f"error: {field}: {err['msg']}", file=sys.stderr)
+    except Exception as e:
+        lines = usage_error_lines(e)
+        if lines is None or debug:
+            raise
+        for line in lines:
+            print(f"error: {line}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+
+def usage_error_lines(error: BaseException) -> list[str] | None:
+    """The lines a usage error is told in, or None for a genuine bug (which keeps its traceback).
+
+    Usage errors are bad settings and specs (pydantic, JobSpecError, RenderError and every other
+    ValueError), files that are missing or unreadable (OSError), also when they were raised inside a Ray
+    worker and reached the driver wrapped in a RayTaskError or an actor's death.
+    """
+    cause = getattr(error, "cause", None)  # ray.exceptions.RayTaskError / RayActorError keep the original
+    if isinstance(cause, BaseException) and cause is not error:
+        return usage_error_lines(cause)
+    if isinstance(error, ValidationError):
+        return format_validation_error(error)
+    if isinstance(error, (ValueError, OSError)):
+        return [str(error).strip() or type(error).__name__]
+    return None
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
+
+from snapref_ray.cli_flags import add_model_flags, model_spec_from
+from snapref_ray.model_spec import LoRASpec
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -37,19 +39,20 @@ def _absolute(path: str | None) -> str | None:
 
 def timing_spec_from_args(args: argparse.Namespace):
     """The TimingSpec of a `snapref-ray timing` command line (a spec file, then flags on top)."""
+    from snapref_ray.model_spec import ModelSpec
     from snapref_ray.pipelines.timing_table import TimingSpec, load_timing_spec
 
     if args.spec:
         spec = load_timing_spec(args.spec)
         raw = spec.model_dump()
-    elif args.models:
-        raw = {"models": {"models_dir": _absolute(args.models)}}
+        model = spec.model
+    elif args.model_models_dir:
+        raw, model = {}, None
     else:
-        raise SystemExit("give a timing spec (SPEC.yaml) or --models DIR")
-    if args.models and args.spec:
-        raw["models"] = {"models_dir": _absolute(args.models)}
+        raise ValueError("give a timing spec (SPEC.yaml) or --models DIR")
+    model = model_spec_from(args, model).resolve_paths(os.getcwd())
+    raw["model"] = ModelSpec.model_validate(model).model_dump()
     flags = {
-        "adapter": _absolute(args.adapter),
         "reference": _absolute(args.reference),
         "width": args.width,
         "height": args.height,
@@ -65,10 +68,8 @@ def timing_spec_from_args(args: argparse.Namespace):
     }
     raw.update({k: v for k, v in flags.items() if v is not None})
     if args.turbo_lora:
-        path, _, strength = (
-            args.turbo_lora.rpartition(":") if not Path(args.turbo_lora).exists() else (args.turbo_lora, "", "")
-        )
-        raw["turbo_lora"] = {"path": _absolute(path), "strength": float(strength) if strength else 1.0}
+        lora = LoRASpec.parse(args.turbo_lora)
+        raw["turbo_lora"] = {"path": _absolute(lora.path), "strength": lora.strength}
     if args.settings:
         raw["settings"] = [s.strip() for s in args.settings.split(",") if s.strip()]
     if args.no_warmup:
@@ -77,9 +78,6 @@ def timing_spec_from_args(args: argparse.Namespace):
     if args.out:
         output["uri"] = _absolute(args.out)
     raw["output"] = output
-    cluster = dict(raw.get("cluster") or {})
-    cluster.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None})
-    raw["cluster"] = cluster
     return TimingSpec.model_validate(raw)
 
 
@@ -103,8 +101,6 @@ def add_eval_parsers(sub) -> None:
 
     p = sub.add_parser("timing", help="same-case timing table of each setting: comparison_summary.json + .md")
     p.add_argument("spec", nargs="?", help="timing spec YAML; or use --models for the quick form")
-    p.add_argument("--models", help="model folder (tiny or real)")
-    p.add_argument("--adapter", help="SnapRef adapter (default: adapter.safetensors in --models)")
     p.add_argument("--reference", help="reference image (default: reference.png in --models)")
     p.add_argument("--out", help="output folder or s3://bucket/prefix (default ./output)")
     p.add_argument("--width", type=int)
@@ -120,7 +116,6 @@ def add_eval_parsers(sub) -> None:
     p.add_argument("--turbo-steps", type=int, help="steps of the turbo row (default 10)")
     p.add_argument("--settings", help="comma-separated subset of the settings (no_reference always runs)")
     p.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up run of each setting")
-    p.add_argument("--device", help="cpu, cuda (default: the worker's GPU if any)")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
+    add_model_flags(p)
     p.add_argument("--title", help="heading of the Markdown table")
     p.set_defaults(func=cmd_timing)

@@ -145,3 +145,34 @@ class RenderRequest(BaseModel):
     prompt: str = Field(..., description="The scene prompt (Anima is tag-prompted); the reference says who is drawn.")
     seed: int = Field(0, ge=0, lt=2**63, description="Noise seed; ComfyUI-compatible for a single image.")
     settings: RenderSettings = Field(default_factory=RenderSettings)
+
+
+class RowDefaults(RenderSettings):
+    """Defaults for every manifest or Ray Data row: every `RenderSettings` field, plus seed and images_per_prompt.
+
+    Derived from the request model (not a copy of its fields) so a new render setting is a valid
+    default and row column at once. A row's own value beats the default.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int = Field(
+        0,
+        ge=0,
+        lt=2**63,
+        description="Seed of a row's first image; image k uses seed + k. 0 so that a job renders the same images"
+        " on every run.",
+    )
+    images_per_prompt: int = Field(
+        1,
+        ge=1,
+        le=10_000,
+        description="Images per row (consecutive seeds); 1 because a dataset usually wants one per prompt.",
+    )
+
+    def settings(self) -> RenderSettings:
+        """The `RenderSettings` part (without seed and images_per_prompt)."""
+        return RenderSettings(**self.model_dump(exclude=set(ROW_ONLY_DEFAULTS)))
+
+
+ROW_ONLY_DEFAULTS = ("seed", "images_per_prompt")

@@ -175,7 +175,7 @@ def start_workers(
 ) -> tuple[list, list[WorkerInfo]]:
     """A fixed pool of `max_workers` actors, waited for until each is ready (for jobs without an
     elastic schedule, e.g. the identity evaluation)."""
-    plan = plan_pool(shape, config.device, on_cluster=on_cluster, gpus_now=gpus_in_cluster())
+    plan = plan_pool(shape, config.model.device, on_cluster=on_cluster, gpus_now=gpus_in_cluster())
     actor = ray.remote(RenderWorker).options(
         num_gpus=1 if plan.use_gpu else 0,
         num_cpus=plan.num_cpus_per_worker,

@@ -45,7 +45,8 @@ import ray
 
 from snapref_ray.cluster.pool import WorkerPool, kill
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
-from snapref_ray.storage.work_items import WorkItem
+from snapref_ray.service.batching import batch_key, take_batch
+from snapref_ray.service.work_items import WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -345,12 +346,10 @@ class BatchScheduler:
         return max(candidates, key=lambda r: len(r.pending) / max(1, len(r.holders)))
 
     def _take_batch(self, ref: _Reference) -> list[WorkItem]:
-        first = ref.pending.popleft()
-        batch, key, keep = [first], first.settings.batch_key(), deque()
-        while ref.pending and len(batch) < self.config.max_batch:
-            item = ref.pending.popleft()
-            (batch if item.settings.batch_key() == key else keep).append(item)
-        ref.pending.extendleft(reversed(keep))
+        batch, rest = take_batch(
+            list(ref.pending), lambda item: batch_key(ref.task.key, item.settings), self.config.max_batch
+        )
+        ref.pending = deque(rest)
         return batch
 
     @staticmethod

@@ -4,37 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from snapref_ray.storage.work_items import WorkItem
+from snapref_ray.service.references import RefKVKey
+from snapref_ray.service.work_items import WorkItem
 
 
 @dataclass(frozen=True)
 class ReferenceTask:
-    """One reference to encode: its images and everything the reference stream depends on."""
+    """One reference to encode: its images, how they are read together, and the RefKV key it fills."""
 
     reference_hash: str
     uris: tuple[str, ...]
     layout: str  # "single" | "pair" | "multi"
-    ref_caption: str
-    ref_megapixels: float
-    width: int
-    height: int
-
-    @property
-    def key(self) -> tuple:
-        """What a cached RefKV is valid for: the same images, caption, size and target grid."""
-        return (self.reference_hash, self.ref_caption, self.ref_megapixels, self.width // 16, self.height // 16)
+    key: RefKVKey  # what the RefKV is valid for: the images, caption, size and target grid
 
     @staticmethod
     def for_item(item: WorkItem) -> ReferenceTask:
-        s = item.settings
         return ReferenceTask(
             item.reference_hash,
             tuple(item.reference.uris),
             item.reference.layout,
-            s.ref_caption,
-            s.ref_megapixels,
-            s.width,
-            s.height,
+            RefKVKey.for_settings(item.reference_hash, item.settings),
         )
 
 
@@ -63,6 +52,8 @@ class ItemOutcome:
     # Seconds `ray.get` took for the RefKV when it came from the object store (the driver turns
     # the first cross-node one into a bandwidth for its fetch-or-encode decisions).
     fetch_seconds: float = 0.0
+    # The worker's memory fit after this batch (service/memory.py), on the first outcome of a batch.
+    memory: list[dict] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,19 @@
-"""`SnapRefRenderer`: the renderer as a Ray Data callable class (``ds.map_batches(SnapRefRenderer, ...)``).
+"""`SnapRefRenderer`: the render service as a Ray Data callable class (``ds.map_batches(SnapRefRenderer, ...)``).
 
-Each actor of the pool loads the models once and keeps a RefKV LRU bounded in bytes, keyed like
-the job workers' (reference content, caption, size, target grid). Within a batch, rows with the
-same reference and settings become one batched forward (up to `max_batch` images); across
-batches the LRU is what saves encodes, and it only hits when rows of one reference reach the
-same actor close together: sort or group the dataset by reference upstream. Ray Data routes
-batches to actors without looking at keys, so with N actors a reference is encoded up to N times
-(the job runner, `snapref-ray render`, encodes it once).
+Each actor of the pool holds one `RenderService` (snapref_ray/service/): the model loaded once, a RefKV
+LRU bounded in bytes keyed like every other front door's (`RefKVKey`), settings resolved for the loaded
+adapter kind, the memory fit. What is Ray Data's own lives here: a batch's rows are parsed by the one row
+parser (service/rows.py), rows with the same reference and settings become one batched forward (up to
+`max_batch` images), and the output is one row per input row, in order. Across batches the LRU is what
+saves encodes, and it only hits when rows of one reference reach the same actor close together: sort or
+group the dataset by reference upstream. Ray Data routes batches to actors without looking at keys, so
+with N actors a reference is encoded up to N times (the job runner, `snapref-ray render`, encodes it once).
 
-Output: one row per input row, in order; the input's own columns pass through, then
-`OUTPUT_SCHEMA` (the job's metadata columns that apply, `image` PNG bytes written by the project's
-one image writer, `error`/`error_stage`, and per-actor cache counters). A bad row never raises:
-it comes back with `error` set and no image.
+Output: the input's own columns pass through, then `OUTPUT_SCHEMA`: the job's metadata columns
+(`METADATA_SCHEMA`, built by the same row builder: the item id a job would give the row, the settings as
+rendered; the columns only a job has are null), `image` (PNG bytes with the same `parameters` and
+`snapref` chunks as job outputs), `error`/`error_stage`, and per-actor cache counters. A bad row never
+raises: it comes back with `error` set and no image.
 """
 
 from __future__ import annotations
@@ -20,62 +22,30 @@ import logging
 import os
 import threading
 import time
-import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from snapref_ray.adapter.images import content_hash
-from snapref_ray.adapter.refkv_cache import RefKVCache
-from snapref_ray.data.rows import RowInputError, RowRequest, batch_rows, parse_row, unknown_column_hints
-from snapref_ray.requests import RenderRequest
+from snapref_ray.data.batches import batch_rows
+from snapref_ray.model_spec import ModelSpec
+from snapref_ray.requests import RenderRequest, RenderSettings, RowDefaults
+from snapref_ray.service.batching import batch_key, group_batches
+from snapref_ray.service.records import describe_error, encode_output, metadata_row
+from snapref_ray.service.references import ReferenceIdentity, RefKVKey
+from snapref_ray.service.rows import ParsedRow, RowInputError, RowProblem, RowRules, parse_row, unknown_column_hints
+from snapref_ray.service.service import DEFAULT_REFKV_CACHE_BYTES, RenderService
+from snapref_ray.service.work_items import item_id_for
 from snapref_ray.storage.backends import read_uri
-from snapref_ray.storage.image_files import encode_rendered_image
-from snapref_ray.storage.jobspec import ClusterSpec, LoRASpec, ModelPaths, RowDefaults, S3Spec
+from snapref_ray.storage.jobspec import S3Spec
 from snapref_ray.storage.metadata import METADATA_SCHEMA
-from snapref_ray.storage.work_items import combined_reference_hash, item_id_for
 
 log = logging.getLogger(__name__)
 
-# The job's metadata columns that mean the same here (no manifest row, no output keys, no upload).
-_METADATA_COLUMNS = (
-    "item_id",
-    "reference_uris",
-    "reference_hash",
-    "prompt",
-    "negative_prompt",
-    "seed",
-    "width",
-    "height",
-    "steps",
-    "cfg",
-    "sampler",
-    "scheduler",
-    "mode",
-    "ref_weight",
-    "ref_guidance",
-    "ref_in_uncond",
-    "correction",
-    "ref_start",
-    "ref_end",
-    "ref_caption",
-    "settings_json",
-    "image_format",
-    "adapter",
-    "model",
-    "worker_id",
-    "node_id",
-    "encode_s",
-    "sample_s",
-    "decode_s",
-    "started_at",
-    "finished_at",
-)
 OUTPUT_SCHEMA = pa.schema(
-    [METADATA_SCHEMA.field(name) for name in _METADATA_COLUMNS]
+    list(METADATA_SCHEMA)
     + [
         pa.field("image", pa.binary()),  # PNG with the `parameters` and `snapref` chunks; null on error rows
         pa.field("error", pa.string()),  # "field 'x': ..." / "TypeName: message"; null on good rows
@@ -91,77 +61,71 @@ OUTPUT_SCHEMA = pa.schema(
 
 
 @dataclass
-class _Pending:
-    """A valid row waiting for its render: where it goes in the output, and its reference."""
+class _Row:
+    """A valid row waiting for its render: where it goes in the output, and what it renders."""
 
     index: int
-    request: RowRequest
+    parsed: ParsedRow
+    settings: RenderSettings  # resolved for the loaded adapter kind
     images: list[bytes]
     reference_hash: str
+    key: RefKVKey
+    item_id: str
 
 
 class SnapRefRenderer:
     """Render rows of a Ray Dataset; pass the class (not an instance) to `Dataset.map_batches`.
 
-    Arguments have the job spec's names and meanings: `models` is a models folder (local or
-    s3://) or a mapping of `ModelPaths` fields; `adapter`, `loras` (``[{"path", "strength"}]``),
-    `defaults` (any `RowDefaults` field, for columns a row leaves empty), `device` / `dtype` /
-    `refkv_cache_bytes` / `max_batch` as in `cluster:`, `s3` as `output.s3` (credentials from the
-    AWS environment). `references_base` resolves relative reference paths (Ray workers do not run
-    in the driver's directory). `renderer_factory(WorkerConfig)` replaces the real model loader
-    (benchmarks use a simulated GPU).
+    `model` is a `ModelSpec` (a models folder, local or s3://, or a mapping of its fields: `models_dir`,
+    `adapter`, `loras`, `dtype`, `device`, `compile`, `quantize`), as a job spec's `model:`. `defaults`
+    are row defaults (any `RowDefaults` field, for columns a row leaves empty); `refkv_cache_bytes` and
+    `max_batch` as in a job's `cluster:`; `s3` as `output.s3` (credentials from the AWS environment).
+    `references_base` resolves relative reference paths (Ray workers do not run in the driver's
+    directory). `renderer_factory(ModelSpec)` replaces the real model loader (benchmarks use a simulated GPU).
     """
 
     def __init__(
         self,
-        models: str | dict,
+        model: str | dict | ModelSpec,
         *,
-        adapter: str | None = None,
-        loras: Sequence[dict | tuple] = (),
         defaults: dict | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        refkv_cache_bytes: int = 8 * 2**30,
+        refkv_cache_bytes: int = DEFAULT_REFKV_CACHE_BYTES,
         max_batch: int = 4,
         references_base: str | None = None,
         s3: dict | None = None,
         model_cache_dir: str | None = None,
         allow_empty_prompt: bool = False,
+        memory_budget_bytes: int | None = None,
         renderer_factory: Callable | None = None,
     ) -> None:
-        from snapref_ray.cluster.worker import WorkerConfig, build_renderer
+        from snapref_ray.service.loading import load_renderer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        paths = ModelPaths.model_validate({"models_dir": models} if isinstance(models, str) else models)
-        lora_specs = [
-            LoRASpec.model_validate(x if isinstance(x, dict) else {"path": x[0], "strength": x[1]}) for x in loras
-        ]
-        shape = ClusterSpec(device=device, dtype=dtype, refkv_cache_bytes=refkv_cache_bytes, max_batch=max_batch)
+        spec = ModelSpec.model_validate(model)
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.s3 = S3Spec.model_validate(s3 or {}).options()
         self.defaults = RowDefaults.model_validate(defaults or {})
-        self.references_base = references_base
-        self.allow_empty_prompt = allow_empty_prompt
-        self.max_batch = shape.max_batch
-        config = WorkerConfig(
-            models=paths.model_dump(),
-            adapter=adapter,
-            loras=tuple((lora.path, lora.strength) for lora in lora_specs),
-            device=shape.device,
-            dtype=shape.dtype,
-            refkv_cache_bytes=shape.refkv_cache_bytes,
-            s3=self.s3,
-            warmup=False,
-            model_cache_dir=model_cache_dir,
+        self.rules = RowRules(
+            base=references_base,
+            allow_empty_prompt=allow_empty_prompt,
+            inline_images=True,
+            one_image=True,
+            refuse_unknown_columns=False,
         )
-        self.renderer = (renderer_factory or build_renderer)(config)
-        self.cache = RefKVCache(shape.refkv_cache_bytes)
+        self.max_batch = max_batch
+        renderer = (
+            renderer_factory(spec) if renderer_factory else load_renderer(spec, s3=self.s3, cache_dir=model_cache_dir)
+        )
+        self.service = RenderService(
+            renderer, refkv_cache_bytes=refkv_cache_bytes, memory_budget_bytes=memory_budget_bytes, model_spec=spec
+        )
         self.node_id, self.worker_id = _identity()
-        self.model_id = str(getattr(self.renderer, "model_id", ""))
-        bound = getattr(self.renderer, "adapter", None)
-        self.adapter_id = getattr(bound, "identity", None)
-        if self.adapter_id is None and renderer_factory is None:
+        if self.service.adapter_id is None and renderer_factory is None:
             # Every row has a reference: without an adapter each would fail; say so once, at start.
-            raise ValueError("no SnapRef adapter loaded: pass adapter= or put adapter.safetensors in the models folder")
+            raise ValueError(
+                "no reference adapter loaded: set model.adapter, or put adapter.safetensors in the models folder"
+            )
         self._lock = threading.Lock()  # one batch on the device at a time, whatever the pool's concurrency
         self._batches = 0
         self._hinted: set[str] = set()
@@ -171,14 +135,14 @@ class SnapRefRenderer:
         rows, columns = batch_rows(batch)
         self._hint_unknown_columns(list(columns))
         out: list[dict[str, Any]] = [_empty_row(row) for row in rows]
+        stats = self.service.cache.stats
         with self._lock:
             started = time.time()
+            encodes0, hits0 = stats.encodes, stats.hits
             pending = self._validate(rows, out)
-            encodes0, hits0 = self.cache.stats.encodes, self.cache.stats.hits
-            for group in self._groups(pending):
+            for group in group_batches(pending, lambda r: batch_key(r.key, r.settings), self.max_batch):
                 self._render_group(group, out, started)
             self._batches += 1
-            stats = self.cache.stats
             for row in out:
                 row["actor_encodes"], row["actor_cache_hits"] = stats.encodes, stats.hits
         log.info(
@@ -192,139 +156,105 @@ class SnapRefRenderer:
             stats.hits - hits0,
             stats.encodes,
             stats.hits,
-            self.cache.nbytes / 1e6,
+            self.service.cache.nbytes / 1e6,
         )
         return _output_table(columns, out)
 
     # -- steps ----------------------------------------------------------------------------------
-    def _validate(self, rows: list[dict], out: list[dict]) -> list[_Pending]:
-        """Parse every row and read its reference files (each path/URI once per batch)."""
+    def _validate(self, rows: list[dict], out: list[dict]) -> list[_Row]:
+        """Parse every row, resolve its settings, read its reference files (each path/URI once per batch)."""
         files: dict[str, bytes | Exception] = {}
         pending = []
         for index, row in enumerate(rows):
             try:
-                request = parse_row(
-                    row, self.defaults, references_base=self.references_base, allow_empty_prompt=self.allow_empty_prompt
-                )
-                images = []
-                for member, column in zip(request.reference.members, request.reference.columns):
-                    if isinstance(member, bytes):
-                        images.append(member)
-                        continue
-                    if member not in files:
-                        try:
-                            files[member] = read_uri(member, self.s3)
-                        except Exception as e:
-                            files[member] = e
-                    data = files[member]
-                    if isinstance(data, Exception):
-                        raise RowInputError(column, f"cannot read reference {member}: {data}")
-                    images.append(data)
+                parsed = parse_row(row, self.defaults, self.rules)
+                settings = self._resolve(parsed.settings)
+                images = [
+                    self._member_bytes(m, c, files) for m, c in zip(parsed.reference.members, parsed.reference.columns)
+                ]
             except RowInputError as e:
                 _fail(out[index], str(e), "validate")
                 continue
-            hashes = [content_hash(data) for data in images]
-            layout = request.reference.layout
-            reference_hash = hashes[0] if layout == "single" else combined_reference_hash(layout, hashes)
-            pending.append(_Pending(index, request, images, reference_hash))
+            reference_hash = ReferenceIdentity.of_images(parsed.reference.layout, images).hash
+            item_id = item_id_for(parsed.explicit_id, 0, reference_hash, parsed.prompt, parsed.seeds[0], settings)
+            key = RefKVKey.for_settings(reference_hash, settings)
+            pending.append(_Row(index, parsed, settings, images, reference_hash, key, item_id))
         return pending
 
-    def _groups(self, pending: list[_Pending]) -> list[list[_Pending]]:
-        """Rows of one reference and one batch key, in order of first appearance, cut into max_batch forwards."""
-        by_key: dict[tuple, list[_Pending]] = {}
-        for p in pending:
-            by_key.setdefault((self._refkv_key(p), p.request.settings.batch_key()), []).append(p)
-        return [
-            group[i : i + self.max_batch] for group in by_key.values() for i in range(0, len(group), self.max_batch)
-        ]
+    def _resolve(self, settings: RenderSettings) -> RenderSettings:
+        from snapref_ray.engine import RenderError
 
-    @staticmethod
-    def _refkv_key(p: _Pending) -> tuple:
-        # What a RefKV is valid for, as the job workers key it (cluster/tasks.py ReferenceTask.key).
-        s = p.request.settings
-        return (p.reference_hash, s.ref_caption, s.ref_megapixels, s.width // 16, s.height // 16)
-
-    def _render_group(self, group: list[_Pending], out: list[dict], started: float) -> None:
-        first = group[0]
-        s = first.request.settings
-        layout = first.request.reference.layout
-        sources = first.request.reference.sources()
-        requests = [
-            RenderRequest(prompt=p.request.prompt, seed=p.request.seed, settings=p.request.settings) for p in group
-        ]
-        kv, hit = None, False
         try:
-            if not s.recompute_reference_every_step:  # that baseline needs the images at every step, not a RefKV
-                kv, hit = self.cache.get_or_create(
-                    self._refkv_key(first),
-                    lambda: self.renderer.encode_reference(
-                        first.images,
-                        layout=layout,
-                        ref_caption=s.ref_caption,
-                        ref_megapixels=s.ref_megapixels,
-                        width=s.width,
-                        height=s.height,
-                        sources=sources,
-                    ),
-                )
-        except Exception as e:
-            for p in group:
-                _fail(out[p.index], _describe(e), "encode")
+            return self.service.resolve(settings)
+        except RenderError as e:
+            raise RowInputError([RowProblem(e.field, str(e).removeprefix(f"{e.field}: "))]) from None
+
+    def _member_bytes(self, member: bytes | str, column: str, files: dict[str, bytes | Exception]) -> bytes:
+        if isinstance(member, bytes):
+            return member
+        if member not in files:
+            try:
+                files[member] = read_uri(member, self.s3)
+            except Exception as e:  # the row's error, not the actor's
+                files[member] = e
+        data = files[member]
+        if isinstance(data, Exception):
+            raise RowInputError([RowProblem(column, f"cannot read reference {member}: {data}")])
+        return data
+
+    def _render_group(self, group: list[_Row], out: list[dict], started: float) -> None:
+        first = group[0]
+        layout = first.parsed.reference.layout
+        sources = first.parsed.reference.sources()
+        requests = [RenderRequest(prompt=r.parsed.prompt, seed=r.parsed.seeds[0], settings=r.settings) for r in group]
+        recompute = first.settings.recompute_reference_every_step  # that baseline needs the images at every step
+        kv, source = None, ""
+        try:
+            if not recompute:
+                kv, source = self.service.refkv(first.key, layout, lambda: first.images, sources=sources)
+        except Exception as e:  # an unusable reference fails its rows, not the actor
+            for r in group:
+                _fail(out[r.index], describe_error(e), "encode")
             return
         try:
-            if kv is not None:
-                results = self.renderer.render(requests, refkv=kv)
-            else:
-                results = self.renderer.render(requests, references=first.images, layout=layout)
+            rendered = self.service.render(
+                requests,
+                refkv=kv,
+                references=first.images if recompute else None,
+                layout=layout,
+                reference_hash=first.reference_hash,
+            )
         except Exception as e:
-            for p in group:
-                _fail(out[p.index], _describe(e), "sample")
+            for r in group:
+                _fail(out[r.index], describe_error(e), "sample")
             return
         batch_id = f"{self.worker_id}-{uuid.uuid4().hex[:8]}"
-        encode_s = float(getattr(kv, "encode_seconds", 0.0) or results[0].timings.get("encode_s", 0.0))
-        for position, (p, result) in enumerate(zip(group, results)):
-            row = out[p.index]
+        service = self.service
+        for position, (r, image) in enumerate(zip(group, rendered)):
+            row = out[r.index]
             try:
-                self._fill(row, p, result, encode_s, started)
+                row.update(
+                    metadata_row(
+                        image,
+                        item_id=r.item_id,
+                        reference_uris=r.parsed.reference.sources(),
+                        model=service.model_id,
+                        adapter=service.adapter_id,
+                        worker_id=self.worker_id,
+                        node_id=self.node_id,
+                        image_format="png",
+                        started_at=started,
+                    )
+                )
+                row["image"] = encode_output(
+                    image, model=service.model_id, adapter=service.adapter_id, item_id=r.item_id
+                )
             except Exception as e:
-                _fail(row, _describe(e), "write")
+                _fail(row, describe_error(e), "write")
                 continue
-            row.update(refkv_cache_hit=hit, batch_id=batch_id, batch_index=position, batch_size=len(group))
-
-    def _fill(self, row: dict, p: _Pending, result, encode_s: float, started: float) -> None:
-        request, s = p.request, p.request.settings
-        item_id = item_id_for(request.explicit_id, 0, p.reference_hash, request.prompt, request.seed, s)
-        settings = s.model_dump()
-        row["image"] = encode_rendered_image(
-            result.image,
-            prompt=request.prompt,
-            seed=request.seed,
-            settings=settings,
-            model=self.model_id,
-            adapter=self.adapter_id,
-            reference_hash=p.reference_hash,
-            item_id=item_id,
-        )
-        t = result.timings
-        row.update({name: settings[name] for name in _METADATA_COLUMNS if name in settings})
-        row.update(
-            item_id=item_id,
-            reference_uris=request.reference.sources(),
-            reference_hash=p.reference_hash,
-            prompt=request.prompt,
-            seed=request.seed,
-            settings_json=s.model_dump_json(),
-            image_format="png",
-            adapter=self.adapter_id,
-            model=self.model_id,
-            worker_id=self.worker_id,
-            node_id=self.node_id,
-            encode_s=encode_s,
-            sample_s=t.get("sample_s", 0.0),
-            decode_s=t.get("decode_s", 0.0),
-            started_at=started,
-            finished_at=time.time(),
-        )
+            row.update(
+                refkv_cache_hit=source == "cache", batch_id=batch_id, batch_index=position, batch_size=len(group)
+            )
 
     def _hint_unknown_columns(self, names: list[str]) -> None:
         for hint in unknown_column_hints([n for n in names if n not in self._hinted]):
@@ -374,12 +304,6 @@ def _fits(value: Any, kind: pa.DataType) -> bool:
 
 def _fail(row: dict, message: str, stage: str) -> None:
     row.update(error=message, error_stage=stage, image=None)
-
-
-def _describe(error: BaseException) -> str:
-    last = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
-    where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
-    return f"{type(error).__name__}: {error}{where}"
 
 
 def _output_table(columns: dict[str, pa.Array | pa.ChunkedArray], out: list[dict]) -> pa.Table:

@@ -50,6 +50,9 @@ _CANDIDATES = {
 }
 
 
+ADAPTER_PATTERNS: tuple[str, ...] = tuple(_CANDIDATES["adapter"])
+
+
 def _find(root: Path, patterns: list[str]) -> Path | None:
     for pattern in patterns:
         hits = sorted(p for p in root.glob(pattern) if p.exists())

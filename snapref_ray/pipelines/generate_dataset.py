@@ -21,11 +21,12 @@ from snapref_ray.cluster.pool import PoolShape, WorkerPool, connect, gpus_in_clu
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig
 from snapref_ray.cluster.tasks import ItemOutcome
 from snapref_ray.cluster.worker import WorkerConfig
+from snapref_ray.service.loading import adapter_kind
+from snapref_ray.service.work_items import JobValidationError, WorkItem, load_work_items
 from snapref_ray.storage.backends import open_storage
-from snapref_ray.storage.jobspec import JobSpec, load_job_spec, spec_fingerprint
+from snapref_ray.storage.jobspec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
 from snapref_ray.storage.ledger import claim_output, committed_item_ids, job_fingerprint
 from snapref_ray.storage.metadata import ErrorWriter, MetadataWriter, read_errors_table, write_summary
-from snapref_ray.storage.work_items import JobValidationError, WorkItem, load_work_items
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +36,12 @@ _STAGES = {"worker": "sample"}  # a worker death is reported against the samplin
 def worker_config(spec: JobSpec, *, warmup: bool = True) -> WorkerConfig:
     c = spec.cluster
     return WorkerConfig(
-        models=spec.models.model_dump(),
-        adapter=spec.adapter,
-        loras=tuple((lora.path, lora.strength) for lora in spec.loras),
-        device=c.device,
-        dtype=c.dtype,
+        model=spec.model,
         refkv_cache_bytes=c.refkv_cache_bytes,
         output_uri=spec.output.uri,
         s3=spec.s3_options(),
         image_format=spec.output.image_format,
         warmup=warmup,
-        compile=c.compile,
         output_threads=c.output_threads,
         warmup_sizes=((spec.defaults.width, spec.defaults.height),),
     )
@@ -72,7 +68,13 @@ def run_job(
     t_start = time.time()
     s3 = spec.s3_options()
     storage = open_storage(spec.output.uri, s3)
-    validated = load_work_items(spec, s3)
+    kind = adapter_kind(spec.model, s3=s3)
+    if kind is None:
+        raise JobSpecError(
+            "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
+            f" the models folder ({spec.model.models_dir})"
+        )
+    validated = load_work_items(spec, s3, adapter_kind=kind)
     if validated.errors and spec.strict:
         raise JobValidationError(spec.manifest, validated.errors)
     fingerprint = job_fingerprint(spec_fingerprint(spec))
@@ -105,6 +107,7 @@ def run_job(
     pool = None
     images_per_node: Counter[str] = Counter()
     forward_batches: Counter[int] = Counter()
+    memory_by_worker: dict[str, list[dict]] = {}  # each worker's latest memory fit (service/memory.py)
     bar = None
     interrupted = False
     timing = {"startup_seconds": 0.0, "render_seconds": 0.0}
@@ -120,7 +123,7 @@ def run_job(
                     min_workers=c.min_workers,
                     max_workers=c.max_workers,
                 ),
-                c.device,
+                spec.model.device,
                 on_cluster=on_a_cluster(c.address),
                 gpus_now=gpus_in_cluster(),
             )
@@ -137,6 +140,8 @@ def run_job(
             def done(outcome: ItemOutcome, item: WorkItem) -> None:
                 images_per_node[outcome.row.get("node_id") or "?"] += 1
                 forward_batches[outcome.row.get("forward_batch") or 0] += 1
+                if outcome.memory is not None:
+                    memory_by_worker[outcome.row["worker_id"]] = outcome.memory
                 _commit(metadata, storage, spec, outcome)
 
             scheduler = BatchScheduler(
@@ -188,6 +193,7 @@ def run_job(
             scheduler.encodes_by_reference if scheduler else None,
             images_per_node,
             forward_batches,
+            memory_by_worker,
         )
         write_summary(storage, summary)
     if write_gallery:
@@ -270,6 +276,7 @@ def _summary(
     encodes_by_reference,
     images_per_node,
     forward_batches,
+    memory_by_worker,
 ) -> dict:
     wall = time.time() - t_start
     done_now = stats.done_items if stats else 0
@@ -302,8 +309,12 @@ def _summary(
         "images_per_node": dict(sorted(images_per_node.items())),
         "peak_workers": stats.peak_workers if stats else 0,
         # Images by the size of the forward that rendered them: the batch the workers chose (on a GPU, the
-        # largest that fits the resolution, capped by max_batch; see cluster/batch_fit.py).
+        # largest that fits the resolution, capped by max_batch; see service/memory.py).
         "forward_batches": {str(k): v for k, v in sorted(forward_batches.items())},
+        # Per worker and resolution: one image's peak, what each further image adds, the batch chosen.
+        "batch_limits": [
+            {"worker_id": worker, **limit} for worker, limits in sorted(memory_by_worker.items()) for limit in limits
+        ],
         # How RefKVs reached the workers that did not encode them (see cluster/scheduler.py).
         "refkv_decisions": {
             "same_node_fetches": stats.same_node_fetches if stats else 0,

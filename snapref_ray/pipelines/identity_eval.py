@@ -16,16 +16,18 @@ import logging
 import platform
 import time
 from collections import OrderedDict
-from typing import Any, TypeVar
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
 from snapref_ray.adapter.images import content_hash
 from snapref_ray.evaluation import LOSS_DEFINITION, derangement, summarise
+from snapref_ray.model_spec import ModelSpec
 from snapref_ray.requests import Mode
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
-from snapref_ray.storage.jobspec import ClusterSpec, JobSpecError, LoRASpec, ModelPaths, OutputSpec, read_yaml_mapping
-from snapref_ray.storage.manifest import manifest_base, read_manifest, resolve_relative
+from snapref_ray.storage.jobspec import ClusterSpec, OutputSpec, SpecFile, load_spec_file
+from snapref_ray.storage.manifest import read_manifest
+from snapref_ray.uris import base_of, resolve_relative
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +46,13 @@ class EvalError(ValueError):
 # Spec
 
 
-def resolve_model_paths(models: ModelPaths, base: str) -> ModelPaths:
-    """A copy of `models` with relative local paths resolved against `base` (as job specs do)."""
-    return models.model_copy(
-        update={name: resolve_relative(value, base) for name, value in models.model_dump().items() if value is not None}
-    )
+class EvalSpec(SpecFile):
+    """An identity-gap evaluation: the model, a manifest of held-out cases, σ/seed grid, output, cluster."""
 
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("manifest",)
 
-class EvalSpec(BaseModel):
-    """An identity-gap evaluation: models, adapter, manifest of held-out cases, σ/seed grid, output, cluster."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    models: ModelPaths = Field(..., description="The Anima model files (as in a batch job spec).")
-    adapter: str | None = Field(
-        None, description="SnapRef adapter under test; None = adapter.safetensors from models_dir."
-    )
-    loras: list[LoRASpec] = Field(
-        default_factory=list, description="LoRAs merged into the DiT; none = the base model the adapter was trained on."
+    model: ModelSpec = Field(
+        ..., description="The model and the adapter under test (as in a batch job spec); LoRAs none = the base model."
     )
     manifest: str = Field(
         ...,
@@ -122,45 +113,10 @@ class EvalSpec(BaseModel):
     def s3_options(self) -> S3Options:
         return self.output.s3.options()
 
-    def resolve_paths(self, base: str) -> EvalSpec:
-        """A copy with relative local paths resolved against `base` (the spec file's folder)."""
-        output = self.output
-        if "uri" in output.model_fields_set:
-            output = output.model_copy(update={"uri": resolve_relative(output.uri, base)})
-        return self.model_copy(
-            update={
-                "models": resolve_model_paths(self.models, base),
-                "adapter": None if self.adapter is None else resolve_relative(self.adapter, base),
-                "loras": [lora.model_copy(update={"path": resolve_relative(lora.path, base)}) for lora in self.loras],
-                "manifest": resolve_relative(self.manifest, base),
-                "output": output,
-            }
-        )
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def load_spec_file(path_or_uri: str, model: type[M], s3: S3Options | None = None) -> M:
-    """Load a YAML spec (local or s3://) into `model`; relative paths resolve against its folder.
-
-    Errors are `JobSpecError`s naming the file and each bad field, e.g. `eval.yaml: sigmas: ...`.
-    """
-    raw = read_yaml_mapping(path_or_uri, s3)
-    try:
-        spec = model.model_validate(raw)
-    except ValidationError as exc:
-        lines = [
-            f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg'].removeprefix('Value error, ')}"
-            for e in exc.errors()
-        ]
-        raise JobSpecError(f"invalid spec {path_or_uri}:\n  " + "\n  ".join(lines)) from None
-    return spec.resolve_paths(manifest_base(path_or_uri))
-
 
 def load_eval_spec(path_or_uri: str, s3: S3Options | None = None) -> EvalSpec:
     """Load an evaluation spec YAML (snapref_ray/examples/example_eval_spec.yaml shows every field)."""
-    return load_spec_file(path_or_uri, EvalSpec, s3)
+    return load_spec_file(path_or_uri, EvalSpec, s3, what="evaluation spec")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +130,7 @@ def build_cases(spec: EvalSpec, s3: S3Options | None = None) -> list[dict]:
     Any bad row is an EvalError naming the row: dropping cases silently would change the statistic.
     """
     rows = read_manifest(spec.manifest, s3)
-    base = manifest_base(spec.manifest)
+    base = base_of(spec.manifest)
     problems, cases, hashes = [], [], {}
     for row in rows:
         number = row.pop("__row__")
@@ -332,11 +288,7 @@ def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
     )
     c = spec.cluster
     config = WorkerConfig(
-        models=spec.models.model_dump(),
-        adapter=spec.adapter,
-        loras=tuple((lora.path, lora.strength) for lora in spec.loras),
-        device=c.device,
-        dtype=c.dtype,
+        model=spec.model,
         refkv_cache_bytes=c.refkv_cache_bytes,
         output_uri=spec.output.uri,
         s3=s3,
@@ -373,14 +325,14 @@ def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
         "loss": LOSS_DEFINITION,
         "model": {
             "id": first["model"],
-            "files": spec.models.model_dump(),
-            "loras": [lora.model_dump() for lora in spec.loras],
+            "files": spec.model.model_dump(exclude={"adapter", "loras", "device", "dtype", "compile", "quantize"}),
+            "loras": [lora.model_dump() for lora in spec.model.loras],
             "device": first["device"],
             "dtype": first["dtype"],
         },
         "adapter": {
             "identity": first["adapter"],
-            "path": spec.adapter,
+            "path": spec.model.adapter,
             "mode": spec.mode,
             "ref_weight": spec.ref_weight,
             "ref_caption": spec.ref_caption,

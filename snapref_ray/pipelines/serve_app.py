@@ -58,7 +58,7 @@ def _gpus_per_replica(config: ServeConfig) -> float:
 
 
 def build_app(config: ServeConfig) -> Application:
-    """The application. Split topology: SnapRefIngress -> SnapRefRenderer (autoscaled, one per GPU) +
+    """The application. Split topology: SnapRefIngress -> Renderer (autoscaled, one per GPU) +
     ReferenceStore. Fused: SnapRefIngress replicas that render themselves (autoscaled, one per GPU)
     + ReferenceStore."""
     config.check_security()
@@ -106,7 +106,7 @@ def build_app(config: ServeConfig) -> Application:
 
 def rendering_deployment(config: ServeConfig) -> str:
     """The deployment whose replicas render (and log renders) under `config`."""
-    return "SnapRefIngress" if config.fused() else "SnapRefRenderer"
+    return "SnapRefIngress" if config.fused() else "Renderer"
 
 
 def app_builder(args: dict[str, Any]) -> Application:
@@ -116,7 +116,10 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 def config_from_env() -> ServeConfig:
     return ServeConfig(
-        models_dir=os.environ.get("SNAPREF_MODELS_DIR", "models"), adapter=os.environ.get("SNAPREF_ADAPTER") or None
+        model={
+            "models_dir": os.environ.get("SNAPREF_MODELS_DIR", "models"),
+            "adapter": os.environ.get("SNAPREF_ADAPTER"),
+        }
     )
 
 

@@ -15,20 +15,19 @@ import logging
 import os
 import platform
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from snapref_ray.pipelines.identity_eval import load_spec_file, resolve_model_paths
+from snapref_ray.model_spec import LoRASpec, ModelSpec
 from snapref_ray.platform_info import cpu_model
 from snapref_ray.requests import RenderSettings, Sampler
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
-from snapref_ray.storage.jobspec import ClusterSpec, LoRASpec, ModelPaths, OutputSpec
-from snapref_ray.storage.manifest import resolve_relative
+from snapref_ray.storage.jobspec import ClusterSpec, OutputSpec, SpecFile, load_spec_file
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +55,14 @@ ARCANIMA_ROWS = {
 }
 
 
-class TimingSpec(BaseModel):
+class TimingSpec(SpecFile):
     """One timing case and the settings to compare on it."""
 
-    model_config = ConfigDict(extra="forbid")
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("arcanima_v2_adapter", "arcanima_pilot_adapter", "reference")
 
-    models: ModelPaths = Field(..., description="The Anima model files (as in a batch job spec).")
-    adapter: str | None = Field(None, description="SnapRef adapter; None = adapter.safetensors from models_dir.")
+    model: ModelSpec = Field(
+        ..., description="The model and the SnapRef adapter of the SnapRef rows (as in a batch job spec)."
+    )
     arcanima_v2_adapter: str | None = Field(
         None,
         description="ArcAnima v2 file for the arcanima_v2 rows; None = arcanima-v2.safetensors in models_dir "
@@ -130,28 +130,6 @@ class TimingSpec(BaseModel):
     def s3_options(self) -> S3Options:
         return self.output.s3.options()
 
-    def resolve_paths(self, base: str) -> TimingSpec:
-        """A copy with relative local paths resolved against `base` (the spec file's folder)."""
-
-        def fix(path: str | None) -> str | None:
-            return None if path is None else resolve_relative(path, base)
-
-        output = self.output
-        if "uri" in output.model_fields_set:
-            output = output.model_copy(update={"uri": fix(output.uri)})
-        lora = self.turbo_lora
-        return self.model_copy(
-            update={
-                "models": resolve_model_paths(self.models, base),
-                "adapter": fix(self.adapter),
-                "arcanima_v2_adapter": fix(self.arcanima_v2_adapter),
-                "arcanima_pilot_adapter": fix(self.arcanima_pilot_adapter),
-                "reference": fix(self.reference),
-                "output": output,
-                "turbo_lora": None if lora is None else lora.model_copy(update={"path": fix(lora.path)}),
-            }
-        )
-
     def arcanima_adapters(self) -> dict[str, str]:
         """kind -> local file of the ArcAnima rows that can run (given, or found in models_dir)."""
         found = {}
@@ -159,24 +137,24 @@ class TimingSpec(BaseModel):
             if given is not None:
                 found[kind] = given
             elif (
-                self.models.models_dir is not None
-                and not self.models.models_dir.startswith("s3://")
-                and (Path(self.models.models_dir) / f"{kind}.safetensors").is_file()
+                self.model.models_dir is not None
+                and not self.model.models_dir.startswith("s3://")
+                and (Path(self.model.models_dir) / f"{kind}.safetensors").is_file()
             ):
-                found[kind] = str(Path(self.models.models_dir) / f"{kind}.safetensors")
+                found[kind] = str(Path(self.model.models_dir) / f"{kind}.safetensors")
         return found
 
     def reference_uri(self) -> str:
         if self.reference is not None:
             return self.reference
-        if self.models.models_dir is None:
+        if self.model.models_dir is None:
             raise ValueError("give `reference:` (no models_dir to take reference.png from)")
-        return self.models.models_dir.rstrip("/") + "/reference.png"
+        return self.model.models_dir.rstrip("/") + "/reference.png"
 
 
 def load_timing_spec(path_or_uri: str, s3: S3Options | None = None) -> TimingSpec:
     """Load a timing spec YAML; relative paths resolve against its folder."""
-    return load_spec_file(path_or_uri, TimingSpec, s3)
+    return load_spec_file(path_or_uri, TimingSpec, s3, what="timing spec")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,7 +272,7 @@ def _steps(n: int) -> str:
 
 
 class PeakMemory:
-    """Peak memory of a block: CUDA max_memory_allocated, else the process RSS sampled every 5 ms.
+    """Peak memory of a block: CUDA max_memory_allocated, else the process's peak RSS (service/memory.py).
 
     `peak` is what the table shows: on CUDA the absolute peak (weights included), on CPU the peak
     RSS above the RSS at the start of the block (weights are already resident there).
@@ -303,69 +281,43 @@ class PeakMemory:
     def __init__(self, device) -> None:
         import torch
 
+        from snapref_ray.service.memory import CudaMemory, HostMemory
+
         self.cuda = torch.device(device).type == "cuda"
         self.device = device
+        self.memory = CudaMemory(device) if self.cuda else HostMemory()
         self.metric = (
             "cuda max_memory_allocated (absolute, weights included)"
             if self.cuda
-            else "peak RSS above the start of the run (CPU, sampled every 5 ms)"
+            else "peak RSS above the start of the run (CPU, Linux VmHWM)"
         )
         self.peak = 0
         self.delta = 0
 
-    def __enter__(self) -> PeakMemory:
+    def measure(self, fn):
+        """fn's result; `peak` and `delta` set from its run."""
         import torch
 
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
-        else:
-            self._start = _rss_bytes()
-            self._max = self._start
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.005):  # one /proc read per 5 ms: ~0.2% of a core
-            self._max = max(self._max, _rss_bytes())
-
-    def __exit__(self, *exc) -> None:
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            self.peak = int(torch.cuda.max_memory_allocated(self.device))
-            self.delta = self.peak - self._start
-        else:
-            self._stop.set()
-            self._thread.join()
-            self._max = max(self._max, _rss_bytes())
-            self.delta = int(self._max - self._start)
-            self.peak = self.delta
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: the lifetime high-water mark is the best there is
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result, self.delta = self.memory.measure(fn)
+        self.peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else self.delta
+        return result
 
 
 class TimingWorker:
     """A Ray actor owning the Renderer (and the turbo-LoRA one when a turbo LoRA is given)."""
 
-    def __init__(self, config, turbo_config=None, arcanima_adapters: dict[str, str] | None = None) -> None:
-        from snapref_ray.cluster.worker import build_renderer
+    def __init__(
+        self,
+        model: ModelSpec,
+        turbo_model: ModelSpec | None = None,
+        arcanima_adapters: dict[str, str] | None = None,
+        s3: S3Options | None = None,
+    ) -> None:
+        from snapref_ray.service.loading import load_renderer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.base = build_renderer(config)
-        self.turbo = build_renderer(turbo_config) if turbo_config is not None else None
+        self.base = load_renderer(model, s3=s3)
+        self.turbo = load_renderer(turbo_model, s3=s3) if turbo_model is not None else None
         # ArcAnima rows share the base renderer's model weights, with their own adapter bound.
         self.arcanima = {kind: self.base.with_adapter(path) for kind, path in (arcanima_adapters or {}).items()}
 
@@ -424,8 +376,11 @@ class TimingWorker:
             if torch.device(renderer.device).type == "cuda"
             else (lambda: None)
         )
-        kv, encode_s = None, None
-        with PeakMemory(renderer.device) as memory:
+        memory = PeakMemory(renderer.device)
+        step_cpu: list[float] = []  # process CPU time after each step (progress callback)
+
+        def run() -> tuple:
+            kv, encode_s = None, None
             if setting.reference and not recompute:
                 sync()
                 t0 = time.perf_counter()
@@ -438,7 +393,6 @@ class TimingWorker:
                 )
                 sync()
                 encode_s = time.perf_counter() - t0
-            step_cpu: list[float] = []  # process CPU time after each step (progress callback)
             sync()
             t0, cpu0 = time.perf_counter(), time.process_time()
             result = renderer.render(
@@ -448,7 +402,9 @@ class TimingWorker:
                 progress=lambda i, n: step_cpu.append(time.process_time()),
             )[0]
             sync()
-            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            return kv, encode_s, result, time.perf_counter() - t0, time.process_time() - cpu0
+
+        kv, encode_s, result, wall, cpu = memory.measure(run)
         t = result.timings
         cpu_step = (step_cpu[-1] - step_cpu[0]) / (len(step_cpu) - 1) if len(step_cpu) > 1 else None
         on_cpu = torch.device(renderer.device).type == "cpu"
@@ -478,7 +434,6 @@ def run_timing(spec: TimingSpec) -> dict:
     import ray
 
     from snapref_ray.cluster.pool import connect
-    from snapref_ray.cluster.worker import WorkerConfig
 
     t_start = time.time()
     s3 = spec.s3_options()
@@ -487,33 +442,15 @@ def run_timing(spec: TimingSpec) -> dict:
     reference_uri = spec.reference_uri()
     reference = read_uri(reference_uri, s3)
     c = spec.cluster
-    config = WorkerConfig(
-        models=spec.models.model_dump(),
-        adapter=spec.adapter,
-        device=c.device,
-        dtype=c.dtype,
-        output_uri=spec.output.uri,
-        s3=s3,
-        warmup=False,
-    )
-    turbo_config = None
+    turbo_model = None
     if spec.turbo_lora is not None and any(s.turbo for s in settings):
-        turbo_config = WorkerConfig(
-            models=spec.models.model_dump(),
-            adapter=spec.adapter,
-            loras=((spec.turbo_lora.path, spec.turbo_lora.strength),),
-            device=c.device,
-            dtype=c.dtype,
-            output_uri=spec.output.uri,
-            s3=s3,
-            warmup=False,
-        )
+        turbo_model = spec.model.model_copy(update={"loras": (*spec.model.loras, spec.turbo_lora)})
     connect(c.address)
-    use_gpu = int(ray.cluster_resources().get("GPU", 0)) > 0 and c.device != "cpu"
+    use_gpu = int(ray.cluster_resources().get("GPU", 0)) > 0 and spec.model.device != "cpu"
     actor = (
         ray.remote(TimingWorker)
         .options(num_gpus=1 if use_gpu else 0, num_cpus=c.num_cpus_per_worker, max_restarts=0)
-        .remote(config, turbo_config, spec.arcanima_adapters())
+        .remote(spec.model, turbo_model, spec.arcanima_adapters(), s3)
     )
     runs: dict[str, list[dict]] = {s.name: [] for s in settings}
     try:

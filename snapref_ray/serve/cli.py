@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import threading
 from pathlib import Path
 
 from pydantic import SecretStr
 
+from snapref_ray.cli_flags import add_model_flags, model_spec_from
+from snapref_ray.model_spec import ModelSpec
 from snapref_ray.serve.config import TOKEN_ENV, ServeConfig
+from snapref_ray.uris import base_of
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -25,13 +29,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         description="Serve SnapRef renders over HTTP: POST /v1/references, POST /v1/render,"
         " GET /v1/health, GET /v1/models; OpenAPI docs at /docs.",
     )
-    p.add_argument("--models", required=True, help="model folder (tiny or real)")
-    p.add_argument("--adapter", help="SnapRef adapter (default: adapter.safetensors in --models)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; any other needs a token)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--token", help=f"bearer token clients must send (default: ${TOKEN_ENV})")
-    p.add_argument("--device", help="cpu, cuda (default: cuda when a replica sees a GPU)")
-    p.add_argument("--config", help="JSON or YAML file of further ServeConfig fields (limits, replicas, batching)")
+    p.add_argument(
+        "--config", help="JSON or YAML file of ServeConfig fields (model, limits, replicas, batching); flags win"
+    )
+    add_model_flags(p)
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -47,10 +51,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             values = yaml.safe_load(text) or {}
         else:
             values = json.loads(text)
-    values.update(models_dir=args.models, host=args.host, port=args.port)
-    for name in ("adapter", "device"):
-        if getattr(args, name):
-            values[name] = getattr(args, name)
+    values.update(host=args.host, port=args.port)
+    if values.get("model") is None and args.model_models_dir is None:
+        raise ValueError("give --models DIR (or `model:` in --config's file)")
+    base = None
+    if values.get("model") is not None:  # relative paths in the file are relative to the file
+        base = ModelSpec.model_validate(values["model"]).resolve_paths(base_of(os.path.abspath(args.config)))
+    values["model"] = model_spec_from(args, base).resolve_paths(os.getcwd())
     config = ServeConfig(**values)
     # Resolved here, in the process that read the environment, so every replica gets the same token.
     token = args.token or config.resolved_token()

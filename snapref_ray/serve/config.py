@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from snapref_ray.model_spec import ModelSpec
+
 TOKEN_ENV = "SNAPREF_API_TOKEN"
 
 
@@ -88,17 +90,11 @@ class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # -- models ------------------------------------------------------------------------------
-    models_dir: str = Field(..., description="Model folder (tiny or real), as for `snapref-ray txt2img --models`.")
-    adapter: str | None = Field(
-        None, description="SnapRef adapter file; None takes adapter.safetensors from models_dir if there."
-    )
-    device: str | None = Field(
-        None, description="Torch device inside a replica; None picks cuda when the replica sees a GPU, else cpu."
-    )
-    compile: bool = Field(
-        False,
-        description="Run the DiT forward through torch.compile (one graph per resolution and row layout,"
-        " compiled on first use).",
+    model: ModelSpec = Field(
+        ...,
+        description="The model every renderer replica loads: the same `ModelSpec` (models folder or files,"
+        " adapter, LoRAs, dtype, device, compile, quantize) as a job spec's `model:` and the CLI's flags."
+        " A plain string is a models folder.",
     )
 
     # -- network and auth --------------------------------------------------------------------
@@ -300,7 +296,7 @@ class ServeConfig(BaseModel):
     )
     s3_endpoint_url: str | None = Field(
         None,
-        description="S3-compatible endpoint for s3:// models_dir, adapter and references_uri; None: the"
+        description="S3-compatible endpoint for s3:// model files and references_uri; None: the"
         " standard AWS settings ($AWS_ENDPOINT_URL, ...). Credentials come from the node's"
         " AWS chain (environment, instance profile), never from this config.",
     )

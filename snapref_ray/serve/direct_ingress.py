@@ -1,6 +1,6 @@
 """Ray Serve's direct ingress for the local server: HAProxy in front, HTTP straight into the ingress.
 
-By default a request crosses three actors: Serve's HTTP proxy -> SnapRefIngress -> SnapRefRenderer,
+By default a request crosses three actors: Serve's HTTP proxy -> SnapRefIngress -> Renderer,
 each hop an actor call. In Serve's HAProxy mode (Ray 2.60: `RAY_SERVE_ENABLE_HA_PROXY`, which implies
 direct ingress) the ingress replica runs its own HTTP server on a port of its own, HAProxy listens on
 the public port and forwards to it, and with Serve's "throughput optimized" settings the ingress ->

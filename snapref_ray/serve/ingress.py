@@ -32,7 +32,6 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.api import (
     ApiError,
     ErrorResponse,
@@ -58,7 +57,8 @@ from snapref_ray.serve.bodies import BodyReceiver
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
 from snapref_ray.serve.forms import MultipartForm
-from snapref_ray.serve.renderer import ReferenceSpec, RenderJob, RenderReply, ReplicaRenderer
+from snapref_ray.serve.renderer import RenderCall, RenderReply, ReplicaRenderer, UploadedReference
+from snapref_ray.service.references import ReferenceIdentity, RefKVKey
 
 log = logging.getLogger(__name__)
 
@@ -291,13 +291,13 @@ class Ingress:
                 400, "seed", f"seed + n must stay below 2**63 (consecutive seeds), got {body.seed} + {body.n}"
             )
         fmt = self._response_format(body, request.headers.get("accept", ""))
-        reference = await self._reference_spec(body)
+        reference = await self._uploaded_reference(body)
         settings = (
-            body.settings(ref_caption=reference.ref_caption, ref_megapixels=reference.ref_megapixels)
+            body.settings(ref_caption=reference.key.ref_caption, ref_megapixels=reference.key.ref_megapixels)
             if reference
             else body.settings()
         )
-        job = RenderJob(
+        call = RenderCall(
             body.prompt,
             tuple(range(body.seed, body.seed + body.n)),
             settings,
@@ -305,7 +305,7 @@ class Ingress:
             ref_megapixels_set="ref_megapixels" in body.model_fields_set,
         )
         called = time.perf_counter()
-        reply = await self._render(job)
+        reply = await self._render(call)
         finished = time.perf_counter()
         # call_s - replica_s is the hop to the renderer and back; total_s - call_s the ingress's own work.
         reply.timings.update(call_s=finished - called, total_s=finished - started)
@@ -313,9 +313,7 @@ class Ingress:
             return Response(reply.pngs[0], media_type="image/png", headers=self._metadata_headers(reply, reference))
         # pydantic's own serializer: ~5x faster than JSONResponse's json.dumps on the base64 images
         # (0.24 ms against 1.1 ms for one 160 kB PNG), the same JSON.
-        return Response(
-            self._json_reply(body, settings, reference, reply).model_dump_json(), media_type="application/json"
-        )
+        return Response(self._json_reply(body, reference, reply).model_dump_json(), media_type="application/json")
 
     # -- docs -------------------------------------------------------------------------------
     def _docs_auth(self, request: Request) -> None:
@@ -411,7 +409,7 @@ class Ingress:
         while len(self._infos) > _INFO_CACHE_SIZE:
             self._infos.popitem(last=False)
 
-    async def _reference_spec(self, body: RenderBody) -> ReferenceSpec | None:
+    async def _uploaded_reference(self, body: RenderBody) -> UploadedReference | None:
         if body.reference_image is not None:
             data = decode_base64(body.reference_image, "reference_image")
             options = ReferenceOptions(ref_caption=body.ref_caption, ref_megapixels=body.ref_megapixels)
@@ -429,14 +427,11 @@ class Ingress:
         # The upload's caption and size apply unless this request sets them (the pair takes the left's).
         caption = body.ref_caption if "ref_caption" in body.model_fields_set else first.ref_caption
         megapixels = body.ref_megapixels if "ref_megapixels" in body.model_fields_set else first.ref_megapixels
-        return ReferenceSpec(
-            layout="pair" if len(infos) == 2 else "single",
-            content_hashes=tuple(i.content_hash for i in infos),
+        identity = ReferenceIdentity("pair" if len(infos) == 2 else "single", tuple(i.content_hash for i in infos))
+        return UploadedReference(
+            identity=identity,
             reference_ids=tuple(i.reference_id for i in infos),
-            ref_caption=caption,
-            ref_megapixels=megapixels,
-            width=body.width,
-            height=body.height,
+            key=RefKVKey(identity.hash, caption, megapixels, body.height // 16, body.width // 16),
         )
 
     async def _describe(self, ids: list[str], fields: list[str]) -> list[ReferenceInfo]:
@@ -463,15 +458,15 @@ class Ingress:
         if self._local is not None:
             self._local.check_health()
 
-    async def _render(self, job: RenderJob) -> RenderReply:
+    async def _render(self, call: RenderCall) -> RenderReply:
         if self._local is None:  # split: Serve's router picks a renderer, preferring one that holds the reference
-            handle = self._renderer.options(multiplexed_model_id=job.reference.key if job.reference else "")
-            return await self._call(handle.render.remote(job))
+            handle = self._renderer.options(multiplexed_model_id=call.reference.key.token() if call.reference else "")
+            return await self._call(handle.render.remote(call))
         if self._rendering >= self._render_slots:
             raise self._at_capacity()
         self._rendering += 1
         try:
-            return await self._call(self._local.render(job))
+            return await self._call(self._local.render(call))
         finally:
             self._rendering -= 1
 
@@ -524,7 +519,7 @@ class Ingress:
         return fmt
 
     @staticmethod
-    def _metadata_headers(reply: RenderReply, reference: ReferenceSpec | None) -> dict[str, str]:
+    def _metadata_headers(reply: RenderReply, reference: UploadedReference | None) -> dict[str, str]:
         headers = {
             "X-Seed": str(reply.seeds[0]),
             "X-Batch-Size": str(reply.batch_size),
@@ -538,14 +533,12 @@ class Ingress:
         return headers
 
     @staticmethod
-    def _json_reply(
-        body: RenderBody, settings: RenderSettings, reference: ReferenceSpec | None, reply: RenderReply
-    ) -> RenderResponse:
+    def _json_reply(body: RenderBody, reference: UploadedReference | None, reply: RenderReply) -> RenderResponse:
         images = [
             ImageOut(
                 seed=seed,
-                width=settings.width,
-                height=settings.height,
+                width=reply.settings.width,
+                height=reply.settings.height,
                 png_base64=base64.b64encode(png).decode("ascii"),
             )
             for seed, png in zip(reply.seeds, reply.pngs)
@@ -554,7 +547,7 @@ class Ingress:
             images=images,
             prompt=body.prompt,
             seeds=reply.seeds,
-            settings=settings,
+            settings=reply.settings,
             reference_ids=list(reference.reference_ids) if reference else [],
             timings=reply.timings,
             batch_size=reply.batch_size,

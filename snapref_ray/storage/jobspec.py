@@ -1,9 +1,10 @@
-"""The YAML job spec: models, adapter, LoRAs, row defaults, output and cluster shape.
+"""The YAML job spec: the model, row defaults, output and cluster shape.
 
 One typed object (`JobSpec`) for a batch job, whichever way it is started: a YAML file
 (`load_job_spec`) or the quick command line form (`quick_spec`). Row settings are the request
 model's (`RenderSettings`) fields, so `defaults:` in a spec, a manifest column, a CLI flag and an
-HTTP field all mean the same thing.
+HTTP field all mean the same thing; `model:` is the one `ModelSpec` that the serve config, Ray Data
+and the command line embed too.
 
 Relative local paths written in a spec file resolve against the spec file's folder (so a spec
 and its manifest can travel together); defaults that the file does not set (output `./output`)
@@ -13,35 +14,23 @@ current directory.
 
 from __future__ import annotations
 
-import difflib
 import os
-from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from snapref_ray.models.bundle import ModelFiles, ModelFilesError, resolve_model_files
-from snapref_ray.requests import RenderSettings
+from snapref_ray.model_spec import LoRASpec, ModelSpec
+from snapref_ray.requests import RowDefaults
 from snapref_ray.storage.backends import S3Options, read_uri
-from snapref_ray.storage.manifest import manifest_base, resolve_relative
+from snapref_ray.uris import base_of, resolve_relative
+from snapref_ray.validation import format_validation_error
+
+S = TypeVar("S", bound="SpecFile")
 
 
 class JobSpecError(ValueError):
     """A job spec that cannot be loaded: the message names the file and the field path."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Model files: the folder convention is `snapref_ray.models.bundle.resolve_model_files` (the one
-# the Renderer loads with); re-exported here so spec users need one import.
-
-
-def _is_remote(path: str | None) -> bool:
-    return path is not None and "://" in path
-
-
-# ---------------------------------------------------------------------------------------------
-# Spec sections
 
 
 class _Section(BaseModel):
@@ -49,94 +38,32 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ModelPaths(_Section):
-    """The Anima model files: a models folder, or each file named (an explicit file wins)."""
+class SpecFile(_Section):
+    """A spec read from a YAML file: relative local paths in it resolve against the file's folder.
 
-    models_dir: str | None = Field(
-        None,
-        description="Folder (local or s3://) with the model files by the `resolve_model_files` convention; "
-        "the simplest way to point at both the tiny test models and a ComfyUI models folder.",
-    )
-    dit: str | None = Field(None, description="DiT + LLM adapter file; overrides the one found in models_dir.")
-    text_encoder: str | None = Field(None, description="Qwen3-0.6B base text encoder file; overrides models_dir's.")
-    vae: str | None = Field(None, description="Qwen-Image VAE file; overrides models_dir's.")
-    qwen_tokenizer: str | None = Field(
-        None, description="Qwen tokenizer folder; overrides models_dir's tokenizers/qwen."
-    )
-    t5_tokenizer: str | None = Field(None, description="T5 tokenizer folder; overrides models_dir's tokenizers/t5.")
-
-    @model_validator(mode="after")
-    def _dir_or_files(self) -> ModelPaths:
-        missing = [name for name in _EXPLICIT_MODEL_FIELDS if getattr(self, name) is None]
-        if self.models_dir is None and missing:
-            raise ValueError(f"give models_dir, or every model file; missing: {', '.join(missing)}")
-        return self
-
-    def is_remote(self) -> bool:
-        """Whether any model path is an s3:// URI (fetched into a node-local cache before loading)."""
-        return any(_is_remote(getattr(self, name)) for name in ("models_dir", *_EXPLICIT_MODEL_FIELDS))
-
-    def resolve(self, models_dir: str | os.PathLike | None = None) -> ModelFiles:
-        """The local model files: explicit ones as given, the rest from the folder convention.
-
-        `models_dir` replaces the spec's (a node-local copy of an s3:// models_dir). Remote
-        explicit files must be localised by the caller first: this raises `ModelFilesError` for
-        any s3:// path it would have to return.
-        """
-        folder = os.fspath(models_dir) if models_dir is not None else self.models_dir
-        explicit = {name: getattr(self, name) for name in _EXPLICIT_MODEL_FIELDS}
-        adapter = None
-        if not all(explicit.values()):
-            if _is_remote(folder):
-                raise ModelFilesError(f"models_dir {folder} is remote: fetch it into a local folder and pass that")
-            from_dir = resolve_model_files(folder)
-            adapter = from_dir.adapter
-            explicit = {name: value or os.fspath(getattr(from_dir, name)) for name, value in explicit.items()}
-        remote = [f"{name}={path}" for name, path in explicit.items() if _is_remote(path)]
-        if remote:
-            raise ModelFilesError(f"model files are remote ({', '.join(remote)}): fetch them first")
-        return ModelFiles(adapter=adapter, **{name: Path(path) for name, path in explicit.items()})
-
-
-_EXPLICIT_MODEL_FIELDS = ("dit", "text_encoder", "vae", "qwen_tokenizer", "t5_tokenizer")
-
-
-class LoRASpec(_Section):
-    """A LoRA merged into the DiT for the whole job."""
-
-    path: str = Field(..., description="LoRA file (local or s3://), ComfyUI / kohya key layout.")
-    strength: float = Field(1.0, ge=-10.0, le=10.0, description="Multiplier on the LoRA delta; 1 as trained.")
-
-
-class RowDefaults(RenderSettings):
-    """Defaults for every manifest row: every `RenderSettings` field, plus seed and images_per_prompt.
-
-    Derived from the request model (not a copy of its fields) so a new render setting is a valid
-    default and manifest column at once. A row's own value beats the default.
+    `PATH_FIELDS` names the plain path fields; a `model` (ModelSpec), LoRASpec fields and an output
+    `uri` the file sets are resolved too. The output default stays relative to the current directory.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ()
 
-    seed: int = Field(
-        0,
-        ge=0,
-        lt=2**63,
-        description="Seed of a row's first image; image k uses seed + k. "
-        "0 so that a job renders the same images on every run.",
-    )
-    images_per_prompt: int = Field(
-        1,
-        ge=1,
-        le=10_000,
-        description="Images per row (consecutive seeds); 1 because a dataset usually wants one per prompt.",
-    )
-
-    def settings(self) -> RenderSettings:
-        """The `RenderSettings` part (without seed and images_per_prompt)."""
-        return RenderSettings(**self.model_dump(exclude=set(ROW_ONLY_DEFAULTS)))
-
-
-ROW_ONLY_DEFAULTS = ("seed", "images_per_prompt")
+    def resolve_paths(self, base: str):
+        """A copy with relative local paths resolved against `base` (a folder or s3:// prefix)."""
+        update: dict[str, Any] = {}
+        for name in self.PATH_FIELDS:
+            value = getattr(self, name)
+            update[name] = None if value is None else resolve_relative(value, base)
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, (ModelSpec, LoRASpec)):
+                update[name] = (
+                    value.resolve_paths(base)
+                    if isinstance(value, ModelSpec)
+                    else value.model_copy(update={"path": resolve_relative(value.path, base)})
+                )
+            elif isinstance(value, OutputSpec) and "uri" in value.model_fields_set:
+                update[name] = value.model_copy(update={"uri": resolve_relative(value.uri, base)})
+        return self.model_copy(update=update)
 
 
 class S3Spec(_Section):
@@ -265,11 +192,6 @@ class ClusterSpec(_Section):
         description="Images of one reference with equal settings sampled in one "
         "batched forward; 4 fills a GPU at 1 MP without running out of memory.",
     )
-    device: str = Field(
-        "auto",
-        description="'auto' = GPU workers (num_gpus=1 each) on a cluster or a local machine "
-        "with GPUs, CPU workers on a local machine without; or 'cpu', 'cuda'.",
-    )
     transfer_gbps: float | None = Field(
         None,
         gt=0.0,
@@ -281,14 +203,6 @@ class ClusterSpec(_Section):
         gt=0.0,
         description="Fail the job when min_workers are not ready after this long; 900 s covers a "
         "GPU node boot plus a model load.",
-    )
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="'auto' = bfloat16 on GPUs that support it (as ComfyUI runs Anima), float32 on CPU."
-    )
-    compile: bool = Field(
-        False,
-        description="Run the DiT forward through torch.compile: one graph per resolution and row layout, "
-        "the defaults' size compiled at worker start (minutes on a GPU; pays off on long jobs).",
     )
     output_threads: int = Field(
         4,
@@ -306,15 +220,26 @@ class ClusterSpec(_Section):
         return self
 
 
-class JobSpec(_Section):
-    """A batch job: models, adapter, LoRAs, manifest, row defaults, output and cluster shape."""
+# Where fields of earlier job specs went: a spec that still uses them is refused with the new place.
+_MOVED = {
+    "models": "model.models_dir (or model.dit, model.vae, ...)",
+    "adapter": "model.adapter",
+    "loras": "model.loras",
+    "cluster.device": "model.device",
+    "cluster.dtype": "model.dtype",
+    "cluster.compile": "model.compile",
+}
 
-    models: ModelPaths = Field(..., description="The Anima model files.")
-    adapter: str | None = Field(
-        None, description="SnapRef adapter file (anima_ref_kv/1); None = adapter.safetensors from models_dir."
-    )
-    loras: list[LoRASpec] = Field(
-        default_factory=list, description="LoRAs merged into the DiT for the whole job; none by default (plain Anima)."
+
+class JobSpec(SpecFile):
+    """A batch job: the model, manifest, row defaults, output and cluster shape."""
+
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("manifest",)
+
+    model: ModelSpec = Field(
+        ...,
+        description="The model every worker loads (docs/jobs.md; the same `ModelSpec` "
+        "as the serve config, Ray Data and the command line).",
     )
     manifest: str = Field(
         ..., description="Manifest (CSV, JSONL or Parquet; local or s3://) of reference + prompt rows."
@@ -335,59 +260,21 @@ class JobSpec(_Section):
         "a broken manifest, not an intent.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            cluster = raw.get("cluster") if isinstance(raw.get("cluster"), dict) else {}
+            used = [k for k in ("models", "adapter", "loras") if k in raw]
+            used += [f"cluster.{k}" for k in ("device", "dtype", "compile") if k in cluster]
+            if used:
+                moves = "; ".join(f"{old} -> {_MOVED[old]}" for old in used)
+                raise ValueError(f"these fields moved into the `model:` section: {moves}")
+        return raw
+
     def s3_options(self) -> S3Options:
         """S3 client settings for every s3:// URI of this job."""
         return self.output.s3.options()
-
-    def model_files(self, models_dir: str | os.PathLike | None = None) -> ModelFiles:
-        """All local model files of the job, the adapter included (the spec's, else models_dir's).
-
-        `models_dir` replaces the spec's (a node-local copy of an s3:// one); see `ModelPaths.resolve`.
-        """
-        files = self.models.resolve(models_dir)
-        adapter = self.adapter if self.adapter is not None else files.adapter
-        if adapter is None:
-            raise ModelFilesError(
-                "no SnapRef adapter: set `adapter:` in the job spec, or put adapter.safetensors "
-                f"in models_dir ({self.models.models_dir})"
-            )
-        if _is_remote(os.fspath(adapter)):
-            raise ModelFilesError(f"adapter {adapter} is remote: fetch it first")
-        return ModelFiles(
-            dit=files.dit,
-            text_encoder=files.text_encoder,
-            vae=files.vae,
-            qwen_tokenizer=files.qwen_tokenizer,
-            t5_tokenizer=files.t5_tokenizer,
-            adapter=Path(adapter),
-        )
-
-    def resolve_paths(self, base: str) -> JobSpec:
-        """A copy with relative local paths resolved against `base` (a folder or s3:// prefix).
-
-        Only paths set explicitly are resolved; the output default stays relative to the
-        current directory.
-        """
-
-        def fix(path: str | None) -> str | None:
-            return None if path is None else resolve_relative(path, base)
-
-        models = self.models.model_copy(
-            update={name: fix(getattr(self.models, name)) for name in ("models_dir", *_EXPLICIT_MODEL_FIELDS)}
-        )
-        loras = [lora.model_copy(update={"path": fix(lora.path)}) for lora in self.loras]
-        output = self.output
-        if "uri" in output.model_fields_set:
-            output = output.model_copy(update={"uri": fix(output.uri)})
-        return self.model_copy(
-            update={
-                "models": models,
-                "loras": loras,
-                "adapter": fix(self.adapter),
-                "manifest": fix(self.manifest),
-                "output": output,
-            }
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,24 +302,35 @@ def load_job_spec(path_or_uri: str, s3: S3Options | None = None) -> JobSpec:
     """Load a YAML job spec (local or s3://); relative paths resolve against its folder.
 
     Errors are `JobSpecError`s naming the file and each bad field by its path, e.g.
-    `job.yaml: defaults.sampeler: Extra inputs are not permitted`.
+    `job.yaml: defaults.sampeler: unknown field (did you mean 'sampler'?)`.
     """
-    raw = read_yaml_mapping(path_or_uri, s3, what="job spec")
-    spec = _validate(raw, path_or_uri)
-    return spec.resolve_paths(manifest_base(path_or_uri))
+    return load_spec_file(path_or_uri, JobSpec, s3, what="job spec")
 
 
-def quick_spec(
-    manifest: str, models_dir: str, adapter: str | None, out: str, workers: int | None = None, **overrides: Any
-) -> JobSpec:
-    """The spec behind `snapref-ray render MANIFEST --models DIR --adapter FILE --out DIR_OR_S3_URI`.
+def load_spec_file(path_or_uri: str, model: type[S], s3: S3Options | None = None, *, what: str = "spec") -> S:
+    """Load a YAML spec (local or s3://) into `model` (a `SpecFile`); relative paths resolve against its folder."""
+    raw = read_yaml_mapping(path_or_uri, s3, what=what)
+    return validate_spec(raw, model, path_or_uri, what=what).resolve_paths(base_of(path_or_uri))
+
+
+def validate_spec(raw: dict[str, Any], model: type[S], source: str, *, what: str = "job spec") -> S:
+    """`model` from `raw`, or a `JobSpecError` naming `source` and every bad field by its path."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        lines = format_validation_error(exc, model)
+        raise JobSpecError(f"invalid {what} {source}:\n  " + "\n  ".join(lines)) from None
+
+
+def quick_spec(manifest: str, out: str, *, model: ModelSpec, workers: int | None = None, **overrides: Any) -> JobSpec:
+    """The spec behind `snapref-ray render MANIFEST --models DIR [--adapter FILE] --out DIR_OR_S3_URI`.
 
     `overrides` are flat keyword arguments routed by name: row defaults (`steps=20`, `seed=7`),
-    top-level fields (`strict=True`, `loras=[...]`), cluster fields (`max_batch=2`) and output
-    fields (`image_format="webp"`). Local paths become absolute against the current directory.
+    top-level fields (`strict=True`), cluster fields (`max_batch=2`) and output fields
+    (`image_format="webp"`). Local paths become absolute against the current directory.
     """
     sections: dict[str, dict[str, Any]] = {"defaults": {}, "cluster": {}, "output": {}}
-    raw: dict[str, Any] = {"manifest": manifest, "models": {"models_dir": models_dir}, "adapter": adapter}
+    raw: dict[str, Any] = {"manifest": manifest, "model": model.model_dump()}
     routes = {
         "defaults": RowDefaults.model_fields,
         "cluster": ClusterSpec.model_fields,
@@ -440,7 +338,7 @@ def quick_spec(
     }
     for key, value in overrides.items():
         targets = [name for name, fields in routes.items() if key in fields]
-        if key in JobSpec.model_fields and key not in ("models", "manifest", "adapter", *routes):
+        if key in JobSpec.model_fields and key not in ("model", "manifest", *routes):
             raw[key] = value
         elif len(targets) == 1:
             sections[targets[0]][key] = value
@@ -454,45 +352,8 @@ def quick_spec(
     if workers is not None:
         sections["cluster"]["num_workers"] = workers
     raw.update(sections)
-    spec = _validate(raw, "command line")
+    spec = validate_spec(raw, JobSpec, "command line")
     return spec.resolve_paths(os.getcwd())
-
-
-def _validate(raw: dict[str, Any], source: str) -> JobSpec:
-    try:
-        return JobSpec.model_validate(raw)
-    except ValidationError as exc:
-        lines = [f"{_loc(error['loc'])}: {_message(error)}" for error in exc.errors()]
-        raise JobSpecError(f"invalid job spec {source}:\n  " + "\n  ".join(lines)) from None
-
-
-def _message(error: dict) -> str:
-    if error["type"] == "extra_forbidden":
-        return "unknown field" + _suggestion(error["loc"])
-    return error["msg"].removeprefix("Value error, ")
-
-
-def _suggestion(loc: tuple) -> str:
-    """' (did you mean 'sampler'?)' for a misspelt field, found among the fields of its section."""
-    model: type[BaseModel] | None = JobSpec
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue  # an item of a list: its model is the list's item type, found below
-        field = model.model_fields.get(part) if model else None
-        types = (field.annotation, *get_args(field.annotation)) if field else ()
-        model = next((t for t in types if isinstance(t, type) and issubclass(t, BaseModel)), None)
-    if model is None:
-        return ""
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _loc(loc: tuple) -> str:
-    """pydantic's ('loras', 0, 'strength') as 'loras[0].strength'."""
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text or "(top level)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,19 +361,16 @@ def _loc(loc: tuple) -> str:
 
 
 def spec_fingerprint(spec: JobSpec) -> dict[str, Any]:
-    """What determines the images of a job: models, adapter, LoRAs, row defaults, manifest, format.
+    """What determines the images of a job: the model, row defaults, manifest and image format.
 
     Cluster shape, output location and error policy are left out: running the same job on a
-    bigger cluster or resuming it elsewhere must not count as a different job. `dtype` is in
-    (float32 vs bfloat16 changes pixels when set explicitly). Model files are identified by
-    their (resolved) paths, not their contents: hashing gigabytes at every start is too slow.
+    bigger cluster or resuming it elsewhere must not count as a different job. Model files are
+    identified by their (resolved) paths, not their contents: hashing gigabytes at every start is
+    too slow (`ModelSpec.fingerprint`).
     """
     return {
-        "models": spec.models.model_dump(),
-        "adapter": spec.adapter,
-        "loras": [lora.model_dump() for lora in spec.loras],
+        "model": spec.model.fingerprint(),
         "defaults": spec.defaults.model_dump(mode="json"),
         "manifest": spec.manifest,
         "image_format": spec.output.image_format,
-        "dtype": spec.cluster.dtype,
     }

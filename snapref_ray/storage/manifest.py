@@ -8,7 +8,7 @@ blank lines skipped, so row numbers mean the same thing in all three formats. An
 is left out and the job spec's default applies.
 
 Relative paths inside a manifest (references) resolve against the manifest's folder, or its
-key prefix for s3:// manifests: `manifest_base` + `resolve_relative`.
+key prefix for s3:// manifests: `snapref_ray.uris.base_of` + `resolve_relative`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import posixpath
 from typing import Any
 
 from snapref_ray.storage.backends import read_uri
+from snapref_ray.uris import is_remote
 
 ROW_KEY = "__row__"
 
@@ -44,7 +45,7 @@ def read_manifest(uri: str, s3=None) -> list[dict[str, Any]]:
     try:
         data = read_uri(uri, s3)
     except Exception as exc:
-        if isinstance(exc, FileNotFoundError) or (not _has_scheme(uri) and not os.path.exists(uri)):
+        if isinstance(exc, FileNotFoundError) or (not is_remote(uri) and not os.path.exists(uri)):
             raise ManifestError(f"manifest {uri} not found") from exc
         raise ManifestError(f"cannot read manifest {uri}: {exc}") from exc
     records = {"csv": _read_csv, "jsonl": _read_jsonl, "parquet": _read_parquet}[fmt](data, uri)
@@ -68,40 +69,6 @@ def manifest_format(uri: str) -> str:
             f"manifest {uri}: unknown extension {ext or '(none)'!r}; expected one of {', '.join(sorted(_FORMATS))}"
         )
     return _FORMATS[ext]
-
-
-def manifest_base(uri: str) -> str:
-    """The folder (local, absolute) or key prefix (s3://bucket/prefix/) of a file."""
-    uri = uri.removeprefix("file://")
-    if _has_scheme(uri):
-        return uri.rsplit("/", 1)[0] + "/"
-    return os.path.dirname(os.path.abspath(os.path.expanduser(uri)))
-
-
-def resolve_relative(path: str, base: str) -> str:
-    """Resolve `path` against `base` (a `manifest_base`); URIs and absolute paths stay as they are.
-
-    Local results are absolute and normalised; s3:// results are normalised key paths. A relative
-    path that climbs above an s3:// bucket's root is an error (there is nothing there).
-    """
-    if _has_scheme(path):
-        return path
-    base = base.removeprefix("file://")
-    expanded = os.path.expanduser(path)
-    if os.path.isabs(expanded):
-        return os.path.normpath(expanded)
-    if not _has_scheme(base):
-        return os.path.normpath(os.path.join(base, expanded))
-    scheme, rest = base.split("://", 1)
-    bucket, _, prefix = rest.partition("/")
-    key = posixpath.normpath(posixpath.join(prefix, path))
-    if key == ".." or key.startswith("../"):
-        raise ValueError(f"relative path {path!r} climbs above the bucket root of {base}")
-    return f"{scheme}://{bucket}/{key}"
-
-
-def _has_scheme(s: str) -> bool:
-    return "://" in s
 
 
 def _is_missing(value: Any) -> bool:

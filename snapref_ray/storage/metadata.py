@@ -94,6 +94,8 @@ METADATA_SCHEMA = pa.schema(
         ("decode_s", pa.float32()),
         ("upload_s", pa.float32()),
         ("forward_batch", pa.int32()),  # images in the forward that rendered this one (the batch the worker chose)
+        # DiT forwards the step cache let this image skip; null when the step cache was off.
+        ("skipped_forwards", pa.int32()),
         ("attempt", pa.int32()),
         ("started_at", pa.float64()),
         ("finished_at", pa.float64()),

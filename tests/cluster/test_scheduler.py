@@ -19,7 +19,7 @@ import ray
 import torch
 
 from snapref_ray.adapter.refkv import RefKV
-from snapref_ray.adapter.refkv_cache import RefKVCache
+from snapref_ray.service.refkv_cache import RefKVCache
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, RenderTask, WorkerInfo
 from snapref_ray.requests import RenderSettings

@@ -10,14 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from snapref_ray.storage.manifest import (
-    ROW_KEY,
-    ManifestError,
-    manifest_base,
-    manifest_format,
-    read_manifest,
-    resolve_relative,
-)
+from snapref_ray.storage.manifest import ROW_KEY, ManifestError, manifest_format, read_manifest
+from snapref_ray.uris import base_of, resolve_relative
 
 ROWS = [
     {"reference": "refs/a.png", "prompt": "1girl, solo, beach", "seed": 3, "steps": 8},
@@ -135,7 +129,7 @@ def test_manifest_format_by_extension():
 
 
 def test_relative_paths_resolve_against_the_manifest_folder(tmp_path):
-    base = manifest_base(str(tmp_path / "jobs" / "m.csv"))
+    base = base_of(str(tmp_path / "jobs" / "m.csv"))
     assert base == str(tmp_path / "jobs")
     assert resolve_relative("refs/a.png", base) == str(tmp_path / "jobs" / "refs" / "a.png")
     assert resolve_relative("./refs/../b.png", base) == str(tmp_path / "jobs" / "b.png")
@@ -143,16 +137,16 @@ def test_relative_paths_resolve_against_the_manifest_folder(tmp_path):
     assert resolve_relative("/abs/d.png", base) == "/abs/d.png"
     assert resolve_relative("s3://other/e.png", base) == "s3://other/e.png"
     # A manifest given relative to the current directory still resolves to absolute paths.
-    assert Path(manifest_base("m.csv")).is_absolute()
+    assert Path(base_of("m.csv")).is_absolute()
 
 
 def test_relative_paths_resolve_against_the_s3_prefix():
-    base = manifest_base("s3://bucket/jobs/2024/m.csv")
+    base = base_of("s3://bucket/jobs/2024/m.csv")
     assert base == "s3://bucket/jobs/2024/"
     assert resolve_relative("refs/a.png", base) == "s3://bucket/jobs/2024/refs/a.png"
     assert resolve_relative("../refs/a.png", base) == "s3://bucket/jobs/refs/a.png"
     assert resolve_relative("/local/a.png", base) == "/local/a.png"
-    assert resolve_relative("a.png", manifest_base("s3://bucket/m.csv")) == "s3://bucket/a.png"
+    assert resolve_relative("a.png", base_of("s3://bucket/m.csv")) == "s3://bucket/a.png"
     with pytest.raises(ValueError, match=r"relative path '../../../a.png' climbs above the bucket root"):
         resolve_relative("../../../a.png", base)
 

@@ -1,8 +1,9 @@
 """An LRU of RefKVs bounded in bytes, safe for threads, that encodes each key once.
 
-Batch workers and Serve replicas each keep one on their device. `get_or_create` makes
-concurrent callers asking for the same missing reference wait for a single encode instead of
-running the reference stream twice.
+Each render service (a job worker, a Serve replica, a Ray Data actor) keeps one on its device, keyed by
+`RefKVKey` (service/references.py). `get_or_create` makes concurrent callers asking for the same
+missing reference wait for a single encode instead of running the reference stream twice; `stats`
+are the one set of hit/encode counters every front door reports.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ class CacheStats:
     misses: int = 0
     encodes: int = 0
     evictions: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "encodes": self.encodes, "evictions": self.evictions}
 
 
 class RefKVCache:
@@ -53,10 +57,12 @@ class RefKVCache:
             return list(self._entries)
 
     def get(self, key: Hashable) -> RefKV | None:
+        """The cached RefKV (counted as a hit), or None (not counted: `get_or_create` counts the miss)."""
         with self._lock:
             kv = self._entries.get(key)
             if kv is not None:
                 self._entries.move_to_end(key)
+                self.stats.hits += 1
             return kv
 
     def put(self, key: Hashable, kv: RefKV) -> None:

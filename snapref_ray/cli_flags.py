@@ -1,0 +1,100 @@
+"""Command-line flags generated from the shared models, so a flag means what its field means.
+
+`--steps`, `--ref-weight`, ... are `RenderSettings` fields; `--models`, `--adapter`, `--lora`,
+`--device`, `--dtype`, `--compile`, `--quantize`, `--dit`, ... are `ModelSpec` fields. Every subcommand
+that renders (`txt2img`, `render`, `serve`, `timing`, `eval`) takes them from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from typing import Any
+
+from snapref_ray.model_spec import LoRASpec, ModelSpec
+from snapref_ray.requests import RenderSettings
+
+# ModelSpec field -> flag, where the flag is not simply the field's name.
+_MODEL_FLAG_NAMES = {"models_dir": "--models", "loras": "--lora"}
+
+
+def _field_type(annotation) -> type:
+    """int, float, bool or str for a field annotation; `X | None` counts as X."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if args and type(None) in typing.get_args(annotation):
+        annotation = args[0] if len(args) == 1 else annotation
+    return annotation if annotation in (int, float, bool) else str
+
+
+def _choices(annotation) -> tuple | None:
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    return None
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag for every RenderSettings field, named like the field (--ref-weight for ref_weight)."""
+    for name, info in RenderSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = _field_type(info.annotation)
+        if kind is bool:
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=info.description
+            )
+        else:
+            parser.add_argument(flag, dest=name, type=kind, default=None, help=info.description)
+
+
+def settings_from(args: argparse.Namespace) -> RenderSettings:
+    """The RenderSettings of the flags that were given (the rest keep their defaults)."""
+    return RenderSettings(**settings_overrides(args))
+
+
+def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in RenderSettings.model_fields if getattr(args, name, None) is not None}
+
+
+def add_model_flags(parser: argparse.ArgumentParser, *, models_required: bool = False) -> None:
+    """A flag for every ModelSpec field (`--models` for models_dir, `--lora PATH[:STRENGTH]` repeatable)."""
+    group = parser.add_argument_group("model (the fields of `model:` in a job spec or serve config)")
+    for name, info in ModelSpec.model_fields.items():
+        flag = _MODEL_FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+        dest = f"model_{name}"
+        if name == "loras":
+            group.add_argument(
+                flag,
+                dest=dest,
+                action="append",
+                type=LoRASpec.parse,
+                default=None,
+                metavar="PATH[:STRENGTH]",
+                help=info.description + " Repeatable.",
+            )
+        elif _field_type(info.annotation) is bool:
+            group.add_argument(
+                flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=info.description
+            )
+        else:
+            group.add_argument(
+                flag,
+                dest=dest,
+                default=None,
+                choices=_choices(info.annotation),
+                required=models_required and name == "models_dir",
+                metavar="DIR" if name == "models_dir" else None,
+                help=info.description,
+            )
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The ModelSpec fields the flags gave."""
+    given = {name: getattr(args, f"model_{name}", None) for name in ModelSpec.model_fields}
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def model_spec_from(args: argparse.Namespace, base: ModelSpec | None = None) -> ModelSpec:
+    """The ModelSpec of the flags, over `base` (a spec file's `model:`) when there is one."""
+    overrides = model_overrides(args)
+    if base is None:
+        return ModelSpec.model_validate(overrides)
+    return ModelSpec.model_validate({**base.model_dump(), **overrides})

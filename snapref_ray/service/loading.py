@@ -1,0 +1,100 @@
+"""A `ModelSpec` -> a loaded `Renderer`, with s3:// files fetched once per node: the one model loader.
+
+Batch workers, Serve replicas, Ray Data actors and the command line all load through `load_renderer`.
+s3:// model folders and files go through the per-node model cache (storage/model_cache.py: each object
+downloaded once per node, however many processes start there). `adapter_kind` reads only the adapter
+file's header, so a job's driver can resolve settings for the adapter kind before any worker exists.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+from pathlib import Path
+
+from snapref_ray.adapter.kinds import detect_kind
+from snapref_ray.engine import Renderer
+from snapref_ray.model_spec import MODEL_FILE_FIELDS, ModelSpec
+from snapref_ray.models.bundle import ADAPTER_PATTERNS
+from snapref_ray.storage.backends import S3Options, S3Storage
+from snapref_ray.storage.model_cache import ensure_local, ensure_local_folder
+from snapref_ray.uris import is_remote
+
+log = logging.getLogger(__name__)
+
+_FOLDER_FIELDS = ("qwen_tokenizer", "t5_tokenizer")
+
+
+def localise(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: str | None = None) -> ModelSpec:
+    """The spec with every s3:// folder and file replaced by its node-local cached copy."""
+    if not spec.is_remote():
+        return spec
+
+    def local(uri: str | None, folder: bool = False) -> str | None:
+        if uri is None or not is_remote(uri):
+            return uri
+        fetch = ensure_local_folder if folder else ensure_local
+        return os.fspath(fetch(uri, cache_dir, s3))
+
+    return spec.model_copy(
+        update={
+            "models_dir": local(spec.models_dir, folder=True),
+            "adapter": local(spec.adapter),
+            **{name: local(getattr(spec, name), folder=name in _FOLDER_FIELDS) for name in MODEL_FILE_FIELDS},
+            "loras": tuple(lora.model_copy(update={"path": local(lora.path)}) for lora in spec.loras),
+        }
+    )
+
+
+def load_renderer(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: str | None = None) -> Renderer:
+    """The Renderer `spec` describes, on its device (s3:// files fetched into the node's model cache)."""
+    import torch
+
+    local = localise(spec, s3=s3, cache_dir=cache_dir)
+    files = local.local_files()
+    kwargs = {}
+    if spec.quantize != "none":
+        kwargs["quantize"] = spec.quantize
+    return Renderer(
+        files,
+        adapter=files.adapter,
+        loras=[(lora.path, lora.strength) for lora in local.loras],
+        device=None if spec.device == "auto" else spec.device,
+        dtype=None if spec.dtype == "auto" else getattr(torch, spec.dtype),
+        compile=spec.compile,
+        **kwargs,
+    )
+
+
+def adapter_file(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: str | None = None) -> Path | None:
+    """The local path of the spec's reference adapter (the explicit one, else the models folder's), or None.
+
+    For an s3:// models folder only the adapter file is fetched, not the whole folder.
+    """
+    if spec.adapter is not None:
+        return ensure_local(spec.adapter, cache_dir, s3)
+    if spec.models_dir is None:
+        return None
+    if not is_remote(spec.models_dir):
+        return spec.local_files().adapter
+    root = spec.models_dir.rstrip("/")
+    keys = S3Storage(root, s3).list("")
+    for pattern in ADAPTER_PATTERNS:
+        hits = sorted(key for key in keys if fnmatch.fnmatch(key, pattern))
+        if hits:
+            return ensure_local(f"{root}/{hits[0]}", cache_dir, s3)
+    return None
+
+
+def adapter_kind(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: str | None = None) -> str | None:
+    """ "snapref", "arcanima-v2", "arcanima-pilot", or None without an adapter; from the file's header.
+
+    A file that is not a reference adapter (a plain LoRA, an unreadable file) is the engine's error to
+    raise when a worker loads it; here it counts as no kind (SnapRef's defaults resolve the settings).
+    """
+    path = adapter_file(spec, s3=s3, cache_dir=cache_dir)
+    if path is None:
+        return None
+    detection = detect_kind(path)
+    return detection.kind if detection.is_adapter else None

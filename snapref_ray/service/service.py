@@ -1,0 +1,330 @@
+"""The render service: one device's Renderer with everything between a request and an image.
+
+Every front door — a batch job's worker (cluster/worker.py), a Serve replica (serve/renderer.py), a
+Ray Data actor (data/renderer.py) and the command line (cli.py) — holds one `RenderService` and keeps
+only what is its own (the job's scheduling and storage, Serve's routing and HTTP, Ray Data's batches,
+the CLI's flags). The service owns, once:
+
+- the loaded model (`ModelSpec` -> `load_renderer`),
+- the RefKV cache (`RefKVKey` -> RefKV, an LRU bounded in bytes, one set of hit/encode counters),
+- settings resolved for the loaded adapter kind before anything is rendered or recorded,
+- the memory fit: how many images one forward may hold at a resolution (memory.py), and splitting a
+  forward that ran out of device memory,
+- the device: one render or encode at a time, and the progress a health check reads.
+
+It knows nothing of Ray. What it returns (`Rendered`) is what `records.py` turns into image files and
+metadata rows, so every front door records the same facts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+from snapref_ray.adapter.refkv import RefKV
+from snapref_ray.engine import Renderer, RenderError
+from snapref_ray.model_spec import ModelSpec
+from snapref_ray.requests import RenderRequest, RenderSettings
+from snapref_ray.service.loading import load_renderer
+from snapref_ray.service.memory import FitKey, MemoryFit
+from snapref_ray.service.references import RefKVKey
+from snapref_ray.service.refkv_cache import RefKVCache
+from snapref_ray.storage.backends import S3Options
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REFKV_CACHE_BYTES = 8 * 2**30
+
+
+class RenderOutOfMemory(RenderError):
+    """One image does not fit the device: the message names its size, the device and the memory figures."""
+
+
+@dataclass
+class Rendered:
+    """One image and the facts every output records about it."""
+
+    image: Image.Image
+    request: RenderRequest  # the settings as rendered: the adapter kind's defaults filled in
+    timings: dict[str, float]  # text_s, sample_s, decode_s, encode_s (reference), steps
+    forward_batch: int  # images in the forward that rendered it
+    reference_hash: str | None
+    skipped_forwards: int | None = None  # DiT forwards the step cache skipped for it (None: cache off)
+
+
+@dataclass
+class _Health:
+    busy_since: float | None = None
+    last_progress: float = field(default_factory=time.monotonic)
+
+
+class RenderService:
+    """A Renderer on one device with its RefKV cache, memory fit and device lock (see the module docstring)."""
+
+    def __init__(
+        self,
+        renderer: Renderer,
+        *,
+        refkv_cache_bytes: int = DEFAULT_REFKV_CACHE_BYTES,
+        memory_budget_bytes: int | None = None,
+        model_spec: ModelSpec | None = None,
+    ) -> None:
+        self.renderer = renderer
+        self.model_spec = model_spec
+        self.cache = RefKVCache(refkv_cache_bytes)
+        self.memory = MemoryFit.for_device(renderer.device, memory_budget_bytes)
+        self._device = threading.Lock()
+        self._health = _Health()
+
+    @classmethod
+    def load(
+        cls,
+        spec: ModelSpec,
+        *,
+        s3: S3Options | None = None,
+        model_cache_dir: str | None = None,
+        refkv_cache_bytes: int = DEFAULT_REFKV_CACHE_BYTES,
+        memory_budget_bytes: int | None = None,
+    ) -> RenderService:
+        """Load `spec` (s3:// files through the node's model cache) into a service."""
+        renderer = load_renderer(spec, s3=s3, cache_dir=model_cache_dir)
+        return cls(
+            renderer, refkv_cache_bytes=refkv_cache_bytes, memory_budget_bytes=memory_budget_bytes, model_spec=spec
+        )
+
+    # -- what is loaded --------------------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        return self.renderer.model_id
+
+    @property
+    def adapter_id(self) -> str | None:
+        adapter = self.renderer.adapter
+        return adapter.identity if adapter is not None else None
+
+    @property
+    def adapter_kind(self) -> str | None:
+        return self.renderer.adapter_kind
+
+    def resolve(self, settings: RenderSettings) -> RenderSettings:
+        """`settings` as they render with the loaded adapter kind (a misfit raises RenderError naming the field)."""
+        return self.renderer.resolve(settings)
+
+    def describe(self) -> dict:
+        """The loaded model, adapter, LoRAs, device and the figures behind its choices (for /v1/models, logs)."""
+        r = self.renderer
+        spec = self.model_spec
+        adapter = r.adapter
+        described = None
+        if adapter is not None:
+            described = adapter.describe() if hasattr(adapter, "describe") else {"identity": adapter.identity}
+            described = {"kind": r.adapter_kind, **described}
+        return {
+            "model": r.model_id,
+            "adapter": described,
+            "loras": [{"file": _file_name(lora.path), "strength": lora.strength} for lora in spec.loras]
+            if spec
+            else [],
+            "device": str(r.device),
+            "dtype": str(r.dtype).removeprefix("torch."),
+            "quantize": spec.quantize if spec else "none",
+            "compile": bool(r.compiled),
+            "refkv_cache": {
+                **self.cache.stats.as_dict(),
+                "entries": len(self.cache),
+                "bytes": self.cache.nbytes,
+                "max_bytes": self.cache.max_bytes,
+            },
+            "memory": self.memory.report(),
+        }
+
+    # -- references ------------------------------------------------------------------------------
+    def refkv(
+        self,
+        key: RefKVKey,
+        layout: str,
+        load_images: Callable[[], Sequence[bytes]],
+        *,
+        sources: Sequence[str] | None = None,
+        fetch: Callable[[], RefKV | None] | None = None,
+    ) -> tuple[RefKV, str]:
+        """(RefKV for `key`, where it came from: "cache", "fetched" or "encoded").
+
+        The device LRU first; else `fetch()` (a copy someone else holds, e.g. a job's object store; None
+        when it is gone), else the reference stream over `load_images()`. Concurrent callers asking for
+        one missing key wait for a single encode.
+        """
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached, "cache"
+        source = "cache"  # stays so when another thread creates the entry first
+
+        def create() -> RefKV:
+            nonlocal source
+            if fetch is not None:
+                fetched = fetch()
+                if fetched is not None:
+                    source = "fetched"
+                    return fetched
+            images = list(load_images())
+            with self.device("encode"):
+                kv = self.renderer.encode_reference(
+                    images,
+                    layout=layout,
+                    ref_caption=key.ref_caption,
+                    ref_megapixels=key.ref_megapixels,
+                    width=key.width,
+                    height=key.height,
+                    sources=list(sources) if sources else None,
+                )
+            source = "encoded"
+            log.info(
+                "encoded reference %s (%d tokens, %.1f MB) in %.2f s",
+                key.reference_hash[:12],
+                kv.num_tokens,
+                kv.nbytes / 1e6,
+                kv.encode_seconds,
+            )
+            return kv
+
+        kv, _ = self.cache.get_or_create(key, create)
+        return kv, source
+
+    # -- rendering -------------------------------------------------------------------------------
+    def render(
+        self,
+        requests: Sequence[RenderRequest],
+        *,
+        refkv: RefKV | None = None,
+        reference_hash: str | None = None,
+        references: Sequence[bytes] | None = None,
+        layout: str = "single",
+        init_image: Image.Image | None = None,
+        max_batch: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[Rendered]:
+        """Render requests that may share a forward (same settings but prompts and seeds), in forwards of
+        the largest batch that fits, at most `max_batch` images each.
+
+        `refkv` is the reference as the cache holds it; `references` (image bytes) are encoded for this
+        call instead (the recompute-every-step baseline needs them). A forward that runs out of device
+        memory is split in half and retried, down to one image, and the smaller batch is kept for that
+        resolution; one image that does not fit raises `RenderOutOfMemory`.
+        """
+        requests = [r.model_copy(update={"settings": self.resolve(r.settings)}) for r in requests]
+        if not requests:
+            return []
+        s = requests[0].settings
+        for i, r in enumerate(requests[1:], start=1):
+            if r.settings.batch_key() != s.batch_key():
+                raise RenderError(f"requests[{i}].settings differ from requests[0]; render them in separate batches")
+        reads = refkv is not None or references is not None
+        key = FitKey(s.width, s.height, rows_per_image(s, reads), reads)
+
+        def forward(chunk: list[RenderRequest], on_step=progress):
+            return self.renderer.render(
+                chunk, refkv=refkv, references=references, layout=layout, init_image=init_image, progress=on_step
+            )
+
+        probe = RenderRequest(prompt="batch-size probe", settings=s.model_copy(update={"steps": 1}))
+        requested = min(len(requests), max_batch or len(requests))
+        with self.device("render"):
+            batch = self.memory.limit(key, requested, lambda: forward([probe], on_step=None))
+        results: list[Rendered] = []
+        start = 0
+        while start < len(requests):
+            chunk = requests[start : start + batch]
+            try:
+                with self.device("render"):
+                    outputs = self.memory.run(key, len(chunk), lambda chunk=chunk: forward(chunk))
+            except Exception as e:
+                if not _is_out_of_memory(e):
+                    raise
+                if len(chunk) == 1:
+                    raise self._out_of_memory(s, e) from None
+                batch = max(1, len(chunk) // 2)
+                self.memory.cap(key, batch)
+                log.warning(
+                    "out of device memory at %dx%d with %d images per forward: retrying with %d",
+                    s.width,
+                    s.height,
+                    len(chunk),
+                    batch,
+                )
+                continue
+            results += [
+                Rendered(
+                    image=out.image,
+                    request=out.request,
+                    # encode_s: what the reference this image read cost to encode, wherever that happened.
+                    timings={**out.timings, **({"encode_s": refkv.encode_seconds} if refkv is not None else {})},
+                    forward_batch=len(chunk),
+                    reference_hash=reference_hash,
+                    skipped_forwards=getattr(out, "skipped_forwards", None),
+                )
+                for out in outputs
+            ]
+            start += len(chunk)
+        return results
+
+    def _out_of_memory(self, s: RenderSettings, error: BaseException) -> RenderOutOfMemory:
+        figures = "; ".join(
+            f"{limit['width']}x{limit['height']}: one image {limit['image_peak_bytes'] / 2**30:.2f} GiB,"
+            f" {limit['available_bytes'] / 2**30:.2f} GiB available"
+            for limit in self.memory.report()
+            if (limit["width"], limit["height"]) == (s.width, s.height)
+        )
+        return RenderOutOfMemory(
+            f"one {s.width}x{s.height} image does not fit {self.renderer.device} ({figures or 'not measured'}):"
+            f" {str(error).splitlines()[0][:200]}",
+            field="width",
+        )
+
+    # -- the device ------------------------------------------------------------------------------
+    @contextmanager
+    def device(self, what: str):
+        """Hold the device for one render or encode; the health check sees it busy meanwhile."""
+        with self._device:
+            self._health.busy_since = self._health.last_progress = time.monotonic()
+            try:
+                yield
+            finally:
+                self._health.busy_since = None
+                self._health.last_progress = time.monotonic()
+
+    def tick(self, step: int = 0, total: int = 0) -> None:
+        """Progress: a sampling step finished (the callback a front door passes on to `render`)."""
+        self._health.last_progress = time.monotonic()
+
+    def stalled_for(self) -> float:
+        """Seconds the device has been busy without progress (0 while it is idle)."""
+        if self._health.busy_since is None:
+            return 0.0
+        return time.monotonic() - self._health.last_progress
+
+
+def rows_per_image(settings: RenderSettings, reads_reference: bool) -> int:
+    """Rows one image runs per step: cond, uncond when CFG is on, and the reference-guidance row."""
+    rows = 1 + (settings.cfg != 1.0)
+    if reads_reference and settings.ref_guidance not in (None, 1.0):
+        rows += 1
+    return rows
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    """A device allocation that failed: CUDA's OutOfMemoryError, or the CPU allocator's refusal."""
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error)
+
+
+def _file_name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]

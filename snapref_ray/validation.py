@@ -1,0 +1,76 @@
+"""Pydantic errors as people read them: `loras[0].strength: Input should be ...`, with a hint for typos.
+
+Job specs, manifests, Ray Data rows, evaluation and timing specs, the command line and the HTTP API
+all validate through pydantic models; this module is the one place that turns a `ValidationError`
+into messages that name the field by its path and say what was expected.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, get_args
+
+from pydantic import BaseModel, ValidationError
+
+
+def field_path(loc: tuple) -> str:
+    """pydantic's ('loras', 0, 'strength') as 'loras[0].strength'; '' for a model-level error."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: error messages repeat inputs, never whole blobs."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def error_message(error: dict, model: type[BaseModel] | None = None) -> str:
+    """One pydantic error's message without its 'Value error, ' prefix.
+
+    An unknown field gets a did-you-mean from the fields of its section (found by walking `model`
+    along the error's location); a type or range error repeats the input it got.
+    """
+    if error["type"] == "extra_forbidden":
+        return "unknown field" + _suggestion(error["loc"], model)
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] not in ("value_error", "assertion_error", "missing") and "input" in error:
+        message += f" (got {short(error['input'])})"
+    return message
+
+
+def validation_messages(exc: ValidationError, model: type[BaseModel] | None = None) -> list[tuple[str, str]]:
+    """(field path, message) for every error of `exc`; the path is '' for model-level errors."""
+    return [(field_path(e["loc"]), error_message(e, model)) for e in exc.errors()]
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
+    """`path: message` lines, '(top level)' for model-level errors."""
+    return [f"{path or '(top level)'}: {message}" for path, message in validation_messages(exc, model)]
+
+
+def _suggestion(loc: tuple, model: type[BaseModel] | None) -> str:
+    """' (did you mean 'sampler'?)' for a misspelt field, found among the fields of its section."""
+    for part in loc[:-1]:
+        if model is None:
+            return ""
+        if isinstance(part, int):
+            continue  # an item of a list: its model is the list's item type, found below
+        field = model.model_fields.get(part)
+        types = (field.annotation, *_nested_args(field.annotation)) if field else ()
+        model = next((t for t in types if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    if model is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _nested_args(annotation: Any) -> tuple:
+    """The type arguments of `annotation`, one level of nesting deep (list[LoRASpec] | None -> LoRASpec)."""
+    found = []
+    for arg in get_args(annotation):
+        found.append(arg)
+        found.extend(get_args(arg))
+    return tuple(found)
