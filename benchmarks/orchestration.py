@@ -64,6 +64,10 @@ MiB = 2**20
 # --- the simulated GPU --------------------------------------------------------------------------
 
 
+class SimulatedAdapter:
+    identity = "simulated-adapter"
+
+
 class SimulatedRenderer:
     """Renderer's interface (encode_reference, render, device, model_id, load_seconds) with sleeps.
 
@@ -78,8 +82,12 @@ class SimulatedRenderer:
         from PIL import Image
 
         self.device = torch.device("cpu")
+        self.dtype = torch.float32
         self.model_id = "simulated"
         self.load_seconds = 0.0
+        self.compiled = False
+        self.adapter = SimulatedAdapter()
+        self.adapter_kind = "snapref"
         self.encode_s, self.step_s, self.refkv_bytes, self.image_side = encode_s, step_s, refkv_bytes, image_side
         # Made once here, not per render: only the sleep stands for device time.
         size = (image_side, image_side)
@@ -103,6 +111,11 @@ class SimulatedRenderer:
         return RefKV(
             kv, ((1, 1, 1),), ((0, 0, 0),), (1, height // 16, width // 16), "simulated-adapter", digest, self.encode_s
         )
+
+    def resolve(self, settings):
+        from snapref_ray.adapter.controls import resolve_settings
+
+        return resolve_settings(settings, self.adapter_kind)
 
     def render(self, requests, *, refkv=None, references=None, layout="single", init_image=None, progress=None):
         from PIL import Image
@@ -210,7 +223,7 @@ def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, o
     manifest = _write_job(folder, references, prompts)
     spec = JobSpec.model_validate(
         {
-            "models": {"models_dir": str(models_dir)},
+            "model": {"models_dir": str(models_dir), "device": "cpu"},
             "manifest": str(manifest),
             "defaults": {"width": 256, "height": 256, "steps": args.steps, "cfg": 1.0, "sampler": "euler"},
             "output": (
@@ -224,7 +237,6 @@ def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, o
             "cluster": {
                 "num_workers": workers,
                 "max_batch": args.max_batch,
-                "device": "cpu",
                 "max_in_flight_per_worker": args.in_flight,
                 "num_cpus_per_worker": 1,
                 "output_threads": args.output_threads if overlap else 0,

@@ -135,14 +135,13 @@ def run_job_runner(manifest: Path, models_dir: Path, out: Path, args) -> dict:
 
     spec = JobSpec.model_validate(
         {
-            "models": {"models_dir": str(models_dir)},
+            "model": {"models_dir": str(models_dir), "device": "cpu"},
             "manifest": str(manifest),
             "defaults": _settings(args),
             "output": {"uri": str(out)},
             "cluster": {
                 "num_workers": args.workers,
                 "max_batch": args.max_batch,
-                "device": "cpu",
                 "refkv_cache_bytes": _cache_bytes(args),
                 "num_cpus_per_worker": 1,
             },
@@ -179,9 +178,8 @@ def run_ray_data(manifest: Path, models_dir: Path, out: Path, args, *, grouped: 
     ds = ds.repartition(target_num_rows_per_block=args.rows_per_block).map_batches(
         SnapRefRenderer,
         fn_constructor_kwargs={
-            "models": str(models_dir),
+            "model": {"models_dir": str(models_dir), "device": "cpu"},
             "defaults": _settings(args),
-            "device": "cpu",
             "max_batch": args.max_batch,
             "refkv_cache_bytes": _cache_bytes(args),
             "renderer_factory": _factory(args),

@@ -181,7 +181,7 @@ def local_job(models, manifest) -> Path:
     out = models.parent / "job-out"
     spec = yaml.safe_load((EXAMPLES / "example_spec.yaml").read_text())
     spec.update(
-        models={"models_dir": str(models)},
+        model={**spec["model"], "models_dir": str(models)},
         manifest=str(manifest),
         output={"uri": str(out)},
         defaults={**spec["defaults"], "steps": 2},
@@ -263,7 +263,7 @@ def test_demo(tmp_path):
 def test_eval(models, tmp_path):
     spec = yaml.safe_load((EXAMPLES / "example_eval_spec.yaml").read_text())
     spec.update(
-        models={"models_dir": str(models)},
+        model={**spec["model"], "models_dir": str(models)},
         manifest=str(EXAMPLES / "example_eval_manifest.csv"),
         sigmas=[0.5],
         noise_seeds=[0],

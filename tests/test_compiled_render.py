@@ -69,7 +69,7 @@ def test_compiled_renderer_equals_eager_and_compiles_once_per_layout(counted, ti
 
 
 def test_cli_compile_flag_reaches_the_job_spec(monkeypatch, tmp_path: Path):
-    """`snapref-ray render ... --compile` sets cluster.compile, which the workers' config carries."""
+    """`snapref-ray render ... --compile` sets model.compile, which the workers' config carries."""
     from snapref_ray import cli
     from snapref_ray.pipelines import generate_dataset
 
@@ -110,5 +110,5 @@ def test_cli_compile_flag_reaches_the_job_spec(monkeypatch, tmp_path: Path):
         args.func(args)
     except (KeyError, TypeError):
         pass  # the stub's summary may lack a field _print_summary reads; the spec is what is checked
-    assert seen and seen[0].cluster.compile is True
-    assert generate_dataset.worker_config(seen[0]).compile is True
+    assert seen and seen[0].model.compile is True
+    assert generate_dataset.worker_config(seen[0]).model.compile is True

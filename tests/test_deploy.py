@@ -95,7 +95,7 @@ def test_rayservice_gpu_group_autoscales_to_the_renderers_replicas():
     assert group["minReplicas"] <= app["args"]["min_replicas"] <= app["args"]["max_replicas"] <= group["maxReplicas"]
     assert float(container["resources"]["limits"]["cpu"]) >= app["args"]["cpus_per_replica"]
     models = {m["mountPath"] for m in container["volumeMounts"]}
-    assert any(app["args"]["models_dir"].startswith(m + "/") for m in models)
+    assert any(app["args"]["model"]["models_dir"].startswith(m + "/") for m in models)
 
 
 def test_rayjob_runs_the_job_entry_point_on_a_valid_spec():

@@ -16,8 +16,8 @@ import yaml
 from snapref_ray.adapter.file import load_adapter
 from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.evaluation import denoising_losses, prepare_target
+from snapref_ray.model_spec import ModelSpec
 from snapref_ray.pipelines.identity_eval import EvalError, EvalSpec, build_cases, load_eval_spec
-from snapref_ray.storage.jobspec import ModelPaths
 
 JOBS = Path(__file__).resolve().parents[1] / "snapref_ray" / "examples"
 SIGMAS, SEEDS = [0.3, 0.7], [0, 1]
@@ -109,7 +109,7 @@ def eval_dir(tmp_path_factory, tiny_models: Path) -> Path:
     )
     write_manifest(d / "manifest.csv", rows)
     spec = {
-        "models": {"models_dir": str(tiny_models)},
+        "model": {"models_dir": str(tiny_models)},
         "manifest": "manifest.csv",
         "sigmas": SIGMAS,
         "noise_seeds": SEEDS,
@@ -147,7 +147,7 @@ def job_result(ray_local, eval_dir: Path):
 def test_example_spec_and_manifest_load():
     spec = load_eval_spec(str(JOBS / "example_eval_spec.yaml"))
     assert spec.manifest == str(JOBS / "example_eval_manifest.csv")
-    assert spec.models.models_dir == str(JOBS.parents[1] / "tiny")  # tiny/ in the repository root
+    assert spec.model.models_dir == str(JOBS.parents[1] / "tiny")  # tiny/ in the repository root
     assert (spec.sigmas, spec.noise_seeds) == ([0.2, 0.4, 0.6, 0.8], [0, 1, 2, 3])
     cases = build_cases(spec)
     assert len(cases) == 6 and len({c["character"] for c in cases}) == 3
@@ -162,7 +162,7 @@ def test_character_defaults_to_the_reference_image_and_bad_rows_are_named(tmp_pa
         for n in ("silver_hair_girl", "silver_hair_girl", "brown_hair_boy", "blue_hair_girl")
     ]
     write_manifest(tmp_path / "m.csv", rows)
-    spec = EvalSpec(models=ModelPaths(models_dir=str(tmp_path)), manifest=str(tmp_path / "m.csv"))
+    spec = EvalSpec(model=ModelSpec(models_dir=str(tmp_path)), manifest=str(tmp_path / "m.csv"))
     cases = build_cases(spec)
     assert cases[0]["character"] == cases[1]["character"] != cases[2]["character"]
     assert all(c["wrong_character"] != c["character"] for c in cases)
@@ -178,9 +178,9 @@ def test_character_defaults_to_the_reference_image_and_bad_rows_are_named(tmp_pa
 
 def test_spec_validates_the_grid():
     with pytest.raises(ValueError, match=r"sigmas must be distinct values in \(0, 1\]"):
-        EvalSpec(models=ModelPaths(models_dir="m"), manifest="m.csv", sigmas=[0.5, 1.5])
+        EvalSpec(model=ModelSpec(models_dir="m"), manifest="m.csv", sigmas=[0.5, 1.5])
     with pytest.raises(ValueError, match="noise_seeds must be distinct"):
-        EvalSpec(models=ModelPaths(models_dir="m"), manifest="m.csv", noise_seeds=[1, 1])
+        EvalSpec(model=ModelSpec(models_dir="m"), manifest="m.csv", noise_seeds=[1, 1])
 
 
 def test_cli_registers_eval_and_timing():
@@ -189,7 +189,7 @@ def test_cli_registers_eval_and_timing():
     args = parser.parse_args(["eval", "spec.yaml", "--out", "o", "--workers", "3"])
     assert (args.spec, args.out, args.workers, args.func.__name__) == ("spec.yaml", "o", 3, "cmd_eval")
     args = parser.parse_args(["timing", "--models", "m", "--steps", "2"])
-    assert (args.models, args.steps, args.func.__name__) == ("m", 2, "cmd_timing")
+    assert (args.model_models_dir, args.steps, args.func.__name__) == ("m", 2, "cmd_timing")
 
 
 # ---------------------------------------------------------------------------------------------

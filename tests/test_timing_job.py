@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 import snapref_ray
 from snapref_ray.eval_cli import add_eval_parsers, timing_spec_from_args
+from snapref_ray.model_spec import LoRASpec, ModelSpec
 from snapref_ray.pipelines.flop_model import Case, RowGroup, forward_flops, real_size_ratios
 from snapref_ray.pipelines.timing_table import (
     ARCANIMA_ROWS,
@@ -23,7 +24,7 @@ from snapref_ray.pipelines.timing_table import (
     run_timing,
     timing_settings,
 )
-from snapref_ray.storage.jobspec import ClusterSpec, LoRASpec, ModelPaths, OutputSpec
+from snapref_ray.storage.jobspec import OutputSpec
 from snapref_ray.tiny import TinyConfig, write_tiny_adapter
 
 CASE = dict(width=256, height=256, steps=2, turbo_steps=2, sampler="euler", cfg=4.0)
@@ -40,9 +41,8 @@ def ray_local():
 
 def spec_for(models: Path, out: Path, **kw) -> TimingSpec:
     return TimingSpec(
-        models=ModelPaths(models_dir=str(models)),
+        model=ModelSpec(models_dir=str(models), device="cpu"),
         output=OutputSpec(uri=str(out)),
-        cluster=ClusterSpec(device="cpu"),
         **{**CASE, "repetitions": 2, "warmup": False, **kw},
     )
 
@@ -89,7 +89,7 @@ def turbo_lora(tmp_path_factory) -> Path:
 
 
 def test_settings_cover_the_issue_list():
-    spec = TimingSpec(models=ModelPaths(models_dir="m"), **CASE)
+    spec = TimingSpec(model=ModelSpec(models_dir="m"), **CASE)
     settings = {s.name: s for s in timing_settings(spec)}
     # No ArcAnima files in models_dir "m": those rows are left out.
     assert list(settings) == [n for n in SETTING_NAMES if n not in ARCANIMA_ROWS]
@@ -109,7 +109,7 @@ def test_settings_cover_the_issue_list():
 
 def test_arcanima_rows_run_their_own_adapter_at_its_defaults():
     spec = TimingSpec(
-        models=ModelPaths(models_dir="m"),
+        model=ModelSpec(models_dir="m"),
         arcanima_v2_adapter="v2.safetensors",
         arcanima_pilot_adapter="p.safetensors",
         **CASE,
@@ -153,7 +153,7 @@ def test_flop_model_matches_the_benchmarks_and_the_expected_ratios():
 
 def test_unknown_setting_is_refused():
     with pytest.raises(ValueError, match="unknown setting\\(s\\) fastest; known: no_reference"):
-        TimingSpec(models=ModelPaths(models_dir="m"), settings=["fastest"])
+        TimingSpec(model=ModelSpec(models_dir="m"), settings=["fastest"])
 
 
 def test_cli_quick_form_maps_onto_the_spec(tmp_path):

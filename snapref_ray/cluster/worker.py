@@ -280,26 +280,25 @@ class RenderWorker:
         A failure is returned as {"case_id", "error"}: one bad image must not stop the evaluation.
         """
         from snapref_ray.evaluation import denoising_losses, prepare_target
-        from snapref_ray.requests import RenderSettings
         from snapref_ray.service.references import RefKVKey
 
         t0 = time.perf_counter()
         service = self.service
         try:
             target = prepare_target(read_uri(case["target"], self.config.s3), case["target_megapixels"], case["target"])
-            size = RenderSettings(
-                width=target.width,
-                height=target.height,
-                ref_caption=case["ref_caption"],
-                ref_megapixels=case["ref_megapixels"],
-            )
             grids, hits = {}, {}
             for role in ("right", "wrong"):
                 ref = ReferenceTask(
                     case[f"{role}_hash"],
                     tuple(case[f"{role}_uris"]),
                     case.get("layout", "single"),
-                    RefKVKey.for_settings(case[f"{role}_hash"], size),
+                    RefKVKey(
+                        case[f"{role}_hash"],
+                        case["ref_caption"],
+                        case["ref_megapixels"],
+                        target.height // 16,
+                        target.width // 16,
+                    ),
                 )
                 kv, source = service.refkv(
                     ref.key, ref.layout, lambda ref=ref: self._read_images(ref), sources=ref.uris

@@ -112,6 +112,7 @@ class SnapRefRenderer:
             inline_images=True,
             one_image=True,
             refuse_unknown_columns=False,
+            empty_prompt_hint="pass allow_empty_prompt=True to allow it",
         )
         self.max_batch = max_batch
         renderer = (

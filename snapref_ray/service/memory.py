@@ -60,6 +60,7 @@ class BatchLimit:
     batch: int  # images per forward that fit (before the request's own max_batch caps it)
     batch_peak_bytes: int | None = None  # the first measured batch's peak ...
     measured_batch: int | None = None  # ... and its size
+    out_of_memory_cap: int | None = None  # a forward of more images than this ran out of memory
 
 
 def largest_batch(
@@ -186,6 +187,8 @@ class MemoryFit:
             result, peak = self.memory.measure(fn)
             per_image = max(1, (peak - limit.image_peak_bytes) // (batch - 1))
             refined = largest_batch(limit.available_bytes, limit.image_peak_bytes, per_image)
+            if limit.out_of_memory_cap is not None:
+                refined = min(refined, limit.out_of_memory_cap)
             self.limits[key] = dataclasses.replace(
                 limit, per_image_bytes=per_image, batch=refined, batch_peak_bytes=peak, measured_batch=batch
             )
@@ -209,7 +212,7 @@ class MemoryFit:
                 limit = BatchLimit(
                     key.width, key.height, key.rows_per_image, key.reads_reference, 0, 0, available, batch
                 )
-            self.limits[key] = dataclasses.replace(limit, batch=min(limit.batch, batch))
+            self.limits[key] = dataclasses.replace(limit, batch=min(limit.batch, batch), out_of_memory_cap=batch)
 
     def report(self) -> list[dict]:
         """The limits chosen so far, as plain dicts (worker info, summary.json, /v1/models)."""

@@ -74,6 +74,7 @@ class RowRules:
     inline_images: bool = False  # a reference cell may be image bytes (Ray Data)
     one_image: bool = False  # seeds / images_per_prompt are refused (Ray Data)
     refuse_unknown_columns: bool = True  # a manifest's unknown column is an error; Ray Data passes it through
+    empty_prompt_hint: str = "set `allow_empty_prompt: true` in the job spec to allow it"
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def parse_row(row: dict[str, Any], defaults: RowDefaults, rules: RowRules) -> Pa
             if name in row:
                 fail(name, f"a Ray Data row renders one image; give `seed` and explode `{name}` into rows upstream")
     reference = _parse_reference(row, rules, fail)
-    prompt = _parse_prompt(row, rules.allow_empty_prompt, fail)
+    prompt = _parse_prompt(row, rules, fail)
     explicit_id = _parse_id(row, fail)
     settings, seeds = _parse_settings_and_seeds(row, defaults, rules.one_image, fail)
     if problems:
@@ -161,10 +162,10 @@ def _parse_reference(row: dict[str, Any], rules: RowRules, fail) -> ReferenceInp
     elif forms[0] == "references":
         values = split_list(row["references"])
         if not values:
+            what = "images, paths or URIs" if rules.inline_images else "reference paths"
             fail(
                 "references",
-                "expected a list of reference images, paths or URIs (a list, a JSON list or 'a.png|b.png'), "
-                f"got {short(row['references'])}",
+                f"expected a list of {what} (a list, a JSON list or 'a.png|b.png'), got {short(row['references'])}",
             )
             return None
         columns, layout = ("references",) * len(values), ("single" if len(values) == 1 else "multi")
@@ -199,7 +200,10 @@ def _reference_member(value: Any, column: str, rules: RowRules, fail) -> bytes |
     path = value.strip()
     if rules.base is None and not is_remote(path) and not os.path.isabs(os.path.expanduser(path)):
         # Ray workers do not run in the driver's directory: a relative path would silently mean another file.
-        fail(column, f"relative path {path!r}: give an absolute path or a URI, or pass references_base=")
+        fail(
+            column,
+            f"relative path {path!r}: give an absolute path or a URI, or pass references_base= to SnapRefRenderer",
+        )
         return None
     try:
         return resolve_relative(path, rules.base or "/")
@@ -208,13 +212,13 @@ def _reference_member(value: Any, column: str, rules: RowRules, fail) -> bytes |
         return None
 
 
-def _parse_prompt(row: dict[str, Any], allow_empty: bool, fail) -> str:
+def _parse_prompt(row: dict[str, Any], rules: RowRules, fail) -> str:
     prompt = row.get("prompt", "")
     if not isinstance(prompt, str):
         fail("prompt", f"expected text, got {short(prompt)}")
         return ""
-    if not prompt.strip() and not allow_empty:
-        fail("prompt", "empty prompt (allow_empty_prompt allows it)")
+    if not prompt.strip() and not rules.allow_empty_prompt:
+        fail("prompt", f"empty prompt ({rules.empty_prompt_hint})")
     return prompt
 
 

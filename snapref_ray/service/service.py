@@ -123,8 +123,10 @@ class RenderService:
         adapter = r.adapter
         described = None
         if adapter is not None:
-            described = adapter.describe() if hasattr(adapter, "describe") else {"identity": adapter.identity}
-            described = {"kind": r.adapter_kind, **described}
+            described = {"kind": r.adapter_kind, "identity": adapter.identity}
+            meta = getattr(getattr(adapter, "adapter", None), "meta", None)
+            if meta is not None:  # SnapRef files state these
+                described.update(base_model=meta.base_model, num_blocks=meta.num_blocks, modes=list(meta.modes))
         return {
             "model": r.model_id,
             "adapter": described,

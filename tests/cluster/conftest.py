@@ -159,14 +159,16 @@ def job_spec(
     defaults: dict | None = None,
     cluster: dict | None = None,
     output: dict | None = None,
+    model: dict | None = None,
     **top,
 ):
-    """A JobSpec for the tiny models with fast settings; `cluster`/`output`/`defaults` entries override."""
+    """A JobSpec for the tiny models on the CPU with fast settings; `model`/`cluster`/`output`/`defaults`
+    entries override."""
     from snapref_ray.storage.jobspec import JobSpec
 
     return JobSpec.model_validate(
         {
-            "models": {"models_dir": str(models)},
+            "model": {"models_dir": str(models), "device": "cpu", **(model or {})},
             "manifest": str(manifest),
             "defaults": {**FAST_DEFAULTS, **(defaults or {})},
             "output": {"uri": out, **(output or {})},
@@ -174,7 +176,6 @@ def job_spec(
                 "num_workers": 2,
                 "max_batch": 2,
                 "max_in_flight_per_worker": 2,
-                "device": "cpu",
                 **(cluster or {}),
             },
             **top,
@@ -184,6 +185,7 @@ def job_spec(
 
 def expected_item_ids(spec) -> set[str]:
     """The ids the spec's valid rows must render to (the same validation run_job does)."""
-    from snapref_ray.storage.work_items import load_work_items
+    from snapref_ray.service.loading import adapter_kind
+    from snapref_ray.service.work_items import load_work_items
 
-    return {item.item_id for item in load_work_items(spec).items}
+    return {item.item_id for item in load_work_items(spec, adapter_kind=adapter_kind(spec.model)).items}

@@ -26,7 +26,9 @@ def test_job_renders_with_an_arcanima_adapter(kind, job_inputs, tiny_models, tmp
         {"reference": refs[0], "prompt": "1girl, solo, city", "mode": "char"},
     ]
     manifest = write_manifest(job_inputs.folder / f"{kind}.csv", rows)
-    spec = job_spec(manifest, tiny_models, str(tmp_path / "out"), adapter=str(adapter), cluster={"num_workers": 1})
+    spec = job_spec(
+        manifest, tiny_models, str(tmp_path / "out"), model={"adapter": str(adapter)}, cluster={"num_workers": 1}
+    )
     summary = run_job(spec, progress=False, write_gallery=False)
     assert summary["images_this_run"] == 2 and summary["failed_items"] == 1
     errors = pd.read_parquet(tmp_path / "out" / "errors")

@@ -312,7 +312,7 @@ def test_poison_item_is_recorded_with_its_last_exception(tmp_path, tiny_models):
 
 
 def _poison_id(spec) -> str:
-    from snapref_ray.storage.work_items import load_work_items
+    from snapref_ray.service.work_items import load_work_items
 
     (item,) = [i for i in load_work_items(spec).items if i.prompt == "1girl, poison"]
     return item.item_id

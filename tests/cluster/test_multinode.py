@@ -59,7 +59,8 @@ def _cluster_spec(manifest: Path, models: Path, out: Path, cluster: FakeCluster,
         models,
         str(out),
         defaults={"steps": 3},
-        cluster={"address": cluster.address, "device": "auto", "num_workers": None, "max_batch": 1, **shape},
+        model={"device": "auto"},
+        cluster={"address": cluster.address, "num_workers": None, "max_batch": 1, **shape},
     )
 
 
@@ -155,7 +156,7 @@ def test_ray_job_submit_with_token_auth(cluster, tiny_models, tmp_path):
     spec_path.write_text(
         yaml.safe_dump(
             {
-                "models": {"models_dir": str(tiny_models)},
+                "model": {"models_dir": str(tiny_models)},
                 "manifest": str(manifest),
                 "output": {"uri": str(out)},
                 "defaults": {"width": 256, "height": 256, "steps": 2, "cfg": 1.0, "sampler": "euler"},

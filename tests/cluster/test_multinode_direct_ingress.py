@@ -49,7 +49,7 @@ def server(haproxy_dir: Path, tiny_models: Path, tmp_path_factory) -> Iterator[t
 
     # Durable references (a folder every fake node sees): the store may live on the node that dies.
     config = ServeConfig(
-        models_dir=str(tiny_models),
+        model=str(tiny_models),
         host="127.0.0.1",
         port=free_port(),
         token=TOKEN,

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 TOKEN = "multinode-token-7d1e"
 SMALL = {"width": 256, "height": 256, "steps": 2, "response_format": "json"}
-RENDERER = "SnapRefRenderer"
+RENDERER = "Renderer"
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def server(cluster: FakeCluster, tiny_models: Path) -> str:
     from snapref_ray.pipelines.serve_app import APP_NAME, build_app
 
     config = ServeConfig(
-        models_dir=str(tiny_models),
+        model=str(tiny_models),
         host="127.0.0.1",
         port=free_port(),
         token=TOKEN,

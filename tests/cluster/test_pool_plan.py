@@ -7,6 +7,7 @@ import pytest
 
 from snapref_ray.cli import build_parser
 from snapref_ray.cluster.pool import PoolPlan, PoolShape, plan_pool
+from snapref_ray.model_spec import ModelSpec
 from snapref_ray.storage.jobspec import JobSpecError, quick_spec
 
 
@@ -33,9 +34,9 @@ def test_plan(device, on_cluster, gpus_now, shape, expected):
 
 def test_worker_counts_are_checked_in_the_spec(tmp_path):
     with pytest.raises(JobSpecError, match="min_workers \\(4\\) is above max_workers \\(2\\)"):
-        quick_spec("m.csv", "models", None, str(tmp_path), min_workers=4, max_workers=2)
+        quick_spec("m.csv", str(tmp_path), model=ModelSpec(models_dir="models"), min_workers=4, max_workers=2)
     with pytest.raises(JobSpecError, match="give num_workers \\(exactly N\\) or min_workers/max_workers"):
-        quick_spec("m.csv", "models", None, str(tmp_path), workers=2, max_workers=3)
+        quick_spec("m.csv", str(tmp_path), model=ModelSpec(models_dir="models"), workers=2, max_workers=3)
 
 
 def test_quick_form_flags_reach_the_cluster_section(tmp_path, monkeypatch):

@@ -19,11 +19,12 @@ import ray
 import torch
 
 from snapref_ray.adapter.refkv import RefKV
-from snapref_ray.service.refkv_cache import RefKVCache
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, RenderTask, WorkerInfo
 from snapref_ray.requests import RenderSettings
-from snapref_ray.storage.work_items import ReferenceSpec, WorkItem
+from snapref_ray.service.references import ReferenceInput
+from snapref_ray.service.refkv_cache import RefKVCache
+from snapref_ray.service.work_items import WorkItem
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(180)]
 
@@ -165,7 +166,7 @@ def make_workers():
 
 
 def items(reference: str, n: int, *, settings: RenderSettings = SETTINGS, prompt: str = "scene") -> list[WorkItem]:
-    spec = ReferenceSpec((f"/refs/{reference}.png",), "single")
+    spec = ReferenceInput((f"/refs/{reference}.png",), "single", ("reference",))
     return [
         WorkItem(f"{reference}-{i}", i + 1, spec, f"hash-{reference}", f"{prompt} {i}", i, settings, 0)
         for i in range(n)

@@ -22,9 +22,9 @@ from PIL import Image
 
 from snapref_ray.adapter.images import content_hash
 from snapref_ray.requests import RenderRequest, RenderSettings
+from snapref_ray.service.work_items import load_work_items
 from snapref_ray.storage.image_files import read_image_info, read_image_parameters
 from snapref_ray.storage.jobspec import JobSpec
-from snapref_ray.storage.work_items import load_work_items
 from tests.cluster.conftest import make_reference_png, write_manifest
 from tests.ray_data.conftest import FAST_SETTINGS, REPO
 
@@ -159,7 +159,7 @@ def test_each_image_equals_renderer_render_of_the_same_batch(rendered, inputs, t
         assert [r["batch_index"] for r in rows] == list(range(rows[0]["batch_size"]))
         assert len({r["reference"] for r in rows}) == 1  # a batched forward reads one reference
         settings = RenderSettings.model_validate_json(rows[0]["settings_json"])
-        assert settings == RenderSettings(**FAST_SETTINGS)
+        assert settings == tiny_renderer.resolve(RenderSettings(**FAST_SETTINGS))  # as rendered
         expected = tiny_renderer.render(
             [RenderRequest(prompt=r["prompt"], seed=r["seed"], settings=settings) for r in rows],
             references=[references[rows[0]["reference"]]],
@@ -178,7 +178,7 @@ def test_rows_carry_the_job_metadata_and_png_chunks(rendered, inputs, tiny_rende
     # manifest has no room for the pass-through `character` column).
     manifest = local_csv.with_name("job-manifest.csv")
     write_manifest(manifest, [{k: v for k, v in r.items() if k != "character"} for r in rows])
-    spec = JobSpec.model_validate({"models": {"models_dir": "unused"}, "manifest": str(manifest)})
+    spec = JobSpec.model_validate({"model": {"models_dir": "unused"}, "manifest": str(manifest)})
     items = {(i.reference.uris[0], i.seed): i for i in load_work_items(spec, s3_server.s3_options()).items}
     for row in (r for r in rendered.to_pylist() if r["error"] is None):
         item = items[(row["reference"], row["seed"])]

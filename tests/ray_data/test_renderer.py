@@ -17,8 +17,8 @@ from PIL import Image
 from snapref_ray.adapter.images import content_hash
 from snapref_ray.data import OUTPUT_SCHEMA, SnapRefRenderer
 from snapref_ray.requests import RenderRequest, RenderSettings
+from snapref_ray.service.references import reference_hash as combined_reference_hash
 from snapref_ray.storage.image_files import read_image_info
-from snapref_ray.storage.work_items import combined_reference_hash
 from tests.cluster.conftest import make_reference_png
 from tests.ray_data.conftest import FAST_SETTINGS
 
@@ -39,7 +39,10 @@ def refs(tmp_path_factory):
 def snapref(tiny_models, refs):
     folder, _ = refs
     return SnapRefRenderer(
-        str(tiny_models), device="cpu", defaults=FAST_SETTINGS, max_batch=2, references_base=str(folder)
+        {"models_dir": str(tiny_models), "device": "cpu"},
+        defaults=FAST_SETTINGS,
+        max_batch=2,
+        references_base=str(folder),
     )
 
 
@@ -123,7 +126,7 @@ def test_rows_group_into_batched_forwards_and_bad_rows_get_errors(snapref, refs,
 def test_the_cache_is_keyed_by_content_across_batches_and_formats(snapref, refs):
     _, paths = refs
     data = paths["green"].read_bytes()
-    before = snapref.cache.stats.encodes
+    before = snapref.service.cache.stats.encodes
     # numpy-dict batch (Ray Data's default format), the reference as inline bytes: the green RefKV of the
     # previous batch (read from a path) is a hit.
     out = snapref(
@@ -131,7 +134,7 @@ def test_the_cache_is_keyed_by_content_across_batches_and_formats(snapref, refs)
     )
     (row,) = out.to_pylist()
     assert row["error"] is None and row["refkv_cache_hit"] is True
-    assert snapref.cache.stats.encodes == before
+    assert snapref.service.cache.stats.encodes == before
     assert row["reference_uris"] == ["inline:reference"] and row["reference_hash"] == content_hash(data)
 
 
@@ -162,13 +165,13 @@ def test_an_empty_batch_keeps_the_schema(snapref):
 
 def test_constructor_checks_arguments_by_the_job_spec_rules(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="max_batch"):
-        SnapRefRenderer(str(tiny_models), device="cpu", max_batch=0)
+        SnapRefRenderer({"models_dir": str(tiny_models), "device": "cpu"}, max_batch=0)
     with pytest.raises(ValueError, match="sampler"):
-        SnapRefRenderer(str(tiny_models), device="cpu", defaults={"sampler": "dpmpp_9m"})
+        SnapRefRenderer({"models_dir": str(tiny_models), "device": "cpu"}, defaults={"sampler": "dpmpp_9m"})
     bare = tmp_path / "no-adapter"
     bare.mkdir()
     for path in tiny_models.iterdir():
         if path.name != "adapter.safetensors":
             (bare / path.name).symlink_to(path)
-    with pytest.raises(ValueError, match="no SnapRef adapter loaded"):
-        SnapRefRenderer(str(bare), device="cpu")
+    with pytest.raises(ValueError, match="no reference adapter loaded"):
+        SnapRefRenderer({"models_dir": str(bare), "device": "cpu"})

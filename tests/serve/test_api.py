@@ -47,7 +47,7 @@ def server(tiny_models: Path):
     from snapref_ray.pipelines.serve_app import start_local, stop_local
 
     config = ServeConfig(
-        models_dir=str(tiny_models),
+        model=str(tiny_models),
         port=free_port(),
         token=TOKEN,
         limits=LIMITS,
@@ -238,7 +238,7 @@ def test_renderer_timeout_becomes_504() -> None:
             self.cancelled = True
 
     class _Fake:
-        _config = ServeConfig(models_dir="m", request_timeout_s=0.05)
+        _config = ServeConfig(model="m", request_timeout_s=0.05)
 
     response = _SlowResponse()
     with pytest.raises(ApiError) as info:

@@ -31,8 +31,7 @@ def served(request, tiny_models: Path, tmp_path_factory):
     kind = request.param
     adapter = write_tiny_adapter(tmp_path_factory.mktemp(kind) / "adapter.safetensors", TinyConfig(), kind)
     config = ServeConfig(
-        models_dir=str(tiny_models),
-        adapter=str(adapter),
+        model={"models_dir": str(tiny_models), "adapter": str(adapter)},
         port=free_port(),
         token=TOKEN,
         min_replicas=1,

@@ -49,20 +49,20 @@ def test_loopback_hosts(host: str, loopback: bool) -> None:
 
 def test_token_required_off_loopback(monkeypatch) -> None:
     monkeypatch.delenv(TOKEN_ENV, raising=False)
-    ServeConfig(models_dir="m").check_security()  # loopback, no token: fine
-    exposed = ServeConfig(models_dir="m", host="0.0.0.0")
+    ServeConfig(model="m").check_security()  # loopback, no token: fine
+    exposed = ServeConfig(model="m", host="0.0.0.0")
     with pytest.raises(ValueError, match="host '0.0.0.0' is not loopback: set a bearer token"):
         exposed.check_security()
     with pytest.raises(ValueError, match="not loopback"):
         build_app(exposed)
-    ServeConfig(models_dir="m", host="0.0.0.0", token="s3cret").check_security()
+    ServeConfig(model="m", host="0.0.0.0", token="s3cret").check_security()
     monkeypatch.setenv(TOKEN_ENV, "from-env")
     assert exposed.resolved_token() == "from-env"
     exposed.check_security()
 
 
 def test_token_never_in_reprs() -> None:
-    config = ServeConfig(models_dir="m", token="very-secret-token")
+    config = ServeConfig(model="m", token="very-secret-token")
     assert config.resolved_token() == "very-secret-token"
     for text in (repr(config), str(config), config.model_dump_json(), repr(BearerAuth("very-secret-token"))):
         assert "very-secret-token" not in text
@@ -70,11 +70,11 @@ def test_token_never_in_reprs() -> None:
 
 def test_inconsistent_configs_are_refused() -> None:
     with pytest.raises(ValidationError, match=r"min_replicas \(3\) must not exceed max_replicas \(2\)"):
-        ServeConfig(models_dir="m", min_replicas=3, max_replicas=2)
+        ServeConfig(model="m", min_replicas=3, max_replicas=2)
     with pytest.raises(ValidationError, match=r"limits.max_n \(8\) must not exceed max_batch_size \(4\)"):
-        ServeConfig(models_dir="m", limits=ServeLimits(max_n=8))
+        ServeConfig(model="m", limits=ServeLimits(max_n=8))
     with pytest.raises(ValidationError, match="extra"):
-        ServeConfig(models_dir="m", max_replica=3)
+        ServeConfig(model="m", max_replica=3)
 
 
 def test_bearer_auth_compares_in_constant_time(monkeypatch) -> None:
@@ -107,7 +107,7 @@ def test_bearer_auth_compares_in_constant_time(monkeypatch) -> None:
 
 def test_built_app_sets_backpressure_autoscaling_and_gpus() -> None:
     config = ServeConfig(
-        models_dir="m",
+        model="m",
         gpus_per_replica=1,
         min_replicas=2,
         max_replicas=6,
@@ -121,8 +121,8 @@ def test_built_app_sets_backpressure_autoscaling_and_gpus() -> None:
         ingress_max_queued_requests=99,
     )
     deployments = _deployments(build_app(config))
-    assert set(deployments) == {"SnapRefIngress", "SnapRefRenderer", "ReferenceStore"}
-    renderer = deployments["SnapRefRenderer"]
+    assert set(deployments) == {"SnapRefIngress", "Renderer", "ReferenceStore"}
+    renderer = deployments["Renderer"]
     assert renderer["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
     assert renderer["autoscaling_config"] == {
         "min_replicas": 2,
@@ -142,24 +142,24 @@ def test_built_app_sets_backpressure_autoscaling_and_gpus() -> None:
 
 
 def test_cpu_replicas_without_gpus() -> None:
-    deployments = _deployments(build_app(ServeConfig(models_dir="m", gpus_per_replica=0, cpus_per_replica=2)))
-    assert deployments["SnapRefRenderer"]["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
+    deployments = _deployments(build_app(ServeConfig(model="m", gpus_per_replica=0, cpus_per_replica=2)))
+    assert deployments["Renderer"]["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
 
 
 def test_topology_auto_fuses_only_a_single_renderer() -> None:
-    assert ServeConfig(models_dir="m", max_replicas=1).fused()
-    assert not ServeConfig(models_dir="m").fused()  # max_replicas 4: Serve's router routes by reference
-    assert not ServeConfig(models_dir="m", max_replicas=1, ingress_replicas=2).fused()
-    assert not ServeConfig(models_dir="m", min_replicas=0, max_replicas=1).fused()  # scales to zero: keep an ingress
-    assert not ServeConfig(models_dir="m", max_replicas=1, topology="split").fused()
-    assert ServeConfig(models_dir="m", max_replicas=3, topology="fused").fused()
+    assert ServeConfig(model="m", max_replicas=1).fused()
+    assert not ServeConfig(model="m").fused()  # max_replicas 4: Serve's router routes by reference
+    assert not ServeConfig(model="m", max_replicas=1, ingress_replicas=2).fused()
+    assert not ServeConfig(model="m", min_replicas=0, max_replicas=1).fused()  # scales to zero: keep an ingress
+    assert not ServeConfig(model="m", max_replicas=1, topology="split").fused()
+    assert ServeConfig(model="m", max_replicas=3, topology="fused").fused()
     with pytest.raises(ValidationError, match="ingress_replicas=2 applies to the split topology"):
-        ServeConfig(models_dir="m", topology="fused", ingress_replicas=2)
+        ServeConfig(model="m", topology="fused", ingress_replicas=2)
 
 
 def test_fused_app_is_ingress_replicas_that_render() -> None:
     config = ServeConfig(
-        models_dir="m",
+        model="m",
         topology="fused",
         gpus_per_replica=1,
         min_replicas=2,
@@ -193,12 +193,12 @@ def test_renderers_that_fit_counts_the_local_gpus(monkeypatch) -> None:
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
     monkeypatch.setattr(serve_app, "_cluster_has_gpus", lambda: True)
     # One GPU: start_local fuses an 'auto' server even with max_replicas 4 (a second replica could never start).
-    assert serve_app._renderers_that_fit(ServeConfig(models_dir="m")) == 1
-    assert serve_app._renderers_that_fit(ServeConfig(models_dir="m", gpus_per_replica=0.5)) == 2
+    assert serve_app._renderers_that_fit(ServeConfig(model="m")) == 1
+    assert serve_app._renderers_that_fit(ServeConfig(model="m", gpus_per_replica=0.5)) == 2
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})
-    assert serve_app._renderers_that_fit(ServeConfig(models_dir="m")) == 8
+    assert serve_app._renderers_that_fit(ServeConfig(model="m")) == 8
     monkeypatch.setattr(serve_app, "_cluster_has_gpus", lambda: False)
-    assert serve_app._renderers_that_fit(ServeConfig(models_dir="m")) is None  # CPU replicas: the config bounds them
+    assert serve_app._renderers_that_fit(ServeConfig(model="m")) is None  # CPU replicas: the config bounds them
 
 
 def _subset(expected, actual, where: str) -> None:
@@ -230,7 +230,7 @@ def test_serve_yaml_is_valid_and_agrees_with_its_args(monkeypatch) -> None:
         name = deployment["name"]
         assert name in built, f"serve.yaml names a deployment {name!r} the app does not have"
         _subset({k: v for k, v in deployment.items() if k != "name"}, built[name], name)
-    assert built["SnapRefRenderer"]["ray_actor_options"]["num_gpus"] == 1.0
+    assert built["Renderer"]["ray_actor_options"]["num_gpus"] == 1.0
 
 
 def test_module_level_app_builds_from_the_environment(monkeypatch) -> None:
@@ -238,5 +238,5 @@ def test_module_level_app_builds_from_the_environment(monkeypatch) -> None:
 
     monkeypatch.setenv("SNAPREF_MODELS_DIR", "/some/models")
     deployments = _deployments(serve_app.app)
-    assert set(deployments) == {"SnapRefIngress", "SnapRefRenderer", "ReferenceStore"}
-    assert serve_app.config_from_env().models_dir == "/some/models"
+    assert set(deployments) == {"SnapRefIngress", "Renderer", "ReferenceStore"}
+    assert serve_app.config_from_env().model.models_dir == "/some/models"

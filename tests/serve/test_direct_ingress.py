@@ -52,7 +52,7 @@ def test_environment_restores_what_it_changed(monkeypatch) -> None:
 
 def test_grpc_limit_carries_the_largest_upload_and_reply() -> None:
     config = ServeConfig(
-        models_dir="m",
+        model="m",
         limits=ServeLimits(max_upload_bytes=100 * 2**20, max_megapixels=4.0, max_n=4),
         max_batch_size=4,
         reference_store_bytes=2**30,
@@ -60,11 +60,11 @@ def test_grpc_limit_carries_the_largest_upload_and_reply() -> None:
     limit = grpc_message_limit(config)
     assert limit >= 2 * config.limits.max_upload_bytes  # a pair of uploads read back by a renderer
     assert limit >= 4 * 4.0e6 * 3  # four stored 4 MP RGB PNGs in one reply
-    assert grpc_message_limit(ServeConfig(models_dir="m")) > 4 * 2**20  # above Serve's own default
+    assert grpc_message_limit(ServeConfig(model="m")) > 4 * 2**20  # above Serve's own default
 
 
 def test_each_server_gets_its_own_haproxy_files_and_ports(tmp_path: Path) -> None:
-    config = ServeConfig(models_dir="m", port=free_port())
+    config = ServeConfig(model="m", port=free_port())
     a = direct_ingress_env(config, "/usr/sbin/haproxy", tmp_path / "a")
     b = direct_ingress_env(config, "/usr/sbin/haproxy", tmp_path / "b")
     assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and a["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/usr/sbin/haproxy"
@@ -88,7 +88,7 @@ def test_without_haproxy_the_server_keeps_serves_proxy_and_says_so(monkeypatch, 
 
     monkeypatch.setattr(serve_app, "haproxy_binary", lambda: None)
     with caplog.at_level("WARNING", logger=serve_app.__name__):
-        assert serve_app._direct_ingress_env(ServeConfig(models_dir="m")) == {}
+        assert serve_app._direct_ingress_env(ServeConfig(model="m")) == {}
     assert "haproxy is not installed" in caplog.text and serve_app.http_front() == "serve_proxy"
 
 
@@ -98,7 +98,7 @@ def test_the_operators_own_serve_settings_win(monkeypatch) -> None:
     monkeypatch.setattr(serve_app, "haproxy_binary", lambda: "/opt/haproxy/bin/haproxy")
     monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "30")
     try:
-        env = serve_app._direct_ingress_env(ServeConfig(models_dir="m"))
+        env = serve_app._direct_ingress_env(ServeConfig(model="m"))
         assert "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" not in env  # left as the operator set it
         assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/opt/haproxy/bin/haproxy"
         # HAProxy refuses unix socket paths over 97 bytes; Serve puts a 56-character node id folder
@@ -120,7 +120,7 @@ def server(tiny_models: Path):
     from snapref_ray.pipelines import serve_app
 
     config = ServeConfig(
-        models_dir=str(tiny_models),
+        model=str(tiny_models),
         port=free_port(),
         limits=LIMITS,
         topology="fused",

@@ -59,8 +59,8 @@ def test_durable_references_are_content_addressed_and_keyed_safely(tmp_path: Pat
 
 def test_more_store_replicas_need_durable_storage() -> None:
     with pytest.raises(ValueError, match="reference_store_replicas=2 needs references_uri"):
-        ServeConfig(models_dir="m", reference_store_replicas=2)
-    ServeConfig(models_dir="m", reference_store_replicas=2, references_uri="s3://b/refs")
+        ServeConfig(model="m", reference_store_replicas=2)
+    ServeConfig(model="m", reference_store_replicas=2, references_uri="s3://b/refs")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def s3_serve(tiny_models: Path, s3_server, tmp_path_factory):
     # Credentials reach the replicas as on a cluster node: through the environment, never the config.
     os.environ.update(AWS_ACCESS_KEY_ID=s3_server.access_key, AWS_SECRET_ACCESS_KEY=s3_server.secret_key)
     config = ServeConfig(
-        models_dir=f"s3://{s3_server.bucket}/models-{run}/tiny",
+        model=f"s3://{s3_server.bucket}/models-{run}/tiny",
         port=free_port(),
         references_uri=f"s3://{s3_server.bucket}/refs-{run}",
         reference_store_replicas=2,

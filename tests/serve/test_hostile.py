@@ -80,7 +80,7 @@ class Answer:
 def server(tiny_models: Path):
     from snapref_ray.pipelines.serve_app import start_local, stop_local
 
-    config = ServeConfig(models_dir=str(tiny_models), port=free_port(), **CONFIG)
+    config = ServeConfig(model=str(tiny_models), port=free_port(), **CONFIG)
     try:
         start_local(config, num_cpus=6)
         yield config.port
@@ -611,7 +611,7 @@ def test_disconnect_mid_body_is_an_info_line_and_replica_400s_are_not_crashes(se
     time.sleep(1.0)  # log lines are flushed asynchronously
     from snapref_ray.pipelines.serve_app import rendering_deployment
 
-    renderer_log = _replica_logs(rendering_deployment(ServeConfig(models_dir="m", **CONFIG)))
+    renderer_log = _replica_logs(rendering_deployment(ServeConfig(model="m", **CONFIG)))
     assert "Traceback" not in renderer_log and " ERROR " not in renderer_log, renderer_log[-3000:]
     assert "ApiError" not in _worker_stderr()
     _assert_serving(server, reference_id)

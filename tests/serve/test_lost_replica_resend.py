@@ -88,7 +88,7 @@ def _serve_haproxy_config(workdir: Path, port: int, servers: list[tuple[str, int
     from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
     from ray.serve.config import HTTPOptions
 
-    env = direct_ingress_env(ServeConfig(models_dir="m"), haproxy_binary(), workdir)
+    env = direct_ingress_env(ServeConfig(model="m"), haproxy_binary(), workdir)
     config = HAProxyConfig(
         http_options=HTTPOptions(host="127.0.0.1", port=port),
         socket_path=str(workdir / "admin.sock"),

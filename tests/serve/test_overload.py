@@ -34,7 +34,7 @@ def server(request, tiny_models: Path):
     from snapref_ray.pipelines.serve_app import start_local, stop_local
 
     config = ServeConfig(
-        models_dir=str(tiny_models),
+        model=str(tiny_models),
         port=free_port(),
         topology=request.param,
         min_replicas=1,
@@ -110,7 +110,7 @@ def test_check_health_fails_only_when_the_device_is_stuck() -> None:
     from snapref_ray.serve.renderer import ReplicaRenderer
 
     replica = object.__new__(ReplicaRenderer)  # the health logic alone, no model
-    replica._config = ServeConfig(models_dir="m", stall_timeout_s=60)
+    replica._config = ServeConfig(model="m", stall_timeout_s=60)
     now = time.monotonic()
     replica._busy_since, replica._last_progress = None, now - 3600
     replica.check_health()  # idle for an hour: healthy
@@ -136,7 +136,7 @@ def test_a_fused_replica_admits_renders_up_to_its_slots_and_cancels_them_on_time
                 raise
 
     config = ServeConfig(
-        models_dir="m",
+        model="m",
         topology="fused",
         max_ongoing_requests=1,
         max_queued_requests=1,

@@ -14,19 +14,20 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from snapref_ray.adapter.controls import resolve_settings
 from snapref_ray.requests import RenderSettings
-from snapref_ray.storage.jobspec import JobSpec, load_job_spec
-from snapref_ray.storage.manifest import ROW_KEY, read_manifest
-from snapref_ray.storage.work_items import (
+from snapref_ray.service.references import ReferenceInput
+from snapref_ray.service.references import reference_hash as combined_reference_hash
+from snapref_ray.service.work_items import (
     JobValidationError,
-    ReferenceSpec,
     RowError,
     WorkItem,
     build_work_items,
-    combined_reference_hash,
     item_id_for,
     load_work_items,
 )
+from snapref_ray.storage.jobspec import JobSpec, load_job_spec
+from snapref_ray.storage.manifest import ROW_KEY, read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,7 +54,7 @@ def job_dir(tmp_path) -> Path:
 
 
 def spec_for(manifest: Path | str, **fields) -> JobSpec:
-    raw = {"models": {"models_dir": "/models"}, "manifest": str(manifest)}
+    raw = {"model": {"models_dir": "/models"}, "manifest": str(manifest)}
     raw.update(fields)
     return JobSpec.model_validate(raw)
 
@@ -128,17 +129,26 @@ def test_item_id_formula_is_pinned():
     old_defaults = RenderSettings(cfg=4.0, ref_guidance=1.0, ref_in_uncond=False)
     assert item_id_for(None, 0, "ab" * 32, "1girl, solo", 5, old_defaults) == "b0742deb984c5f11c6b6"
     assert item_id_for("hero_01", 2, "ab" * 32, "ignored", 5, RenderSettings()) == "hero_01-2"
+    # Jobs and Ray Data hash the settings as rendered (the adapter kind's defaults filled in), so a row that
+    # leaves ref_guidance unset and one that spells out SnapRef's default are one item; another kind's
+    # defaults make another image, and another id.
+    snapref = "cfbf47cd10317671e07b"
+    assert item_id_for(None, 0, "ab" * 32, "1girl, solo", 5, resolve_settings(RenderSettings(), "snapref")) == snapref
+    spelled_out = RenderSettings(ref_guidance=1.0, ref_in_uncond=False)
+    assert item_id_for(None, 0, "ab" * 32, "1girl, solo", 5, resolve_settings(spelled_out, "snapref")) == snapref
+    v2 = resolve_settings(RenderSettings(), "arcanima-v2")
+    assert item_id_for(None, 0, "ab" * 32, "1girl, solo", 5, v2) == "51064212446be4766e44"
 
 
 def test_single_reference_item(job_dir):
     job = build(write_manifest(job_dir / "m.csv", [{"reference": "refs/red.png", "prompt": "1girl, park", "seed": 4}]))
     red = (job_dir / "refs" / "red.png").read_bytes()
-    settings = RenderSettings()
+    settings = resolve_settings(RenderSettings(), "snapref")  # as rendered: the kind's defaults filled in
     assert job.items == [
         WorkItem(
             item_id=item_id_for(None, 0, sha(red), "1girl, park", 4, settings),
             manifest_row=1,
-            reference=ReferenceSpec((str(job_dir / "refs" / "red.png"),), "single"),
+            reference=ReferenceInput((str(job_dir / "refs" / "red.png"),), "single", ("reference",)),
             reference_hash=sha(red),
             prompt="1girl, park",
             seed=4,
@@ -189,17 +199,12 @@ def test_several_references_of_one_character_and_pairs(job_dir):
     assert job.errors == []
     red, green, blue = (sha((job_dir / "refs" / f"{c}.png").read_bytes()) for c in ("red", "green", "blue"))
     uris = tuple(str(job_dir / "refs" / f"{c}.png") for c in ("red", "green"))
-    layouts = {i.prompt: (i.reference, i.reference_hash) for i in job.items}
+    layouts = {i.prompt: ((i.reference.uris, i.reference.layout), i.reference_hash) for i in job.items}
     multi = combined_reference_hash("multi", [red, green])
-    assert (
-        layouts["multi as list"]
-        == layouts["multi as a|b"]
-        == layouts["multi as JSON"]
-        == (ReferenceSpec(uris, "multi"), multi)
-    )
+    assert layouts["multi as list"] == layouts["multi as a|b"] == layouts["multi as JSON"] == ((uris, "multi"), multi)
     assert multi == sha(f"multi\n{red}\n{green}".encode())
-    assert layouts["one of them"] == (ReferenceSpec((str(job_dir / "refs" / "blue.png"),), "single"), blue)
-    assert layouts["pair"] == (ReferenceSpec(uris, "pair"), combined_reference_hash("pair", [red, green]))
+    assert layouts["one of them"] == (((str(job_dir / "refs" / "blue.png"),), "single"), blue)
+    assert layouts["pair"] == ((uris, "pair"), combined_reference_hash("pair", [red, green]))
     assert layouts["pair swapped"][1] == combined_reference_hash("pair", [green, red])
     assert len({h for _, h in layouts.values()}) == 4  # multi, single, pair, swapped pair
     assert len(job.reference_hashes) == 3  # each file read and hashed once
@@ -237,10 +242,11 @@ def test_row_values_beat_defaults(job_dir):
         manifest, defaults={"steps": 20, "width": 768, "height": 384, "negative_prompt": "worst quality", "seed": 100}
     )
     a, b = job.items
-    assert a.settings == RenderSettings(
+    resolved = lambda **fields: resolve_settings(RenderSettings(**fields), "snapref")  # noqa: E731
+    assert a.settings == resolved(
         steps=8, cfg=5.5, width=768, height=384, ref_end=0.6, mode="char", negative_prompt="lowres", ref_in_uncond=True
     )
-    assert b.settings == RenderSettings(steps=20, width=512, height=384, negative_prompt="worst quality")
+    assert b.settings == resolved(steps=20, width=512, height=384, negative_prompt="worst quality")
     assert a.seed == b.seed == 100
 
 

@@ -8,17 +8,11 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from snapref_ray.requests import RenderSettings
+from snapref_ray.model_spec import ModelSpec
+from snapref_ray.models.bundle import ModelFilesError
+from snapref_ray.requests import RenderSettings, RowDefaults
 from snapref_ray.storage.backends import S3Options
-from snapref_ray.storage.jobspec import (
-    JobSpec,
-    JobSpecError,
-    ModelFilesError,
-    RowDefaults,
-    load_job_spec,
-    quick_spec,
-    spec_fingerprint,
-)
+from snapref_ray.storage.jobspec import JobSpec, JobSpecError, load_job_spec, quick_spec, spec_fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,7 +49,7 @@ TINY_NAMES = (
 def test_example_spec_loads_with_paths_beside_it():
     spec = load_job_spec(str(REPO / "snapref_ray" / "examples" / "example_spec.yaml"))
     assert spec.manifest == str(REPO / "snapref_ray" / "examples" / "example_manifest.csv")
-    assert spec.models.models_dir == str(REPO / "tiny")
+    assert spec.model.models_dir == str(REPO / "tiny")
     assert spec.output.uri == str(REPO / "demo-output")
     assert (spec.defaults.width, spec.defaults.height, spec.defaults.steps, spec.defaults.sampler) == (
         256,
@@ -67,8 +61,8 @@ def test_example_spec_loads_with_paths_beside_it():
 
 
 def test_minimal_spec_takes_the_documented_defaults(tmp_path):
-    spec = load_job_spec(str(write_spec(tmp_path, "models: {models_dir: models}\nmanifest: m.csv\n")))
-    assert spec.models.models_dir == str(tmp_path / "models")
+    spec = load_job_spec(str(write_spec(tmp_path, "model: {models_dir: models}\nmanifest: m.csv\n")))
+    assert spec.model.models_dir == str(tmp_path / "models")
     assert spec.manifest == str(tmp_path / "m.csv")
     assert spec.output.uri == "./output"  # not written in the file: relative to the current directory
     assert spec.defaults.settings() == RenderSettings()
@@ -84,12 +78,17 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
         "max_in_flight_per_worker": 2,
         "max_attempts": 3,
         "max_batch": 4,
-        "device": "auto",
-        "dtype": "auto",
         "transfer_gbps": None,
         "start_timeout_s": 900.0,
-        "compile": False,
         "output_threads": 4,
+    }
+    assert spec.model.model_dump(exclude={"models_dir"}) == {
+        **dict.fromkeys(("dit", "text_encoder", "vae", "qwen_tokenizer", "t5_tokenizer", "adapter")),
+        "loras": (),
+        "device": "auto",
+        "dtype": "auto",
+        "compile": False,
+        "quantize": "none",
     }
     assert spec.output.model_dump() == {
         "uri": "./output",
@@ -99,17 +98,16 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
         "s3": {"endpoint_url": None, "region": None, "retry_mode": "adaptive", "max_attempts": 10},
         "metadata_flush_seconds": 30.0,
     }
-    assert (spec.adapter, spec.loras, spec.strict, spec.allow_empty_prompt) == (None, [], False, False)
+    assert (spec.strict, spec.allow_empty_prompt) == (False, False)
 
 
 def test_typos_and_bad_values_name_the_file_and_field_path(tmp_path):
     path = write_spec(
         tmp_path,
         """
-models: {models_dir: m}
+model: {models_dir: m, loras: [{path: a.safetensors, strenght: 0.5}]}
 manifest: m.csv
 defaults: {sampeler: euler, width: 100000}
-loras: [{path: a.safetensors, strenght: 0.5}]
 cluster: {num_worker: 2}
 outptu: {}
 """,
@@ -118,7 +116,7 @@ outptu: {}
         load_job_spec(str(path))
     assert str(info.value) == (
         f"invalid job spec {path}:\n"
-        "  loras[0].strenght: unknown field (did you mean 'strength'?)\n"
+        "  model.loras[0].strenght: unknown field (did you mean 'strength'?)\n"
         "  defaults.width: width must be a multiple of 16 between 256 and 4096, got 100000\n"
         "  defaults.sampeler: unknown field (did you mean 'sampler'?)\n"
         "  cluster.num_worker: unknown field (did you mean 'num_workers'?)\n"
@@ -129,22 +127,27 @@ outptu: {}
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("manifest: m.csv\n", "invalid job spec {path}:\n  models: Field required"),
+        ("manifest: m.csv\n", "invalid job spec {path}:\n  model: Field required"),
         (
-            "models: {}\nmanifest: m.csv\n",
-            "invalid job spec {path}:\n  models: give models_dir, or every model file; "
+            "model: {}\nmanifest: m.csv\n",
+            "invalid job spec {path}:\n  model: give models_dir, or every model file; "
             "missing: dit, text_encoder, vae, qwen_tokenizer, t5_tokenizer",
         ),
         (
-            "models: {models_dir: m}\nmanifest: m.csv\ndefaults: {sampler: dpmpp}\n",
+            "models: {models_dir: m}\nadapter: a.safetensors\nmanifest: m.csv\ncluster: {dtype: float32}\n",
+            "invalid job spec {path}:\n  (top level): these fields moved into the `model:` section: models ->"
+            " model.models_dir (or model.dit, model.vae, ...); adapter -> model.adapter; cluster.dtype -> model.dtype",
+        ),
+        (
+            "model: {models_dir: m}\nmanifest: m.csv\ndefaults: {sampler: dpmpp}\n",
             "invalid job spec {path}:\n  defaults.sampler: Input should be 'euler' or 'er_sde'",
         ),
         (
-            "models: {models_dir: m}\nmanifest: m.csv\noutput: {image_format: gif}\n",
+            "model: m\nmanifest: m.csv\noutput: {image_format: gif}\n",
             "invalid job spec {path}:\n  output.image_format: Input should be 'png', 'webp' or 'jpeg'",
         ),
         ("- a\n- b\n", "{path}: expected a mapping of spec fields at the top, found list"),
-        ("models: [\n", "{path}: not valid YAML"),
+        ("model: [\n", "{path}: not valid YAML"),
     ],
 )
 def test_spec_errors(tmp_path, text, message):
@@ -163,20 +166,20 @@ def test_relative_paths_resolve_against_the_spec_folder(tmp_path):
     path = write_spec(
         tmp_path,
         """
-models: {dit: m/dit.safetensors, text_encoder: /abs/te.safetensors, vae: s3://b/vae.safetensors,
-         qwen_tokenizer: tok/qwen, t5_tokenizer: tok/t5}
-adapter: ../adapters/a.safetensors
-loras: [{path: loras/l.safetensors}]
+model: {dit: m/dit.safetensors, text_encoder: /abs/te.safetensors, vae: s3://b/vae.safetensors,
+        qwen_tokenizer: tok/qwen, t5_tokenizer: tok/t5, adapter: ../adapters/a.safetensors,
+        loras: [{path: loras/l.safetensors}]}
 manifest: data/m.parquet
 output: {uri: out}
 """,
     )
     spec = load_job_spec(str(path))
-    assert spec.models.dit == str(tmp_path / "m" / "dit.safetensors")
-    assert spec.models.text_encoder == "/abs/te.safetensors"
-    assert spec.models.vae == "s3://b/vae.safetensors"
-    assert spec.adapter == str(tmp_path.parent / "adapters" / "a.safetensors")
-    assert spec.loras[0].path == str(tmp_path / "loras" / "l.safetensors") and spec.loras[0].strength == 1.0
+    assert spec.model.dit == str(tmp_path / "m" / "dit.safetensors")
+    assert spec.model.text_encoder == "/abs/te.safetensors"
+    assert spec.model.vae == "s3://b/vae.safetensors"
+    assert spec.model.adapter == str(tmp_path.parent / "adapters" / "a.safetensors")
+    lora = spec.model.loras[0]
+    assert lora.path == str(tmp_path / "loras" / "l.safetensors") and lora.strength == 1.0
     assert spec.manifest == str(tmp_path / "data" / "m.parquet")
     assert spec.output.uri == str(tmp_path / "out")
 
@@ -204,9 +207,8 @@ def test_quick_spec_routes_overrides(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     spec = quick_spec(
         "refs/m.csv",
-        "models",
-        "a.safetensors",
         "s3://bucket/out",
+        model=ModelSpec(models_dir="models", adapter="a.safetensors"),
         workers=3,
         steps=8,
         seed=5,
@@ -215,23 +217,22 @@ def test_quick_spec_routes_overrides(tmp_path, monkeypatch):
         image_format="webp",
     )
     assert spec.manifest == str(tmp_path / "refs" / "m.csv")
-    assert spec.models.models_dir == str(tmp_path / "models")
-    assert spec.adapter == str(tmp_path / "a.safetensors")
+    assert spec.model.models_dir == str(tmp_path / "models")
+    assert spec.model.adapter == str(tmp_path / "a.safetensors")
     assert spec.output.uri == "s3://bucket/out" and spec.output.image_format == "webp"
     assert (spec.cluster.num_workers, spec.cluster.max_batch) == (3, 2)
     assert (spec.defaults.steps, spec.defaults.seed, spec.strict) == (8, 5, True)
-    assert quick_spec("m.csv", "models", None, "out").output.uri == str(tmp_path / "out")
+    assert quick_spec("m.csv", "out", model=ModelSpec(models_dir="models")).output.uri == str(tmp_path / "out")
 
     with pytest.raises(JobSpecError, match=r"^quick_spec: unknown setting 'stepz'$"):
-        quick_spec("m.csv", "models", None, "out", stepz=3)
+        quick_spec("m.csv", "out", model=ModelSpec(models_dir="models"), stepz=3)
     with pytest.raises(JobSpecError, match=r"defaults.steps: Input should be greater than or equal to 1"):
-        quick_spec("m.csv", "models", None, "out", steps=0)
+        quick_spec("m.csv", "out", model=ModelSpec(models_dir="models"), steps=0)
 
 
 def base_spec(**changes) -> JobSpec:
-    raw = {"models": {"models_dir": "/m"}, "manifest": "/m.csv", "adapter": "/a.safetensors"}
-    raw.update(changes)
-    return JobSpec.model_validate(raw)
+    model = {"models_dir": "/m", "adapter": "/a.safetensors", **changes.pop("model", {})}
+    return JobSpec.model_validate({"model": model, "manifest": "/m.csv", **changes})
 
 
 def test_fingerprint_holds_what_determines_the_images():
@@ -243,25 +244,26 @@ def test_fingerprint_holds_what_determines_the_images():
         base_spec(cluster={"num_workers": 16, "address": "auto"}),
         base_spec(output={"uri": "s3://b/o"}),
         base_spec(strict=True),
+        base_spec(model={"device": "cuda:1", "compile": True}),
     ]
     assert all(spec_fingerprint(spec) == fingerprint for spec in same)
     # ... what the images are made of is.
     different = [
         base_spec(defaults={"steps": 31}),
-        base_spec(adapter="/b.safetensors"),
-        base_spec(loras=[{"path": "/l.safetensors", "strength": 0.5}]),
+        base_spec(model={"adapter": "/b.safetensors"}),
+        base_spec(model={"loras": [{"path": "/l.safetensors", "strength": 0.5}]}),
         base_spec(manifest="/n.csv"),
-        base_spec(models={"models_dir": "/other"}),
+        base_spec(model={"models_dir": "/other"}),
         base_spec(output={"image_format": "webp"}),
-        base_spec(cluster={"dtype": "float32"}),
+        base_spec(model={"dtype": "float32"}),
+        base_spec(model={"quantize": "fp8"}),
     ]
     assert all(spec_fingerprint(spec) != fingerprint for spec in different)
 
 
-def test_model_files_from_a_tiny_folder(tmp_path):
+def test_model_spec_files_from_a_tiny_folder(tmp_path):
     models = make_models_dir(tmp_path / "tiny", TINY_NAMES)
-    spec = base_spec(models={"models_dir": str(models)}, adapter=None)
-    files = spec.model_files()
+    files = ModelSpec(models_dir=str(models)).local_files()
     assert (files.dit, files.text_encoder, files.vae, files.adapter) == (
         models / "dit.safetensors",
         models / "text_encoder.safetensors",
@@ -270,14 +272,14 @@ def test_model_files_from_a_tiny_folder(tmp_path):
     )
     assert (files.qwen_tokenizer, files.t5_tokenizer) == (models / "tokenizers" / "qwen", models / "tokenizers" / "t5")
     # An explicit file and the spec's adapter win over the folder's.
-    spec = base_spec(models={"models_dir": str(models), "vae": "/x/vae.safetensors"}, adapter="/y/a.safetensors")
-    assert (spec.model_files().vae, spec.model_files().adapter) == (
+    spec = ModelSpec(models_dir=str(models), vae="/x/vae.safetensors", adapter="/y/a.safetensors")
+    assert (spec.local_files().vae, spec.local_files().adapter) == (
         Path("/x/vae.safetensors"),
         Path("/y/a.safetensors"),
     )
 
 
-def test_model_files_from_comfyui_names(tmp_path):
+def test_model_spec_files_from_comfyui_names(tmp_path):
     models = make_models_dir(
         tmp_path / "comfy",
         (
@@ -288,7 +290,7 @@ def test_model_files_from_comfyui_names(tmp_path):
             "tokenizers/t5/",
         ),
     )
-    files = base_spec(models={"models_dir": str(models)}).model_files()
+    files = ModelSpec(models_dir=str(models), adapter="/a.safetensors").local_files()
     assert (files.dit.name, files.text_encoder.name, files.vae.name) == (
         "anima-base-v1.0.safetensors",
         "qwen_3_06b_base.safetensors",
@@ -297,19 +299,19 @@ def test_model_files_from_comfyui_names(tmp_path):
     assert files.adapter == Path("/a.safetensors")
 
 
-def test_model_files_errors(tmp_path):
+def test_model_spec_files_errors(tmp_path):
     models = make_models_dir(tmp_path / "noadapter", TINY_NAMES[:3] + TINY_NAMES[4:])
-    with pytest.raises(ModelFilesError, match=r"^no SnapRef adapter: set `adapter:` in the job spec"):
-        base_spec(models={"models_dir": str(models)}, adapter=None).model_files()
+    assert ModelSpec(models_dir=str(models)).local_files().adapter is None  # a plain model: no reference adapter
     with pytest.raises(ModelFilesError, match="lacks vae"):
-        base_spec(models={"models_dir": str(make_models_dir(tmp_path / "novae", TINY_NAMES[:2]))}).model_files()
-    remote = base_spec(models={"models_dir": "s3://bucket/models"})
-    assert remote.models.is_remote() and not base_spec().models.is_remote()
+        ModelSpec(models_dir=str(make_models_dir(tmp_path / "novae", TINY_NAMES[:2]))).local_files()
+    remote = ModelSpec(models_dir="s3://bucket/models")
+    assert remote.is_remote() and not ModelSpec(models_dir="/m").is_remote()
+    assert ModelSpec(models_dir="/m", loras=[{"path": "s3://b/l.safetensors"}]).is_remote()
     with pytest.raises(ModelFilesError, match=r"models_dir s3://bucket/models is remote"):
-        remote.model_files()
+        remote.local_files()
     # A node-local copy of the remote folder stands in for it.
     local_copy = make_models_dir(tmp_path / "copy", TINY_NAMES)
-    assert remote.model_files(models_dir=local_copy).dit == local_copy / "dit.safetensors"
+    assert remote.local_files(models_dir=local_copy).dit == local_copy / "dit.safetensors"
 
 
 def test_s3_options_come_from_the_output_section():
