@@ -303,6 +303,7 @@ def test_an_e4m3_checkpoint_is_used_as_stored_not_requantised(tmp_path, scales):
     stored = dit.blocks[0].mlp.layer1.weight.data_ptr()
     quantize_dit(dit, "fp8")
     layer = dit.blocks[0].mlp.layer1
+    assert isinstance(layer, Float8Linear)
     assert layer.weight.data_ptr() == stored  # the loaded tensor itself
     assert torch.equal(layer.weight.view(torch.uint8), file_sd["blocks.0.mlp.layer1.weight"].view(torch.uint8))
     file_scale = file_sd.get("blocks.0.mlp.layer1.weight_scale", torch.tensor(1.0))
