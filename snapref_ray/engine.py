@@ -36,6 +36,7 @@ from snapref_ray.models.bundle import ModelFiles, resolve_model_files
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.conditioning import PromptEncoder
 from snapref_ray.models.dit import load_dit
+from snapref_ray.models.fp8 import quantize_dit
 from snapref_ray.models.latent_format import process_in, process_out
 from snapref_ray.models.lora import merge_loras, read_lora
 from snapref_ray.models.qwen3 import load_text_encoder
@@ -124,10 +125,15 @@ class Renderer:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         compile: bool = False,
+        quantize: str | None = None,
     ) -> None:
         auto_device, auto_dtype = default_device_and_dtype()
         self.device = torch.device(device) if device is not None else auto_device
-        self.dtype = dtype or (auto_dtype if self.device.type == "cuda" else torch.float32)
+        # quantize="fp8": the float8 block matmuls write bf16 (models/fp8.py), so bf16 is its default dtype.
+        default_dtype = (
+            torch.bfloat16 if quantize is not None else auto_dtype if self.device.type == "cuda" else torch.float32
+        )
+        self.dtype = dtype or default_dtype
         self.files = files
         t0 = time.perf_counter()
         self.dit = load_dit(files.dit, dtype=self.dtype, device=self.device)
@@ -135,6 +141,8 @@ class Renderer:
             refuse_reference_adapter_as_lora(path)
         if loras:
             merge_loras(self.dit, [(read_lora(path), strength) for path, strength in loras])
+        if quantize is not None:  # after the merge (it needs the unquantised weights), before compile
+            quantize_dit(self.dit, quantize)
         text_encoder = load_text_encoder(files.text_encoder, device=self.device)
         self.prompts = PromptEncoder(
             AnimaTokenizer(files.qwen_tokenizer, files.t5_tokenizer), text_encoder, self.dit.llm_adapter
@@ -148,7 +156,11 @@ class Renderer:
         # (models/compiled.py: one per resolution / row layout, built at warm-up or first use).
         self.compiled = compile
         self.forward: Callable[..., torch.Tensor] = compile_forward(self.dit) if compile else self.dit
-        self.model_id = f"{Path(files.dit).name}" + (f"+{len(loras)} LoRA" if loras else "")
+        self.model_id = (
+            f"{Path(files.dit).name}"
+            + (f"+{len(loras)} LoRA" if loras else "")
+            + (f"+{quantize}" if quantize is not None else "")
+        )
         self.load_seconds = time.perf_counter() - t0
         log.info(
             "loaded %s on %s (%s) in %.1f s%s%s",

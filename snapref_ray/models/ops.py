@@ -76,11 +76,15 @@ class Linear(nn.Module):
         return w.to(dtype)
 
     def forward(self, x: torch.Tensor, lora: LoRAPair | None = None) -> torch.Tensor:
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        y = F.linear(x, self.compute_weight(x.dtype), bias)
+        y = self.base_output(x)
         if lora is not None:
             y = y + lora.delta(x)
         return y
+
+    def base_output(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b without the LoRA branch: the one matmul `models.fp8.Float8Linear` replaces."""
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.compute_weight(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
