@@ -53,9 +53,6 @@ def load_renderer(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: st
 
     local = localise(spec, s3=s3, cache_dir=cache_dir)
     files = local.local_files()
-    kwargs = {}
-    if spec.quantize != "none":
-        kwargs["quantize"] = spec.quantize
     return Renderer(
         files,
         adapter=files.adapter,
@@ -63,7 +60,7 @@ def load_renderer(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: st
         device=None if spec.device == "auto" else spec.device,
         dtype=None if spec.dtype == "auto" else getattr(torch, spec.dtype),
         compile=spec.compile,
-        **kwargs,
+        quantize=None if spec.quantize == "none" else spec.quantize,
     )
 
 
