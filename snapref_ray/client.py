@@ -34,15 +34,7 @@ from typing import Any
 from urllib.error import HTTPError, URLError
 from urllib.request import HTTPHandler, Request, build_opener
 
-TOKEN_ENV = "SNAPREF_API_TOKEN"
-
-
-class ApiError(Exception):
-    """A non-2xx answer: `status`, `field` (may be None), `message`, `retry_after` seconds (503)."""
-
-    def __init__(self, status: int, field: str | None, message: str, retry_after: float | None = None) -> None:
-        super().__init__(f"HTTP {status}" + (f" {field}" if field else "") + f": {message}")
-        self.status, self.field, self.message, self.retry_after = status, field, message, retry_after
+from snapref_ray.serve.errors import TOKEN_ENV, ApiError
 
 
 class SnapRefClient:
@@ -221,7 +213,7 @@ def _api_error(e: HTTPError) -> tuple[ApiError, bool]:
         field, message, from_the_api = err.get("field"), err.get("message", ""), True
     except (ValueError, KeyError, TypeError, AttributeError):
         field, message, from_the_api = None, payload.decode("utf-8", errors="replace").strip() or e.reason, False
-    return ApiError(e.code, field, message, float(retry) if retry else None), from_the_api
+    return ApiError(e.code, field, message, {"Retry-After": retry} if retry else None), from_the_api
 
 
 def _multipart(fields: dict[str, str], file_field: str, filename: str, data: bytes) -> tuple[bytes, str]:

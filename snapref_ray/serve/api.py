@@ -19,22 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.serve.config import ServeLimits
+from snapref_ray.serve.errors import ApiError
 
 ResponseFormat = Literal["png", "json"]
-
-
-class ApiError(Exception):
-    """An HTTP error answer: status, the field at fault (None if no single one), a message, extra headers."""
-
-    def __init__(self, status: int, field: str | None, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(status, field, message, headers)  # all in args, so it pickles across replicas
-        self.status, self.field, self.message, self.headers = status, field, message, dict(headers or {})
-
-    def __str__(self) -> str:
-        return f"{self.status} {self.field}: {self.message}" if self.field else f"{self.status}: {self.message}"
-
-    def body(self) -> dict:
-        return {"error": {"field": self.field, "message": self.message}}
 
 
 def as_api_error(exc: BaseException) -> ApiError | None:
@@ -158,10 +145,22 @@ class HealthResponse(BaseModel):
 
 
 class ModelsResponse(BaseModel):
-    model: str
-    adapter: dict | None
-    modes: list[str]
+    """GET /v1/models: what this server renders with (the replica's render service) and its limits."""
+
+    model: str = Field(..., description="The DiT file (with merged LoRAs and quantisation noted).")
+    adapter: dict | None = Field(..., description="The reference adapter: kind, identity, and what its file states.")
+    modes: list[str] = Field(..., description="The SnapRef read modes of the adapter (none for ArcAnima).")
+    loras: list[dict] = Field(default_factory=list, description="LoRAs merged into the DiT: file name and strength.")
     device: str
+    dtype: str
+    quantize: str = Field("none", description="'fp8' when the DiT's block linears run in float8.")
+    compile: bool = False
+    refkv_cache: dict = Field(default_factory=dict, description="The replica's RefKV cache: counters and bytes.")
+    memory: list[dict] = Field(
+        default_factory=list,
+        description="The replica's memory fit per resolution: one image's peak, what each further image adds,"
+        " the batch chosen (measured on the first renders at each size).",
+    )
     limits: ServeLimits
     max_batch_size: int
 

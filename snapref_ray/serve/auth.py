@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 
-from snapref_ray.serve.api import ApiError
+from snapref_ray.serve.errors import ApiError
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="snapref-ray"'}
 

@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator
 from ray.exceptions import TaskCancelledError
 from starlette.requests import Request
 
-from snapref_ray.serve.api import ApiError
 from snapref_ray.serve.config import ServeConfig
+from snapref_ray.serve.errors import ApiError
 
 # Under "ray.serve" so the line lands in the replica's Serve log at INFO (Serve configures that tree;
 # a module logger would propagate to the root logger, which drops INFO).

@@ -14,8 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from snapref_ray.model_spec import ModelSpec
-
-TOKEN_ENV = "SNAPREF_API_TOKEN"
+from snapref_ray.serve.errors import TOKEN_ENV
 
 
 def is_loopback(host: str) -> bool:

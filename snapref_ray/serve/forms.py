@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from snapref_ray.serve.api import ECHO_CHARS, ApiError, echo
+from snapref_ray.serve.api import ECHO_CHARS, echo
+from snapref_ray.serve.errors import ApiError
 
 
 @dataclass

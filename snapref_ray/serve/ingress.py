@@ -33,7 +33,6 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from snapref_ray.serve.api import (
-    ApiError,
     ErrorResponse,
     HealthResponse,
     ImageOut,
@@ -56,6 +55,7 @@ from snapref_ray.serve.auth import BearerAuth
 from snapref_ray.serve.bodies import BodyReceiver
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
+from snapref_ray.serve.errors import ApiError
 from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.renderer import RenderCall, RenderReply, ReplicaRenderer, UploadedReference
 from snapref_ray.service.references import ReferenceIdentity, RefKVKey
@@ -200,7 +200,6 @@ class Ingress:
         self._rendering = 0
         self._auth = BearerAuth(config.resolved_token())
         self._bodies = BodyReceiver(config)
-        self._models: dict | None = None
         self._openapi: dict | None = None
         # Reference infos by id. An id is a content hash, so its info never changes: caching it saves
         # a store round trip per render. If the store has evicted the file meanwhile, the replica
@@ -223,9 +222,9 @@ class Ingress:
     )
     async def models(self, request: Request) -> dict:
         self._auth.check(request.headers.get("authorization"))
-        if self._models is None:
-            self._models = await self._call(self._local.info() if self._local else self._renderer.info.remote())
-        return {**self._models, "limits": self._limits, "max_batch_size": self._config.max_batch_size}
+        # Asked each time (one replica's figures: the memory fit and cache counters change as it works).
+        info = await self._call(self._local.info() if self._local else self._renderer.info.remote())
+        return {**info, "limits": self._limits, "max_batch_size": self._config.max_batch_size}
 
     @app.api_route("/openapi.json", methods=_READ, include_in_schema=False)
     async def openapi(self, request: Request) -> JSONResponse:

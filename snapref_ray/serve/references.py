@@ -26,7 +26,8 @@ from collections import OrderedDict
 
 from ray import serve
 
-from snapref_ray.serve.api import ApiError, ReferenceInfo
+from snapref_ray.serve.api import ReferenceInfo
+from snapref_ray.serve.errors import ApiError
 from snapref_ray.storage.backends import S3Options, StorageError, open_storage
 
 _REFERENCE_ID = re.compile(r"[0-9a-f]{32}")  # reference_id_for: 32 hex digits

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from ray import serve
 
 from snapref_ray.requests import RenderSettings
-from snapref_ray.serve.api import ApiError
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
+from snapref_ray.serve.errors import ApiError
 from snapref_ray.service.batching import batch_key, take_batch
 from snapref_ray.service.references import ReferenceIdentity, RefKVKey
 

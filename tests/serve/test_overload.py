@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 
 from snapref_ray.client import SnapRefClient
-from snapref_ray.serve.api import ApiError
 from snapref_ray.serve.config import ServeConfig, ServeLimits
+from snapref_ray.serve.errors import ApiError
 from tests.serve.conftest import free_port
 
 RETRY_AFTER_S = 3
