@@ -84,8 +84,24 @@ def make_tiny(
 
     if with_adapter:
         write_tiny_adapter(out / "adapter.safetensors", config, adapter_kind)
+    write_tiny_lora(out / "style-lora.safetensors", config)
     _write_example_reference(out / "reference.png", config.seed)
     return out
+
+
+def write_tiny_lora(path: str | Path, config: TinyConfig = TinyConfig(), *, rank: int = 4, scale: float = 0.3) -> Path:
+    """A plain (style) LoRA for the tiny DiT in ComfyUI's key layout, on two linears: what `--lora` merges."""
+    g = torch.Generator().manual_seed(config.seed + 7)
+    width, hidden = config.model_channels, 4 * config.model_channels
+    sd = {}
+    for module, (fan_in, fan_out) in {
+        "blocks.0.self_attn.q_proj": (width, width),
+        f"blocks.{config.num_blocks - 1}.mlp.layer2": (hidden, width),
+    }.items():
+        sd[f"diffusion_model.{module}.lora_down.weight"] = torch.randn(rank, fan_in, generator=g) * scale
+        sd[f"diffusion_model.{module}.lora_up.weight"] = torch.randn(fan_out, rank, generator=g) * scale
+    save_file(sd, str(path))
+    return Path(path)
 
 
 def write_tiny_adapter(
