@@ -27,17 +27,18 @@ def short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def error_message(error: dict, model: type[BaseModel] | None = None) -> str:
+def error_message(error: dict, model: type[BaseModel] | None = None, echo_limit: int = 80) -> str:
     """One pydantic error's message without its 'Value error, ' prefix.
 
     An unknown field gets a did-you-mean from the fields of its section (found by walking `model`
-    along the error's location); a type or range error repeats the input it got.
+    along the error's location); a type or range error repeats the input it got, cut to `echo_limit`
+    characters (the HTTP API repeats at most 64 characters of what a client sent).
     """
     if error["type"] == "extra_forbidden":
         return "unknown field" + _suggestion(error["loc"], model)
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] not in ("value_error", "assertion_error", "missing") and "input" in error:
-        message += f" (got {short(error['input'])})"
+        message += f" (got {short(error['input'], echo_limit)})"
     return message
 
 

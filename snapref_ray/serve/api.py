@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.serve.config import ServeLimits
 from snapref_ray.serve.errors import ApiError
+from snapref_ray.validation import error_message, field_path
 
 ResponseFormat = Literal["png", "json"]
 
@@ -221,22 +222,22 @@ def validate_strict(model: type[BaseModel], raw: bytes):
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as e:
-        raise validation_error(e, fields) from None
+        raise validation_error(e, fields, model) from None
 
 
-def validation_error(exc: ValidationError, known_fields: set[str] | None = None) -> ApiError:
+def validation_error(exc: ValidationError, known_fields: set[str] | None = None, model=None) -> ApiError:
     """A pydantic error as a 400 naming the first field at fault (all of them in the message)."""
-    errors = exc.errors()
     messages, first_field = [], None
-    for err in errors:
+    for err in exc.errors():
         # No location: a model-level check (its message starts with the field) or unparsable JSON (the body).
-        field = ".".join(str(p) for p in err["loc"]) or _field_in_message(err["msg"], known_fields) or "body"
+        field = field_path(err["loc"]) or _field_in_message(err["msg"], known_fields) or "body"
         if known_fields is not None and field not in known_fields and field != "body":
             field = field[:ECHO_CHARS]  # an unknown key: repeat at most ECHO_CHARS of it
-        msg = err["msg"].removeprefix("Value error, ")
         value = err.get("input")
         if isinstance(value, float) and not math.isfinite(value):
             msg = f"{'NaN' if math.isnan(value) else 'Infinity'} is not a number this API accepts; send a finite number"
+        else:
+            msg = error_message(err, model, echo_limit=ECHO_CHARS)
         messages.append(f"{field}: {msg}" if field else msg)
         first_field = first_field or field
     extra = f" (and {len(messages) - 3} more)" if len(messages) > 3 else ""

@@ -33,6 +33,7 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from snapref_ray.serve.api import (
+    ECHO_CHARS,
     ErrorResponse,
     HealthResponse,
     ImageOut,
@@ -59,6 +60,7 @@ from snapref_ray.serve.errors import ApiError
 from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.renderer import RenderCall, RenderReply, ReplicaRenderer, UploadedReference
 from snapref_ray.service.references import ReferenceIdentity, RefKVKey
+from snapref_ray.validation import error_message, field_path
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +96,9 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    field = ".".join(str(p) for p in first["loc"] if p != "body") or None
-    return JSONResponse(ApiError(400, field, first["msg"]).body(), status_code=400)
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": "value_error"}
+    field = field_path(tuple(p for p in first["loc"] if p != "body")) or None
+    return JSONResponse(ApiError(400, field, error_message(first, echo_limit=ECHO_CHARS)).body(), status_code=400)
 
 
 @app.exception_handler(StarletteHTTPException)

@@ -156,7 +156,8 @@ def test_render_body_is_the_request_model() -> None:
         ({"steps": 0}, "steps", "greater than or equal to 1"),
         ({"width": 100}, "width", "width must be a multiple of 16 between 256 and 4096, got 100"),
         ({"sampler": "dpm"}, "sampler", "'euler' or 'er_sde'"),
-        ({"colour": "red"}, "colour", "Extra inputs are not permitted"),
+        ({"colour": "red"}, "colour", "colour: unknown field"),
+        ({"sampeler": "euler"}, "sampeler", "sampeler: unknown field (did you mean 'sampler'?)"),
         ({"ref_start": 0.9, "ref_end": 0.1}, "ref_start", "ref_start (0.9) must not exceed ref_end (0.1)"),
     ],
 )
@@ -165,7 +166,7 @@ def test_validation_errors_name_the_field(body: dict, field: str, message: str) 
 
     with pytest.raises(ValidationError) as info:
         RenderBody(prompt="p", **body)
-    err = validation_error(info.value, set(RenderBody.model_fields))
+    err = validation_error(info.value, set(RenderBody.model_fields), RenderBody)
     assert (err.status, err.field) == (400, field)
     assert message in err.message
 
