@@ -22,6 +22,7 @@ from snapref_ray.pipelines.timing_table import (
     TimingSpec,
     format_markdown,
     run_timing,
+    timing_plan,
     timing_settings,
 )
 from snapref_ray.storage.jobspec import OutputSpec
@@ -120,6 +121,26 @@ def test_arcanima_rows_run_their_own_adapter_at_its_defaults():
         assert settings[name].adapter_kind == kind and settings[name].reference
     assert settings["arcanima_v2"].settings.ref_guidance is None  # unset: the kind's own default (4.5 + APG)
     assert settings["arcanima_pilot_rg1"].settings.ref_guidance == 1.0
+
+
+@pytest.mark.parametrize("kind", ["arcanima-v2", "arcanima-pilot", None])
+def test_rows_follow_the_adapter_kinds_the_model_has(kind):
+    """A model whose adapter is an ArcAnima file (what `make-tiny --adapter-kind` writes) runs that kind's rows
+    and says why the SnapRef rows are left out; without an adapter only the plain row runs."""
+    spec = TimingSpec(model=ModelSpec(models_dir="m", adapter=f"{kind}.safetensors" if kind else None), **CASE)
+    settings, left_out = timing_plan(spec, kind)
+    runs = {s.name for s in settings}
+    snapref_rows = {n for n in SETTING_NAMES if n not in ARCANIMA_ROWS and n != "no_reference"}
+    own = {n for n, k in ARCANIMA_ROWS.items() if k == kind}
+    assert runs == {"no_reference", *own}
+    assert set(left_out) == set(SETTING_NAMES) - runs
+    why = "the model has no reference adapter" if kind is None else f"the model's adapter is an {kind} file"
+    assert all(left_out[n] == f"a SnapRef row: {why}" for n in snapref_rows)
+    other = {n for n in ARCANIMA_ROWS if n not in own}
+    assert all(left_out[n].startswith("needs an arcanima-") for n in other)
+    if kind:
+        assert all(s.adapter_kind == kind for s in settings if s.reference)
+        assert spec.arcanima_adapters(kind) == {kind: f"{kind}.safetensors"}
 
 
 def test_flop_model_matches_the_benchmarks_and_the_expected_ratios():
@@ -257,14 +278,13 @@ def test_turbo_row_merges_the_given_lora(ray_local, tiny_models, turbo_lora, tmp
     from jobs.timing_table import main
 
     spec = {
-        "models": {"models_dir": str(tiny_models)},
+        "model": {"models_dir": str(tiny_models), "device": "cpu"},
         **CASE,
         "repetitions": 1,
         "warmup": False,
         "settings": ["turbo"],
         "turbo_lora": {"path": str(turbo_lora), "strength": 0.5},
         "output": {"uri": "out"},
-        "cluster": {"device": "cpu"},
     }
     (tmp_path / "timing.yaml").write_text(yaml.safe_dump(spec))
     assert main([str(tmp_path / "timing.yaml")]) == 0

@@ -130,9 +130,12 @@ class TimingSpec(SpecFile):
     def s3_options(self) -> S3Options:
         return self.output.s3.options()
 
-    def arcanima_adapters(self) -> dict[str, str]:
-        """kind -> local file of the ArcAnima rows that can run (given, or found in models_dir)."""
+    def arcanima_adapters(self, model_adapter_kind: str | None = None) -> dict[str, str]:
+        """kind -> local file of the ArcAnima rows that can run (given, found in models_dir, or the model's
+        own adapter when it is of that kind)."""
         found = {}
+        if model_adapter_kind in ("arcanima-v2", "arcanima-pilot") and self.model.adapter is not None:
+            found[model_adapter_kind] = self.model.adapter
         for kind, given in (("arcanima-v2", self.arcanima_v2_adapter), ("arcanima-pilot", self.arcanima_pilot_adapter)):
             if given is not None:
                 found[kind] = given
@@ -171,8 +174,18 @@ class TimingSetting:
     adapter_kind: str | None = None  # an ArcAnima row: which extra adapter renders it
 
 
-def timing_settings(spec: TimingSpec) -> list[TimingSetting]:
-    """The settings of the table, in table order (no_reference first)."""
+def timing_settings(spec: TimingSpec, adapter_kind: str | None = "snapref") -> list[TimingSetting]:
+    """The settings of the table that can run, in table order (no_reference first); see `timing_plan`."""
+    return timing_plan(spec, adapter_kind)[0]
+
+
+def timing_plan(spec: TimingSpec, adapter_kind: str | None = "snapref") -> tuple[list[TimingSetting], dict[str, str]]:
+    """(the settings of the table that can run, in table order; the asked-for ones left out -> why).
+
+    `adapter_kind` is the kind of `model.adapter` (or the models folder's adapter): SnapRef rows need a
+    SnapRef file, an ArcAnima row the file of its kind (given as arcanima_*_adapter, found in the models
+    folder, or the model's own adapter when it is of that kind).
+    """
     base = RenderSettings(
         negative_prompt=spec.negative_prompt,
         width=spec.width,
@@ -255,12 +268,27 @@ def timing_settings(spec: TimingSpec) -> list[TimingSetting]:
             adapter_kind="arcanima-pilot",
         ),
     ]
-    available = spec.arcanima_adapters()
-    every = [s for s in every if s.adapter_kind is None or s.adapter_kind in available]
+    available = spec.arcanima_adapters(adapter_kind)
     wanted = set(spec.settings) | {"no_reference"}
-    for s in every:  # re-validate: model_copy does not run validators
-        RenderSettings(**s.settings.model_dump())
-    return [s for s in every if s.name in wanted]
+    chosen, left_out = [], {}
+    for s in every:
+        if s.name not in wanted:
+            continue
+        RenderSettings(**s.settings.model_dump())  # re-validate: model_copy does not run validators
+        if s.adapter_kind is not None and s.adapter_kind not in available:
+            left_out[s.name] = (
+                f"needs an {s.adapter_kind} file (arcanima_{s.adapter_kind[9:]}_adapter, or"
+                f" {s.adapter_kind}.safetensors in the models folder)"
+            )
+        elif s.adapter_kind is None and s.reference and adapter_kind != "snapref":
+            left_out[s.name] = (
+                "a SnapRef row: the model has no reference adapter"
+                if adapter_kind is None
+                else f"a SnapRef row: the model's adapter is an {adapter_kind} file"
+            )
+        else:
+            chosen.append(s)
+    return chosen, left_out
 
 
 def _steps(n: int) -> str:
@@ -434,11 +462,19 @@ def run_timing(spec: TimingSpec) -> dict:
     import ray
 
     from snapref_ray.cluster.pool import connect
+    from snapref_ray.service.loading import adapter_file, adapter_kind
 
     t_start = time.time()
     s3 = spec.s3_options()
     storage = open_storage(spec.output.uri, s3)
-    settings = timing_settings(spec)
+    kind = adapter_kind(spec.model, s3=s3)
+    if kind is not None and spec.model.adapter is None:  # the models folder's adapter: name it, its rows use it
+        spec = spec.model_copy(
+            update={"model": spec.model.model_copy(update={"adapter": str(adapter_file(spec.model, s3=s3))})}
+        )
+    settings, left_out = timing_plan(spec, kind)
+    for name, why in left_out.items():
+        log.warning("timing row %s left out: %s", name, why)
     reference_uri = spec.reference_uri()
     reference = read_uri(reference_uri, s3)
     c = spec.cluster
@@ -450,7 +486,7 @@ def run_timing(spec: TimingSpec) -> dict:
     actor = (
         ray.remote(TimingWorker)
         .options(num_gpus=1 if use_gpu else 0, num_cpus=c.num_cpus_per_worker, max_restarts=0)
-        .remote(spec.model, turbo_model, spec.arcanima_adapters(), s3)
+        .remote(spec.model, turbo_model, spec.arcanima_adapters(kind), s3)
     )
     runs: dict[str, list[dict]] = {s.name: [] for s in settings}
     try:
@@ -504,6 +540,7 @@ def run_timing(spec: TimingSpec) -> dict:
         "memory_metric": runs["no_reference"][0]["memory_metric"],
         "turbo_lora": spec.turbo_lora.model_dump() if spec.turbo_lora else None,
         "settings": rows,
+        "left_out": left_out,
         "wall_seconds": round(time.time() - t_start, 3),
         "finished_at": time.time(),
     }
@@ -657,6 +694,8 @@ def format_markdown(summary: dict) -> str:
             "only this process's work, so its ratio is the stable one there.",
             "",
         ]
+    for name, why in summary.get("left_out", {}).items():
+        lines.append(f"- left out: {name}, {why}")
     return "\n".join(lines)
 
 
