@@ -5,17 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
-
-from pydantic import ValidationError
 
 from snapref_ray.cli_flags import add_model_flags, add_settings_flags, model_spec_from, settings_from
 from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.cli import add_serve_parser
-from snapref_ray.validation import format_validation_error
+from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger("snapref_ray")
 
@@ -287,33 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    debug = args.debug or os.environ.get("SNAPREF_DEBUG", "").strip().lower() in {"1", "true", "yes"}
-    try:
-        return args.func(args)
-    except Exception as e:
-        lines = usage_error_lines(e)
-        if lines is None or debug:
-            raise
-        for line in lines:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-
-
-def usage_error_lines(error: BaseException) -> list[str] | None:
-    """The lines a usage error is told in, or None for a genuine bug (which keeps its traceback).
-
-    Usage errors are bad settings and specs (pydantic, JobSpecError, RenderError and every other
-    ValueError), files that are missing or unreadable (OSError), also when they were raised inside a Ray
-    worker and reached the driver wrapped in a RayTaskError or an actor's death.
-    """
-    cause = getattr(error, "cause", None)  # ray.exceptions.RayTaskError / RayActorError keep the original
-    if isinstance(cause, BaseException) and cause is not error:
-        return usage_error_lines(cause)
-    if isinstance(error, ValidationError):
-        return format_validation_error(error)
-    if isinstance(error, (ValueError, OSError)):
-        return [str(error).strip() or type(error).__name__]
-    return None
+    return run_reporting_usage_errors(lambda: args.func(args), debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ into messages that name the field by its path and say what was expected.
 from __future__ import annotations
 
 import difflib
+import os
+import sys
+from collections.abc import Callable
 from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
@@ -75,3 +78,42 @@ def _nested_args(annotation: Any) -> tuple:
         found.append(arg)
         found.extend(get_args(arg))
     return tuple(found)
+
+
+# ---------------------------------------------------------------------------------------------
+# Usage errors at the command line
+
+
+def usage_error_lines(error: BaseException) -> list[str] | None:
+    """The lines a usage error is told in, or None for a genuine bug (which keeps its traceback).
+
+    Usage errors are bad settings and specs (pydantic, JobSpecError, RenderError and every other
+    ValueError) and files that are missing or unreadable (OSError), also when they were raised inside a
+    Ray worker and reached the driver wrapped in a RayTaskError or an actor's death.
+    """
+    cause = getattr(error, "cause", None)  # ray.exceptions.RayTaskError / RayActorError keep the original
+    if isinstance(cause, BaseException) and cause is not error:
+        return usage_error_lines(cause)
+    if isinstance(error, ValidationError):
+        return format_validation_error(error)
+    if isinstance(error, (ValueError, OSError)):
+        return [str(error).strip() or type(error).__name__]
+    return None
+
+
+def debug_requested(flag: bool = False) -> bool:
+    """`--debug`, or SNAPREF_DEBUG=1: show a usage error's traceback too."""
+    return flag or os.environ.get("SNAPREF_DEBUG", "").strip().lower() in {"1", "true", "yes"}
+
+
+def run_reporting_usage_errors(command: Callable[[], int], *, debug: bool = False) -> int:
+    """`command()`'s exit status; a usage error is printed as `error: ...` lines on stderr and exits 2."""
+    try:
+        return command()
+    except Exception as e:
+        lines = usage_error_lines(e)
+        if lines is None or debug_requested(debug):
+            raise
+        for line in lines:
+            print(f"error: {line}", file=sys.stderr)
+        return 2

@@ -27,6 +27,7 @@ from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.jobspec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
 from snapref_ray.storage.ledger import claim_output, committed_item_ids, job_fingerprint
 from snapref_ray.storage.metadata import ErrorWriter, MetadataWriter, read_errors_table, write_summary
+from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)
 
@@ -345,5 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    summary = run_job(load_job_spec(args.spec), progress=not args.no_progress)
-    return 1 if summary["failed_items"] else 0
+
+    def job() -> int:
+        summary = run_job(load_job_spec(args.spec), progress=not args.no_progress)
+        return 1 if summary["failed_items"] else 0
+
+    return run_reporting_usage_errors(job)

@@ -28,6 +28,7 @@ from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.jobspec import ClusterSpec, OutputSpec, SpecFile, load_spec_file
 from snapref_ray.storage.manifest import read_manifest
 from snapref_ray.uris import base_of, resolve_relative
+from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)
 
@@ -412,22 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("spec", help="evaluation spec YAML (local or s3://)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    report = run_identity_eval(load_eval_spec(args.spec))
-    print(
-        json.dumps(
-            {
-                k: report[k]
-                for k in (
-                    "n_cases",
-                    "n_failed",
-                    "mean_loss_right",
-                    "mean_loss_wrong",
-                    "gap",
-                    "gap_ci",
-                    "right_wins_fraction",
-                )
-            },
-            indent=2,
-        )
-    )
+    return run_reporting_usage_errors(lambda: _report(run_identity_eval(load_eval_spec(args.spec))))
+
+
+def _report(report: dict) -> int:
+    keys = ("n_cases", "n_failed", "mean_loss_right", "mean_loss_wrong", "gap", "gap_ci", "right_wins_fraction")
+    print(json.dumps({k: report[k] for k in keys}, indent=2))
     return 1 if report["n_failed"] else 0

@@ -28,6 +28,7 @@ from snapref_ray.platform_info import cpu_model
 from snapref_ray.requests import RenderSettings, Sampler
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.jobspec import ClusterSpec, OutputSpec, SpecFile, load_spec_file
+from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)
 
@@ -712,5 +713,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("spec", help="timing spec YAML (local or s3://)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(format_markdown(run_timing(load_timing_spec(args.spec))))
-    return 0
+
+    def job() -> int:
+        print(format_markdown(run_timing(load_timing_spec(args.spec))))
+        return 0
+
+    return run_reporting_usage_errors(job)
