@@ -38,6 +38,13 @@ class ReferenceTask:
         )
 
 
+def batch_shape(settings) -> tuple[int, int, int]:
+    """(width, height, rows per image) of a forward: what its memory grows with. The rows are the conditional
+    one, the unconditional one under CFG and the reference-guidance one (as the worker's batch fitter counts)."""
+    rows = 1 + (settings.cfg != 1.0) + (settings.ref_guidance != 1.0 and settings.ref_weight > 0)
+    return settings.width, settings.height, rows
+
+
 @dataclass(frozen=True)
 class RenderTask:
     """A batch of items that share a reference and batch-compatible settings."""
@@ -63,6 +70,12 @@ class ItemOutcome:
     # Seconds `ray.get` took for the RefKV when it came from the object store (the driver turns
     # the first cross-node one into a bandwidth for its fetch-or-encode decisions).
     fetch_seconds: float = 0.0
+    # The error class when the driver's RefKV could not be fetched (lost, its creator dead, timed
+    # out; cluster/failures.py) and this call encoded the reference instead; "" otherwise.
+    refkv_lost: str = ""
+    # The batch ran out of device memory (torch.OutOfMemoryError; `error` has the figures): the
+    # driver splits it rather than charging an attempt to its items.
+    out_of_memory: bool = False
 
 
 @dataclass(frozen=True)

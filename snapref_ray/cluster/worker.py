@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.adapter.refkv_cache import RefKVCache
 from snapref_ray.cluster.batch_fit import BatchFitter
+from snapref_ray.cluster.failures import LOST_REFKV_ERRORS, describe_out_of_memory
 from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.output_writer import OutputWriter
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
@@ -31,15 +32,6 @@ from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import encode_rendered_image, make_thumbnail
 
 log = logging.getLogger(__name__)
-
-# Errors that mean "the RefKV object is gone from the object store" (its node died): the worker
-# re-encodes the reference itself instead of failing the items.
-_LOST_OBJECT_ERRORS = (
-    "ObjectLostError",
-    "OwnerDiedError",
-    "ObjectFetchTimedOutError",
-    "ReferenceCountingAssertionError",
-)
 
 
 @dataclass(frozen=True)
@@ -60,6 +52,9 @@ class WorkerConfig:
     compile: bool = False  # DiT forward through torch.compile (models/compiled.py)
     warmup_sizes: tuple[tuple[int, int], ...] = ()  # (width, height) graphs compiled at start when compiling
     output_threads: int = 4  # encode/upload threads (output_writer.py); 0 = store inline, the device waits
+    # Longest wait for a RefKV from the object store before encoding the reference here instead: a lost RefKV
+    # is rebuilt through its creating actor (a node boot and a model load away), an encode is one forward.
+    refkv_fetch_timeout_s: float = 30.0
 
 
 def build_renderer(config: WorkerConfig):
@@ -178,7 +173,7 @@ class RenderWorker:
         """
         started = time.time()
         try:
-            kv, source, fetch_s = self._refkv_with_source(task.reference, refkv_handle)
+            kv, source, fetch_s, lost = self._refkv_with_source(task.reference, refkv_handle)
         except Exception as e:  # an unreadable reference fails its items, not the worker
             return self._failed(task, e, "encode")
         (self.metrics.cache_hits if source == "cache" else self.metrics.cache_misses).inc(1, self.tags)
@@ -191,6 +186,11 @@ class RenderWorker:
                 if not self.writer.overlaps:  # no output threads: store while the device waits
                     stores = self._submit_stores(task, results, forward_batches, kv, started)
         except Exception as e:
+            import torch
+
+            if isinstance(e, torch.OutOfMemoryError):  # the driver splits the batch; not the items' fault
+                device = getattr(self.renderer, "device", "cpu")
+                return self._failed(task, e, "sample", source, out_of_memory=describe_out_of_memory(e, device))
             return self._failed(task, e, "sample", source)
         if self.writer.overlaps:  # encode + upload on the writer's threads; the next batch can sample
             stores = self._submit_stores(task, results, forward_batches, kv, started)
@@ -199,7 +199,7 @@ class RenderWorker:
         outcomes = []
         for item, stored in zip(task.items, stores):
             try:
-                outcomes.append(replace(stored.result(), refkv_source=source, fetch_seconds=fetch_s))
+                outcomes.append(replace(stored.result(), refkv_source=source, fetch_seconds=fetch_s, refkv_lost=lost))
                 self.metrics.images.inc(1, self.tags)
                 self.metrics.image_latency.observe(time.time() - started, self.tags)
             except Exception as e:
@@ -263,20 +263,22 @@ class RenderWorker:
 
     def _refkv_for(self, ref: ReferenceTask, handle: list | None) -> tuple[RefKV, bool]:
         """(RefKV, was it already in this worker's device cache)."""
-        kv, source, _ = self._refkv_with_source(ref, handle)
+        kv, source, _, _ = self._refkv_with_source(ref, handle)
         return kv, source == "cache"
 
-    def _refkv_with_source(self, ref: ReferenceTask, handle: list | None) -> tuple[RefKV, str, float]:
+    def _refkv_with_source(self, ref: ReferenceTask, handle: list | None) -> tuple[RefKV, str, float, str]:
         """(RefKV, "cache" | "object_store" | "encoded", seconds spent fetching it from the object
-        store): the device LRU, else the driver's copy, else encode."""
+        store, the class of the error that made the fetch give up or ""): the device LRU, else the
+        driver's copy, else encode."""
         cached = self.cache.get(ref.key)
         if cached is not None:
-            return cached, "cache", 0.0
+            return cached, "cache", 0.0, ""
         source = "cache"  # stays so when another thread of this worker creates the entry first
         fetch_s = 0.0
+        lost = ""
 
         def fetch_or_encode() -> RefKV:
-            nonlocal source, fetch_s
+            nonlocal source, fetch_s, lost
             if handle:
                 import ray
 
@@ -284,7 +286,7 @@ class RenderWorker:
                     # The driver hands out only finished RefKVs, so this never waits on an encode
                     # queued behind this very call (a deadlock with max_concurrency=2).
                     t0 = time.perf_counter()
-                    shared = ray.get(handle[0], timeout=600)
+                    shared = ray.get(handle[0], timeout=self.config.refkv_fetch_timeout_s)
                     fetch_s = time.perf_counter() - t0
                     kv = shared.to(getattr(self.renderer, "device", None))
                     if kv.kv_N2HLD.data_ptr() == shared.kv_N2HLD.data_ptr():
@@ -293,21 +295,20 @@ class RenderWorker:
                         kv = replace(shared, kv_N2HLD=shared.kv_N2HLD.clone())
                     source = "object_store"
                     return kv
-                except Exception as e:
-                    if type(e).__name__ not in _LOST_OBJECT_ERRORS:
-                        raise
+                except LOST_REFKV_ERRORS as e:  # gone, or not to be had in time: encode it here
+                    lost = type(e).__name__
                     log.warning(
-                        "worker %s: RefKV of %s lost from the object store (%s); re-encoding",
+                        "worker %s: RefKV of %s cannot be fetched (%s); re-encoding",
                         self.worker_id,
                         ref.reference_hash[:12],
-                        type(e).__name__,
+                        lost,
                     )
             source = "encoded"
             return self._encode(ref)
 
         kv, _ = self.cache.get_or_create(ref.key, fetch_or_encode)
         self.metrics.cache_bytes.set(self.cache.nbytes, self.tags)
-        return kv, source, fetch_s
+        return kv, source, fetch_s, lost
 
     def _store(self, task: RenderTask, item, result, forward_batch: int, kv: RefKV, started: float) -> ItemOutcome:
         t0 = time.perf_counter()
@@ -388,8 +389,10 @@ class RenderWorker:
         self._stored_references.add(ref.reference_hash)
         return key
 
-    def _failed(self, task: RenderTask, error: Exception, stage: str, source: str = "") -> list[ItemOutcome]:
-        message = _describe(error)
+    def _failed(
+        self, task: RenderTask, error: Exception, stage: str, source: str = "", *, out_of_memory: str = ""
+    ) -> list[ItemOutcome]:
+        message = out_of_memory or _describe(error)
         log.error(
             "worker %s: %s failed for %d item(s) (%s): %s",
             self.worker_id,
@@ -399,7 +402,10 @@ class RenderWorker:
             message,
         )
         self.metrics.errors.inc(len(task.items), {"stage": stage})
-        return [ItemOutcome(i.item_id, error=message, stage=stage, refkv_source=source) for i in task.items]
+        return [
+            ItemOutcome(i.item_id, error=message, stage=stage, refkv_source=source, out_of_memory=bool(out_of_memory))
+            for i in task.items
+        ]
 
     def evaluate(self, case: dict) -> dict:
         """Identity-gap loss grids of one held-out case (`pipelines/identity_eval.py` builds `case`).
