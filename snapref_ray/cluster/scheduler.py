@@ -48,8 +48,8 @@ The fetch-or-encode choice across nodes uses the configured bandwidth, else the 
 the first cross-node fetch; the encode time is the one the workers measured.
 
 `on_event` receives a `SchedulerEvent` at each step the scheduler takes (see `EVENT_KINDS`): for
-monitoring, and for tests that must act at an exact moment of a job (kill a node while a fetch is
-in flight) without sleeping. It runs on the scheduler's loop: keep it short.
+monitoring, and for tests that must act at an exact moment of a job (kill a node as a worker is
+sent to fetch from it) without sleeping. It runs on the scheduler's loop: keep it short.
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ EVENT_KINDS = (
     "worker_joined",  # a worker is ready and takes work
     "encode_sent",  # a worker was asked to encode a reference (opening it); node_id: where its RefKV will live
     "refkv_ready",  # that encode came back: the RefKV is in node_id's object store
-    "render_sent",  # a batch went to a worker; refkv_node: the node of a RefKV it was handed and lacks (a fetch)
+    # A batch is about to go to a worker (emitted just before the call, so that a test can act before the worker
+    # sees it); refkv_node: the node of a RefKV the worker is handed and lacks (it will fetch it from there).
+    "render_sending",
     "item_done",  # an item's row was committed
     "requeued",  # items went back to the queue without an attempt; cause: a failures.Cause
     "batch_split",  # a batch ran out of memory and was halved; cause: device_oom or oom_killed
@@ -427,12 +429,12 @@ class BatchScheduler:
             self._next_task_id, ref.task, tuple(batch), {i.item_id: self._attempts.get(i.item_id, 0) + 1 for i in batch}
         )
         self._next_task_id += 1
+        self._emit("render_sending", index, ref, batch, refkv_node=fetch_from)
         future = worker.handle.render.remote(task, handle)
         self._futures[future] = ("render", index, ref, task, handle[0] if handle else None)
         worker.in_flight += 1
         ref.in_flight += 1
         self.stats.dispatched_batches += 1
-        self._emit("render_sent", index, ref, batch, refkv_node=fetch_from)
         return True
 
     def _pick_reference(self, index: int) -> _Reference | None:

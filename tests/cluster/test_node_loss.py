@@ -4,8 +4,8 @@ batch there (issue #22).
 Ray's autoscaler with its fake provider (tests/fake_cluster.py): a head and up to three 1-CPU `GPU: 1` nodes,
 each a real raylet with its own object store; the job's GPU workers run the tiny models on the CPU. A node is
 lost by SIGKILL to its raylet (its workers go with it), at a moment picked through the scheduler's event seam
-(`run_job(on_event=...)`), never by sleeping: before any image, mid-batch, while a RefKV fetch from it is in
-flight, and the issue's own moment — the node of a worker whose reference other workers still need, once two
+(`run_job(on_event=...)`), never by sleeping: before any image, mid-batch, as a RefKV fetch from it starts,
+and the issue's own moment — the node of a worker whose reference other workers still need, once two
 images are written.
 
 The references are 320x448 (the example references' size), so a RefKV is ~0.6 MB: above Ray's 100 KiB inline
@@ -126,9 +126,10 @@ def mid_batch(event: SchedulerEvent, k: NodeKiller) -> str | None:
     return event.node_id if event.kind == "refkv_ready" else None
 
 
-def while_a_fetch_is_in_flight(event: SchedulerEvent, k: NodeKiller) -> str | None:
-    """A worker was just handed a RefKV held on another node: kill that node before the bytes can move."""
-    if event.kind == "render_sent" and event.refkv_node and event.refkv_node != event.node_id:
+def as_a_fetch_from_it_starts(event: SchedulerEvent, k: NodeKiller) -> str | None:
+    """A worker is about to be handed a RefKV held on another node: that node dies as the fetch starts (the event
+    comes before the call, so no byte of it can have moved yet)."""
+    if event.kind == "render_sending" and event.refkv_node and event.refkv_node != event.node_id:
         return event.refkv_node
     return None
 
@@ -157,15 +158,20 @@ def _every_item_once(spec, summary: dict) -> list[dict]:
 
 
 def _nothing_sent_to_the_dead_node(killer: NodeKiller, rows: list[dict]) -> None:
-    """No worker was sent to fetch a RefKV from the dead node once the driver dropped it, and no image after the
-    kill came from it (its raylet is gone for good)."""
-    dropped = [n for n, e in enumerate(killer.events) if e.kind == "refkv_dropped" and e.refkv_node == killer.killed]
-    if dropped:
-        later_fetches = [
-            e for e in killer.events[dropped[0] :] if e.kind == "render_sent" and e.refkv_node == killer.killed
-        ]
-        assert later_fetches == [], later_fetches
-    assert killer.killed not in killer.cluster.raylet_pids()
+    """Once the driver knew of the loss (a call of the dead node's worker came back failed, or a fetch from it
+    did), no worker was sent to fetch a RefKV from that node; and no image after the kill came from it."""
+
+    def tells_of_the_loss(e: SchedulerEvent) -> bool:
+        return (e.kind == "requeued" and e.node_id == killer.killed) or (
+            e.kind == "refkv_dropped" and e.refkv_node == killer.killed
+        )
+
+    after_kill = list(enumerate(killer.events))[killer.killed_at_event + 1 :]
+    noticed = next((n for n, e in after_kill if tells_of_the_loss(e)), None)
+    assert noticed is not None, "the driver never learnt of the lost node"
+    sent_there = [e for e in killer.events[noticed:] if e.kind == "render_sending" and e.refkv_node == killer.killed]
+    assert sent_there == [], sent_there
+    assert killer.killed not in killer.cluster.raylet_pids()  # its raylet is gone for good
     assert not [r for r in rows if r["node_id"] == killer.killed and r["finished_at"] > killer.killed_at]
 
 
@@ -193,11 +199,11 @@ def test_node_killed_at_a_moment_of_the_job_loses_and_duplicates_nothing(
     assert summary["requeues"]["node_lost"] >= 1 and summary["requeues"]["worker_lost"] == 0, summary["requeues"]
 
 
-def test_node_killed_while_a_refkv_fetch_from_it_is_in_flight(cluster, references, tiny_models, tmp_path):
+def test_node_killed_as_a_refkv_fetch_from_it_starts(cluster, references, tiny_models, tmp_path):
     # 16 prompts of the first reference and 4 of each other, two workers from the start: the one with the small
     # references finishes them first and helps with the big one, fetching its RefKV from the other node.
     spec = _spec(tmp_path, references, tiny_models, cluster, prompts=(16, 4, 4), max_batch=1, min_workers=2)
-    summary, killer = _run(spec, cluster, while_a_fetch_is_in_flight)
+    summary, killer = _run(spec, cluster, as_a_fetch_from_it_starts)
     rows = _every_item_once(spec, summary)
     _nothing_sent_to_the_dead_node(killer, rows)
     # The fetching worker could not have the RefKV (lost, or not in 5 s) and encoded it itself.

@@ -541,7 +541,7 @@ def test_the_worker_whose_refkv_a_helper_may_still_fetch_is_not_released(make_wo
     stats = rec.scheduler(handles, infos, max_in_flight_per_worker=1, max_batch=1, pool=FixedPool(2)).run(work)
     assert rec.done == Counter(i.item_id for i in work)
     a_done = [n for n, e in enumerate(rec.events) if e.kind == "item_done" and e.reference_hash == "hash-A"]
-    helped = [e for e in rec.events if e.kind == "render_sent" and e.worker == 1 and e.reference_hash == "hash-A"]
+    helped = [e for e in rec.events if e.kind == "render_sending" and e.worker == 1 and e.reference_hash == "hash-A"]
     assert helped, "w1 never helped with A: the situation under test did not arise"
     released_early = [
         n for n, e in enumerate(rec.events) if e.kind == "worker_released" and e.worker == 0 and n < a_done[-1]
@@ -616,7 +616,9 @@ def _handle_for(case: str):
     if case == "GetTimeoutError":
         return _never_ready.remote(30)
     if case == "RayTaskError":
-        return _raises.remote()
+        failed = _raises.remote()
+        ray.wait([failed], timeout=60)  # finished (failed) before the worker reads it: no fetch timeout here
+        return failed
     stored = {
         "ObjectLostError": lambda: E.ObjectLostError(_lost_object_hex(), None, ""),
         "ObjectFetchTimedOutError": lambda: E.ObjectFetchTimedOutError(_lost_object_hex(), None, ""),
