@@ -60,7 +60,6 @@ _LOST_WORKER_ERRORS: tuple[type[BaseException], ...] = (
     ray.exceptions.NodeDiedError,
     ray.exceptions.LocalRayletDiedError,
     ray.exceptions.ObjectLostError,  # the call's small return was lost with its node
-    ray.exceptions.TaskCancelledError,
 )
 
 
@@ -77,6 +76,8 @@ def infrastructure_cause(error: BaseException) -> Cause | None:
         return Cause.DEVICE_OOM
     if isinstance(error, ray.exceptions.RayTaskError):
         return None
+    if isinstance(error, ray.exceptions.TaskCancelledError):  # only the scheduler cancels calls
+        return Cause.RELEASED
     if isinstance(error, ray.exceptions.RayActorError) and error.preempted:
         return Cause.NODE_LOST
     if isinstance(error, _LOST_WORKER_ERRORS):
