@@ -17,8 +17,9 @@ Telling a dead node from a dead worker process: at the moment a call fails, Ray'
 that is SIGKILLed (a machine lost) shows up as `ActorUnavailableError` ("failed to connect") on in-flight calls
 within seconds, while the GCS still lists the node alive until its health checks give up (~15 s with Ray 2.60's
 defaults), and the actor is restarted elsewhere only after that. So the scheduler classifies a lost worker later,
-from `ray.nodes()` (`node_is_dead`): when the worker answers its probe again, or at the end of the job. An
-`ActorDiedError` with `preempted` set (the autoscaler drained the node) is a node loss at once.
+from `ray.nodes()` (`dead_nodes`): when the worker answers its probe again or Ray declares it dead for good
+(either comes after Ray declared its node dead, had the node died), or at the end of the job. An `ActorDiedError`
+with `preempted` set (the autoscaler drained the node) is a node loss at once.
 """
 
 from __future__ import annotations
