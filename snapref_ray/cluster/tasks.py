@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from snapref_ray.service.references import RefKVKey
+from snapref_ray.service.service import rows_per_image
 from snapref_ray.service.work_items import WorkItem
 
 
@@ -25,6 +26,12 @@ class ReferenceTask:
             item.reference.layout,
             RefKVKey.for_settings(item.reference_hash, item.settings),
         )
+
+
+def batch_shape(settings) -> tuple[int, int, int]:
+    """(width, height, rows per image) of a job's forward (its items read a reference): what its memory grows
+    with, counted as the render service's memory fit counts it."""
+    return settings.width, settings.height, rows_per_image(settings, reads_reference=True)
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,12 @@ class ItemOutcome:
     fetch_seconds: float = 0.0
     # The worker's memory fit after this batch (service/memory.py), on the first outcome of a batch.
     memory: list[dict] | None = None
+    # The error class when the driver's RefKV could not be fetched (lost, its creator dead, timed
+    # out; cluster/failures.py) and this call encoded the reference instead; "" otherwise.
+    refkv_lost: str = ""
+    # The batch ran out of device memory (torch.OutOfMemoryError; `error` has the figures): the
+    # driver splits it rather than charging an attempt to its items.
+    out_of_memory: bool = False
 
 
 @dataclass(frozen=True)

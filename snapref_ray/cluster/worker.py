@@ -19,12 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from snapref_ray.adapter.refkv import RefKV
+from snapref_ray.cluster.failures import LOST_REFKV_ERRORS
 from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.output_writer import OutputWriter
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.service.records import describe_error, encode_output, image_extension, metadata_row
-from snapref_ray.service.service import DEFAULT_REFKV_CACHE_BYTES, RenderService
+from snapref_ray.service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMemory, RenderService
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import make_thumbnail
 from snapref_ray.storage.metadata import image_key, reference_image_key, thumb_key
@@ -55,6 +56,9 @@ class WorkerConfig:
     warmup_sizes: tuple[tuple[int, int], ...] = ()  # (width, height) graphs compiled at start when compiling
     output_threads: int = 4  # encode/upload threads (output_writer.py); 0 = store inline, the device waits
     memory_budget_bytes: int | None = None  # the memory= this worker asked Ray for (service/memory.py)
+    # Longest wait for a RefKV from the object store before encoding the reference here instead: a lost RefKV
+    # is rebuilt through its creating actor (a node boot and a model load away), an encode is one forward.
+    refkv_fetch_timeout_s: float = 30.0
 
 
 def load_worker_renderer(config: WorkerConfig):
@@ -141,14 +145,14 @@ class RenderWorker:
         read when the RefKV is not already in this worker's device cache.
         """
         started = time.time()
-        fetch_s = [0.0]
+        fetch_s, lost = [0.0], [""]
         try:
             kv, source = self.service.refkv(
                 task.reference.key,
                 task.reference.layout,
                 lambda: self._read_images(task.reference),
                 sources=task.reference.uris,
-                fetch=(lambda: self._fetch(task.reference, refkv_handle, fetch_s)) if refkv_handle else None,
+                fetch=(lambda: self._fetch(task.reference, refkv_handle, fetch_s, lost)) if refkv_handle else None,
             )
         except Exception as e:  # an unreadable reference fails its items, not the worker
             return self._failed(task, e, "encode")
@@ -163,6 +167,8 @@ class RenderWorker:
                 reference_hash=task.reference.reference_hash,
                 progress=self.service.tick,
             )
+        except RenderOutOfMemory as e:  # one image that does not fit: the service already split the batch
+            return self._failed(task, e, "sample", source, out_of_memory=True)
         except Exception as e:
             return self._failed(task, e, "sample", source)
         stores = self.writer.submit_all(
@@ -173,7 +179,9 @@ class RenderWorker:
         outcomes = []
         for item, stored in zip(task.items, stores):
             try:
-                outcomes.append(replace(stored.result(), refkv_source=source, fetch_seconds=fetch_s[0]))
+                outcomes.append(
+                    replace(stored.result(), refkv_source=source, fetch_seconds=fetch_s[0], refkv_lost=lost[0])
+                )
                 self.metrics.images.inc(1, self.tags)
                 self.metrics.image_latency.observe(time.time() - started, self.tags)
             except Exception as e:
@@ -186,24 +194,24 @@ class RenderWorker:
     def _read_images(self, ref: ReferenceTask) -> list[bytes]:
         return [read_uri(uri, self.config.s3) for uri in ref.uris]
 
-    def _fetch(self, ref: ReferenceTask, handle: list, fetch_s: list[float]) -> RefKV | None:
-        """The driver's copy of the RefKV from the object store; None when it is gone (its node died)."""
+    def _fetch(self, ref: ReferenceTask, handle: list, fetch_s: list[float], lost: list[str]) -> RefKV | None:
+        """The driver's copy of the RefKV from the object store; None (and `lost` says why) when it is gone or
+        not to be had in time: lost with its node, its owner or creating actor dead, timed out (failures.py)."""
         import ray
 
         try:
             # The driver hands out only finished RefKVs, so this never waits on an encode
             # queued behind this very call (a deadlock with max_concurrency=2).
             t0 = time.perf_counter()
-            shared = ray.get(handle[0], timeout=600)
+            shared = ray.get(handle[0], timeout=self.config.refkv_fetch_timeout_s)
             fetch_s[0] = time.perf_counter() - t0
-        except Exception as e:
-            if type(e).__name__ not in _LOST_OBJECT_ERRORS:
-                raise
+        except LOST_REFKV_ERRORS as e:  # gone, or not to be had in time: encode it here
+            lost[0] = type(e).__name__
             log.warning(
-                "worker %s: RefKV of %s lost from the object store (%s); re-encoding",
+                "worker %s: RefKV of %s cannot be fetched (%s); re-encoding",
                 self.worker_id,
                 ref.reference_hash[:12],
-                type(e).__name__,
+                lost[0],
             )
             return None
         kv = shared.to(self.service.renderer.device)
@@ -258,8 +266,10 @@ class RenderWorker:
         self._stored_references.add(ref.reference_hash)
         return key
 
-    def _failed(self, task: RenderTask, error: Exception, stage: str, source: str = "") -> list[ItemOutcome]:
-        message = describe_error(error)
+    def _failed(
+        self, task: RenderTask, error: Exception, stage: str, source: str = "", *, out_of_memory: bool = False
+    ) -> list[ItemOutcome]:
+        message = str(error) if out_of_memory else describe_error(error)
         log.error(
             "worker %s: %s failed for %d item(s) (%s): %s",
             self.worker_id,
@@ -269,7 +279,10 @@ class RenderWorker:
             message,
         )
         self.metrics.errors.inc(len(task.items), {"stage": stage})
-        return [ItemOutcome(i.item_id, error=message, stage=stage, refkv_source=source) for i in task.items]
+        return [
+            ItemOutcome(i.item_id, error=message, stage=stage, refkv_source=source, out_of_memory=out_of_memory)
+            for i in task.items
+        ]
 
     def evaluate(self, case: dict) -> dict:
         """Identity-gap loss grids of one held-out case (`pipelines/identity_eval.py` builds `case`).

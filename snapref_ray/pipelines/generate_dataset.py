@@ -16,9 +16,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 
+from snapref_ray.cluster.failures import REQUEUE_CAUSES
 from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.pool import PoolShape, WorkerPool, connect, gpus_in_cluster, kill, on_a_cluster, plan_pool
-from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig
+from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, SchedulerEvent
 from snapref_ray.cluster.tasks import ItemOutcome
 from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.service.loading import adapter_kind
@@ -45,6 +46,7 @@ def worker_config(spec: JobSpec, *, warmup: bool = True) -> WorkerConfig:
         warmup=warmup,
         output_threads=c.output_threads,
         warmup_sizes=((spec.defaults.width, spec.defaults.height),),
+        refkv_fetch_timeout_s=c.refkv_fetch_timeout_s,
     )
 
 
@@ -57,14 +59,16 @@ def run_job(
     write_gallery: bool = True,
     on_progress: Callable[[int], None] | None = None,
     on_workers: Callable[[list, list], None] | None = None,
+    on_event: Callable[[SchedulerEvent], None] | None = None,
 ) -> dict:
     """Run (or resume) a batch job; returns the summary that is also written to summary.json.
 
     `renderer_factory(WorkerConfig)` replaces the real Renderer in each worker (benchmarks);
     `on_progress(n)` is called after n more items are committed or failed for good;
     `on_workers([handle], [info])` once per worker as it joins the schedule (nodes come up one by
-    one on an autoscaling cluster; monitoring, failure tests). The
-    workers are killed when the job ends, however it ends.
+    one on an autoscaling cluster; monitoring, failure tests); `on_event(SchedulerEvent)` at each
+    step of the schedule (cluster/scheduler.py `EVENT_KINDS`: failure tests act at exact moments
+    through it). The workers are killed when the job ends, however it ends.
     """
     t_start = time.time()
     s3 = spec.s3_options()
@@ -154,12 +158,14 @@ def run_job(
                     c.max_batch,
                     transfer_bytes_per_s=c.transfer_gbps * 1e9 / 8 if c.transfer_gbps else None,
                     start_timeout_s=c.start_timeout_s,
+                    max_requeues_per_item=c.max_requeues_per_item,
                 ),
                 on_done=done,
                 on_failed=lambda outcome, item, attempt: _record_failure(errors, outcome, item, attempt),
                 on_progress=(lambda n: [f(n) for f in callbacks]) if callbacks else None,
                 pool=pool,
                 on_worker=(lambda handle, info: on_workers([handle], [info])) if on_workers else None,
+                on_event=on_event,
             )
             t_schedule = time.time()
             try:
@@ -297,6 +303,18 @@ def _summary(
         "images_this_run": done_now,
         "skipped_already_done": len(validated.items) - len(todo),
         "failed_items": stats.failed_items if stats else 0,
+        # An attempt is an item's own failure (an error raised rendering it); work the cluster lost is requeued
+        # without one, counted by cause under `requeues` (cluster/failures.py).
+        "attempts": {
+            "max_attempts": spec.cluster.max_attempts,
+            "charged": stats.attempts_charged if stats else 0,
+            "retried_items": stats.retried_items if stats else 0,
+            "failed_items": stats.failed_items if stats else 0,
+        },
+        "requeues": {
+            **(dict(stats.requeues) if stats else dict.fromkeys(REQUEUE_CAUSES, 0)),
+            "budget": stats.requeue_budget if stats else 0,
+        },
         "interrupted": interrupted,
         "wall_seconds": round(wall, 3),
         "images_per_hour": round(3600 * done_now / wall, 1) if wall > 0 else 0.0,
@@ -313,9 +331,12 @@ def _summary(
         # largest that fits the resolution, capped by max_batch; see service/memory.py).
         "forward_batches": {str(k): v for k, v in sorted(forward_batches.items())},
         # Per worker and resolution: one image's peak, what each further image adds, the batch chosen.
-        "batch_limits": [
+        "memory_fit": [
             {"worker_id": worker, **limit} for worker, limits in sorted(memory_by_worker.items()) for limit in limits
         ],
+        # The batch cap per (width, height, rows per image): max_batch, or less where a batch ran out of memory
+        # and was halved (out_of_memory_splits times).
+        "batch_limits": stats.batch_limits if stats else [],
         # How RefKVs reached the workers that did not encode them (see cluster/scheduler.py).
         "refkv_decisions": {
             "same_node_fetches": stats.same_node_fetches if stats else 0,

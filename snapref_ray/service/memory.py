@@ -219,6 +219,30 @@ class MemoryFit:
         return [{"device": self.memory.kind, **dataclasses.asdict(limit)} for limit in self.limits.values()]
 
 
+def describe_device_memory(device) -> str:
+    """The memory figures a person needs to see why an image did not fit: for CUDA the device's total and free
+    memory and what torch allocated, reserved and peaked at; for the CPU the host's (or cgroup's) total and
+    what is available. '' when they cannot be read (figures are a courtesy; the error must still be told)."""
+    gib = 2**30
+    try:
+        if getattr(device, "type", str(device)) == "cuda":
+            import torch
+
+            free, total = torch.cuda.mem_get_info(device)
+            allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+            peak = torch.cuda.max_memory_allocated(device)
+            return (
+                f"device {total / gib:.2f} GiB total, {free / gib:.2f} GiB free; torch allocated "
+                f"{allocated / gib:.2f} GiB, reserved {reserved / gib:.2f} GiB, peak {peak / gib:.2f} GiB"
+            )
+        return (
+            f"host {machine_total_bytes() / gib:.2f} GiB total, {machine_available_bytes() / gib:.2f} GiB available,"
+            f" this process {resident_bytes() / gib:.2f} GiB resident"
+        )
+    except Exception:
+        return ""
+
+
 # ---------------------------------------------------------------------------------------------
 # The host's figures (Linux /proc and cgroups; elsewhere the best approximation there is)
 

@@ -32,7 +32,7 @@ from snapref_ray.engine import Renderer, RenderError
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.service.loading import load_renderer
-from snapref_ray.service.memory import FitKey, MemoryFit
+from snapref_ray.service.memory import FitKey, MemoryFit, describe_device_memory
 from snapref_ray.service.references import RefKVKey
 from snapref_ray.service.refkv_cache import RefKVCache
 from snapref_ray.storage.backends import S3Options
@@ -249,7 +249,7 @@ class RenderService:
                 if not _is_out_of_memory(e):
                     raise
                 if len(chunk) == 1:
-                    raise self._out_of_memory(s, e) from None
+                    raise self._out_of_memory(s, key, e) from None
                 batch = max(1, len(chunk) // 2)
                 self.memory.cap(key, batch)
                 log.warning(
@@ -275,16 +275,19 @@ class RenderService:
             start += len(chunk)
         return results
 
-    def _out_of_memory(self, s: RenderSettings, error: BaseException) -> RenderOutOfMemory:
-        figures = "; ".join(
-            f"{limit['width']}x{limit['height']}: one image {limit['image_peak_bytes'] / 2**30:.2f} GiB,"
-            f" {limit['available_bytes'] / 2**30:.2f} GiB available"
+    def _out_of_memory(self, s: RenderSettings, key: FitKey, error: BaseException) -> RenderOutOfMemory:
+        device = self.renderer.device
+        fit = "; ".join(
+            f"one image peaked at {limit['image_peak_bytes'] / 2**30:.2f} GiB"
+            f" with {limit['available_bytes'] / 2**30:.2f} GiB available"
             for limit in self.memory.report()
-            if (limit["width"], limit["height"]) == (s.width, s.height)
+            if (limit["width"], limit["height"]) == (s.width, s.height) and limit["image_peak_bytes"]
         )
+        figures = "; ".join(f for f in (describe_device_memory(device), fit) if f)
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         return RenderOutOfMemory(
-            f"one {s.width}x{s.height} image does not fit {self.renderer.device} ({figures or 'not measured'}):"
-            f" {str(error).splitlines()[0][:200]}",
+            f"one {s.width}x{s.height} image ({key.rows_per_image} row(s) per image) does not fit {device}:"
+            f" {type(error).__name__}: {first_line}" + (f" [{figures}]" if figures else ""),
             field="width",
         )
 

@@ -183,8 +183,24 @@ class ClusterSpec(_Section):
     max_attempts: int = Field(
         3,
         ge=1,
-        description="Tries per item before it is recorded as an error; 3 survives "
-        "a worker death or two without looping on a poison item.",
+        description="Tries per item before it is recorded as an error. Only the item's own failures count (an "
+        "error raised rendering it); work lost to the cluster (a dead worker or node, a memory-monitor kill, "
+        "out of memory) is requeued without an attempt. 3 lets a flaky item through without looping on a "
+        "poison one.",
+    )
+    max_requeues_per_item: int = Field(
+        10,
+        ge=1,
+        description="Budget of requeues for infrastructure failures, for the whole job: this x its items. A "
+        "cluster that keeps losing workers ends the job with a message instead of looping; 10 rides out "
+        "a node lost every few batches.",
+    )
+    refkv_fetch_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="Longest a worker waits for a reference's K/V from the object store before encoding it "
+        "itself; a lost RefKV is rebuilt only once its creating worker is back (a node boot and a model "
+        "load), an encode is one forward. 30 s is far above a 1 GB transfer.",
     )
     max_batch: int = Field(
         4,

@@ -27,6 +27,7 @@ from snapref_ray.pipelines.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_errors_table, read_item_ids, read_summary
 from tests.cluster.conftest import REPO, expected_item_ids, job_spec, make_reference_png, write_manifest
+from tests.cluster.renderer_doubles import OutOfMemoryAbove, PoisonPrompt
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster_s3"), pytest.mark.timeout(300)]
 
@@ -316,3 +317,70 @@ def _poison_id(spec) -> str:
 
     (item,) = [i for i in load_work_items(spec).items if i.prompt == "1girl, poison"]
     return item.item_id
+
+
+@pytest.mark.slow
+def test_an_item_whose_own_render_raises_fails_after_its_attempts_and_only_it(tmp_path, tiny_models):
+    # The real renderer, except that sampling a batch holding the poison prompt raises (as a NaN check would).
+    manifest = _manifest(tmp_path, "good.csv", references=2, prompts=2)
+    rows = pd.read_csv(manifest).to_dict("records") + [
+        {"reference": "refs/ref0.png", "prompt": "1girl, poison", "seed": 7}
+    ]
+    manifest = write_manifest(tmp_path / "with_poison.csv", rows)
+    out = tmp_path / "out"
+    spec = job_spec(manifest, tiny_models, str(out), cluster={"max_attempts": 3, "max_batch": 4})
+    expected = expected_item_ids(spec)
+    summary = run_job(spec, progress=False, write_gallery=False, renderer_factory=PoisonPrompt("poison"))
+    assert (summary["images_this_run"], summary["failed_items"]) == (4, 1)
+    frame = _assert_exactly_once(str(out), expected - {_poison_id(spec)})
+    # Its batch-mates were retried one at a time without an attempt, and rendered at their first.
+    assert set(frame["attempt"]) == {1}
+    (error,) = read_errors_table(open_storage(str(out))).to_pylist()
+    assert (error["item_id"], error["stage"], error["attempt"]) == (_poison_id(spec), "sample", 3)
+    assert error["error"].startswith("FloatingPointError: NaN in the sampled latents of '1girl, poison'"), error
+    assert summary["attempts"] == {"max_attempts": 3, "charged": 3, "retried_items": 2, "failed_items": 1}
+    assert {cause: n for cause, n in summary["requeues"].items() if n and cause != "budget"} == {}
+
+
+@pytest.mark.slow
+def test_torch_out_of_memory_halves_batches_and_an_image_that_never_fits_fails_with_figures(tmp_path, tiny_models):
+    # Real workers whose renderer runs out of device memory above 1 image at 256x256 and at any 512x512 image.
+    manifest = _manifest(tmp_path, "m.csv", references=1, prompts=4)
+    big = make_reference_png(tmp_path / "refs" / "big.png", (30, 30, 160)).relative_to(tmp_path).as_posix()
+    rows = pd.read_csv(manifest).to_dict("records") + [
+        {"reference": big, "prompt": f"1girl, large {i}", "seed": 50 + i, "width": 512, "height": 512} for i in range(2)
+    ]
+    manifest = write_manifest(tmp_path / "with_large.csv", rows)
+    out = tmp_path / "out"
+    spec = job_spec(manifest, tiny_models, str(out), cluster={"max_batch": 4, "max_attempts": 3})
+    summary = run_job(
+        spec,
+        progress=False,
+        write_gallery=False,
+        renderer_factory=OutOfMemoryAbove(((256, 256, 1), (512, 512, 0))),
+    )
+    large = {i for i, r in _items_by_prompt(spec).items() if "large" in r}
+    assert (summary["images_this_run"], summary["failed_items"]) == (4, 2)
+    frame = _assert_exactly_once(str(out), expected_item_ids(spec) - large)
+    assert set(frame["attempt"]) == {1} and set(frame["forward_batch"]) == {1}  # no attempt; single images
+    # The workers' render service split the batches (4 -> 2 -> 1) and kept the cap for the size: no call failed.
+    caps = {(f["width"], f["height"]): f["out_of_memory_cap"] for f in summary["memory_fit"]}
+    assert caps[(256, 256)] == 1
+    # Halving costs no attempt: only the two 512x512 images were charged, 3 attempts each.
+    assert summary["attempts"]["charged"] == 6 and summary["requeues"]["device_oom"] == 0
+    errors = read_errors_table(open_storage(str(out))).to_pylist()
+    assert sorted(e["item_id"] for e in errors) == sorted(large)
+    for error in errors:
+        assert (error["stage"], error["attempt"]) == ("sample", 3)
+        message = error["error"]
+        assert message.startswith("out of memory on worker "), message
+        assert (
+            "(cpu): one 512x512 image (2 row(s) per image) does not fit cpu: OutOfMemoryError: CUDA out of" in message
+        )
+        assert re.search(r"\[host \d+\.\d\d GiB total, \d+\.\d\d GiB available", message), message  # the figures
+
+
+def _items_by_prompt(spec) -> dict[str, str]:
+    from snapref_ray.service.work_items import load_work_items
+
+    return {item.item_id: item.prompt for item in load_work_items(spec).items}

@@ -77,6 +77,8 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
         "refkv_cache_bytes": 8 * 2**30,
         "max_in_flight_per_worker": 2,
         "max_attempts": 3,
+        "max_requeues_per_item": 10,
+        "refkv_fetch_timeout_s": 30.0,
         "max_batch": 4,
         "transfer_gbps": None,
         "start_timeout_s": 900.0,
