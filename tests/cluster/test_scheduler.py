@@ -432,7 +432,7 @@ def test_ray_out_of_memory_halves_the_batch_without_an_attempt_and_the_cap_is_re
     assert {len(c[2]) for c in log if c[0] == "render"} == {1}
     assert stats.batch_splits == 2 and stats.requeues["oom_killed"] == 4 + 2
     assert sum(stats.requeues.values()) == 6
-    rows = 1 + (SETTINGS.cfg != 1.0) + 1  # conditional, CFG's unconditional, and a reference-guidance row
+    rows = 1 + (SETTINGS.cfg != 1.0)  # conditional and CFG's unconditional; ref_guidance unset adds no row
     assert stats.batch_limits == [
         {"width": 256, "height": 256, "rows_per_image": rows, "batch": 1, "max_batch": 4, "out_of_memory_splits": 2}
     ]
@@ -447,7 +447,7 @@ def test_an_image_that_never_fits_fails_with_its_size_device_and_memory_figures(
     assert sorted((item_id, attempt) for item_id, _, attempt in rec.failed) == [("A-0", 3), ("A-1", 3)]
     for _, error, _ in rec.failed:
         assert error.startswith(
-            "out of memory: one 256x256 image (3 row(s) per image) does not fit on worker w0 (fake)"
+            "out of memory on worker w0 (fake): one 256x256 image (2 row(s) per image) does not fit: Task was killed"
         )
         assert "118.9GB / 124.8GB (0.952)" in error  # the node's figures, from Ray's message
     # The pair was halved once without an attempt; then each single image was charged its 3 attempts.
