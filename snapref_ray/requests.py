@@ -7,7 +7,8 @@ default is what it is.
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -18,6 +19,29 @@ Mode = Literal["cs", "char"]
 Outside = Literal["reference", "no_reference"]
 
 MIN_SIDE, MAX_SIDE = 256, 4096
+
+
+class StepCache(BaseModel):
+    """ComfyUI's EasyCache rule, decided for each image of a batch (snapref_ray/sampling/step_cache.py).
+
+    An image skips a DiT forward, reusing its last output deltas, while the accumulated estimated relative
+    change of its model output stays below `threshold`, inside [start, end] of the schedule. The defaults are
+    ComfyUI's EasyCache node's.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    threshold: float = Field(
+        0.2, ge=0.0, le=3.0, description="Reuse threshold on the accumulated relative output change; 0 never skips."
+    )
+    start: float = Field(0.15, ge=0.0, le=1.0, description="Fraction of the schedule where skipping may start.")
+    end: float = Field(0.95, ge=0.0, le=1.0, description="Fraction of the schedule where skipping stops.")
+
+    @model_validator(mode="after")
+    def _window(self) -> StepCache:
+        if self.start > self.end:
+            raise ValueError(f"step_cache start ({self.start}) must not exceed its end ({self.end})")
+        return self
 
 
 class RenderSettings(BaseModel):
@@ -109,6 +133,37 @@ class RenderSettings(BaseModel):
     fidelity: float | None = Field(
         None, ge=0.0, le=20.0, description="Simple control: sets ref_guidance (for every kind)."
     )
+    step_cache: StepCache | None = Field(
+        None,
+        description="Skip DiT forwards whose output barely changes, per image (ComfyUI's EasyCache rule); off by"
+        " default because it trades some fidelity for speed. `true` (or `on`) = ComfyUI's defaults; a number ="
+        " that threshold; or {threshold, start, end}.",
+    )
+
+    @field_validator("step_cache", mode="before")
+    @classmethod
+    def _step_cache_shorthands(cls, v: Any) -> Any:
+        # A manifest cell or a flag is text: "on", "0.3" or a JSON object all mean what they say.
+        if isinstance(v, str):
+            text = v.strip().lower()
+            if text in ("", "off", "false", "none", "no"):
+                return None
+            if text in ("on", "true", "yes"):
+                return {}
+            try:
+                return {"threshold": float(text)}
+            except ValueError:
+                try:
+                    return json.loads(v)
+                except json.JSONDecodeError:
+                    raise ValueError(f"step_cache: expected on/off, a threshold or a JSON object, got {v!r}") from None
+        if v is True:
+            return {}
+        if v is False:
+            return None
+        if isinstance(v, (int, float)):
+            return {"threshold": float(v)}
+        return v
 
     @field_validator("width", "height")
     @classmethod
@@ -129,7 +184,8 @@ class RenderSettings(BaseModel):
         Everything but the prompts (positive and negative) and the seed: the schedule, guidance
         rows and the reference read (its caption included) are per batch.
         """
-        return tuple(sorted(self.model_dump(exclude={"negative_prompt"}).items()))
+        dump = self.model_dump(exclude={"negative_prompt"})
+        return tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in dump.items()))
 
     @classmethod
     def from_simple(cls, strength: float = 1.0, fidelity: float = 1.0, **others) -> RenderSettings:
