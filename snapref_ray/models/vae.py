@@ -147,9 +147,19 @@ class AttentionBlock(nn.Module):
     def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
         B, C, H, W = x_BCHW.shape
         qkv_B3CL = self.to_qkv(self.norm(x_BCHW)).reshape(B, 3, C, H * W)
-        q_B1LC, k_B1LC, v_B1LC = (qkv_B3CL[:, i].transpose(1, 2).unsqueeze(1) for i in range(3))
+        # Contiguous [B, 1, L, C] copies: SDPA's fused kernels need the last dim contiguous. Given the
+        # transposed views it falls back to the math path, which materialises the [L, L] scores
+        # (1 GiB per fp32 image at 1024x1024, twice over with the softmax) and whose batched matmul
+        # rounds differently for a batch than for its images one by one. The `del`s free each
+        # intermediate once used, which halves this block's peak (it bounds a tiled decode's peak).
+        q_B1LC, k_B1LC, v_B1LC = (qkv_B3CL[:, i].transpose(1, 2).unsqueeze(1).contiguous() for i in range(3))
+        del qkv_B3CL
         out_B1LC = F.scaled_dot_product_attention(q_B1LC, k_B1LC, v_B1LC)  # scale 1/√C: one head of width C
-        out_BCHW = out_B1LC.squeeze(1).transpose(1, 2).reshape(B, C, H, W)
+        del q_B1LC, k_B1LC, v_B1LC
+        # Back to contiguous NCHW: the transposed view would be channels-last for a batch but not for
+        # one image (a batch stride of C), and the convolutions after it pick kernels by memory format.
+        out_BCHW = out_B1LC.squeeze(1).transpose(1, 2).contiguous().reshape(B, C, H, W)
+        del out_B1LC
         return self.proj(out_BCHW).add_(x_BCHW)
 
 
