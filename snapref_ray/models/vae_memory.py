@@ -1,10 +1,10 @@
 """Run the VAE within the free memory: the whole batch in one call, image by image, or in tiles.
 
-A decode's memory grows with the pixels it produces: the last stage alone keeps four activations
-of 96 channels at full resolution alive (1.5 KiB per pixel in fp32, 1.6 GB for 832x1216), so a
-batch of four decoded in one call needs four times that, for no gain in speed (at these sizes the
-convolutions already fill the device). `decode_in_budget` / `encode_in_budget` therefore estimate
-one image's peak (`decode_peak_bytes`, `encode_peak_bytes`), compare it with a budget (a share of
+A decode's memory grows with the pixels it produces: its last stage keeps four to six activations
+of 96 channels at full resolution alive (one 832x1216 fp32 decode peaks 2.2 GB above the weights),
+so a batch of four decoded in one call needs four times that, for no gain in speed (at these sizes
+the convolutions already fill the device). `decode_in_budget` / `encode_in_budget` therefore
+estimate the peak (`decode_peak_bytes`, `encode_peak_bytes`), compare it with a budget (a share of
 `device_memory.available_memory_bytes`) and choose, explicitly and logged at debug level:
 
 - "whole": one call for the batch, while the batch's estimate stays under `max_batch_bytes`;
@@ -13,13 +13,14 @@ one image's peak (`decode_peak_bytes`, `encode_peak_bytes`), compare it with a b
   largest tile that fits, when one image does not.
 
 ComfyUI makes the same choice (its VAE class's `memory_used_decode`, then a tiled decode when a
-decode runs out of memory); it keeps batching while the free memory allows, here a batch is only
-joined while that is cheap, so the peak of a batch is about one image's.
+decode runs out of memory, which is kept here as the fallback); it keeps batching while the free
+memory allows, here a batch is only joined while that is cheap, so the peak of a batch is about
+one image's.
 
 The estimates count the activations alive at once in each block, walking the same block lists the
-forward runs, times a factor for what the count leaves out (convolution workspaces and reordered
-copies, allocator slack), which tests/models/test_vae_memory.py checks against measured peaks.
-Weights are not included: they are resident whatever the plan.
+forward runs, with a copy of each convolution's input and output (the kernels' layout reorders),
+x1.1 and a fixed part for allocator slack and first-call setup; tests/models/test_vae_memory.py
+checks them against a measured peak. Weights are not included: they are resident whatever the plan.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -360,8 +362,12 @@ def _largest_tile(longest_side: int, overlap: int, tiled_peak: Callable[[int], i
 def decode_in_budget(vae: WanVAE, latent: torch.Tensor, policy: VAEMemoryPolicy | None = None) -> torch.Tensor:
     """`vae.decode(latent)` within the free memory: whole batch, per image or tiled (see `plan_decode`).
 
-    `policy` defaults to `vae.memory_policy`, else `VAEMemoryPolicy()`. The result has the shape,
-    dtype and (where it fits whole or per image) the exact values of `vae.decode(latent)`.
+    `policy` defaults to `vae.memory_policy`, else `VAEMemoryPolicy()`. The result has the shape
+    and dtype of `vae.decode(latent)`; per image it has its values bit for bit wherever each
+    convolution runs the same kernel for one image as for the batch (on CPU: latents of more
+    than 1280 cells, see tests/models/test_vae_memory.py), tiled within float rounding. Where an
+    untiled plan still runs out of memory (the estimate is not the device), it is retried tiled
+    in half the memory the plan was estimated at, as ComfyUI falls back to its tiled decode.
     """
     policy = policy or vae.memory_policy or VAEMemoryPolicy()
     z_BCHW = vae.prepare_latent(latent)
@@ -369,32 +375,64 @@ def decode_in_budget(vae: WanVAE, latent: torch.Tensor, policy: VAEMemoryPolicy 
     plan = plan_decode(vae.config, (batch, h, w), vae.dtype, _budget(vae, policy), policy)
     log.debug("VAE decode of %d x %dx%d latent: %s", batch, h, w, plan.describe())
     out_dtype = latent.dtype if latent.is_floating_point() else vae.dtype
-    if plan.mode == "whole":
-        return vae.decode(z_BCHW).to(out_dtype)
-    if plan.mode == "per_image":
-        f = vae.config.spatial_factor
-        out = torch.empty(batch, 3, h * f, w * f, dtype=out_dtype, device=vae.device)
-        for i in range(batch):
-            out[i] = vae.decode(z_BCHW[i : i + 1])[0]
-        return out
+    if plan.mode != "tiled":
+        try:
+            return _decode_untiled(vae, z_BCHW, plan.mode, out_dtype)
+        except torch.OutOfMemoryError:
+            pass  # retried below, once the failed call's tensors are released with the exception
+        plan = _after_out_of_memory(plan, policy, "decode", partial(plan_decode, vae.config, (batch, h, w), vae.dtype))
     return decode_tiled(vae, z_BCHW, plan.tile, plan.overlap).to(out_dtype)
 
 
 def encode_in_budget(vae: WanVAE, pixels: torch.Tensor, policy: VAEMemoryPolicy | None = None) -> torch.Tensor:
-    """`vae.encode(pixels)` within the free memory: whole batch, per image or tiled (see `plan_encode`)."""
+    """`vae.encode(pixels)` within the free memory: whole batch, per image or tiled (see `decode_in_budget`)."""
     policy = policy or vae.memory_policy or VAEMemoryPolicy()
     x_BCHW = vae.prepare_pixels(pixels)
     batch, _, height, width = x_BCHW.shape
     plan = plan_encode(vae.config, (batch, height, width), vae.dtype, _budget(vae, policy), policy)
     log.debug("VAE encode of %d x %dx%d pixels: %s", batch, height, width, plan.describe())
     out_dtype = pixels.dtype if pixels.is_floating_point() else vae.dtype
-    if plan.mode == "whole":
-        return vae.encode(x_BCHW).to(out_dtype)
-    if plan.mode == "per_image":
-        return torch.cat([vae.encode(x_BCHW[i : i + 1]) for i in range(batch)]).to(out_dtype)
-    return torch.cat([encode_tiled(vae, x_BCHW[i : i + 1], plan.tile, plan.overlap) for i in range(batch)]).to(
-        out_dtype
+    if plan.mode != "tiled":
+        try:
+            if plan.mode == "whole":
+                return vae.encode(x_BCHW).to(out_dtype)
+            return torch.cat([vae.encode(x_BCHW[i : i + 1]) for i in range(batch)]).to(out_dtype)
+        except torch.OutOfMemoryError:
+            pass
+        replan = partial(plan_encode, vae.config, (batch, height, width), vae.dtype)
+        plan = _after_out_of_memory(plan, policy, "encode", replan)
+    mus = [encode_tiled(vae, x_BCHW[i : i + 1], plan.tile, plan.overlap) for i in range(batch)]
+    return torch.cat(mus).to(out_dtype)
+
+
+def _decode_untiled(vae: WanVAE, z_BCHW: torch.Tensor, mode: Mode, out_dtype: torch.dtype) -> torch.Tensor:
+    if mode == "whole":
+        return vae.decode(z_BCHW).to(out_dtype)
+    batch, _, h, w = z_BCHW.shape
+    f = vae.config.spatial_factor
+    out = torch.empty(batch, 3, h * f, w * f, dtype=out_dtype, device=vae.device)
+    for i in range(batch):
+        out[i] = vae.decode(z_BCHW[i : i + 1])[0]
+    return out
+
+
+def _after_out_of_memory(
+    failed: VAEPlan, policy: VAEMemoryPolicy, what: str, replan: Callable[[int | None, VAEMemoryPolicy], VAEPlan]
+) -> VAEPlan:
+    """The tiled plan to retry with: tiles sized for half the activations of one image, which did not fit."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # what the failed call cached is of the wrong sizes for tiles
+    one_image = replan(None, VAEMemoryPolicy(mode="per_image")).peak_bytes
+    budget = FIXED_BYTES + (one_image - FIXED_BYTES) // 2
+    plan = replan(budget, VAEMemoryPolicy(mode="tiled", overlap=policy.overlap))
+    log.warning(
+        "VAE %s ran out of memory %s (estimated %.0f MiB); retrying %s",
+        what,
+        failed.mode.replace("_", " "),
+        failed.peak_bytes / 2**20,
+        plan.describe(),
     )
+    return plan
 
 
 def _budget(vae: WanVAE, policy: VAEMemoryPolicy) -> int | None:

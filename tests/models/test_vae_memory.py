@@ -261,6 +261,32 @@ def test_engine_encodes_references_and_init_images_through_the_budget(tiny_rende
     assert "x 256x256 pixels" in lines[1] and "x 32x32 latent" in lines[2]
 
 
+@pytest.mark.slow
+def test_an_untiled_decode_that_runs_out_of_memory_is_retried_in_tiles(caplog):
+    vae = make_tiny_vae(seed=0)  # its own: a hook is attached
+    latent = latent_of(1, 64, 64, seed=5)
+    with torch.inference_mode():
+        untiled = vae.decode(latent)
+
+    def fail_on_whole_images(module, args):
+        # The last residual block's input is [1, 8, 512, 512] for the whole image; a tile's is smaller.
+        if args[0].shape[-2:] == (512, 512):
+            raise torch.OutOfMemoryError("simulated: the estimate was too small for this device")
+
+    hook = vae.decoder.upsamples[-1].register_forward_pre_hook(fail_on_whole_images)
+    try:
+        with caplog.at_level(logging.WARNING, logger="snapref_ray.models.vae_memory"), torch.inference_mode():
+            # Half of one image's activations (estimated) gives 3 x 3 tiles of 42 cells here.
+            out = decode_in_budget(vae, latent, VAEMemoryPolicy(mode="per_image"))
+    finally:
+        hook.remove()
+    assert out.shape == untiled.shape
+    assert max_abs_255(out, untiled) <= TILED_MAX_ABS_255
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("VAE decode ran out of memory per image (estimated ")
+    assert "; retrying tiled, tile 42 overlap 28 latent cells" in warning
+
+
 # --- memory -----------------------------------------------------------------------------------
 
 
