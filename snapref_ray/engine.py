@@ -42,6 +42,7 @@ from snapref_ray.models.lora import merge_loras, read_lora
 from snapref_ray.models.qwen3 import load_text_encoder
 from snapref_ray.models.tokenizer import AnimaTokenizer
 from snapref_ray.models.vae import load_vae
+from snapref_ray.models.vae_memory import decode_in_budget, encode_in_budget
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.sampling.noise import initial_noise, noise_scaling
 from snapref_ray.sampling.ref_guidance import Combiner, Row, StepPlan, plan_step
@@ -236,7 +237,7 @@ class Renderer:
             pixel_list = prepare_reference(images, layout=layout, megapixels=ref_megapixels, sources=sources)
         latents = []
         for pixels in pixel_list:
-            mu = self.vae.encode(pixels.to(self.device, self.dtype))
+            mu = encode_in_budget(self.vae, pixels.to(self.device, self.dtype))
             latents.append(process_in(mu.float()))
         # The ArcAnima reference streams take no text: no caption to encode.
         context = (
@@ -441,7 +442,7 @@ class Renderer:
             if init_image is None:
                 raise RenderError("settings.denoise < 1 needs an init image (img2img)")
             pixels = image_to_pixels(init_image.convert("RGB").resize((s.width, s.height), Image.LANCZOS))
-            latent = process_in(self.vae.encode(pixels.to(self.device, self.dtype)).float()).unsqueeze(2)
+            latent = process_in(encode_in_budget(self.vae, pixels.to(self.device, self.dtype)).float()).unsqueeze(2)
             x = noise_scaling(sigmas[0], noise, latent.expand_as(noise))
         else:
             x = noise
@@ -580,8 +581,14 @@ class Renderer:
 
     @torch.inference_mode()
     def decode(self, latent_B_C_T_H_W: torch.Tensor) -> list[Image.Image]:
-        """Model-space latents -> PIL images (ComfyUI: process_out, VAE decode, (x+1)/2 clamped)."""
+        """Model-space latents -> PIL images (ComfyUI: process_out, VAE decode, (x+1)/2 clamped).
+
+        The VAE decodes the batch in one call, image by image or in tiles, whichever fits the free
+        memory (models/vae_memory.py; `self.vae.memory_policy` overrides the choice).
+        """
         z = process_out(latent_B_C_T_H_W.float()).to(self.dtype)
-        pixels = self.vae.decode(z[:, :, 0] if z.ndim == 5 else z).float()
-        rgb = ((pixels + 1.0) / 2.0).clamp(0, 1).mul(255).round().to(torch.uint8)
-        return [Image.fromarray(img.permute(1, 2, 0).cpu().numpy()) for img in rgb]
+        pixels_B3HW = decode_in_budget(self.vae, z[:, :, 0] if z.ndim == 5 else z)
+        # Converted image by image: the float temporaries of the whole batch would add up to a
+        # sizeable share of one image's decode peak.
+        rgb_3HW = (((img.float() + 1.0) / 2.0).clamp(0, 1).mul(255).round().to(torch.uint8) for img in pixels_B3HW)
+        return [Image.fromarray(img.permute(1, 2, 0).cpu().numpy()) for img in rgb_3HW]

@@ -17,6 +17,8 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,9 @@ from torch import nn
 
 from snapref_ray.models.checkpoint import CheckpointError, StateDict, load_into_module, load_state_dict, strip_prefix
 from snapref_ray.models.ops import FLOAT8_DTYPES
+
+if TYPE_CHECKING:
+    from snapref_ray.models.vae_memory import VAEMemoryPolicy
 
 # Prefixes a VAE may carry when extracted from a full checkpoint.
 VAE_PREFIXES = ("first_stage_model.", "vae.")
@@ -147,9 +152,19 @@ class AttentionBlock(nn.Module):
     def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
         B, C, H, W = x_BCHW.shape
         qkv_B3CL = self.to_qkv(self.norm(x_BCHW)).reshape(B, 3, C, H * W)
-        q_B1LC, k_B1LC, v_B1LC = (qkv_B3CL[:, i].transpose(1, 2).unsqueeze(1) for i in range(3))
+        # Contiguous [B, 1, L, C] copies: SDPA's fused kernels need the last dim contiguous. Given the
+        # transposed views it falls back to the math path, which materialises the [L, L] scores
+        # (1 GiB per fp32 image at 1024x1024, twice over with the softmax) and whose batched matmul
+        # rounds differently for a batch than for its images one by one. The `del`s free each
+        # intermediate once used, which halves this block's peak (it bounds a tiled decode's peak).
+        q_B1LC, k_B1LC, v_B1LC = (qkv_B3CL[:, i].transpose(1, 2).unsqueeze(1).contiguous() for i in range(3))
+        del qkv_B3CL
         out_B1LC = F.scaled_dot_product_attention(q_B1LC, k_B1LC, v_B1LC)  # scale 1/√C: one head of width C
-        out_BCHW = out_B1LC.squeeze(1).transpose(1, 2).reshape(B, C, H, W)
+        del q_B1LC, k_B1LC, v_B1LC
+        # Back to contiguous NCHW: the transposed view would be channels-last for a batch but not for
+        # one image (a batch stride of C), and the convolutions after it pick kernels by memory format.
+        out_BCHW = out_B1LC.squeeze(1).transpose(1, 2).contiguous().reshape(B, C, H, W)
+        del out_B1LC
         return self.proj(out_BCHW).add_(x_BCHW)
 
 
@@ -219,10 +234,24 @@ class Encoder(nn.Module):
         self.head = _head(dims[-1], 2 * cfg.z_dim, **kw)
 
     def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        return self.global_stage(self.local_stage(x_BCHW))
+
+    def local_stage(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        """conv1 and the down stages: pixels [B,3,H,W] → features [B, C_top, H/f, W/f].
+
+        Convolutions only, so each feature depends on a bounded patch of pixels: a tiled encode
+        computes this stage tile by tile.
+        """
         x_BCHW = self.conv1(x_BCHW)
-        for block in (*self.downsamples, *self.middle):
+        for block in self.downsamples:
             x_BCHW = block(x_BCHW)
-        return _run_head(self.head, x_BCHW)
+        return x_BCHW
+
+    def global_stage(self, h_BCHW: torch.Tensor) -> torch.Tensor:
+        """The middle (its attention reads every position) and the head, at latent resolution."""
+        for block in self.middle:
+            h_BCHW = block(h_BCHW)
+        return _run_head(self.head, h_BCHW)
 
 
 class Decoder(nn.Module):
@@ -248,10 +277,24 @@ class Decoder(nn.Module):
         self.head = _head(dims[-1], 3, **kw)
 
     def forward(self, z_BCHW: torch.Tensor) -> torch.Tensor:
-        x_BCHW = self.conv1(z_BCHW)
-        for block in (*self.middle, *self.upsamples):
-            x_BCHW = block(x_BCHW)
-        return _run_head(self.head, x_BCHW)
+        return self.local_stage(self.global_stage(z_BCHW))
+
+    def global_stage(self, z_BCHW: torch.Tensor) -> torch.Tensor:
+        """conv1 and the middle (its attention reads every position): [B, z_dim, h, w] → [B, C_top, h, w]."""
+        h_BCHW = self.conv1(z_BCHW)
+        for block in self.middle:
+            h_BCHW = block(h_BCHW)
+        return h_BCHW
+
+    def local_stage(self, h_BCHW: torch.Tensor) -> torch.Tensor:
+        """The up stages and the head: features [B, C_top, h, w] → pixels [B, 3, f·h, f·w], unclamped.
+
+        Convolutions and nearest upsampling only, so each pixel depends on a bounded patch of
+        features: a tiled decode computes this stage (nearly all of the decode's memory) tile by tile.
+        """
+        for block in self.upsamples:
+            h_BCHW = block(h_BCHW)
+        return _run_head(self.head, h_BCHW)
 
 
 class WanVAE(nn.Module):
@@ -276,6 +319,9 @@ class WanVAE(nn.Module):
         self.conv1 = CausalConv3d(2 * config.z_dim, 2 * config.z_dim, (1, 1, 1), **kw)  # after the encoder
         self.conv2 = CausalConv3d(config.z_dim, config.z_dim, (1, 1, 1), **kw)  # before the decoder
         self.decoder = Decoder(config, **kw)
+        # How `vae_memory.decode_in_budget` / `encode_in_budget` split work to fit the free memory;
+        # None: decide from the device's free memory (the policy's defaults).
+        self.memory_policy: VAEMemoryPolicy | None = None
 
     @property
     def device(self) -> torch.device:
@@ -292,6 +338,18 @@ class WanVAE(nn.Module):
 
         Like ComfyUI, the posterior mean is returned (no sampling); it is not normalised.
         """
+        x_BCHW = self.prepare_pixels(pixels)
+        mu_BCHW = self.encode_global(self.encode_local(x_BCHW))
+        return mu_BCHW.to(_out_dtype(pixels, self.dtype))
+
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        """Latent [B,16,h,w] (or [B,16,1,h,w]) in VAE space → pixels [B,3,8h,8w] clamped to [-1, 1]."""
+        x_BCHW = self.decode_local(self.decode_global(self.prepare_latent(latent)))
+        return x_BCHW.clamp_(-1.0, 1.0).to(_out_dtype(latent, self.dtype))
+
+    # The stages a tiled encode / decode (models/vae_tiles.py) runs separately.
+    def prepare_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Checked pixels [B,3,H,W] (H, W multiples of the spatial factor) on the VAE's device and dtype."""
         x_BCHW = _single_frame(pixels, 3, "pixels")
         f = self.config.spatial_factor
         if x_BCHW.shape[-2] % f or x_BCHW.shape[-1] % f:
@@ -299,16 +357,34 @@ class WanVAE(nn.Module):
                 f"pixels: height and width must be multiples of {f}, got {list(x_BCHW.shape[-2:])}"
                 " (crop or resize the image first)"
             )
-        h_BCHW = self.encoder(x_BCHW.to(device=self.device, dtype=self.dtype))
-        # Channels z_dim.. of conv1 are the log-variance, which nothing uses.
-        mu_BCHW = self.conv1(h_BCHW)[:, : self.config.z_dim]
-        return mu_BCHW.to(_out_dtype(pixels, self.dtype))
+        return x_BCHW.to(device=self.device, dtype=self.dtype)
 
-    def decode(self, latent: torch.Tensor) -> torch.Tensor:
-        """Latent [B,16,h,w] (or [B,16,1,h,w]) in VAE space → pixels [B,3,8h,8w] clamped to [-1, 1]."""
-        z_BCHW = _single_frame(latent, self.config.z_dim, "latent")
-        x_BCHW = self.decoder(self.conv2(z_BCHW.to(device=self.device, dtype=self.dtype)))
-        return x_BCHW.clamp_(-1.0, 1.0).to(_out_dtype(latent, self.dtype))
+    def prepare_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        """A checked latent [B, z_dim, h, w] on the VAE's device and dtype."""
+        return _single_frame(latent, self.config.z_dim, "latent").to(device=self.device, dtype=self.dtype)
+
+    def encode_local(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        """Prepared pixels → encoder features [B, C_top, H/f, W/f]; each reads a bounded patch of pixels."""
+        return self.encoder.local_stage(x_BCHW)
+
+    def encode_global(self, h_BCHW: torch.Tensor) -> torch.Tensor:
+        """Encoder features [B, C_top, h, w] → μ [B, z_dim, h, w] (the attention reads every position)."""
+        # Channels z_dim.. of conv1 are the log-variance, which nothing uses.
+        return self.conv1(self.encoder.global_stage(h_BCHW))[:, : self.config.z_dim]
+
+    def decode_global(self, z_BCHW: torch.Tensor) -> torch.Tensor:
+        """Prepared latent → decoder features [B, C_top, h, w] (the attention reads every position)."""
+        return self.decoder.global_stage(self.conv2(z_BCHW))
+
+    def decode_local(self, h_BCHW: torch.Tensor) -> torch.Tensor:
+        """Decoder features → pixels [B, 3, f·h, f·w], unclamped; each pixel reads a bounded patch of features."""
+        return self.decoder.local_stage(h_BCHW)
+
+
+@lru_cache(maxsize=8)
+def vae_layout(config: VAEConfig) -> WanVAE:
+    """A `WanVAE` of `config` on `meta`: its block lists without memory, for memory estimates and tiling."""
+    return WanVAE(config, device="meta")
 
 
 def _single_frame(x: torch.Tensor, channels: int, what: str) -> torch.Tensor:
