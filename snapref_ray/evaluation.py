@@ -39,6 +39,7 @@ from PIL import Image
 
 from snapref_ray.adapter.images import fit_megapixels, image_to_pixels, open_reference
 from snapref_ray.models.latent_format import process_in
+from snapref_ray.models.vae_memory import encode_in_budget
 from snapref_ray.sampling.noise import initial_noise, noise_scaling
 from snapref_ray.sampling.ref_guidance import Row, StepPlan
 
@@ -68,7 +69,7 @@ def encode_target(renderer, target_image: Image.Image) -> torch.Tensor:
             " of 16 (fit it with prepare_target)"
         )
     pixels = image_to_pixels(target_image.convert("RGB")).to(renderer.device, renderer.dtype)
-    return process_in(renderer.vae.encode(pixels).float()).unsqueeze(2)
+    return process_in(encode_in_budget(renderer.vae, pixels).float()).unsqueeze(2)
 
 
 @torch.inference_mode()

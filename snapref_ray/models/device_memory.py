@@ -35,13 +35,30 @@ def available_memory_bytes(device: torch.device | str) -> int:
 
 def meminfo_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
     """`MemAvailable` of /proc/meminfo in bytes (the kernel's estimate of memory a new process can get)."""
+    return _meminfo_bytes("MemAvailable", meminfo)
+
+
+def total_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """The host's memory (`MemTotal`), or this process's cgroup limit where that is lower."""
+    total = _meminfo_bytes("MemTotal", meminfo)
+    for base, (limit_file, _usage, _reclaimable) in _memory_cgroup_dirs(Path("/proc/self/cgroup"), CGROUP_ROOT):
+        path = base / limit_file
+        if path.is_file():
+            text = path.read_text().strip()
+            if text != "max" and int(text) < _NO_LIMIT:
+                return min(total, int(text))
+            break
+    return total
+
+
+def _meminfo_bytes(name: str, meminfo: Path) -> int:
     for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith(name + ":"):
             value, unit = line.split()[1:3]
             if unit != "kB":
-                raise ValueError(f"{meminfo}: MemAvailable in {unit!r}, expected 'kB'")
+                raise ValueError(f"{meminfo}: {name} in {unit!r}, expected 'kB'")
             return int(value) * 1024
-    raise ValueError(f"{meminfo}: no MemAvailable line (a kernel older than 3.14?)")
+    raise ValueError(f"{meminfo}: no {name} line (a kernel older than 3.14?)")
 
 
 def cgroup_available_bytes(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> int | None:

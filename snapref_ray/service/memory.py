@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from snapref_ray.models.device_memory import available_memory_bytes, total_memory_bytes
+
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 256  # a bound for the report; the batch asked for caps each render anyway
@@ -104,11 +106,8 @@ class CudaMemory(DeviceMemory):
         return result, torch.cuda.max_memory_allocated(self.device) - before
 
     def available_bytes(self) -> int:
-        import torch
-
-        free, _total = torch.cuda.mem_get_info(self.device)
-        # Blocks torch's caching allocator holds but does not use are free to this process.
-        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        # The driver's free memory plus the blocks torch's caching allocator holds unused.
+        return available_memory_bytes(self.device)
 
 
 class HostMemory(DeviceMemory):
@@ -302,46 +301,10 @@ def _sampled_peak(fn: Callable[[], T], before: int) -> tuple[T, int]:
 
 
 def machine_available_bytes() -> int:
-    """What the machine can still give this process: MemAvailable, bounded by a cgroup limit when one is set."""
-    available = _meminfo("MemAvailable") or _meminfo("MemFree") or 0
-    limit, usage = _cgroup_memory()
-    if limit is not None and usage is not None:
-        available = min(available, max(0, limit - usage)) if available else max(0, limit - usage)
-    return available
+    """What the machine can still give this process: MemAvailable, bounded by its cgroup (models/device_memory.py)."""
+    return available_memory_bytes("cpu")
 
 
 def machine_total_bytes() -> int:
     """The machine's memory, or the cgroup's limit when that is lower."""
-    total = _meminfo("MemTotal") or 0
-    limit, _ = _cgroup_memory()
-    return min(total, limit) if limit is not None and total else (limit or total)
-
-
-def _meminfo(name: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(name + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _cgroup_memory() -> tuple[int | None, int | None]:
-    """(limit, usage) of this process's memory cgroup (v2, then v1); None where there is none."""
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
-        try:
-            with open(limit_file) as f:
-                text = f.read().strip()
-            with open(usage_file) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if text == "max" or int(text) >= 2**60:  # v1 reports "no limit" as a huge number
-            return None, usage
-        return int(text), usage
-    return None, None
+    return total_memory_bytes()
