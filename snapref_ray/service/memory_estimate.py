@@ -1,0 +1,97 @@
+"""How much host memory a render worker asks Ray for, before it exists: an estimate from the model files.
+
+Ray packs actors onto nodes by the `memory=` they declare, and its memory monitor kills the worker that
+grows past what the node has. A worker measures its real needs once it renders (memory.py); the driver has to
+ask before that, so it estimates from the files' headers (nothing is loaded):
+
+- runtime: torch, Ray's worker process and its buffers (measured here: ~0.5 GiB of RSS before any model);
+- the weights that live in host memory: all of them for a CPU worker (in the dtype it computes in), the
+  largest file for a GPU worker (safetensors streams each file through host memory while it is moved);
+- one image at the job's largest size: one VAE decode (models/vae_memory.py's estimate; the VAE decodes
+  image by image), the DiT's activations for its rows, and one reference's K/V;
+- each further image of a batch: its rows' DiT activations and its latent.
+
+The figure is what `cluster.memory_per_worker` (jobs), `memory_per_replica` (the endpoint) or
+`SnapRefRenderer.memory_request` (Ray Data) defaults to; each can be set instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from snapref_ray.models.bundle import ModelFiles
+from snapref_ray.models.checkpoint import read_header, strip_prefix
+from snapref_ray.models.dit import DiTConfig
+from snapref_ray.models.vae import VAE_PREFIXES, infer_vae_config
+from snapref_ray.models.vae_memory import decode_peak_bytes
+
+RUNTIME_BYTES = 1 * 2**30  # torch + a Ray worker at rest (~0.5 GiB measured), with room for its threads' buffers
+GPU_RUNTIME_BYTES = 3 * 2**30  # plus the CUDA context and pinned staging buffers in host memory
+# Tensors of width D alive per row and token at a block's peak: x, its norm, q/k/v, the attention output,
+# the MLP's 4·D hidden and its output, with the allocator's slack.
+DIT_LIVE_TENSORS_PER_TOKEN = 16
+REFERENCE_TOKENS = 4096  # a 1 MP reference (its K/V: blocks x 2 x tokens x D)
+_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The figures behind a worker's `memory=` (bytes); `total` is what it asks for."""
+
+    runtime_bytes: int
+    weight_bytes: int
+    image_bytes: int  # one image at the size: one decode, its rows' DiT activations, one reference's K/V
+    per_image_bytes: int  # each further image of a batch
+    batch: int
+    width: int
+    height: int
+
+    @property
+    def total(self) -> int:
+        return self.runtime_bytes + self.weight_bytes + self.image_bytes + (self.batch - 1) * self.per_image_bytes
+
+    def report(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total}
+
+
+def estimate_worker_memory(
+    files: ModelFiles, *, width: int, height: int, batch: int, on_gpu: bool, dtype: torch.dtype | None = None
+) -> MemoryEstimate:
+    """Host memory one worker needs to render `batch` images of `width` x `height` with `files` (see the module)."""
+    compute = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    element = torch.tensor([], dtype=compute).element_size()
+    dit_header = _header(files.dit)
+    config = DiTConfig.from_state_dict(strip_prefix(_meta(dit_header)), source=str(files.dit))
+    weight_files = [files.dit, files.text_encoder, files.vae, *([files.adapter] if files.adapter else [])]
+    if on_gpu:
+        weights = max(Path(f).stat().st_size for f in weight_files)  # one file streamed through host memory
+        runtime = GPU_RUNTIME_BYTES
+        image = per_image = 0  # activations and the decode live on the device
+    else:
+        weights = sum(_elements(_header(f)) for f in weight_files) * element
+        runtime = RUNTIME_BYTES
+        tokens = (height // 16) * (width // 16)
+        rows = 3  # cond, uncond and the reference-guidance row: the most an image runs
+        per_image = rows * tokens * config.model_channels * element * DIT_LIVE_TENSORS_PER_TOKEN
+        vae = infer_vae_config(strip_prefix(_meta(_header(files.vae)), VAE_PREFIXES), str(files.vae))
+        decode = decode_peak_bytes(vae, (height // 8, width // 8), compute)
+        refkv = config.num_blocks * 2 * REFERENCE_TOKENS * config.model_channels * element
+        image = per_image + decode + refkv
+    return MemoryEstimate(runtime, weights, image, per_image, batch, width, height)
+
+
+def _header(path) -> dict:
+    return read_header(path)[0]
+
+
+def _meta(header: dict) -> dict[str, torch.Tensor]:
+    """Shape-only tensors of a header's entries, for the config inference that reads shapes."""
+    return {key: torch.empty(entry["shape"], device="meta") for key, entry in header.items()}
+
+
+def _elements(header: dict) -> int:
+    return sum(math.prod(entry["shape"]) for entry in header.values())
