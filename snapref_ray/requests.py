@@ -145,3 +145,14 @@ class RenderRequest(BaseModel):
     prompt: str = Field(..., description="The scene prompt (Anima is tag-prompted); the reference says who is drawn.")
     seed: int = Field(0, ge=0, lt=2**63, description="Noise seed; ComfyUI-compatible for a single image.")
     settings: RenderSettings = Field(default_factory=RenderSettings)
+
+
+class RenderError(ValueError):
+    """A render request that cannot be carried out; the message names the field, `field` too when known.
+
+    Raised by the engine and by the adapter kinds it runs (snapref_ray.engine re-exports it).
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field

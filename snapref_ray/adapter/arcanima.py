@@ -1,4 +1,4 @@
-"""ArcAnima reference adapters (v2 and pilot): the LoRA file, synthetic ones, and their runtime form.
+"""ArcAnima reference adapters (v2 and pilot): the LoRA file, synthetic ones, and what their runtimes share.
 
 An ArcAnima file is a LoRA on the DiT block linears (`kinds.ARCANIMA_LAYOUTS`). It is never
 merged into the base weights: its factors are applied per call, scaled per batch row, so rows
@@ -19,9 +19,11 @@ from safetensors.torch import save_file
 
 from snapref_ray.adapter.file import AdapterError, adapter_identity, linear_dims
 from snapref_ray.adapter.kinds import ARCANIMA_LAYOUTS, KIND_METADATA_KEY, ArcAnimaLayout, detect_kind
+from snapref_ray.adapter.reference_adapter import ReferenceAdapter, adapter_class
 from snapref_ray.models.block_map import adapter_block_map
 from snapref_ray.models.lora import read_lora
 from snapref_ray.models.ops import BlockLoRA, LoRAPair
+from snapref_ray.requests import RenderSettings
 
 
 @dataclass
@@ -164,26 +166,35 @@ class RowScaledLoRA:
 
 
 @dataclass(frozen=True)
-class BoundArcAnima:
-    """An ArcAnima adapter laid out per MODEL block (28 -> 40 through the inherited blocks)."""
+class BoundArcAnima(ReferenceAdapter):
+    """What both ArcAnima kinds share: the adapter laid out per MODEL block (28 -> 40 through the
+    inherited blocks), its LoRA per row layout, and `strength` as the LoRA multiplier.
+
+    The kinds themselves are arcanima_v2.ArcAnimaV2 and arcanima_pilot.ArcAnimaPilot.
+    """
 
     adapter: ArcAnimaAdapter
     model_blocks: int
     hooked: tuple[int | None, ...]
 
-    @staticmethod
+    @classmethod
     def bind(
-        adapter: ArcAnimaAdapter, model_blocks: int, device: torch.device | str, dtype: torch.dtype
+        cls, adapter: ArcAnimaAdapter, model_blocks: int, device: torch.device | str, dtype: torch.dtype
     ) -> BoundArcAnima:
+        """`adapter` on a model of `model_blocks` blocks, as its kind's class (from `BoundArcAnima` too)."""
+        if cls is BoundArcAnima:
+            return adapter_class(adapter.kind).bind(adapter, model_blocks, device, dtype)
+        if adapter.kind != cls.kind:
+            raise AdapterError(f"{adapter.source}: is {adapter.kind}, expected {cls.kind}")
         mapping = adapter_block_map(adapter.num_blocks, model_blocks)  # raises on an unknown layout
         hooked: list[int | None] = [None] * model_blocks
         for adapter_block, model_block in enumerate(mapping):
             hooked[model_block] = adapter_block
-        return BoundArcAnima(adapter.to(device=device, dtype=dtype), model_blocks, tuple(hooked))
+        return cls(adapter.to(device=device, dtype=dtype), model_blocks, tuple(hooked))
 
-    @property
-    def kind(self) -> str:
-        return self.adapter.kind
+    @classmethod
+    def load(cls, path: str | Path, model_blocks: int, device: torch.device, dtype: torch.dtype) -> BoundArcAnima:
+        return cls.bind(load_arcanima(path, expected_kind=cls.kind), model_blocks, device, dtype)
 
     @property
     def identity(self) -> str:
@@ -192,6 +203,21 @@ class BoundArcAnima:
     @property
     def layout(self) -> ArcAnimaLayout:
         return self.adapter.layout
+
+    def describe(self) -> dict:
+        return {
+            "kind": self.kind,
+            "identity": self.identity,
+            "num_blocks": self.adapter.num_blocks,
+            "model_blocks": self.model_blocks,
+            "rank": self.adapter.rank,
+            "method": self.layout.method,
+        }
+
+    @staticmethod
+    def lora_multiplier(settings: RenderSettings) -> float:
+        """`strength`: the LoRA multiplier of the reading rows (resolved settings always hold it)."""
+        return settings.strength if settings.strength is not None else 1.0
 
     def row_loras(self, row_scale_B: torch.Tensor) -> list[BlockLoRA | None]:
         """Per model block: every linear's LoRA scaled per row (inserted blocks: None)."""
@@ -208,10 +234,3 @@ class BoundArcAnima:
             else {lin: dataclasses.replace(p, scale=p.scale * multiplier) for lin, p in self.adapter.loras[k].items()}
             for k in self.hooked
         ]
-
-    # SnapRef's BoundAdapter API, for callers that ask generically (evaluation): no per-block weights here.
-    def read_weights(self, mode: str, ref_weight: float) -> None:
-        return None
-
-    def target_loras(self) -> None:
-        return None

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from snapref_ray.engine import Renderer
+from snapref_ray.requests import RenderSettings
 from snapref_ray.sampling.ref_guidance import Row, StepPlan
 from snapref_ray.sampling.schedules import get_sigmas
 from snapref_ray.tiny import TinyConfig, make_tiny, write_tiny_adapter
@@ -54,9 +55,8 @@ def contexts(seed: int) -> list[torch.Tensor]:
 
 def velocity(renderer, x, sigma, ctx, refkv, reads, strength) -> torch.Tensor:
     plan = StepPlan((Row.COND, Row.UNCOND), tuple(reads), False)
-    d = renderer.denoise_rows(
-        x, sigma, plan, {Row.COND: [ctx[0]], Row.UNCOND: [ctx[1]]}, refkv, None, None, strength=strength
-    )
+    reader = renderer.adapter.reader(renderer.resolve(RenderSettings(strength=strength)))
+    d = renderer.denoise_rows(x, sigma, plan, {Row.COND: [ctx[0]], Row.UNCOND: [ctx[1]]}, refkv, reader)
     return torch.cat([(x - d[Row.COND]) / sigma, (x - d[Row.UNCOND]) / sigma])
 
 
