@@ -9,9 +9,10 @@ Three kinds of reference adapter load (docs/adapters.md):
   LoRA of the same layout, read with the reference as a second latent frame.
 
 `KINDS` has one row per kind: the module that runs it (a `ReferenceAdapter`,
-adapter/reference_adapter.py), how a reference is prepared for it, what its RefKV holds and, for
-the LoRA-shaped kinds, the file layout detection matches. A new kind is one module implementing
-`ReferenceAdapter` plus one row here.
+adapter/reference_adapter.py), how a reference is prepared for it, what its RefKV holds, its
+settings (published defaults, the fields that mean nothing for it; controls.py applies them) and
+how a file of the kind is recognised. A new kind is one module implementing `ReferenceAdapter`
+plus one row here.
 
 The ArcAnima files' exact tensor names and metadata are not available here. A file is
 therefore recognised by metadata first (`format = anima_ref_kv/1`, or this project's own
@@ -82,6 +83,13 @@ class AdapterKind:
     payload: Literal["kv", "frame_latent"]  # what its RefKV holds (refkv.RefKV)
     # Reference layouts (images.prepare_reference) the kind does not read -> why (the error's text).
     refused_layouts: Mapping[str, str] = field(default_factory=dict)
+    # Settings (controls.resolve_settings). The authors' published defaults, applied where the user
+    # left a field unset: they decide which rows read at a step (sampling.ref_guidance.plan_step).
+    settings_defaults: Mapping[str, object] = field(default_factory=dict)
+    # Fields that mean nothing for this kind -> why (refused, naming the field, never ignored).
+    not_applicable: Mapping[str, str] = field(default_factory=dict)
+    # What the simple `strength` control sets: SnapRef's ref_weight, or the LoRA multiplier of reading rows.
+    strength_sets: Literal["ref_weight", "lora_multiplier"] = "lora_multiplier"
     # How a file is recognised: by `__metadata__["format"]`, or by the LoRA layout of its tensors.
     metadata_format: str | None = None
     lora_layout: ArcAnimaLayout | None = None
@@ -91,6 +99,12 @@ _ONE_OR_A_PAIR = (
     "several references of one character are a SnapRef feature; an ArcAnima adapter reads one"
     " reference, or two characters stitched side by side (pair)"
 )
+# Both ArcAnima seeds: cfg 4.5 with ref_guidance 4.5 (APG), and both CFG branches read the reference.
+_ARCANIMA_DEFAULTS = {"ref_guidance": 4.5, "ref_in_uncond": True, "ref_outside": "reference"}
+_ARCANIMA_NOT_APPLICABLE = {
+    "mode": "modes are per-block read weights of SnapRef files",
+    "ref_weight": "ArcAnima has no reference attention weight; use strength (the LoRA multiplier)",
+}
 
 KINDS: dict[str, AdapterKind] = {
     "snapref": AdapterKind(
@@ -99,6 +113,12 @@ KINDS: dict[str, AdapterKind] = {
         reference_size="megapixels",
         reads_caption=True,
         payload="kv",
+        # Off: only the cond row reads, as trained; the uncond row reads only with ref_in_uncond.
+        settings_defaults={"ref_guidance": 1.0, "ref_in_uncond": False, "ref_outside": "reference"},
+        not_applicable={
+            "ref_outside": "it is the ArcAnima guider's option; SnapRef skips only the extra call outside the window"
+        },
+        strength_sets="ref_weight",
         metadata_format=SNAPREF_FORMAT,
     ),
     "arcanima-v2": AdapterKind(
@@ -108,6 +128,12 @@ KINDS: dict[str, AdapterKind] = {
         reads_caption=False,  # the v2 reference stream skips the text cross-attention
         payload="kv",
         refused_layouts={"multi": _ONE_OR_A_PAIR},
+        settings_defaults=_ARCANIMA_DEFAULTS,
+        not_applicable={
+            **_ARCANIMA_NOT_APPLICABLE,
+            "ref_caption": "the v2 reference stream skips text cross-attention",
+            "recompute_reference_every_step": "it is SnapRef's uncached baseline",
+        },
         lora_layout=ArcAnimaLayout(
             kind="arcanima-v2",
             method="asymmetric attention: reference stream once at timestep 0 (self-attention only, no text"
@@ -126,6 +152,13 @@ KINDS: dict[str, AdapterKind] = {
         reads_caption=False,  # the reference frame takes the prompt's cross-attention, no caption of its own
         payload="frame_latent",
         refused_layouts={"multi": _ONE_OR_A_PAIR},
+        settings_defaults=_ARCANIMA_DEFAULTS,
+        not_applicable={
+            **_ARCANIMA_NOT_APPLICABLE,
+            "ref_caption": "the pilot's reference frame has no caption of its own",
+            "recompute_reference_every_step": "the pilot recomputes its reference frame at every step anyway",
+            "ref_megapixels": "the pilot's reference is resized to the output size",
+        },
         lora_layout=ArcAnimaLayout(
             kind="arcanima-pilot",
             method="two frames: the reference appended as a second latent frame at the output size,"
@@ -177,7 +210,7 @@ class Detection:
 
     @property
     def is_adapter(self) -> bool:
-        return self.kind in ALL_KINDS
+        return self.kind in KINDS
 
 
 def lora_signature(header: dict) -> LoRASignature | None:
