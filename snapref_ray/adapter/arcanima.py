@@ -1,9 +1,9 @@
 """ArcAnima reference adapters (v2 and pilot): the LoRA file, synthetic ones, and what their runtimes share.
 
 An ArcAnima file is a LoRA on the DiT block linears (`kinds.ARCANIMA_LAYOUTS`). It is never
-merged into the base weights: its factors are applied per call, scaled per batch row, so rows
-that read the reference get `strength` x the LoRA and rows that do not get nothing, inside one
-batched forward (`RowScaledLoRA`).
+merged into the base weights: its factors are applied per call, in the rows that read the
+reference only, so those rows get `strength` x the LoRA and the others nothing, inside one
+batched forward, at the LoRA cost of the reading rows alone (`models.row_lora.RowLoRA`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from snapref_ray.adapter.reference_adapter import ReferenceAdapter, adapter_clas
 from snapref_ray.models.block_map import adapter_block_map
 from snapref_ray.models.lora import read_lora
 from snapref_ray.models.ops import BlockLoRA, LoRAPair
+from snapref_ray.models.row_lora import RowLoRA
 from snapref_ray.requests import RenderSettings
 
 
@@ -146,23 +147,7 @@ def make_arcanima(
 
 
 # ---------------------------------------------------------------------------------------------
-# Runtime: the LoRA scaled per batch row
-
-
-@dataclass(frozen=True)
-class RowScaledLoRA:
-    """A LoRA branch whose delta is multiplied per batch row: row b gets `row_scale_B[b]` x delta.
-
-    Duck-types `LoRAPair` for `ops.Linear` (it only calls `.delta(x)`), so the base weights stay
-    untouched and the CFG batch stays one forward. x is [B, L, in] (tokens or text context).
-    """
-
-    pair: LoRAPair
-    row_scale_B: torch.Tensor
-
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.row_scale_B.to(device=x.device, dtype=x.dtype).reshape(-1, *[1] * (x.ndim - 1))
-        return self.pair.delta(x) * scale
+# Runtime: what both kinds share
 
 
 @dataclass(frozen=True)
@@ -219,10 +204,15 @@ class BoundArcAnima(ReferenceAdapter):
         """`strength`: the LoRA multiplier of the reading rows (resolved settings always hold it)."""
         return settings.strength if settings.strength is not None else 1.0
 
-    def row_loras(self, row_scale_B: torch.Tensor) -> list[BlockLoRA | None]:
-        """Per model block: every linear's LoRA scaled per row (inserted blocks: None)."""
+    def row_loras(self, rows: tuple[int, ...], multiplier: float = 1.0) -> list[BlockLoRA | None]:
+        """Per model block: every linear's LoRA (x multiplier) in batch rows `rows` only (inserted blocks: None)."""
         return [
-            None if k is None else {lin: RowScaledLoRA(p, row_scale_B) for lin, p in self.adapter.loras[k].items()}
+            None
+            if k is None
+            else {
+                lin: RowLoRA(dataclasses.replace(p, scale=p.scale * multiplier), rows)
+                for lin, p in self.adapter.loras[k].items()
+            }
             for k in self.hooked
         ]
 

@@ -4,8 +4,8 @@ Seed 002, "How it works": the reference latent runs once per image through every
 timestep 0, its tokens at RoPE positions shifted past the target grid, through self-attention
 and MLP only (reference tokens skip the text cross-attention); each block's K/V is kept. In every
 step the rows that read the reference attend over [target K/V; cached reference K/V] (the shared
-`RefRead` seam) and carry the LoRA x strength; the other rows run the base model. One batched
-forward per step, the LoRA never merged.
+`RefRead` seam) and carry the LoRA x strength, computed in those rows only (`RowLoRA`); the other
+rows run the base model. One batched forward per step, the LoRA never merged.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from snapref_ray.adapter.file import AFTER_TARGET
 from snapref_ray.adapter.reference_adapter import Forward, PreparedReference, RowReader, require_finite
 from snapref_ray.adapter.refkv import ReadsCache, RefKV
 from snapref_ray.models.dit import AnimaDiT
+from snapref_ray.models.ops import BlockLoRA
 from snapref_ray.requests import RenderSettings
 
 
@@ -70,6 +71,7 @@ class V2Reader(RowReader):
         self.strength = strength
         self._reads = ReadsCache()
         self._weights = [1.0] * bound.model_blocks  # v2 reads every block at full weight
+        self._loras: dict[tuple[bool, ...], list[BlockLoRA | None] | None] = {}  # per row layout
 
     def forward(
         self,
@@ -83,6 +85,7 @@ class V2Reader(RowReader):
         refs = self._reads.reads(refkv, reads, self._weights)
         if refs is None:
             return forward(x, sigma_B, context)
-        rows = torch.tensor(list(reads), device=x.device)
-        loras = self.bound.row_loras(rows.to(torch.float32) * self.strength) if self.strength != 0 else None
-        return forward(x, sigma_B, context, loras=loras, refs=refs)
+        if reads not in self._loras:
+            reading = tuple(i for i, r in enumerate(reads) if r)
+            self._loras[reads] = self.bound.row_loras(reading, self.strength) if self.strength != 0 else None
+        return forward(x, sigma_B, context, loras=self._loras[reads], refs=refs)

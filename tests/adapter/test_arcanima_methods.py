@@ -5,17 +5,24 @@ with a row-scaled LoRA; the oracle recomputes the reference inside one joint mas
 at every call. Both are compared at every step of a short Euler run, for strength 0, 0.5 and 1,
 with a reading (cond) and a non-reading (uncond) row in one batch.
 pilot: the production path against a direct two-frame forward of the oracle.
+The v2 LoRA's FLOPs are those of the reading rows only (FlopCounterMode against the shapes), and
+v2 renders through the compiled forward as eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
+from torch.utils.flop_counter import FlopCounterMode
 
+from snapref_ray.adapter.kinds import detect_kind
 from snapref_ray.engine import Renderer
-from snapref_ray.requests import RenderSettings
+from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.sampling.ref_guidance import Row, StepPlan
 from snapref_ray.sampling.schedules import get_sigmas
 from snapref_ray.tiny import TinyConfig, make_tiny, write_tiny_adapter
@@ -119,3 +126,78 @@ def test_pilot_equals_direct_two_frame_forward(tiny_arc, renderers):
         v_plain = oracle.frames_velocity(x, 0.7, ctx[1][0], 0.0)
         expected = torch.cat([v_read, v_plain])
         torch.testing.assert_close(v_prod.double(), expected, rtol=0, atol=2e-5 * max(expected.abs().max().item(), 1))
+
+
+def _lora_flops_of_one_row(renderer, tokens: int, context_rows: int) -> int:
+    """Matmul FLOPs of the v2 LoRA in one row, from the model's shapes and the file's rank alone."""
+    c = renderer.dit.config
+    D, inner, M, C = c.model_channels, c.num_heads * c.head_dim, c.mlp_hidden, c.context_dim
+    dims = {  # linear -> (tokens it sees, in, out)
+        "self_attn.q_proj": (tokens, D, inner),
+        "self_attn.k_proj": (tokens, D, inner),
+        "self_attn.v_proj": (tokens, D, inner),
+        "self_attn.output_proj": (tokens, inner, D),
+        "cross_attn.q_proj": (tokens, D, inner),
+        "cross_attn.k_proj": (context_rows, C, inner),
+        "cross_attn.v_proj": (context_rows, C, inner),
+        "cross_attn.output_proj": (tokens, inner, D),
+        "mlp.layer1": (tokens, D, M),
+        "mlp.layer2": (tokens, M, D),
+    }
+    rank = detect_kind(renderer.adapter.adapter.source).signature.ranks[0]
+    hooked = sum(k is not None for k in renderer.adapter.hooked)
+    return hooked * sum(2 * n * rank * (fan_in + fan_out) for n, fan_in, fan_out in dims.values())
+
+
+@pytest.mark.parametrize(
+    "rows, reads",
+    [
+        ((Row.COND, Row.UNCOND), (False, False)),
+        ((Row.COND, Row.UNCOND), (True, False)),  # ref_in_uncond false, ref_guidance 1: one row reads
+        ((Row.COND, Row.UNCOND), (True, True)),
+        ((Row.COND, Row.UNCOND, Row.COND_NOREF), (True, True, False)),  # ref_guidance: the third row does not
+    ],
+)
+def test_v2_lora_flops_scale_with_the_reading_rows(tiny_arc, renderers, rows, reads):
+    renderer = renderers["arcanima-v2"]
+    refkv = renderer.encode_reference((tiny_arc / "reference.png").read_bytes(), width=WIDTH, height=HEIGHT)
+    ctx = contexts(7)
+    ctx_for = {Row.COND: [ctx[0]], Row.UNCOND: [ctx[1]], Row.COND_NOREF: [ctx[0]]}
+    x = torch.randn(1, 16, 1, HEIGHT // 8, WIDTH // 8, generator=torch.Generator().manual_seed(8))
+    plan = StepPlan(rows, reads, False)
+    flops = {}
+    for strength in (0.0, 1.0):  # strength 0: the same forward and reads, no LoRA
+        reader = renderer.adapter.reader(renderer.resolve(RenderSettings(strength=strength)))
+        with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+            renderer.denoise_rows(x, torch.tensor(0.5), plan, ctx_for, refkv, reader)
+        flops[strength] = counter.get_total_flops()
+    one_row = _lora_flops_of_one_row(renderer, (HEIGHT // 16) * (WIDTH // 16), CONTEXT_ROWS)
+    assert flops[1.0] - flops[0.0] == sum(reads) * one_row
+
+
+@pytest.mark.slow
+def test_v2_compiled_render_equals_eager_with_one_graph_per_row_layout(tiny_arc, renderers, monkeypatch):
+    """`Renderer(compile=True)` with v2: the row-gathered LoRA and the read run in the captured graph."""
+    import snapref_ray.engine as engine_module
+    from snapref_ray.models.compiled import compile_forward
+
+    counter = CompileCounter()
+    monkeypatch.setattr(engine_module, "compile_forward", functools.partial(compile_forward, backend=counter))
+    compiled = Renderer.from_folder(tiny_arc, adapter=tiny_arc / "arcanima-v2.safetensors", device="cpu", compile=True)
+    eager = renderers["arcanima-v2"]
+    ref = (tiny_arc / "reference.png").read_bytes()
+    one_reads = RenderSettings(
+        width=WIDTH, height=HEIGHT, steps=2, sampler="euler", ref_in_uncond=False, ref_guidance=1.0
+    )
+
+    def image(renderer, settings) -> np.ndarray:
+        request = RenderRequest(prompt="1girl, solo", seed=3, settings=settings)
+        return np.asarray(renderer.render(request, references=[ref])[0].image, dtype=np.int16)
+
+    got = image(compiled, one_reads)
+    assert counter.frame_count == 1  # cond reads with the LoRA, uncond plain: one graph for the render
+    assert np.abs(got - image(eager, one_reads)).max() <= 1
+    guided = one_reads.model_copy(update={"ref_guidance": 4.5})  # 3 rows, cond and uncond read
+    assert np.abs(image(compiled, guided) - image(eager, guided)).max() <= 1
+    assert counter.frame_count == 2  # a new row layout, one more graph
+    assert np.abs(image(compiled, one_reads) - got).max() == 0 and counter.frame_count == 2  # reused
