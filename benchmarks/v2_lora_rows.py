@@ -5,10 +5,10 @@ LoRA (x 1) carried by them, computed three ways side by side:
 
 - `every_row_scaled`: the delta computed for every row and multiplied by 0 where a row does not
   read (what the engine did before issue #24; kept here as the comparison);
-- `gathered`: the delta computed on the reading rows only and put back among zero rows
-  (models/row_lora.RowLoRA: what the engine runs now);
+- `gathered`: one forward, the delta computed on the reading rows only (gathered as slices) and
+  put back among zero rows (`RowLoRA` below: the alternative measured);
 - `sub_batches`: the reading rows and the others as two forwards of the step, the LoRA and the
-  read in the first only.
+  read in the first only (adapter/arcanima_v2.V2Reader: what the engine runs).
 
 Row layouts: `one_of_two` (ref_in_uncond false with ref_guidance 1: cond reads, uncond does not),
 `two_of_two` (both CFG rows read) and `two_of_three` (ref_guidance: cond and uncond read, the
@@ -54,7 +54,9 @@ from benchmarks.common import (
 from snapref_ray.adapter.arcanima import make_arcanima
 from snapref_ray.adapter.arcanima_v2 import ArcAnimaV2
 from snapref_ray.adapter.reference_adapter import PreparedReference
+from snapref_ray.models.attention import row_runs, take_rows
 from snapref_ray.models.ops import LoRAPair
+from snapref_ray.requests import RenderSettings
 
 GEOMETRIES = {"scaled": (SCALED, 512), "real": (REAL, 1024), "smoke": (SMOKE, 64)}  # (DiT, reference side px)
 LAYOUTS = {"one_of_two": (True, False), "two_of_two": (True, True), "two_of_three": (True, True, False)}
@@ -72,6 +74,30 @@ class RowScaledLoRA:
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.row_scale_B.to(device=x.device, dtype=x.dtype).reshape(-1, *[1] * (x.ndim - 1))
         return self.pair.delta(x) * scale
+
+
+@dataclass(frozen=True)
+class RowLoRA:
+    """The delta computed in batch rows `rows` only (sorted host ints), zero rows elsewhere: one forward."""
+
+    pair: LoRAPair
+    rows: tuple[int, ...]
+
+    def delta(self, x_BLI: torch.Tensor) -> torch.Tensor:
+        B = x_BLI.shape[0]
+        if len(self.rows) == B:
+            return self.pair.delta(x_BLI)
+        runs = row_runs(self.rows)
+        delta_RLO = self.pair.delta(take_rows(x_BLI, runs))
+        pieces, start, offset = [], 0, 0
+        for a, b in runs:
+            if a > start:
+                pieces.append(delta_RLO.new_zeros(a - start, *delta_RLO.shape[1:]))
+            pieces.append(delta_RLO[offset : offset + b - a])
+            offset, start = offset + b - a, b
+        if start < B:
+            pieces.append(delta_RLO.new_zeros(B - start, *delta_RLO.shape[1:]))
+        return torch.cat(pieces)
 
 
 class V2Forms:
@@ -110,7 +136,6 @@ class V2Forms:
         x, ctx = self.x[:n], self.ctx[:n]
         sigma = torch.full((n,), SIGMA, device=self.device)
         reading = tuple(i for i, r in enumerate(reads) if r)
-        plain = [i for i, r in enumerate(reads) if not r]
         refs = self.refkv.reads(reads, [1.0] * self.geo.num_blocks)
         dit = self.dit
         if form == "every_row_scaled":
@@ -123,20 +148,13 @@ class V2Forms:
             ]
             return lambda: dit(x, sigma, ctx, loras=loras, refs=refs)
         if form == "gathered":
-            loras = self.bound.row_loras(reading)
+            loras = [
+                None if k is None else {lin: RowLoRA(p, reading) for lin, p in self.bound.adapter.loras[k].items()}
+                for k in self.bound.hooked
+            ]
             return lambda: dit(x, sigma, ctx, loras=loras, refs=refs)
-        full = self.bound.full_loras(1.0)
-        reading_refs = self.refkv.reads((True,) * len(reading), [1.0] * self.geo.num_blocks)
-
-        def sub_batches() -> torch.Tensor:
-            v = torch.empty_like(x)
-            idx = list(reading)
-            v[idx] = dit(x[idx], sigma[idx], ctx[idx], loras=full, refs=reading_refs)
-            if plain:
-                v[plain] = dit(x[plain], sigma[plain], ctx[plain])
-            return v
-
-        return sub_batches
+        reader = self.bound.reader(RenderSettings(strength=1.0))
+        return lambda: reader.forward(dit, x, sigma, ctx, reads, self.refkv)
 
 
 def flops(fn: Callable[[], Any]) -> int:

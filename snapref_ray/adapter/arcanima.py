@@ -2,8 +2,8 @@
 
 An ArcAnima file is a LoRA on the DiT block linears (`kinds.ARCANIMA_LAYOUTS`). It is never
 merged into the base weights: its factors are applied per call, in the rows that read the
-reference only, so those rows get `strength` x the LoRA and the others nothing, inside one
-batched forward, at the LoRA cost of the reading rows alone (`models.row_lora.RowLoRA`).
+reference only (`strength` x the LoRA there, nothing in the other rows, which run as a second
+sub-batch of the step: reference_adapter.forward_reading_and_plain_rows).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from snapref_ray.adapter.reference_adapter import ReferenceAdapter, adapter_clas
 from snapref_ray.models.block_map import adapter_block_map
 from snapref_ray.models.lora import read_lora
 from snapref_ray.models.ops import BlockLoRA, LoRAPair
-from snapref_ray.models.row_lora import RowLoRA
 from snapref_ray.requests import RenderSettings
 
 
@@ -203,18 +202,6 @@ class BoundArcAnima(ReferenceAdapter):
     def lora_multiplier(settings: RenderSettings) -> float:
         """`strength`: the LoRA multiplier of the reading rows (resolved settings always hold it)."""
         return settings.strength if settings.strength is not None else 1.0
-
-    def row_loras(self, rows: tuple[int, ...], multiplier: float = 1.0) -> list[BlockLoRA | None]:
-        """Per model block: every linear's LoRA (x multiplier) in batch rows `rows` only (inserted blocks: None)."""
-        return [
-            None
-            if k is None
-            else {
-                lin: RowLoRA(dataclasses.replace(p, scale=p.scale * multiplier), rows)
-                for lin, p in self.adapter.loras[k].items()
-            }
-            for k in self.hooked
-        ]
 
     def full_loras(self, multiplier: float = 1.0) -> list[BlockLoRA | None]:
         """Per model block: the LoRA for a forward where every row uses it (x multiplier)."""

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from snapref_ray.adapter.arcanima import BoundArcAnima
-from snapref_ray.adapter.reference_adapter import Forward, PreparedReference, RowReader
+from snapref_ray.adapter.reference_adapter import Forward, PreparedReference, RowReader, forward_reading_and_plain_rows
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.models.dit import AnimaDiT
 from snapref_ray.models.ops import BlockLoRA
@@ -65,12 +65,10 @@ class PilotReader(RowReader):
     ) -> torch.Tensor:
         if refkv is None or not any(reads):
             return forward(x, sigma_B, context)
-        idx_read = [i for i, r in enumerate(reads) if r]
-        idx_plain = [i for i, r in enumerate(reads) if not r]
-        v = torch.empty_like(x)
-        frame = refkv.kv_N2HLD.to(x.dtype).unsqueeze(0).expand(len(idx_read), -1, -1, -1, -1)
-        two = torch.cat([x[idx_read], frame], dim=2)  # [k, 16, 2, h, w]: frame 0 target, frame 1 reference
-        v[idx_read] = forward(two, sigma_B[idx_read], context[idx_read], loras=self.loras)[:, :, :1]
-        if idx_plain:
-            v[idx_plain] = forward(x[idx_plain], sigma_B[idx_plain], context[idx_plain])
-        return v
+
+        def reading(x_R: torch.Tensor, sigma_R: torch.Tensor, context_R: torch.Tensor) -> torch.Tensor:
+            frame = refkv.kv_N2HLD.to(x_R.dtype).unsqueeze(0).expand(x_R.shape[0], -1, -1, -1, -1)
+            two = torch.cat([x_R, frame], dim=2)  # [R, 16, 2, h, w]: frame 0 target, frame 1 reference
+            return forward(two, sigma_R, context_R, loras=self.loras)[:, :, :1]
+
+        return forward_reading_and_plain_rows(reads, x, sigma_B, context, reading, forward)

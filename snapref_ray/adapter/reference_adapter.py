@@ -38,6 +38,7 @@ from snapref_ray.adapter.images import (
 )
 from snapref_ray.adapter.kinds import KINDS, AdapterKind, detect_kind
 from snapref_ray.adapter.refkv import RefKV
+from snapref_ray.models.attention import row_runs, take_rows
 from snapref_ray.models.dit import AnimaDiT
 from snapref_ray.requests import RenderError, RenderSettings
 
@@ -163,6 +164,38 @@ class ReferenceAdapter(ABC):
     @abstractmethod
     def reader(self, settings: RenderSettings) -> RowReader:
         """How a render with these (resolved) settings reads the reference, step by step."""
+
+
+def forward_reading_and_plain_rows(
+    reads: tuple[bool, ...],
+    x: torch.Tensor,
+    sigma_B: torch.Tensor,
+    context: torch.Tensor,
+    reading: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    plain: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The rows `reads` names through `reading`, the others through `plain`: two sub-batches of one
+    step, their velocities put back in row order.
+
+    For kinds whose reading rows differ from the others in more than the read (ArcAnima: the LoRA,
+    the pilot's second frame): neither group pays for the other's work. Rows are taken as slices of
+    contiguous runs (a view when the reading rows come first, as `plan_step` lays them out).
+    """
+    reading_rows = tuple(i for i, r in enumerate(reads) if r)
+    plain_rows = tuple(i for i, r in enumerate(reads) if not r)
+    if not plain_rows:
+        return reading(x, sigma_B, context)
+    if not reading_rows:
+        return plain(x, sigma_B, context)
+    v = torch.empty_like(x)
+    for rows, fn in ((reading_rows, reading), (plain_rows, plain)):
+        runs = row_runs(rows)
+        v_group = fn(take_rows(x, runs), take_rows(sigma_B, runs), take_rows(context, runs))
+        offset = 0
+        for a, b in runs:
+            v[a:b] = v_group[offset : offset + b - a]
+            offset += b - a
+    return v
 
 
 def require_finite(kv: torch.Tensor, reference_id: str) -> None:
