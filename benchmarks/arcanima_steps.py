@@ -5,7 +5,7 @@ and `Renderer.denoise_rows` with the bound ArcAnima adapter, then the `Combiner`
 DiT with a random adapter of the published layout (rank 64 v2, rank 32 pilot, all ten linears):
 
 - arcanima-v2: the cond row reads a cached reference K/V (the 1 MP reference of the suite) and
-  carries the LoRA; the uncond row runs the base model; one batched forward per step.
+  carries the LoRA; the uncond row runs the base model, as a second sub-batch of the step.
 - arcanima-pilot: the cond row runs [target; reference] as two latent frames with the LoRA (twice
   the tokens, full attention over both), the uncond row one frame without it: two forwards.
 

@@ -74,7 +74,7 @@ class V2Reader(RowReader):
     When only some rows read (ref_in_uncond off, or the ref-guidance row), the two groups run as
     two sub-batches of the step: the LoRA and the read then cost work in the reading rows only.
     Measured against one forward with the LoRA delta gathered to the reading rows, sub-batches
-    took 5-9 % less CPU time at the width-scaled shapes (benchmarks/v2_lora_rows.py).
+    took 3.5-18 % less CPU time at the width-scaled shapes (benchmarks/v2_lora_rows.py).
     """
 
     def __init__(self, bound: ArcAnimaV2, strength: float) -> None:
