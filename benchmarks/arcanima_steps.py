@@ -5,7 +5,7 @@ and `Renderer.denoise_rows` with the bound ArcAnima adapter, then the `Combiner`
 DiT with a random adapter of the published layout (rank 64 v2, rank 32 pilot, all ten linears):
 
 - arcanima-v2: the cond row reads a cached reference K/V (the 1 MP reference of the suite) and
-  carries the LoRA; the uncond row runs the base model; one batched forward per step.
+  carries the LoRA; the uncond row runs the base model, as a second sub-batch of the step.
 - arcanima-pilot: the cond row runs [target; reference] as two latent frames with the LoRA (twice
   the tokens, full attention over both), the uncond row one frame without it: two forwards.
 
@@ -23,7 +23,7 @@ from benchmarks.common import interleaved, log, paired_ratio, summarize
 from benchmarks.snapref_steps import CFG, SIGMA
 from snapref_ray.adapter.arcanima import BoundArcAnima, make_arcanima
 from snapref_ray.adapter.kinds import ARCANIMA_KINDS, ARCANIMA_LAYOUTS
-from snapref_ray.engine import _PreparedReference
+from snapref_ray.adapter.reference_adapter import PreparedReference
 from snapref_ray.requests import RenderSettings
 from snapref_ray.sampling.ref_guidance import Combiner, plan_step
 
@@ -49,7 +49,7 @@ def _arcanima_step(ctx: SuiteContext, kind: str) -> tuple[Callable[[], torch.Ten
     latent = (
         bench.prepared.latents[0] if kind == "arcanima-v2" else torch.randn(1, 16, h, w, generator=gen).to(ctx.device)
     )
-    prepared = _PreparedReference((latent,), None, f"benchmark-{kind}")
+    prepared = PreparedReference((latent,), None, f"benchmark-{kind}")
     settings = RenderSettings(width=g.width_px, height=g.height_px, cfg=CFG)
     plan = plan_step(settings, SIGMA, True)
     combine = Combiner(settings)
@@ -67,12 +67,11 @@ def _arcanima_step(ctx: SuiteContext, kind: str) -> tuple[Callable[[], torch.Ten
 
     encode = with_adapter(lambda: renderer._run_reference_stream(prepared, bench.grid))
     refkv = encode()
+    reader = bound.reader(settings.model_copy(update={"strength": 1.0}))
 
     @torch.inference_mode()
     def step() -> torch.Tensor:
-        denoised = renderer.denoise_rows(
-            bench.x, bench.sigma, plan, bench.ctx_for, refkv, None, None, None, strength=1.0
-        )
+        denoised = renderer.denoise_rows(bench.x, bench.sigma, plan, bench.ctx_for, refkv, reader)
         return combine(bench.x, bench.sigma, plan, denoised)
 
     return with_adapter(step), encode, bound

@@ -58,10 +58,11 @@ from benchmarks.common import (
     time_once,
     tokens_for,
 )
-from snapref_ray.adapter.binding import BoundAdapter
 from snapref_ray.adapter.generate import make_adapter
+from snapref_ray.adapter.reference_adapter import PreparedReference
 from snapref_ray.adapter.refkv import RefKV
-from snapref_ray.engine import Renderer, _PreparedReference
+from snapref_ray.adapter.snapref import BoundSnapRef
+from snapref_ray.engine import Renderer
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.requests import RenderSettings
 from snapref_ray.sampling.ref_guidance import Combiner, Row, plan_step
@@ -154,7 +155,7 @@ class StepBench:
             init="random",
             seed=0,
         )
-        renderer.adapter = BoundAdapter.bind(adapter, g.num_blocks, device, dtype)
+        renderer.adapter = BoundSnapRef.bind(adapter, g.num_blocks, device, dtype)
         self.renderer = renderer
         self.grid = renderer.target_grid(g.width_px, g.height_px)
 
@@ -167,7 +168,7 @@ class StepBench:
         self.ctx_for = {Row.COND: [ctx[:1]] * batch, Row.UNCOND: [ctx[1:]] * batch, Row.COND_NOREF: [ctx[:1]] * batch}
         ref_latent = torch.randn(1, 16, geo.ref_height_px // 8, geo.ref_width_px // 8, generator=gen).to(device)
         ref_context = torch.randn(1, g.context_rows, g.context_dim, generator=gen).to(device)
-        self.prepared = _PreparedReference((ref_latent,), ref_context, "benchmark-reference")
+        self.prepared = PreparedReference((ref_latent,), ref_context, "benchmark-reference")
         self.refkv: RefKV = self.encode()
 
     def encode(self) -> RefKV:
@@ -181,12 +182,11 @@ class StepBench:
         """One sampling step of setting `name`, as Renderer._render_batch's `denoise` closure runs it."""
         s = self.settings(name)
         has_reference = SETTINGS[name][1]
-        renderer, bound = self.renderer, self.renderer.adapter
-        target_loras = bound.target_loras() if has_reference else None
-        weights = bound.read_weights(s.mode, s.ref_weight) if has_reference else None
+        renderer = self.renderer
+        # As _render_batch: one reader per render (its RefReads are built once, not once per step).
+        reader = renderer.adapter.reader(s) if has_reference else None
         refkv = self.refkv if has_reference else None
         combine = Combiner(s)
-        reads_cache: dict = {}  # as _render_batch: the RefReads are built once per render
 
         @torch.inference_mode()
         def step() -> torch.Tensor:
@@ -194,9 +194,7 @@ class StepBench:
             step_kv = refkv
             if has_reference and s.recompute_reference_every_step:
                 step_kv = renderer._run_reference_stream(self.prepared, self.grid)  # the pilot-style baseline
-            denoised = renderer.denoise_rows(
-                self.x, self.sigma, plan, self.ctx_for, step_kv, weights, target_loras, reads_cache
-            )
+            denoised = renderer.denoise_rows(self.x, self.sigma, plan, self.ctx_for, step_kv, reader)
             return combine(self.x, self.sigma, plan, denoised)
 
         return step

@@ -6,6 +6,7 @@ It knows nothing of Ray: the batch worker and the Serve replica are thin wrapper
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import time
@@ -17,20 +18,15 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from snapref_ray.adapter.arcanima import BoundArcAnima, load_arcanima
-from snapref_ray.adapter.arcanima_methods import pilot_forward, v2_forward, v2_reference_kv, v2_rope_offset
-from snapref_ray.adapter.binding import BoundAdapter
 from snapref_ray.adapter.controls import SettingsError, resolve_settings
-from snapref_ray.adapter.file import load_adapter
-from snapref_ray.adapter.images import (
-    content_hash,
-    fit_output_size,
-    image_to_pixels,
-    open_reference,
-    prepare_reference,
-    stitch_side_by_side,
+from snapref_ray.adapter.images import content_hash, image_to_pixels
+from snapref_ray.adapter.kinds import detect_kind
+from snapref_ray.adapter.reference_adapter import (
+    PreparedReference,
+    ReferenceAdapter,
+    RowReader,
+    load_bound_adapter,
 )
-from snapref_ray.adapter.kinds import ARCANIMA_KINDS, detect_kind
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.models.bundle import ModelFiles, resolve_model_files
 from snapref_ray.models.compiled import compile_forward
@@ -43,7 +39,7 @@ from snapref_ray.models.qwen3 import load_text_encoder
 from snapref_ray.models.tokenizer import AnimaTokenizer
 from snapref_ray.models.vae import load_vae
 from snapref_ray.models.vae_memory import decode_in_budget, encode_in_budget
-from snapref_ray.requests import RenderRequest, RenderSettings
+from snapref_ray.requests import RenderError, RenderRequest, RenderSettings
 from snapref_ray.sampling.noise import initial_noise, noise_scaling
 from snapref_ray.sampling.ref_guidance import Combiner, Row, StepPlan, plan_step
 from snapref_ray.sampling.samplers import sample
@@ -53,14 +49,6 @@ log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
 ReferenceLayout = str  # "single" | "pair" | "multi"
-
-
-class RenderError(ValueError):
-    """A render request that cannot be carried out; the message names the field, `field` too when known."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 def default_device_and_dtype() -> tuple[torch.device, torch.dtype]:
@@ -76,31 +64,6 @@ class RenderResult:
     request: RenderRequest
     timings: dict[str, float] = field(default_factory=dict)
     reference_id: str | None = None
-
-
-@dataclass(frozen=True)
-class _PreparedReference:
-    """A reference after preprocessing, VAE and text encoding: all the stream needs."""
-
-    latents: tuple[torch.Tensor, ...]  # normalised, [1, 16, h, w] fp32 each
-    context: torch.Tensor  # [1, L, C] fp32, the ref_caption through the text path
-    reference_id: str
-
-
-def load_bound_adapter(
-    path: str | Path, model_blocks: int, device: torch.device, dtype: torch.dtype
-) -> BoundAdapter | BoundArcAnima:
-    """Detect the file's kind and bind it to a model of `model_blocks` blocks (mismatches raise)."""
-    detection = detect_kind(path)
-    if detection.kind == "snapref":
-        return BoundAdapter.bind(load_adapter(path), model_blocks, device, dtype)
-    if detection.kind in ARCANIMA_KINDS:
-        return BoundArcAnima.bind(load_arcanima(path, expected_kind=detection.kind), model_blocks, device, dtype)
-    if detection.kind == "lora":
-        raise RenderError(
-            f"{path}: {detection.reason}. Pass a plain LoRA with --lora (loras: in a job spec), not as the adapter"
-        )
-    raise RenderError(f"{path}: not a reference adapter: {detection.reason}")
 
 
 def refuse_reference_adapter_as_lora(path: str | Path) -> None:
@@ -150,7 +113,7 @@ class Renderer:
         )
         self.vae = load_vae(files.vae, device=self.device, dtype=self.dtype)
         adapter_path = adapter if adapter is not None else files.adapter
-        self.adapter: BoundAdapter | BoundArcAnima | None = None
+        self.adapter: ReferenceAdapter | None = None
         if adapter_path is not None:
             self.adapter = load_bound_adapter(adapter_path, self.dit.config.num_blocks, self.device, self.dtype)
         # The DiT forward every sampling step calls: the module itself, or its compiled graphs
@@ -181,9 +144,7 @@ class Renderer:
     @property
     def adapter_kind(self) -> str | None:
         """ "snapref", "arcanima-v2", "arcanima-pilot", or None without an adapter (from the file)."""
-        if self.adapter is None:
-            return None
-        return self.adapter.kind if isinstance(self.adapter, BoundArcAnima) else "snapref"
+        return self.adapter.kind if self.adapter is not None else None
 
     def with_adapter(self, adapter: str | Path) -> Renderer:
         """A renderer sharing this one's models (no second copy of the weights) with another adapter."""
@@ -202,7 +163,7 @@ class Renderer:
     def target_grid(self, width: int, height: int) -> tuple[int, int, int]:
         return self.dit.token_grid(height // 8, width // 8)
 
-    def _require_adapter(self) -> BoundAdapter:
+    def _require_adapter(self) -> ReferenceAdapter:
         if self.adapter is None:
             raise RenderError("reference given but no reference adapter is loaded (pass --adapter / adapter=)")
         return self.adapter
@@ -216,109 +177,31 @@ class Renderer:
         ref_megapixels: float,
         sources: Sequence[str] | None,
         output_size: tuple[int, int] | None = None,
-    ) -> _PreparedReference:
+    ) -> PreparedReference:
         sources = sources or [f"reference {i + 1}" for i in range(len(images))]
-        kind = self.adapter_kind
-        if kind in ARCANIMA_KINDS and layout == "multi":
-            raise RenderError(
-                f"layout: several references of one character are a SnapRef feature; a {kind} adapter"
-                " reads one reference, or two characters stitched side by side (pair)"
-            )
-        if kind == "arcanima-pilot":
-            if output_size is None:
-                raise RenderError("the ArcAnima pilot needs the output size to prepare its reference frame")
-            opened = [open_reference(data, src) for data, src in zip(images, sources)]
-            if layout == "pair" and len(opened) == 2:
-                opened = [stitch_side_by_side(*opened)]
-            elif len(opened) != 1:
-                raise RenderError(f"reference layout {layout!r} with {len(opened)} images")
-            pixel_list = [image_to_pixels(fit_output_size(opened[0], *output_size))]
-        else:
-            pixel_list = prepare_reference(images, layout=layout, megapixels=ref_megapixels, sources=sources)
+        bound = self._require_adapter()
+        # Laid out and sized as the loaded kind takes references (kinds.KINDS).
+        pixel_list = bound.reference_pixels(images, layout, ref_megapixels, sources, output_size)
         latents = []
         for pixels in pixel_list:
             mu = encode_in_budget(self.vae, pixels.to(self.device, self.dtype))
             latents.append(process_in(mu.float()))
-        # The ArcAnima reference streams take no text: no caption to encode.
-        context = (
-            self.prompts.encode(ref_caption, device=self.device).float()
-            if kind not in ARCANIMA_KINDS
-            else torch.zeros(0)
-        )
-        size = f"{output_size[0]}x{output_size[1]}" if kind == "arcanima-pilot" else ""
-        digest = hashlib.sha256(f"{layout}|{ref_megapixels}|{ref_caption}|{size}".encode())
+        # A kind whose reference stream takes no text has no caption to encode.
+        context = self.prompts.encode(ref_caption, device=self.device).float() if bound.reads_caption else None
+        digest = hashlib.sha256(bound.reference_recipe(layout, ref_megapixels, ref_caption, output_size).encode())
         for data in images:
             digest.update(content_hash(data).encode())
-        return _PreparedReference(tuple(latents), context, digest.hexdigest()[:32])
+        return PreparedReference(tuple(latents), context, digest.hexdigest()[:32])
 
     @torch.inference_mode()
-    def _run_reference_stream(self, prepared: _PreparedReference, target_grid: tuple[int, int, int]) -> RefKV:
-        """The reference stream, in fp32 whatever the model dtype; RefKV stored in the sampling dtype."""
+    def _run_reference_stream(self, prepared: PreparedReference, target_grid: tuple[int, int, int]) -> RefKV:
+        """The loaded kind's reference stream, in fp32 whatever the model dtype; RefKV stored in the sampling dtype."""
         bound = self._require_adapter()
         t0 = time.perf_counter()
-        if isinstance(bound, BoundArcAnima):
-            return self._run_arcanima_reference(bound, prepared, target_grid, t0)
-        loras = bound.reference_loras()
-        dt, dh, dw = bound.rope_offset(target_grid)
-        parts, grids, offsets = [], [], []
-        for latent in prepared.latents:
-            offset = (dt, dh, dw)
-            kv_list = self.dit.reference_kv(latent, prepared.context, loras=loras, rope_offset=offset)
-            kv = torch.stack([torch.stack([k, v]) for k, v in kv_list])  # [N, 2, H, L, D]
-            if not torch.isfinite(kv).all():
-                raise RenderError(f"reference {prepared.reference_id}: the reference stream produced non-finite K/V")
-            grid = self.dit.token_grid(latent.shape[-2], latent.shape[-1])
-            parts.append(kv.to(self.dtype))
-            grids.append(grid)
-            offsets.append(offset)
-            dw += grid[2]  # several references of one character sit side by side along w
+        refkv = bound.reference_stream(self.dit, prepared, target_grid, self.dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return RefKV(
-            torch.cat(parts, dim=3),
-            tuple(grids),
-            tuple(offsets),
-            target_grid,
-            bound.identity,
-            prepared.reference_id,
-            time.perf_counter() - t0,
-        )
-
-    def _run_arcanima_reference(
-        self, bound: BoundArcAnima, prepared: _PreparedReference, target_grid: tuple[int, int, int], t0: float
-    ) -> RefKV:
-        latent = prepared.latents[0]
-        grid = self.dit.token_grid(latent.shape[-2], latent.shape[-1])
-        if bound.kind == "arcanima-pilot":
-            if grid != target_grid:
-                raise RenderError(f"the pilot's reference frame is {grid} tokens, the target {target_grid}")
-            # Nothing to cache but the VAE encode: the frame runs through the DiT at every step.
-            return RefKV(
-                latent[0].unsqueeze(1).to(self.dtype),
-                (grid,),
-                ((1, 0, 0),),
-                target_grid,
-                bound.identity,
-                prepared.reference_id,
-                time.perf_counter() - t0,
-                payload="frame_latent",
-            )
-        with torch.inference_mode():
-            kv = v2_reference_kv(self.dit, bound, latent, target_grid)  # fp32 stream, as SnapRef's
-        if not torch.isfinite(kv).all():
-            raise RenderError(f"reference {prepared.reference_id}: the reference stream produced non-finite K/V")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        offset = v2_rope_offset(bound, target_grid)
-        return RefKV(
-            kv.to(self.dtype),
-            (grid,),
-            (offset,),
-            target_grid,
-            bound.identity,
-            prepared.reference_id,
-            time.perf_counter() - t0,
-        )
+        return dataclasses.replace(refkv, encode_seconds=time.perf_counter() - t0)
 
     def encode_reference(
         self,
@@ -400,7 +283,7 @@ class Renderer:
         self,
         requests: list[RenderRequest],
         refkv: RefKV | None,
-        prepared: _PreparedReference | None,
+        prepared: PreparedReference | None,
         init_image: Image.Image | None,
         progress: ProgressCallback | None,
     ) -> list[RenderResult]:
@@ -412,11 +295,9 @@ class Renderer:
         if refkv is not None:
             if refkv.adapter_id != bound.identity:
                 raise RenderError("refkv was encoded with a different adapter than the one loaded")
-            expected_payload = "frame_latent" if self.adapter_kind == "arcanima-pilot" else "kv"
-            if refkv.payload != expected_payload:
+            if refkv.payload != bound.payload:
                 raise RenderError(
-                    f"refkv holds a {refkv.payload!r} reference, a {self.adapter_kind} adapter reads"
-                    f" {expected_payload!r}"
+                    f"refkv holds a {refkv.payload!r} reference, a {bound.kind} adapter reads {bound.payload!r}"
                 )
             if refkv.target_grid != grid:
                 raise RenderError(
@@ -448,27 +329,14 @@ class Renderer:
             x = noise
 
         combine = Combiner(s)
-        target_loras = bound.target_loras() if bound is not None else None
-        weights = bound.read_weights(s.mode, s.ref_weight) if bound is not None else None
-
-        reads_cache: dict = {}
+        reader = bound.reader(s) if bound is not None else None  # once per render: its reads, LoRAs
 
         def denoise(x_B: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             plan = plan_step(s, float(sigma), has_reference)
             step_kv = refkv
             if prepared is not None and (step_kv is None or s.recompute_reference_every_step):
                 step_kv = self._run_reference_stream(prepared, grid)  # the pilot-style baseline
-            denoised = self.denoise_rows(
-                x_B,
-                sigma,
-                plan,
-                ctx_for,
-                step_kv,
-                weights,
-                target_loras,
-                reads_cache,
-                strength=s.strength if s.strength is not None else 1.0,
-            )
+            denoised = self.denoise_rows(x_B, sigma, plan, ctx_for, step_kv, reader)
             return combine(x_B, sigma, plan, denoised)
 
         t1 = time.perf_counter()
@@ -491,21 +359,16 @@ class Renderer:
         plan: StepPlan,
         ctx_for: dict[Row, list[torch.Tensor]],
         refkv: RefKV | None,
-        weights: list[float] | None,
-        target_loras: list | None,
-        reads_cache: dict | None = None,
-        *,
-        strength: float = 1.0,
+        reader: RowReader | None,
     ) -> dict[Row, torch.Tensor]:
         """One batched DiT forward over every row kind of the step; denoised estimate per kind.
 
         x_B: [n, 16, 1, h, w] fp32; ctx_for: per row kind, one [1, L, C] context per request.
-        Rows are stacked kind by kind ([COND x n, UNCOND x n, ...]); only the attention seam sees
-        which of them read the reference. `reads_cache` (one dict per render) keeps the RefReads
-        of each row layout, so they are built once per render, not once per step. Contexts of
-        different lengths (prompts over 512 T5 tokens) run as one forward per length. With an
-        ArcAnima adapter `weights` / `target_loras` are unused and `strength` is the LoRA
-        multiplier of the reading rows.
+        Rows are stacked kind by kind ([COND x n, UNCOND x n, ...]); which of them read the
+        reference is `plan.reads`, and how they read it is the loaded kind's: `reader` is
+        `self.adapter.reader(settings)`, made once per render (None: the plain model, no adapter
+        branch in any row). Contexts of different lengths (prompts over 512 T5 tokens) run as one
+        forward per length.
         """
         n = x_B.shape[0]
         rows_x = x_B.repeat(len(plan.rows), 1, 1, 1, 1)
@@ -515,17 +378,7 @@ class Renderer:
         sigma_rows = torch.full((len(contexts),), float(sigma), device=self.device)
         lengths = sorted({c.shape[1] for c in contexts})
         if len(lengths) == 1:  # the usual case: one forward over every row, no gathers
-            v = self._forward_rows(
-                rows_x,
-                sigma_rows,
-                torch.cat(contexts),
-                tuple(reads),
-                refkv,
-                weights,
-                target_loras,
-                reads_cache,
-                strength,
-            )
+            v = self._forward_rows(rows_x, sigma_rows, torch.cat(contexts), tuple(reads), refkv, reader)
         else:
             v = torch.empty_like(rows_x)
             for length in lengths:
@@ -536,10 +389,7 @@ class Renderer:
                     torch.cat([contexts[i] for i in idx]),
                     tuple(reads[i] for i in idx),
                     refkv,
-                    weights,
-                    target_loras,
-                    reads_cache,
-                    strength,
+                    reader,
                 )
         d_rows = rows_x - sigma * v  # flow matching, CONST: D = x - sigma * v
         return dict(zip(plan.rows, d_rows.split(n)))
@@ -551,33 +401,13 @@ class Renderer:
         context: torch.Tensor,
         reads: tuple[bool, ...],
         refkv: RefKV | None,
-        weights: list[float] | None,
-        target_loras: list | None,
-        reads_cache: dict | None,
-        strength: float,
+        reader: RowReader | None,
     ) -> torch.Tensor:
-        """Velocity of one batch of rows sharing a context length, through the loaded adapter's method."""
-        if isinstance(self.adapter, BoundArcAnima):
-            method = pilot_forward if self.adapter.kind == "arcanima-pilot" else v2_forward
-            kv = refkv.kv_N2HLD if refkv is not None else None
-            return method(self.dit, self.adapter, x.to(self.dtype), sigma_rows, context, reads, kv, strength).float()
-        refs = self._reads(refkv, reads, weights, reads_cache)
-        return self.forward(x.to(self.dtype), sigma_rows, context, loras=target_loras, refs=refs).float()
-
-    @staticmethod
-    def _reads(
-        refkv: RefKV | None, rows: tuple[bool, ...], weights: list[float] | None, cache: dict | None
-    ) -> list | None:
-        if refkv is None or not any(rows):
-            return None
-        key = (id(refkv.kv_N2HLD), rows)  # a recomputed RefKV is a new tensor, so a new entry
-        if cache is None:
-            return refkv.reads(rows, weights)
-        if key not in cache:
-            if any(k[0] != key[0] for k in cache):
-                cache.clear()  # keep only the current RefKV's reads (recompute-every-step makes one per step)
-            cache[key] = refkv.reads(rows, weights)
-        return cache[key]
+        """Velocity of one batch of rows sharing a context length, through the loaded adapter's reader."""
+        x = x.to(self.dtype)
+        if reader is None:
+            return self.forward(x, sigma_rows, context).float()
+        return reader.forward(self.forward, x, sigma_rows, context, reads, refkv).float()
 
     @torch.inference_mode()
     def decode(self, latent_B_C_T_H_W: torch.Tensor) -> list[Image.Image]:

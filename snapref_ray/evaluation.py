@@ -40,6 +40,7 @@ from PIL import Image
 from snapref_ray.adapter.images import fit_megapixels, image_to_pixels, open_reference
 from snapref_ray.models.latent_format import process_in
 from snapref_ray.models.vae_memory import encode_in_budget
+from snapref_ray.requests import RenderSettings
 from snapref_ray.sampling.noise import initial_noise, noise_scaling
 from snapref_ray.sampling.ref_guidance import Row, StepPlan
 
@@ -97,7 +98,7 @@ def denoising_losses(
     if bad:
         raise ValueError(f"sigmas must lie in (0, 1], found {bad}")
     x0 = encode_target(renderer, target_image)  # [1, 16, 1, h, w]
-    weights = target_loras = None
+    reader = None  # no reference: the plain model, no adapter branch
     if refkv is not None:
         bound = renderer.adapter
         if bound is None:
@@ -111,8 +112,8 @@ def denoising_losses(
                 f"{target_image.height} target needs {grid}"
             )
         refkv = refkv.to(renderer.device, renderer.dtype)
-        weights = bound.read_weights(mode, ref_weight)
-        target_loras = bound.target_loras()
+        # The cond row of a render with these settings: the mode's block weights x ref_weight, target LoRA on.
+        reader = bound.reader(renderer.resolve(RenderSettings(mode=mode, ref_weight=ref_weight)))
     plan = StepPlan(rows=(Row.COND,), reads=(refkv is not None,), ref_guidance_active=False)
     context = renderer.prompts.encode(prompt, device=renderer.device).to(renderer.dtype)  # [1, L, C]
     eps = initial_noise(list(noise_seeds), tuple(x0.shape[1:]), renderer.device)  # [N, 16, 1, h, w]
@@ -125,9 +126,7 @@ def denoising_losses(
             rows = slice(start, start + chunk)
             x_sigma = noise_scaling(sigma, eps[rows], x0.expand_as(eps[rows]))
             n = x_sigma.shape[0]
-            denoised = renderer.denoise_rows(
-                x_sigma, sigma, plan, {Row.COND: [context] * n}, refkv, weights, target_loras
-            )[Row.COND]
+            denoised = renderer.denoise_rows(x_sigma, sigma, plan, {Row.COND: [context] * n}, refkv, reader)[Row.COND]
             v_pred = (x_sigma - denoised) / sigma  # the DiT's velocity (denoise_rows returns D = x − σ·v)
             losses[i, rows] = (v_pred - v_target[rows]).square().flatten(1).mean(dim=1).cpu()
     return losses

@@ -232,3 +232,14 @@ class RowDefaults(RenderSettings):
 
 
 ROW_ONLY_DEFAULTS = ("seed", "images_per_prompt")
+
+
+class RenderError(ValueError):
+    """A render request that cannot be carried out; the message names the field, `field` too when known.
+
+    Raised by the engine and by the adapter kinds it runs (snapref_ray.engine re-exports it).
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field

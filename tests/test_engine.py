@@ -110,16 +110,8 @@ def _rows(renderer, settings, refkv, sigma=0.8):
     cond, uncond = renderer.prompts.encode("1girl, smile"), renderer.prompts.encode("")
     ctx_for = {Row.COND: [cond], Row.UNCOND: [uncond], Row.COND_NOREF: [cond]}
     plan = plan_step(settings, sigma, True)
-    bound = renderer.adapter
-    return renderer.denoise_rows(
-        x,
-        torch.tensor(sigma),
-        plan,
-        ctx_for,
-        refkv,
-        bound.read_weights(settings.mode, settings.ref_weight),
-        bound.target_loras(),
-    )
+    reader = renderer.adapter.reader(renderer.resolve(settings))
+    return renderer.denoise_rows(x, torch.tensor(sigma), plan, ctx_for, refkv, reader)
 
 
 def test_uncond_row_ignores_the_reference_by_default_and_reads_it_with_ref_in_uncond(

@@ -1,4 +1,8 @@
-"""Reference adapters: SnapRef `anima_ref_kv/1` and ArcAnima v2 / pilot files, kinds, inspection, references."""
+"""Reference adapters: SnapRef `anima_ref_kv/1` and ArcAnima v2 / pilot files, kinds, inspection, references.
+
+Every kind runs behind one interface, `ReferenceAdapter` (reference_adapter.py), and has one row
+of `KINDS` (kinds.py).
+"""
 
 from snapref_ray.adapter.arcanima import ArcAnimaAdapter, load_arcanima, make_arcanima, save_arcanima
 from snapref_ray.adapter.file import (
@@ -28,7 +32,8 @@ from snapref_ray.adapter.images import (
     stitch_side_by_side,
 )
 from snapref_ray.adapter.inspect import format_file_inspection, format_inspection, inspect_adapter, inspect_file
-from snapref_ray.adapter.kinds import ARCANIMA_LAYOUTS, Detection, detect_kind
+from snapref_ray.adapter.kinds import ARCANIMA_LAYOUTS, KINDS, AdapterKind, Detection, detect_kind
+from snapref_ray.adapter.reference_adapter import PreparedReference, ReferenceAdapter, RowReader, load_bound_adapter
 
 __all__ = [
     "FORMAT",
@@ -59,8 +64,14 @@ __all__ = [
     "format_file_inspection",
     "inspect_file",
     "ARCANIMA_LAYOUTS",
+    "KINDS",
+    "AdapterKind",
     "Detection",
     "detect_kind",
+    "PreparedReference",
+    "ReferenceAdapter",
+    "RowReader",
+    "load_bound_adapter",
     "ArcAnimaAdapter",
     "load_arcanima",
     "make_arcanima",

@@ -1,9 +1,9 @@
-"""ArcAnima reference adapters (v2 and pilot): the LoRA file, synthetic ones, and their runtime form.
+"""ArcAnima reference adapters (v2 and pilot): the LoRA file, synthetic ones, and what their runtimes share.
 
 An ArcAnima file is a LoRA on the DiT block linears (`kinds.ARCANIMA_LAYOUTS`). It is never
-merged into the base weights: its factors are applied per call, scaled per batch row, so rows
-that read the reference get `strength` x the LoRA and rows that do not get nothing, inside one
-batched forward (`RowScaledLoRA`).
+merged into the base weights: its factors are applied per call, in the rows that read the
+reference only (`strength` x the LoRA there, nothing in the other rows, which run as a second
+sub-batch of the step: reference_adapter.forward_reading_and_plain_rows).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from safetensors.torch import save_file
 
 from snapref_ray.adapter.file import AdapterError, adapter_identity, linear_dims
 from snapref_ray.adapter.kinds import ARCANIMA_LAYOUTS, KIND_METADATA_KEY, ArcAnimaLayout, detect_kind
+from snapref_ray.adapter.reference_adapter import ReferenceAdapter, adapter_class
 from snapref_ray.models.block_map import adapter_block_map
 from snapref_ray.models.lora import read_lora
 from snapref_ray.models.ops import BlockLoRA, LoRAPair
+from snapref_ray.requests import RenderSettings
 
 
 @dataclass
@@ -144,46 +146,39 @@ def make_arcanima(
 
 
 # ---------------------------------------------------------------------------------------------
-# Runtime: the LoRA scaled per batch row
+# Runtime: what both kinds share
 
 
 @dataclass(frozen=True)
-class RowScaledLoRA:
-    """A LoRA branch whose delta is multiplied per batch row: row b gets `row_scale_B[b]` x delta.
+class BoundArcAnima(ReferenceAdapter):
+    """What both ArcAnima kinds share: the adapter laid out per MODEL block (28 -> 40 through the
+    inherited blocks), its LoRA per row layout, and `strength` as the LoRA multiplier.
 
-    Duck-types `LoRAPair` for `ops.Linear` (it only calls `.delta(x)`), so the base weights stay
-    untouched and the CFG batch stays one forward. x is [B, L, in] (tokens or text context).
+    The kinds themselves are arcanima_v2.ArcAnimaV2 and arcanima_pilot.ArcAnimaPilot.
     """
-
-    pair: LoRAPair
-    row_scale_B: torch.Tensor
-
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.row_scale_B.to(device=x.device, dtype=x.dtype).reshape(-1, *[1] * (x.ndim - 1))
-        return self.pair.delta(x) * scale
-
-
-@dataclass(frozen=True)
-class BoundArcAnima:
-    """An ArcAnima adapter laid out per MODEL block (28 -> 40 through the inherited blocks)."""
 
     adapter: ArcAnimaAdapter
     model_blocks: int
     hooked: tuple[int | None, ...]
 
-    @staticmethod
+    @classmethod
     def bind(
-        adapter: ArcAnimaAdapter, model_blocks: int, device: torch.device | str, dtype: torch.dtype
+        cls, adapter: ArcAnimaAdapter, model_blocks: int, device: torch.device | str, dtype: torch.dtype
     ) -> BoundArcAnima:
+        """`adapter` on a model of `model_blocks` blocks, as its kind's class (from `BoundArcAnima` too)."""
+        if cls is BoundArcAnima:
+            return adapter_class(adapter.kind).bind(adapter, model_blocks, device, dtype)
+        if adapter.kind != cls.kind:
+            raise AdapterError(f"{adapter.source}: is {adapter.kind}, expected {cls.kind}")
         mapping = adapter_block_map(adapter.num_blocks, model_blocks)  # raises on an unknown layout
         hooked: list[int | None] = [None] * model_blocks
         for adapter_block, model_block in enumerate(mapping):
             hooked[model_block] = adapter_block
-        return BoundArcAnima(adapter.to(device=device, dtype=dtype), model_blocks, tuple(hooked))
+        return cls(adapter.to(device=device, dtype=dtype), model_blocks, tuple(hooked))
 
-    @property
-    def kind(self) -> str:
-        return self.adapter.kind
+    @classmethod
+    def load(cls, path: str | Path, model_blocks: int, device: torch.device, dtype: torch.dtype) -> BoundArcAnima:
+        return cls.bind(load_arcanima(path, expected_kind=cls.kind), model_blocks, device, dtype)
 
     @property
     def identity(self) -> str:
@@ -193,12 +188,20 @@ class BoundArcAnima:
     def layout(self) -> ArcAnimaLayout:
         return self.adapter.layout
 
-    def row_loras(self, row_scale_B: torch.Tensor) -> list[BlockLoRA | None]:
-        """Per model block: every linear's LoRA scaled per row (inserted blocks: None)."""
-        return [
-            None if k is None else {lin: RowScaledLoRA(p, row_scale_B) for lin, p in self.adapter.loras[k].items()}
-            for k in self.hooked
-        ]
+    def describe(self) -> dict:
+        return {
+            "kind": self.kind,
+            "identity": self.identity,
+            "num_blocks": self.adapter.num_blocks,
+            "model_blocks": self.model_blocks,
+            "rank": self.adapter.rank,
+            "method": self.layout.method,
+        }
+
+    @staticmethod
+    def lora_multiplier(settings: RenderSettings) -> float:
+        """`strength`: the LoRA multiplier of the reading rows (resolved settings always hold it)."""
+        return settings.strength if settings.strength is not None else 1.0
 
     def full_loras(self, multiplier: float = 1.0) -> list[BlockLoRA | None]:
         """Per model block: the LoRA for a forward where every row uses it (x multiplier)."""
@@ -208,10 +211,3 @@ class BoundArcAnima:
             else {lin: dataclasses.replace(p, scale=p.scale * multiplier) for lin, p in self.adapter.loras[k].items()}
             for k in self.hooked
         ]
-
-    # SnapRef's BoundAdapter API, for callers that ask generically (evaluation): no per-block weights here.
-    def read_weights(self, mode: str, ref_weight: float) -> None:
-        return None
-
-    def target_loras(self) -> None:
-        return None

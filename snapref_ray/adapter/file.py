@@ -24,12 +24,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from snapref_ray.models.checkpoint import DIT_PREFIXES, CheckpointError, load_state_dict, read_header
+from snapref_ray.adapter.kinds import SNAPREF_FORMAT, not_a_snapref_file
+from snapref_ray.models.checkpoint import CheckpointError, load_state_dict, read_header
 from snapref_ray.models.ops import BlockLoRA, LoRAPair
 
 log = logging.getLogger(__name__)
 
-FORMAT = "anima_ref_kv/1"
+FORMAT = SNAPREF_FORMAT
 AFTER_TARGET = "after_target"
 
 # weight_format -> (torch dtype of the stored LoRA weights, safetensors dtype string in the header).
@@ -419,9 +420,8 @@ def _read_header(path: Path) -> tuple[dict, dict[str, str]]:
 
 
 def _validate(path: Path, header: dict, metadata: dict[str, str]) -> tuple[AdapterMeta, AdapterLayout]:
-    fmt = metadata.get("format")
-    if fmt != FORMAT:
-        raise AdapterError(_not_an_adapter_message(path, header, fmt))
+    if metadata.get("format") != FORMAT:
+        raise AdapterError(not_a_snapref_file(path, header, metadata))
     meta = AdapterMeta.from_metadata(metadata, source=str(path))
     problems: list[str] = []
 
@@ -515,60 +515,6 @@ def _shape_reason(key: str, meta: AdapterMeta) -> str:
     rank = meta.ref_rank if branch == "ref" else meta.target_rank
     part = "down [rank, in]" if ".lora_down." in key else "up [out, rank]"
     return f"LoRA {part}, {branch}_rank {rank}, model_channels {meta.model_channels}"
-
-
-_BLOCK_WEIGHT = re.compile(r"^blocks\.(\d+)\.self_attn\.q_proj\.weight$")
-_LORA_MARKERS = (".lora_up.", ".lora_down.", ".lora_A.", ".lora_B.", "lora_unet_", ".hada_", ".lokr_")
-
-
-def _not_an_adapter_message(path: Path, header: dict, fmt: str | None, detect: bool = True) -> str:
-    """Say what a file without `format = anima_ref_kv/1` most likely is.
-
-    detect=False: do not ask `kinds.detect_kind` about LoRA-keyed files (it calls this function).
-    """
-    expected = f"a SnapRef adapter is a safetensors file whose __metadata__ has format={FORMAT!r}"
-    if fmt is not None and fmt.startswith("anima_ref_kv/"):
-        return f"{path}: SnapRef adapter format {fmt!r} is not supported; this version reads {FORMAT!r} only"
-    found_fmt = f"format {fmt!r}" if fmt is not None else "no 'format' metadata"
-    keys = sorted(header)
-    if not keys:
-        return f"{path}: safetensors file with no tensors and {found_fmt}; {expected}"
-    if any(k.startswith(("ref.blocks.", "target.blocks.")) for k in keys):
-        return (
-            f"{path}: has SnapRef-style tensors (e.g. {keys[0]!r}) but {found_fmt}; its metadata is missing or"
-            f" was stripped — {expected}"
-        )
-    lora = [k for k in keys if any(m in k for m in _LORA_MARKERS)]
-    if lora:
-        from snapref_ray.adapter.kinds import detect_kind  # kinds imports this module
-
-        kind = detect_kind(path) if detect else None
-        if kind is not None and kind.is_adapter:
-            return (
-                f"{path}: is a reference adapter of kind {kind.kind} ({kind.how}: {kind.reason}), not a SnapRef"
-                f" file; load it with --adapter, which detects the kind (never merge it with --lora)"
-            )
-        return (
-            f"{path}: looks like a standard LoRA ({len(keys)} tensors, e.g. {lora[0]!r}; {found_fmt}), not a"
-            f" reference adapter; {expected}. A plain LoRA is merged with --lora."
-        )
-    blocks: set[int] = set()
-    example = None
-    for key in keys:
-        bare = next((key[len(p) :] for p in DIT_PREFIXES if key.startswith(p)), key)
-        if m := _BLOCK_WEIGHT.match(bare):
-            blocks.add(int(m.group(1)))
-            example = example or key
-    if blocks:
-        return (
-            f"{path}: looks like an Anima base model (DiT weights, {len(blocks)} blocks, e.g. {example!r}), not a"
-            f" SnapRef adapter; give it as the model and the {FORMAT} adapter file separately"
-        )
-    if any(k.startswith(("encoder.downsamples.", "decoder.upsamples.", "encoder.conv1.")) for k in keys):
-        return f"{path}: looks like a VAE (e.g. {keys[0]!r}), not a SnapRef adapter; {expected}"
-    if any("embed_tokens" in k for k in keys) and any(".layers." in k for k in keys):
-        return f"{path}: looks like a text encoder (e.g. {keys[0]!r}), not a SnapRef adapter; {expected}"
-    return f"{path}: not a SnapRef adapter ({found_fmt}, {len(keys)} tensors, e.g. {keys[0]!r}); {expected}"
 
 
 # ---------------------------------------------------------------------------------------------

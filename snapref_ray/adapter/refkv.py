@@ -144,3 +144,25 @@ class RefKV:
     def __reduce__(self):
         header, buffer = self.to_wire()
         return (RefKV.from_wire, (header, buffer))
+
+
+class ReadsCache:
+    """The RefReads of the current RefKV per row layout, so that a render builds them once, not once per step.
+
+    Keyed by the K/V tensor and the rows that read. A new RefKV (recompute_reference_every_step
+    makes one per step) replaces the entries of the old one, so the cache holds one reference.
+    """
+
+    def __init__(self) -> None:
+        self._reads: dict[tuple[int, tuple[bool, ...]], list[RefRead | None]] = {}
+
+    def reads(self, refkv: RefKV | None, rows: tuple[bool, ...], weights: list[float]) -> list[RefRead | None] | None:
+        """`refkv.reads(rows, weights)`, built once per (RefKV, rows); None when no row reads."""
+        if refkv is None or not any(rows):
+            return None
+        key = (id(refkv.kv_N2HLD), rows)  # the cached RefReads keep the tensor alive: its id is not reused
+        if key not in self._reads:
+            if any(k[0] != key[0] for k in self._reads):
+                self._reads.clear()
+            self._reads[key] = refkv.reads(rows, weights)
+        return self._reads[key]

@@ -137,7 +137,7 @@ def _expand_ref(t_HLD: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Ten
     return t_HLD.to(dtype).unsqueeze(0).expand(rows, -1, -1, -1)
 
 
-def _row_runs(rows: tuple[int, ...]) -> list[tuple[int, int]]:
+def row_runs(rows: tuple[int, ...]) -> list[tuple[int, int]]:
     """Contiguous [start, stop) runs of sorted row indices: slices are views, no gather."""
     runs: list[tuple[int, int]] = []
     for r in rows:
@@ -148,15 +148,16 @@ def _row_runs(rows: tuple[int, ...]) -> list[tuple[int, int]]:
     return runs
 
 
-def _take_rows(t_B: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+def take_rows(t_B: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows of `runs` (from `row_runs`) along dim 0, in order: a view when they are one run."""
     parts = [t_B[a:b] for a, b in runs]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _lse_read(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, ref: RefRead) -> torch.Tensor:
     out_t, lse_t = sdpa_with_lse(q_BHLD, k_BHLD, v_BHLD)
-    runs = _row_runs(ref.reading)
-    q_RHLD = _take_rows(q_BHLD, runs)
+    runs = row_runs(ref.reading)
+    q_RHLD = take_rows(q_BHLD, runs)
     R, H, L, D = q_RHLD.shape
     # Every reading row attends to the same reference keys: fold the rows into the query axis
     # ([1, H, R*L, D]) rather than expanding K/V to R rows (stride-0 batches, or R copies).
@@ -167,8 +168,8 @@ def _lse_read(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     out_r = out_1HQD.reshape(H, R, L, D).transpose(0, 1)
     lse_r = lse_1HQ.reshape(H, R, L).transpose(0, 1)
     # share of the reference keys in the union's softmax: w e^lse_r / (e^lse_t + w e^lse_r)
-    share_R = torch.sigmoid(lse_r + ref.log_weight - _take_rows(lse_t, runs))[..., None]
-    merged_R = torch.lerp(_take_rows(out_t, runs).float(), out_r.float(), share_R).to(out_t.dtype)
+    share_R = torch.sigmoid(lse_r + ref.log_weight - take_rows(lse_t, runs))[..., None]
+    merged_R = torch.lerp(take_rows(out_t, runs).float(), out_r.float(), share_R).to(out_t.dtype)
     if R == q_BHLD.shape[0]:
         return merged_R
     # Put the merged rows back among the target-only ones, in order, from slices (no index tensors).
@@ -210,10 +211,10 @@ def _concat_read(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tenso
     reading = set(ref.reading)
     out = [None] * B
     for runs, reads in (
-        (_row_runs(ref.reading), True),
-        (_row_runs(tuple(i for i in range(B) if i not in reading)), False),
+        (row_runs(ref.reading), True),
+        (row_runs(tuple(i for i in range(B) if i not in reading)), False),
     ):
-        q, k, v = (_take_rows(t, runs) for t in (q_BHLD, k_BHLD, v_BHLD))
+        q, k, v = (take_rows(t, runs) for t in (q_BHLD, k_BHLD, v_BHLD))
         o = _concat_read_all(q, k, v, ref) if reads else sdpa(q, k, v)
         i = 0
         for a, b in runs:

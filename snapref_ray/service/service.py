@@ -121,12 +121,7 @@ class RenderService:
         r = self.renderer
         spec = self.model_spec
         adapter = r.adapter
-        described = None
-        if adapter is not None:
-            described = {"kind": r.adapter_kind, "identity": adapter.identity}
-            meta = getattr(getattr(adapter, "adapter", None), "meta", None)
-            if meta is not None:  # SnapRef files state these
-                described.update(base_model=meta.base_model, num_blocks=meta.num_blocks, modes=list(meta.modes))
+        described = adapter.describe() if adapter is not None else None
         return {
             "model": r.model_id,
             "adapter": described,

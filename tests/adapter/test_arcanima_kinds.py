@@ -159,7 +159,7 @@ def test_block_layouts(tmp_path, files):
     r = Renderer.from_folder(deep, adapter=adapter28, device="cpu")
     hooked = [i for i, k in enumerate(r.adapter.hooked) if k is not None]
     assert hooked == list(INHERITED_28_TO_40)
-    loras = r.adapter.row_loras(torch.ones(1))
+    loras = r.adapter.full_loras()
     assert all(loras[i] is None for i in range(40) if i not in INHERITED_28_TO_40)
     kv = r.encode_reference((deep / "reference.png").read_bytes(), width=256, height=256)
     assert kv.num_blocks == 40
