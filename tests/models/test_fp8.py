@@ -17,7 +17,6 @@ from safetensors.torch import save_file
 from torch._dynamo.testing import CompileCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from snapref_ray.adapter.arcanima import RowScaledLoRA
 from snapref_ray.models.attention import RefRead
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.dit import BLOCK_LINEARS, load_dit
@@ -187,14 +186,17 @@ def test_lora_delta_is_added_from_the_unquantised_activation():
     assert (y.double() - expected).norm() < 0.01 * delta.norm()
 
 
-def test_arcanima_row_scaled_lora_applies_per_batch_row_on_a_float8_base():
+def test_arcanima_strength_scaled_lora_on_a_float8_base():
+    # ArcAnima v2 runs its reading rows as a sub-batch with the LoRA x strength and the others without it
+    # (adapter/arcanima_v2.py): on a float8 base the first get base + strength x delta, the others the base.
     layer = Float8Linear.from_linear(_linear(_randn(96, 64, seed=10)))
     x = _randn(2, 40, 64, seed=11, dtype=torch.bfloat16)
     pair = _lora(64, 96, seed=12)
-    y = layer(x, RowScaledLoRA(pair, torch.tensor([0.0, 1.5])))
-    assert torch.equal(y[0], layer(x[:1])[0])  # row scale 0: exactly the float8 base
-    expected, delta = _fp8_base_plus_delta_oracle(layer, x[1:], LoRAPair(pair.down, pair.up, pair.scale * 1.5))
-    assert (y[1:].double() - expected).norm() < 0.01 * delta.norm()
+    scaled = LoRAPair(pair.down, pair.up, pair.scale * 1.5)
+    y = layer(x[1:], scaled)
+    expected, delta = _fp8_base_plus_delta_oracle(layer, x[1:], scaled)
+    assert (y.double() - expected).norm() < 0.01 * delta.norm()
+    assert torch.equal(layer(x[:1]), layer(x)[:1])  # the plain rows: exactly the float8 base, row by row
 
 
 # --- the DiT ----------------------------------------------------------------------------------
