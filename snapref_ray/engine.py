@@ -44,6 +44,7 @@ from snapref_ray.sampling.noise import initial_noise, noise_scaling
 from snapref_ray.sampling.ref_guidance import Combiner, Row, StepPlan, plan_step
 from snapref_ray.sampling.samplers import sample
 from snapref_ray.sampling.schedules import get_sigmas
+from snapref_ray.sampling.step_cache import StepCacheState
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class RenderResult:
     request: RenderRequest
     timings: dict[str, float] = field(default_factory=dict)
     reference_id: str | None = None
+    skipped_forwards: int | None = None  # DiT forwards the step cache skipped for this image (None: cache off)
 
 
 def refuse_reference_adapter_as_lora(path: str | Path) -> None:
@@ -330,13 +332,14 @@ class Renderer:
 
         combine = Combiner(s)
         reader = bound.reader(s) if bound is not None else None  # once per render: its reads, LoRAs
+        cache = StepCacheState(s.step_cache, n) if s.step_cache is not None else None
 
         def denoise(x_B: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             plan = plan_step(s, float(sigma), has_reference)
             step_kv = refkv
             if prepared is not None and (step_kv is None or s.recompute_reference_every_step):
                 step_kv = self._run_reference_stream(prepared, grid)  # the pilot-style baseline
-            denoised = self.denoise_rows(x_B, sigma, plan, ctx_for, step_kv, reader)
+            denoised = self.denoise_rows(x_B, sigma, plan, ctx_for, step_kv, reader, cache)
             return combine(x_B, sigma, plan, denoised)
 
         t1 = time.perf_counter()
@@ -350,7 +353,10 @@ class Renderer:
         decode_s = time.perf_counter() - t2
         timings = {"text_s": text_s, "sample_s": sample_s, "decode_s": decode_s, "steps": float(s.steps)}
         ref_id = refkv.reference_id if refkv is not None else prepared.reference_id if prepared else None
-        return [RenderResult(img, req, dict(timings), ref_id) for img, req in zip(images, requests)]
+        skipped = cache.skipped if cache is not None else [None] * n
+        return [
+            RenderResult(img, req, dict(timings), ref_id, skips) for img, req, skips in zip(images, requests, skipped)
+        ]
 
     def denoise_rows(
         self,
@@ -360,6 +366,7 @@ class Renderer:
         ctx_for: dict[Row, list[torch.Tensor]],
         refkv: RefKV | None,
         reader: RowReader | None,
+        cache: StepCacheState | None = None,
     ) -> dict[Row, torch.Tensor]:
         """One batched DiT forward over every row kind of the step; denoised estimate per kind.
 
@@ -367,8 +374,45 @@ class Renderer:
         Rows are stacked kind by kind ([COND x n, UNCOND x n, ...]); which of them read the
         reference is `plan.reads`, and how they read it is the loaded kind's: `reader` is
         `self.adapter.reader(settings)`, made once per render (None: the plain model, no adapter
-        branch in any row). Contexts of different lengths (prompts over 512 T5 tokens) run as one
-        forward per length.
+        branch in any row). With a step `cache` (sampling/step_cache.py) the images it lets skip
+        leave the forward: only the other images' rows run, and a skipping image's rows reuse their
+        last output deltas.
+        """
+        n = x_B.shape[0]
+        runs = cache.decide(x_B, float(sigma), plan.rows) if cache is not None else [True] * n
+        running = [i for i, run in enumerate(runs) if run]
+        v_by_row: dict[Row, torch.Tensor] = {}
+        if running:
+            x_run = x_B if len(running) == n else x_B[running]
+            ctx_run = ctx_for if len(running) == n else {row: [ctx_for[row][i] for i in running] for row in plan.rows}
+            v_run = self._velocities(x_run, sigma, plan, ctx_run, refkv, reader)
+            for row, v in v_run.items():
+                if len(running) == n:
+                    v_by_row[row] = v
+                else:
+                    v_by_row[row] = torch.empty_like(x_B)
+                    v_by_row[row][running] = v
+        if cache is not None:
+            if running:
+                cache.record(x_B, float(sigma), runs, v_by_row)
+            for i in (i for i, run in enumerate(runs) if not run):
+                for row in plan.rows:
+                    v_by_row.setdefault(row, torch.empty_like(x_B))[i] = cache.reuse(x_B, row, i)
+        # flow matching, CONST: D = x - sigma * v
+        return {row: x_B - sigma * v_by_row[row] for row in plan.rows}
+
+    def _velocities(
+        self,
+        x_B: torch.Tensor,
+        sigma: torch.Tensor,
+        plan: StepPlan,
+        ctx_for: dict[Row, list[torch.Tensor]],
+        refkv: RefKV | None,
+        reader: RowReader | None,
+    ) -> dict[Row, torch.Tensor]:
+        """The model's output (velocity) of every row of the step for the images of x_B, by row kind.
+
+        Contexts of different lengths (prompts over 512 T5 tokens) run as one forward per length.
         """
         n = x_B.shape[0]
         rows_x = x_B.repeat(len(plan.rows), 1, 1, 1, 1)
@@ -391,8 +435,7 @@ class Renderer:
                     refkv,
                     reader,
                 )
-        d_rows = rows_x - sigma * v  # flow matching, CONST: D = x - sigma * v
-        return dict(zip(plan.rows, d_rows.split(n)))
+        return dict(zip(plan.rows, v.split(n)))
 
     def _forward_rows(
         self,
