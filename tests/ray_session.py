@@ -95,6 +95,7 @@ class LocalServe:
         with environment(self.env):  # Ray's processes inherit it when Ray starts
             self.url = serve_app.start_local_serve(self._bootstrap, num_cpus=self.NUM_CPUS)
         self.haproxy_dir = serve_app.haproxy_dir()
+        self._haproxy_files = serve_app._haproxy_dir  # held here too: its folder goes when the last reference does
         self.grpc_limit = grpc_message_limit(self._bootstrap)
         return self
 
