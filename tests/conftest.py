@@ -214,4 +214,7 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     if _SESSION is not None:
         started = ", ".join(f"{name} {count}" for name, count in _SESSION.starts.items())
-        terminalreporter.write_line(f"Ray environments started: {started}")
+        terminalreporter.write_line(
+            f"Ray environments started: {started}; applications deployed on the local Serve: "
+            f"{_SESSION.serve_deployments}"
+        )

@@ -86,6 +86,7 @@ class LocalServe:
         self.url = ""
         self.haproxy_dir: Path | None = None
         self.grpc_limit = 0
+        self.deployments = 0  # applications deployed on it (reported at the end of the session)
 
     def start(self) -> LocalServe:
         from snapref_ray.pipelines import serve_app
@@ -133,6 +134,7 @@ class LocalServe:
         if problems:
             raise ValueError("this ServeConfig does not fit the session's local Serve: " + "; ".join(problems))
         serve_app.deploy_local(config, name=name)
+        self.deployments += 1
         try:
             yield self.url
         finally:
@@ -146,6 +148,7 @@ class RaySession:
         self._name: str | None = None
         self._running: RayHead | LocalServe | None = None
         self.starts: dict[str, int] = dict.fromkeys(ENVIRONMENTS, 0)  # reported at the end of the session
+        self.serve_deployments = 0
 
     def _switch(self, name: str, start) -> object:
         if self._name == name and self._running is not None:
@@ -159,6 +162,8 @@ class RaySession:
     def close(self) -> None:
         """Stop whatever environment runs."""
         running, self._running, self._name = self._running, None, None
+        if isinstance(running, LocalServe):
+            self.serve_deployments += running.deployments
         if running is not None:
             running.stop()
 
