@@ -425,7 +425,8 @@ class FakeCluster(RayHead):
         import ray
 
         keep = max_gpu_nodes if keep_alive is None else min(keep_alive, max_gpu_nodes)
-        extra = self.gpu_node_ids()[keep:]
+        # A node killed a moment ago may still be listed alive until the GCS misses its heartbeats.
+        extra = [n for n in self.gpu_node_ids() if n not in self.lost_nodes][keep:]
         if extra:
             gcs = ray._private.worker.global_worker.gcs_client
             # The call the autoscaler makes for an idle node: the GCS takes the node out, its raylet exits.
@@ -436,9 +437,10 @@ class FakeCluster(RayHead):
         self.max_gpu_nodes = max_gpu_nodes
         self._write_autoscaler_config()
         deadline = time.monotonic() + timeout_s
-        while set(extra) & set(self.gpu_node_ids()):
+        # Cold: also until the GCS has seen nodes killed a moment ago die.
+        while (alive := set(self.gpu_node_ids())) & set(extra) or (keep == 0 and alive):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"drained GPU nodes {extra} still alive after {timeout_s:.0f} s")
+                raise TimeoutError(f"GPU nodes {sorted(alive)} still alive after {timeout_s:.0f} s (drained: {extra})")
             time.sleep(0.2)
 
 
