@@ -299,10 +299,10 @@ class FakeCluster(RayHead):
     consecutive tests reuse the nodes the previous one brought up (the fake provider kills a node
     without draining it; an actor placed on it in the same second dies with it).
 
-    A node that dies other than by the autoscaler's hand (`kill_node`, `set_gpu_node_limit`'s
-    drain) stays in the fake provider's books for good, as a node that never came up: it counts
-    against `max_workers` and is never replaced (Ray 2.60's v1 autoscaler). `set_gpu_node_limit`
-    gives that capacity back.
+    A node that dies other than by the autoscaler's hand (`kill_node`) stays in the fake provider's
+    books until the autoscaler gives up on it (about a minute, Ray 2.60's v1 autoscaler), counting
+    against `max_gpu_nodes` meanwhile. `set_gpu_node_limit(..., cold=True)` has the autoscaler
+    terminate every GPU node at once, the dead ones included.
     """
 
     def __init__(
@@ -328,7 +328,7 @@ class FakeCluster(RayHead):
         self.cpus_per_node = cpus_per_node
         self.head_cpus = head_cpus
         self.idle_timeout_minutes = idle_timeout_minutes
-        self.lost_nodes: set[str] = set()  # dead nodes the provider still counts (see the class docstring)
+        self.killed_nodes: set[str] = set()  # by kill_node, since the last cold start
 
     @property
     def _config_path(self) -> Path:
@@ -342,8 +342,9 @@ class FakeCluster(RayHead):
         return {**self.driver_env(), "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
 
     def _write_autoscaler_config(self) -> None:
-        """The autoscaler re-reads this file on every update (each second), so a new limit holds at once."""
-        provider_limit = self.max_gpu_nodes + len(self.lost_nodes)
+        """The autoscaler re-reads this file on every update (each second), so a new limit holds at once:
+        it terminates the nodes above it (through the provider) and launches no more."""
+        provider_limit = self.max_gpu_nodes
         gpu_resources = {"CPU": self.cpus_per_node, "GPU": 1, "object_store_memory": self.object_store_bytes}
         config = {
             "cluster_name": f"fake-{self.temp_dir.name}",
@@ -405,7 +406,7 @@ class FakeCluster(RayHead):
         for child in children:  # its workers would notice the raylet's death; do not wait for it
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
-        self.lost_nodes.add(node_id)
+        self.killed_nodes.add(node_id)
         return pid
 
     def wait_for_gpu_nodes(self, count: int, timeout_s: float = 180.0) -> list[str]:
@@ -417,31 +418,28 @@ class FakeCluster(RayHead):
             time.sleep(1.0)
         raise TimeoutError(f"{count} GPU node(s) did not come up in {timeout_s:.0f} s")
 
-    def set_gpu_node_limit(self, max_gpu_nodes: int, *, keep_alive: int | None = None, timeout_s: float = 60.0) -> None:
-        """From now on the autoscaler keeps at most `max_gpu_nodes` live GPU nodes, nodes lost
-        before not counting against it. Live nodes above `keep_alive` (default: above the limit)
-        are drained first, newest first: they must be idle. `keep_alive=0` leaves a cold cluster,
-        the head alone. Needs a connected driver (`connected()`)."""
-        import ray
-
-        keep = max_gpu_nodes if keep_alive is None else min(keep_alive, max_gpu_nodes)
-        # A node killed a moment ago may still be listed alive until the GCS misses its heartbeats.
-        extra = [n for n in self.gpu_node_ids() if n not in self.lost_nodes][keep:]
-        if extra:
-            gcs = ray._private.worker.global_worker.gcs_client
-            # The call the autoscaler makes for an idle node: the GCS takes the node out, its raylet exits.
-            drained = {bytes(n).hex() for n in gcs.drain_nodes([bytes.fromhex(n) for n in extra], timeout=30)}
-            if drained != set(extra):
-                raise RuntimeError(f"GCS drained {sorted(drained)} of GPU nodes {extra}")
-            self.lost_nodes.update(extra)
+    def set_gpu_node_limit(self, max_gpu_nodes: int, *, cold: bool = False, timeout_s: float = 120) -> None:
+        """From now on the autoscaler keeps at most `max_gpu_nodes` GPU nodes; it terminates idle ones
+        above the limit itself. `cold` first has it terminate every GPU node (the head alone, as
+        after a fresh start), which also clears the nodes `kill_node` left in its books. Needs a
+        connected driver (`connected()`)."""
+        if cold:
+            self.max_gpu_nodes = 0
+            self._write_autoscaler_config()
+            self._wait_for_gpu_nodes_at_most(0, timeout_s)
+            self.killed_nodes.clear()
         self.max_gpu_nodes = max_gpu_nodes
         self._write_autoscaler_config()
+        self._wait_for_gpu_nodes_at_most(max_gpu_nodes, timeout_s)
+
+    def _wait_for_gpu_nodes_at_most(self, count: int, timeout_s: float) -> None:
+        """Until at most `count` GPU nodes are alive, nodes killed a moment ago (which the GCS still
+        lists until it misses their heartbeats) not among them."""
         deadline = time.monotonic() + timeout_s
-        # Cold: also until the GCS has seen nodes killed a moment ago die.
-        while (alive := set(self.gpu_node_ids())) & set(extra) or (keep == 0 and alive):
+        while len(alive := self.gpu_node_ids()) > count or set(alive) & self.killed_nodes:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"GPU nodes {sorted(alive)} still alive after {timeout_s:.0f} s (drained: {extra})")
-            time.sleep(0.2)
+                raise TimeoutError(f"GPU nodes {alive} still alive after {timeout_s:.0f} s (wanted at most {count})")
+            time.sleep(0.5)
 
 
 @contextlib.contextmanager

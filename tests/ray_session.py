@@ -207,9 +207,9 @@ class RaySession:
         log_to_driver: bool = False,
     ) -> Iterator[FakeCluster]:
         """This process connected to the session's fake cluster as a job whose workers also get
-        `env`; the autoscaler keeps at most `max_gpu_nodes` live GPU nodes meanwhile (idle ones
-        above it are drained first), and `cold` drains every GPU node first (the head alone).
-        Nodes that earlier modules killed no longer count: each module gets the capacity it asks for."""
+        `env`; the autoscaler keeps at most `max_gpu_nodes` GPU nodes meanwhile (it terminates idle
+        ones above it), and `cold` has it terminate every GPU node first (the head alone). After a
+        module that killed nodes the next one starts cold too: each gets the capacity it asks for."""
         if max_gpu_nodes > FAKE_CLUSTER_GPU_NODES:
             raise ValueError(f"the shared fake cluster has at most {FAKE_CLUSTER_GPU_NODES} GPU nodes (2 cores)")
         cluster = self._switch(
@@ -219,5 +219,7 @@ class RaySession:
             ).start(),
         )
         with cluster.connected(env, log_to_driver=log_to_driver):
-            cluster.set_gpu_node_limit(max_gpu_nodes, keep_alive=0 if cold else None)
+            # Nodes an earlier module killed linger in the autoscaler's books for about a minute,
+            # counting against the limit: a cold start clears them at once.
+            cluster.set_gpu_node_limit(max_gpu_nodes, cold=cold or bool(cluster.killed_nodes))
             yield cluster
