@@ -29,8 +29,10 @@ environment once per session and give the module its own job on it:
   dashboard, at most 3 one-CPU `GPU: 1` nodes), this process connected for the module.
   `shared_fake_cluster(max_gpu_nodes=..., cold=..., env=...)` is the same as a context manager
   with the module's own GPU-node limit, a cold start (no GPU node) or runtime environment. Kill
-  nodes with `cluster.kill_node` (the next module gets the capacity back); leave nothing running
-  on it (Serve shut down) at the module's end.
+  nodes with `cluster.kill_node`: the next module then starts cold (the autoscaler would count a
+  killed node against the limit for a minute), which costs it new nodes, so a module whose last
+  test kills one is marked `pytest.mark.ray_order(1)` and runs after the others. Leave nothing
+  running on the cluster (Serve shut down) at the module's end.
 
 A driver is connected to one Ray at a time, so only one environment runs at a time:
 `pytest_collection_modifyitems` below runs the modules that need none first, then those of each
@@ -191,22 +193,25 @@ def fake_cluster_module(shared_fake_cluster):
         yield cluster
 
 
-def _environment_rank(item: pytest.Item) -> int:
+def _environment_rank(item: pytest.Item) -> tuple[int, int]:
+    """(environment, the module's `ray_order` mark) of a test; (0, 0) for one that needs none."""
     names = set(getattr(item, "fixturenames", ()))
     for rank, environment in enumerate(ENVIRONMENTS, start=1):
         if names & _ENVIRONMENT_FIXTURES[environment]:
-            return rank
-    return 0
+            mark = item.get_closest_marker("ray_order")
+            return rank, mark.args[0] if mark else 0
+    return 0, 0
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     """Modules that need no Ray environment first, then each environment's modules together, so
-    that each environment starts once; a module's tests keep their order."""
-    module_rank: dict[Path, int] = {}
+    that each environment starts once (within one, by `ray_order` mark, then file order); a
+    module's tests keep their order."""
+    module_rank: dict[Path, tuple[int, int]] = {}
     first_seen: dict[Path, int] = {}
     for index, item in enumerate(items):
-        module_rank[item.path] = max(module_rank.get(item.path, 0), _environment_rank(item))
+        module_rank[item.path] = max(module_rank.get(item.path, (0, 0)), _environment_rank(item))
         first_seen.setdefault(item.path, index)
     items.sort(key=lambda item: (module_rank[item.path], first_seen[item.path]))
 

@@ -30,7 +30,8 @@ from snapref_ray.serve.direct_ingress import direct_ingress_env, haproxy_binary
 from tests.fake_cluster import FakeCluster
 from tests.serve.conftest import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# Its last test kills a GPU node: after the other fake-cluster modules, none of which then starts cold.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.ray_order(1)]
 
 TOKEN = "direct-ingress-token-3b9f"
 SMALL = {"width": 256, "height": 256, "steps": 2, "response_format": "json"}
