@@ -25,7 +25,9 @@ ingress). Behind it the ingress renders itself (`--topology fused`, the default 
 replica) or calls a renderer deployment (`--topology split`, one hop more). Run them side by side
 for a before/after, e.g. `--topology split --out before.json` and `--out after.json`. The JSON's
 `front` and `topology` say which ran.
-Prints one JSON object (and writes it to --out if given).
+Prints one JSON object (and writes it to --out if given). Called in a process that already runs a
+local Serve (`serve_app.start_local_serve`), it deploys its applications there in turn and leaves
+that Serve running; otherwise it starts its own and stops it at the end.
 """
 
 from __future__ import annotations
@@ -249,6 +251,21 @@ def serve_floor(url: str, rounds: int) -> dict:
     return result
 
 
+def _running_serve_port() -> int | None:
+    """The HTTP port of the Serve this process already drives (Ray connected, Serve started), else None."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from ray.serve.context import _get_global_client
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return _get_global_client().http_config.port
+    except RayServeException:
+        return None
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", help="model folder with reference.png (default: a tiny set in a temporary folder)")
@@ -276,7 +293,14 @@ def main(argv: list[str] | None = None) -> dict:
     from ray import serve
 
     from snapref_ray.client import SnapRefClient
-    from snapref_ray.pipelines.serve_app import APP_NAME, build_app, http_front, start_local, stop_local
+    from snapref_ray.pipelines.serve_app import (
+        APP_NAME,
+        build_app,
+        deploy_local,
+        http_front,
+        start_local_serve,
+        stop_local,
+    )
     from snapref_ray.serve.config import ServeConfig, ServeLimits
     from snapref_ray.serve.direct_ingress import free_port
     from snapref_ray.tiny import make_tiny
@@ -289,9 +313,10 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = tempfile.TemporaryDirectory()
     models = Path(args.models) if args.models else make_tiny(Path(tmp.name) / "tiny")
     result: dict = {"model": str(models) if args.models else "tiny", "size": SMALL, "smoke": args.smoke}
+    running_port = _running_serve_port()  # a caller's Serve (the tests' session) is reused, not restarted
     base = ServeConfig(
         model=str(models),
-        port=free_port(),
+        port=running_port or free_port(),
         min_replicas=1,
         max_replicas=1,
         cpus_per_replica=1,
@@ -300,8 +325,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     result["topology"] = args.topology
     log(f"starting Serve ({args.front}, {args.topology})")
-    # Replica logs stay in Ray's log files, so stdout holds only the JSON.
-    url = start_local(base, num_cpus=6, log_to_driver=False)
+    if running_port is None:
+        # Replica logs stay in Ray's log files, so stdout holds only the JSON.
+        url = start_local_serve(base, num_cpus=6, log_to_driver=False)
+    else:
+        url = f"http://{base.host}:{running_port}"
+    deploy_local(base)
     try:
         result["front"] = http_front()
         if result["front"] != args.front:
@@ -348,7 +377,10 @@ def main(argv: list[str] | None = None) -> dict:
         result["serve_floor"] = serve_floor(url, 2 * counts["rounds"])
         result["environment"] = environment(CPU, torch.float32)
     finally:
-        stop_local(drain=False)
+        if running_port is None:
+            stop_local(drain=False)
+        else:
+            serve.delete(APP_NAME)  # the caller's Serve stays as it was
         tmp.cleanup()
         sys.stdout.flush()
         os.dup2(saved_stdout, 1)

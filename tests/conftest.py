@@ -1,5 +1,5 @@
 """Shared fixtures: the tiny model set (built once per session), the real key listings, the real
-tokenizer files, S3 — and the rule that CI never skips.
+tokenizer files, S3, the session's Ray environments — and the rule that CI never skips.
 
 What the tests need from outside the repository is only the real tokenizer files (they are not
 ours to redistribute). They come from `SNAPREF_TOKENIZERS` (a folder holding `qwen/` and `t5/`) or
@@ -10,14 +10,47 @@ and say which variable to set. The real key/shape listings are small facts and l
 `SNAPREF_NO_SKIP=1` (set by `.ci/run`) turns every skip — a missing Chromium, diffusers or
 tokenizer folder, a `skipif`, an `importorskip` at module level — into a failure that carries the
 skip's reason, so a CI run that passes has run every test.
+
+Ray: one environment per kind for the whole session (tests/ray_session.py)
+---------------------------------------------------------------------------
+A test never calls `ray.init`, `start_local` or `FakeCluster(...).start()` itself: starting Ray is
+most of what these tests cost. It takes one of these fixtures (module scope), which start the
+environment once per session and give the module its own job on it:
+
+- `local_ray_job`: this process connected to the session's local Ray (8 logical CPUs, no GPU) for
+  the module; yields the head (`.address`, `.driver_env()` for a driver in a subprocess).
+  `local_ray(env, driver_env=True)` is the same as a context manager whose job (and, with
+  `driver_env`, this process) also gets `env`, e.g. S3 credentials: tests/cluster/conftest.py.
+- `local_serve`: the session's local Serve (HAProxy in front, 127.0.0.1). The module builds its
+  ServeConfig with `port=local_serve.port` and deploys it with `local_serve.deployed(config)` (a
+  context manager yielding the URL; the application is deleted after). Serve-wide settings are the
+  session's: see `LocalServe`.
+- `fake_cluster_module`: the session's fake multi-node cluster (a head with 2 CPUs and the
+  dashboard, at most 3 one-CPU `GPU: 1` nodes), this process connected for the module.
+  `shared_fake_cluster(max_gpu_nodes=..., cold=..., env=...)` is the same as a context manager
+  with the module's own GPU-node limit, a cold start (no GPU node) or runtime environment. Kill
+  nodes with `cluster.kill_node`: the next module then starts cold (the autoscaler would count a
+  killed node against the limit for a minute), which costs it new nodes, so a module whose last
+  test kills one is marked `pytest.mark.ray_order(1)` and runs after the others. Leave nothing
+  running on the cluster (Serve shut down) at the module's end.
+
+A driver is connected to one Ray at a time, so only one environment runs at a time:
+`pytest_collection_modifyitems` below runs the modules that need none first, then those of each
+environment together (local Ray, local Serve, fake cluster), each module's tests in file order.
+A test that starts its own Ray (a subprocess, a benchmark's own `ray.init`) needs no fixture and
+runs before any environment starts. The environments started are printed at the end of the run.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.ray_session import ENVIRONMENTS, FAKE_CLUSTER, LOCAL_RAY, LOCAL_SERVE, RaySession
 
 pytest_plugins = ["tests.s3_server"]
 
@@ -96,3 +129,97 @@ def tiny_renderer(tiny_models: Path):
     from snapref_ray.engine import Renderer
 
     return Renderer.from_folder(tiny_models, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray: the session's environments (see the module docstring)
+
+# The fixtures through which a test module uses each environment.
+_ENVIRONMENT_FIXTURES = {
+    LOCAL_RAY: {"local_ray", "local_ray_job"},
+    LOCAL_SERVE: {"local_serve"},
+    FAKE_CLUSTER: {"shared_fake_cluster", "fake_cluster_module"},
+}
+_SESSION: RaySession | None = None
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[RaySession]:
+    """Starts each Ray environment once and stops the running one when another is needed."""
+    global _SESSION
+    _SESSION = RaySession()
+    try:
+        yield _SESSION
+    finally:
+        _SESSION.close()
+
+
+@pytest.fixture(scope="module")
+def local_ray(ray_session: RaySession):
+    """`local_ray(env=None, *, driver_env=False, log_to_driver=True)`: a context manager connecting
+    this process to the session's local Ray as a job whose workers get `env` too (and, with
+    `driver_env`, this process); yields the head."""
+    ray_session.local_ray()
+    return functools.partial(ray_session.local_job)
+
+
+@pytest.fixture(scope="module")
+def local_ray_job(local_ray):
+    """This process connected to the session's local Ray for the module; yields the head."""
+    with local_ray() as head:
+        yield head
+
+
+@pytest.fixture(scope="module")
+def local_serve(ray_session: RaySession, s3_server):
+    """The session's local Serve; its processes have the S3 test server's credentials in their
+    environment, as a cluster node's would (configs carry none)."""
+    return ray_session.local_serve(
+        {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
+    )
+
+
+@pytest.fixture(scope="module")
+def shared_fake_cluster(ray_session: RaySession):
+    """`shared_fake_cluster(*, max_gpu_nodes=3, cold=False, env=None, log_to_driver=False)`: a
+    context manager connecting this process to the session's fake cluster; yields the FakeCluster."""
+    return functools.partial(ray_session.fake_cluster)
+
+
+@pytest.fixture(scope="module")
+def fake_cluster_module(shared_fake_cluster):
+    """The session's fake cluster (at most 3 GPU nodes), this process connected for the module."""
+    with shared_fake_cluster() as cluster:
+        yield cluster
+
+
+def _environment_rank(item: pytest.Item) -> tuple[int, int]:
+    """(environment, the module's `ray_order` mark) of a test; (0, 0) for one that needs none."""
+    names = set(getattr(item, "fixturenames", ()))
+    for rank, environment in enumerate(ENVIRONMENTS, start=1):
+        if names & _ENVIRONMENT_FIXTURES[environment]:
+            mark = item.get_closest_marker("ray_order")
+            return rank, mark.args[0] if mark else 0
+    return 0, 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
+    """Modules that need no Ray environment first, then each environment's modules together, so
+    that each environment starts once (within one, by `ray_order` mark, then file order); a
+    module's tests keep their order."""
+    module_rank: dict[Path, tuple[int, int]] = {}
+    first_seen: dict[Path, int] = {}
+    for index, item in enumerate(items):
+        module_rank[item.path] = max(module_rank.get(item.path, (0, 0)), _environment_rank(item))
+        first_seen.setdefault(item.path, index)
+    items.sort(key=lambda item: (module_rank[item.path], first_seen[item.path]))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _SESSION is not None:
+        started = ", ".join(f"{name} {count}" for name, count in _SESSION.starts.items())
+        terminalreporter.write_line(
+            f"Ray environments started: {started}; applications deployed on the local Serve: "
+            f"{_SESSION.serve_deployments}"
+        )

@@ -1,14 +1,16 @@
-"""A real multi-node Ray cluster on one machine: Ray's autoscaler with its fake_multinode provider.
+"""Real Ray clusters on one machine, started with `ray start` and stopped by PID.
 
-Every node the autoscaler launches is a real raylet with its own object store and resources
-(`GPU: 1` on a machine without GPUs), joined to a head that this module starts with `ray start`.
-Objects fetched by an actor on another node travel between object stores; a node dies when its
-raylet is killed. Recipe and caveats: shared/design/ray-cluster-testing.md.
+- `RayHead`: a head node alone. The test session's local Ray is one (tests/ray_session.py): each test
+  module connects its own driver to it, a job of its own with its own runtime environment.
+- `FakeCluster`: a head plus Ray's autoscaler with its fake_multinode provider. Every node the
+  autoscaler launches is a real raylet with its own object store and resources (`GPU: 1` on a
+  machine without GPUs), joined to the head. Objects fetched by an actor on another node travel
+  between object stores; a node dies when its raylet is killed.
 
-The cluster is private to its `FakeCluster`: its own temp dir and ports that nothing else uses,
-so tests can run next to other Ray instances on the same machine. It is stopped by PID (every
-process whose command line names its temp dir, plus the children of its raylets, which do not),
-never with `ray stop`, which would kill every Ray on the machine.
+Each cluster is private to its object: its own temp dir and ports that nothing else uses, so tests
+can run next to other Ray instances on the same machine. It is stopped by PID (every process whose
+command line names its temp dir, plus the children of its raylets, which do not), never with
+`ray stop`, which would kill every Ray on the machine.
 
     cluster = FakeCluster(max_gpu_nodes=3).start()
     with cluster.connected():           # ray.init(cluster.address) with token auth, then shutdown
@@ -16,8 +18,10 @@ never with `ray stop`, which would kill every Ray on the machine.
     cluster.kill_node(node_id)          # SIGKILL one node's raylet
     cluster.stop()
 
-`fake_cluster_module` is a module-scoped pytest fixture built on it. Drivers in other processes
-(e.g. `ray job submit`) get the environment they need from `driver_env()`.
+Tests do not start their own: they take the session's shared cluster, `fake_cluster_module` or
+`ray_session.fake_cluster(...)` (tests/conftest.py). `python -m tests.fake_cluster` starts one to
+try the README's cluster commands. Drivers in other processes (`ray job submit`, a CLI) get the
+environment they need from `driver_env()`.
 """
 
 from __future__ import annotations
@@ -35,8 +39,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,33 +110,24 @@ def _all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
-class FakeCluster:
-    """A head (no GPU) plus up to `max_gpu_nodes` autoscaled nodes with `GPU: 1` each.
+class RayHead:
+    """A Ray head node (`ray start --head`) with `num_cpus` logical CPUs, token authentication on.
 
-    `cpus_per_node` is 1 as the design recipe has it (2-core machines). `head_cpus` may be 0 to
-    keep every actor off the head, as a production head would be. Idle nodes go after
-    `idle_timeout_minutes`: 1 minute, so that tests of one module reuse the nodes the previous
-    test brought up (the fake provider kills a node without draining it; an actor placed on it
-    in the same second dies with it).
+    `object_store_bytes=None` leaves the object store at Ray's default size. `env` goes into the
+    environment of the head's processes (and so of every worker) and into `driver_env()`.
     """
 
     def __init__(
         self,
         *,
-        max_gpu_nodes: int = 3,
-        cpus_per_node: int = 1,
-        head_cpus: int = 1,
-        object_store_bytes: int = 300_000_000,
-        idle_timeout_minutes: float = 1.0,
+        num_cpus: int = 8,
+        object_store_bytes: int | None = None,
         dashboard: bool = False,
         env: dict[str, str] | None = None,
         keep_temp_dir: bool = False,
     ) -> None:
-        self.max_gpu_nodes = max_gpu_nodes
-        self.cpus_per_node = cpus_per_node
-        self.head_cpus = head_cpus
+        self.num_cpus = num_cpus
         self.object_store_bytes = object_store_bytes
-        self.idle_timeout_minutes = idle_timeout_minutes
         self.dashboard = dashboard
         self.extra_env = dict(env or {})
         self.keep_temp_dir = keep_temp_dir  # Ray's logs are under it: keep them to debug a failure
@@ -143,7 +136,6 @@ class FakeCluster:
         self.ip = ""
         self.port = 0
         self.dashboard_port = 0
-        self._head_proc: subprocess.Popen | None = None
         self._raylet_children: dict[int, set[int]] = {}
 
     # -- addresses and environment ---------------------------------------------------------------
@@ -171,15 +163,13 @@ class FakeCluster:
         }
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self, timeout_s: float = 180.0) -> FakeCluster:
+    def start(self, timeout_s: float = 180.0) -> RayHead:
         import ray._private.services
 
         self.ip = ray._private.services.get_node_ip_address()
         self.port = _free_port()
         self.dashboard_port = _free_port()
         worker_lo, worker_hi = _free_port_range(200)
-        config_path = self.temp_dir / "autoscaler.json"
-        config_path.write_text(json.dumps(self._autoscaler_config(), indent=1))
         cmd = [
             sys.executable,
             "-m",
@@ -187,10 +177,9 @@ class FakeCluster:
             "start",
             "--head",
             f"--port={self.port}",
-            f"--num-cpus={self.head_cpus}",
+            f"--num-cpus={self.num_cpus}",
             "--num-gpus=0",
             f"--temp-dir={self.temp_dir}",
-            f"--autoscaling-config={config_path}",
             f"--ray-client-server-port={_free_port()}",
             f"--min-worker-port={worker_lo}",
             f"--max-worker-port={worker_hi}",
@@ -200,18 +189,19 @@ class FakeCluster:
             f"--runtime-env-agent-port={_free_port()}",
             f"--dashboard-agent-grpc-port={_free_port()}",
             f"--dashboard-agent-listen-port={_free_port()}",
-            f"--object-store-memory={self.object_store_bytes}",
             "--disable-usage-stats",
+            *self._autoscaler_args(),
         ]
+        if self.object_store_bytes is not None:
+            cmd.append(f"--object-store-memory={self.object_store_bytes}")
         if self.dashboard:
             cmd += ["--include-dashboard=true", "--dashboard-host=0.0.0.0", f"--dashboard-port={self.dashboard_port}"]
         else:
             cmd += ["--include-dashboard=false"]
-        env = {**self.driver_env(), "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
         log = open(self.temp_dir / "ray-start.log", "wb")
         # `ray start` daemonises the head's processes and returns; they keep our temp dir in their
         # command lines, which is how stop() finds them.
-        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        proc = subprocess.run(cmd, env=self._start_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
         if proc.returncode != 0:
             self.stop()
             raise RuntimeError(
@@ -220,70 +210,35 @@ class FakeCluster:
         self._remember_children()
         return self
 
-    def _autoscaler_config(self) -> dict:
-        gpu_resources = {"CPU": self.cpus_per_node, "GPU": 1, "object_store_memory": self.object_store_bytes}
-        return {
-            "cluster_name": f"fake-{self.temp_dir.name}",
-            "max_workers": self.max_gpu_nodes,
-            "provider": {
-                "type": "fake_multinode",
-                "use_node_id_as_ip": True,
-                "disable_node_updaters": True,
-                "disable_launch_config_check": True,
-                "gcs_address": f"{self.ip}:{self.port}",
-            },
-            "available_node_types": {
-                "ray.head.default": {"resources": {"CPU": self.head_cpus}, "node_config": {}, "max_workers": 0},
-                GPU_NODE_TYPE: {
-                    "resources": gpu_resources,
-                    "node_config": {},
-                    "min_workers": 0,
-                    "max_workers": self.max_gpu_nodes,
-                },
-            },
-            "head_node_type": "ray.head.default",
-            "auth": {},
-            "upscaling_speed": 1.0,
-            "idle_timeout_minutes": self.idle_timeout_minutes,
-            "docker": {},
-            "initialization_commands": [],
-            "setup_commands": [],
-            "head_setup_commands": [],
-            "worker_setup_commands": [],
-            "head_start_ray_commands": [],
-            "worker_start_ray_commands": [],
-            "file_mounts": {},
-            "cluster_synced_files": [],
-            "file_mounts_sync_continuously": False,
-            "rsync_exclude": [],
-            "rsync_filter": [],
-        }
+    def _autoscaler_args(self) -> list[str]:
+        return []
+
+    def _start_env(self) -> dict[str, str]:
+        return self.driver_env()
 
     @contextlib.contextmanager
-    def connected(self) -> Iterator[None]:
-        """`ray.init` this process as a driver of the cluster (token auth, project on the workers'
-        PYTHONPATH); `ray.shutdown` after."""
+    def connected(self, env: dict[str, str] | None = None, *, log_to_driver: bool = False) -> Iterator[None]:
+        """`ray.init` this process as a driver of the cluster: a job of its own, whose workers get the
+        project on PYTHONPATH plus `env` (its runtime environment); `ray.shutdown` after. The
+        variables are the workers' only; callers that need them in this process set them here too."""
         import ray
 
         if ray.is_initialized():
             ray.shutdown()
         saved = os.environ.get("RAY_AUTH_MODE")
         _set_auth_mode("token")
-        env = self.driver_env()
+        base = self.driver_env()
+        env_vars = {k: base[k] for k in ("PYTHONPATH", "AWS_EC2_METADATA_DISABLED", *self.extra_env)}
         try:
             ray.init(
-                address=self.address,
-                log_to_driver=False,
-                runtime_env={
-                    "env_vars": {k: env[k] for k in ("PYTHONPATH", "AWS_EC2_METADATA_DISABLED", *self.extra_env)}
-                },
+                address=self.address, log_to_driver=log_to_driver, runtime_env={"env_vars": {**env_vars, **(env or {})}}
             )
             yield
         finally:
             ray.shutdown()
             _set_auth_mode(saved)
 
-    # -- nodes ----------------------------------------------------------------------------------
+    # -- processes ------------------------------------------------------------------------------
     def raylet_pids(self) -> dict[str, int]:
         """Ray node id (hex) -> raylet PID, for every live raylet of this cluster, head included."""
         out = {}
@@ -296,37 +251,6 @@ class FakeCluster:
                     out[arg.split("=", 1)[1]] = pid
         return out
 
-    def gpu_node_ids(self) -> list[str]:
-        """Live autoscaled nodes (the fake provider names them fff...00001, 00002, ...)."""
-        import ray
-
-        return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0)
-
-    def kill_node(self, node_id: str) -> int:
-        """SIGKILL the raylet of one node (the whole node is lost: its workers and object store
-        go with it, as when a machine dies). Returns the PID killed."""
-        self._remember_children()
-        pids = self.raylet_pids()
-        if node_id not in pids:
-            raise KeyError(f"no raylet for node {node_id} (live: {sorted(pids)})")
-        pid = pids[node_id]
-        children = _children(pid)
-        os.kill(pid, signal.SIGKILL)
-        for child in children:  # its workers would notice the raylet's death; do not wait for it
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
-        return pid
-
-    def wait_for_gpu_nodes(self, count: int, timeout_s: float = 180.0) -> list[str]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            nodes = self.gpu_node_ids()
-            if len(nodes) >= count:
-                return nodes
-            time.sleep(1.0)
-        raise TimeoutError(f"{count} GPU node(s) did not come up in {timeout_s:.0f} s")
-
-    # -- stopping -------------------------------------------------------------------------------
     def _own_pids(self) -> list[int]:
         """Processes naming our temp dir, or our GCS address (the head's Ray Client server names
         only the address, and is re-parented to PID 1 when `ray start` exits)."""
@@ -367,20 +291,165 @@ class FakeCluster:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+class FakeCluster(RayHead):
+    """A head (no GPU) plus up to `max_gpu_nodes` autoscaled nodes with `GPU: 1` each.
+
+    `cpus_per_node` is 1 (2-core machines). `head_cpus` may be 0 to keep every actor off the head,
+    as a production head would be. Idle nodes go after `idle_timeout_minutes`: 1 minute, so that
+    consecutive tests reuse the nodes the previous one brought up (the fake provider kills a node
+    without draining it; an actor placed on it in the same second dies with it).
+
+    A node that dies other than by the autoscaler's hand (`kill_node`) stays in the fake provider's
+    books until the autoscaler gives up on it (about a minute, Ray 2.60's v1 autoscaler), counting
+    against `max_gpu_nodes` meanwhile. `set_gpu_node_limit(..., cold=True)` has the autoscaler
+    terminate every GPU node at once, the dead ones included.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_gpu_nodes: int = 3,
+        cpus_per_node: int = 1,
+        head_cpus: int = 1,
+        object_store_bytes: int = 300_000_000,
+        idle_timeout_minutes: float = 1.0,
+        dashboard: bool = False,
+        env: dict[str, str] | None = None,
+        keep_temp_dir: bool = False,
+    ) -> None:
+        super().__init__(
+            num_cpus=head_cpus,
+            object_store_bytes=object_store_bytes,
+            dashboard=dashboard,
+            env=env,
+            keep_temp_dir=keep_temp_dir,
+        )
+        self.max_gpu_nodes = max_gpu_nodes
+        self.cpus_per_node = cpus_per_node
+        self.head_cpus = head_cpus
+        self.idle_timeout_minutes = idle_timeout_minutes
+        self.killed_nodes: set[str] = set()  # by kill_node, since the last cold start
+
+    @property
+    def _config_path(self) -> Path:
+        return self.temp_dir / "autoscaler.json"
+
+    def _autoscaler_args(self) -> list[str]:
+        self._write_autoscaler_config()
+        return [f"--autoscaling-config={self._config_path}"]
+
+    def _start_env(self) -> dict[str, str]:
+        return {**self.driver_env(), "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+
+    def _write_autoscaler_config(self) -> None:
+        """The autoscaler re-reads this file on every update (each second), so a new limit holds at once:
+        it terminates the nodes above it (through the provider) and launches no more."""
+        provider_limit = self.max_gpu_nodes
+        gpu_resources = {"CPU": self.cpus_per_node, "GPU": 1, "object_store_memory": self.object_store_bytes}
+        config = {
+            "cluster_name": f"fake-{self.temp_dir.name}",
+            "max_workers": provider_limit,
+            "provider": {
+                "type": "fake_multinode",
+                "use_node_id_as_ip": True,
+                "disable_node_updaters": True,
+                "disable_launch_config_check": True,
+                "gcs_address": f"{self.ip}:{self.port}",
+            },
+            "available_node_types": {
+                "ray.head.default": {"resources": {"CPU": self.head_cpus}, "node_config": {}, "max_workers": 0},
+                GPU_NODE_TYPE: {
+                    "resources": gpu_resources,
+                    "node_config": {},
+                    "min_workers": 0,
+                    "max_workers": provider_limit,
+                },
+            },
+            "head_node_type": "ray.head.default",
+            "auth": {},
+            "upscaling_speed": 1.0,
+            "idle_timeout_minutes": self.idle_timeout_minutes,
+            "docker": {},
+            "initialization_commands": [],
+            "setup_commands": [],
+            "head_setup_commands": [],
+            "worker_setup_commands": [],
+            "head_start_ray_commands": [],
+            "worker_start_ray_commands": [],
+            "file_mounts": {},
+            "cluster_synced_files": [],
+            "file_mounts_sync_continuously": False,
+            "rsync_exclude": [],
+            "rsync_filter": [],
+        }
+        staged = self._config_path.with_suffix(".tmp")  # the autoscaler never reads half a file
+        staged.write_text(json.dumps(config, indent=1))
+        staged.replace(self._config_path)
+
+    # -- nodes ----------------------------------------------------------------------------------
+    def gpu_node_ids(self) -> list[str]:
+        """Live autoscaled nodes (the fake provider names them fff...00001, 00002, ...)."""
+        import ray
+
+        return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0)
+
+    def kill_node(self, node_id: str) -> int:
+        """SIGKILL the raylet of one node (the whole node is lost: its workers and object store
+        go with it, as when a machine dies). Returns the PID killed."""
+        self._remember_children()
+        pids = self.raylet_pids()
+        if node_id not in pids:
+            raise KeyError(f"no raylet for node {node_id} (live: {sorted(pids)})")
+        pid = pids[node_id]
+        children = _children(pid)
+        os.kill(pid, signal.SIGKILL)
+        for child in children:  # its workers would notice the raylet's death; do not wait for it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        self.killed_nodes.add(node_id)
+        return pid
+
+    def wait_for_gpu_nodes(self, count: int, timeout_s: float = 180.0) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            nodes = self.gpu_node_ids()
+            if len(nodes) >= count:
+                return nodes
+            time.sleep(1.0)
+        raise TimeoutError(f"{count} GPU node(s) did not come up in {timeout_s:.0f} s")
+
+    def set_gpu_node_limit(self, max_gpu_nodes: int, *, cold: bool = False, timeout_s: float = 120) -> None:
+        """From now on the autoscaler keeps at most `max_gpu_nodes` GPU nodes; it terminates idle ones
+        above the limit itself. `cold` first has it terminate every GPU node (the head alone, as
+        after a fresh start), which also clears the nodes `kill_node` left in its books. Needs a
+        connected driver (`connected()`)."""
+        if cold:
+            self.max_gpu_nodes = 0
+            self._write_autoscaler_config()
+            self._wait_for_gpu_nodes_at_most(0, timeout_s)
+            self.killed_nodes.clear()
+        self.max_gpu_nodes = max_gpu_nodes
+        self._write_autoscaler_config()
+        self._wait_for_gpu_nodes_at_most(max_gpu_nodes, timeout_s)
+
+    def _wait_for_gpu_nodes_at_most(self, count: int, timeout_s: float) -> None:
+        """Until at most `count` GPU nodes are alive, nodes killed a moment ago (which the GCS still
+        lists until it misses their heartbeats) not among them."""
+        deadline = time.monotonic() + timeout_s
+        while len(alive := self.gpu_node_ids()) > count or set(alive) & self.killed_nodes:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"GPU nodes {alive} still alive after {timeout_s:.0f} s (wanted at most {count})")
+            time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def fake_cluster(**kwargs) -> Iterator[FakeCluster]:
+    """A FakeCluster of its own (for scripts and benchmarks; tests share the session's), stopped after."""
     cluster = FakeCluster(**kwargs)
     try:
         yield cluster.start()
     finally:
         cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def fake_cluster_module() -> Iterator[FakeCluster]:
-    """A fresh fake cluster per test module (head with 1 CPU and no GPU, ≤3 autoscaled GPU nodes)."""
-    with fake_cluster() as cluster:
-        yield cluster
 
 
 def main(argv: list[str] | None = None) -> None:

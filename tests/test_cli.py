@@ -1,13 +1,22 @@
-"""Every `snapref-ray` subcommand, run as a user runs it: a subprocess on one shared tiny model folder,
-its exit code and its output (files, JSON, images, HTTP answers) checked.
+"""Every `snapref-ray` subcommand on one shared tiny model folder, its exit status and its output
+(stdout, files, JSON, images, HTTP answers) checked.
 
-Sizes are the smallest the settings allow (256 px) and 2 steps; the commands that start Ray
-(render, demo, eval, timing, serve) are marked slow.
+Most commands run in this process (`snapref_ray.cli.main([...])`, what the console script calls);
+those that start Ray use the session's local Ray (tests/conftest.py), as under `RAY_ADDRESS`. Two run
+as a user runs them, a subprocess of the command (`python -m snapref_ray.cli`, so a checkout
+without `pip install` works): the quick-form render to S3, whose AWS variables must reach the
+render workers through the environment of the Ray the command starts itself, and `serve`, a
+server answering curl until Ctrl-C.
+
+Sizes are the smallest the settings allow (256 px) and 2 steps; the commands that start Ray or
+render (txt2img, render, demo, eval, timing, serve) are marked slow.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
 import signal
@@ -23,6 +32,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import save_file
 
+from snapref_ray import cli as snapref_cli
 from snapref_ray.serve.direct_ingress import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,8 +40,20 @@ EXAMPLES = REPO / "snapref_ray" / "examples"
 SMALL = ["--width", "256", "--height", "256", "--steps", "2"]
 
 
+def run(*args: str) -> str:
+    """`snapref-ray ARGS` in this process: its stdout; fails with its stderr unless it exits 0."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = snapref_cli.main(list(args))
+        except SystemExit as e:  # argparse and the commands' own usage errors
+            status = e.code
+    assert status == 0, f"snapref-ray {' '.join(args)} exited {status}:\n{err.getvalue()[-4000:]}"
+    return out.getvalue()
+
+
 def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600) -> str:
-    """Run `snapref-ray ARGS` (as `python -m snapref_ray.cli`, so a checkout without `pip install` works)."""
+    """`snapref-ray ARGS` as a subprocess (`python -m snapref_ray.cli`: a checkout without `pip install` works)."""
     full_env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {})
     )
@@ -55,7 +77,7 @@ def pixels(path: Path) -> np.ndarray:
 def models(tmp_path_factory) -> Path:
     """`snapref-ray make-tiny DIR`: the one tiny model folder every command below uses."""
     folder = tmp_path_factory.mktemp("cli") / "tiny"
-    out = cli("make-tiny", str(folder))
+    out = run("make-tiny", str(folder))
     assert f"wrote a tiny model set to {folder}" in out
     for name in (
         "dit.safetensors",
@@ -82,7 +104,7 @@ def manifest(models: Path) -> Path:
 
 
 def test_adapter_inspect(models):
-    out = cli("adapter", "inspect", str(models / "adapter.safetensors"))
+    out = run("adapter", "inspect", str(models / "adapter.safetensors"))
     assert "anima_ref_kv/1" in out and "anima-tiny" in out
     assert "cs" in out and "char" in out
 
@@ -90,7 +112,7 @@ def test_adapter_inspect(models):
 @pytest.mark.slow
 def test_txt2img_without_and_with_references_and_a_lora(models, tmp_path):
     plain, ref, pair, lora = (tmp_path / f"{n}.png" for n in ("plain", "ref", "pair", "lora"))
-    out = cli(
+    out = run(
         "txt2img",
         "--models",
         str(models),
@@ -105,7 +127,7 @@ def test_txt2img_without_and_with_references_and_a_lora(models, tmp_path):
         *SMALL,
     )
     assert str(plain) in out and "seed 3" in out
-    out = cli(
+    out = run(
         "txt2img",
         "--models",
         str(models),
@@ -126,7 +148,7 @@ def test_txt2img_without_and_with_references_and_a_lora(models, tmp_path):
         *SMALL,
     )
     assert "reference encode" in out
-    cli(
+    run(
         "txt2img",
         "--models",
         str(models),
@@ -152,7 +174,7 @@ def test_txt2img_without_and_with_references_and_a_lora(models, tmp_path):
         lora_sd[f"diffusion_model.{path}.lora_down.weight"] = torch.randn(4, fan_in, generator=gen) * 0.3
         lora_sd[f"diffusion_model.{path}.lora_up.weight"] = torch.randn(fan_out, 4, generator=gen) * 0.3
     save_file(lora_sd, str(tmp_path / "style.safetensors"))
-    cli(
+    run(
         "txt2img",
         "--models",
         str(models),
@@ -176,7 +198,7 @@ def test_txt2img_without_and_with_references_and_a_lora(models, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def local_job(models, manifest) -> Path:
+def local_job(local_ray_job, models, manifest) -> Path:
     """`snapref-ray render SPEC.yaml`: a job spec naming the tiny models, a local output."""
     out = models.parent / "job-out"
     spec = yaml.safe_load((EXAMPLES / "example_spec.yaml").read_text())
@@ -189,7 +211,7 @@ def local_job(models, manifest) -> Path:
     )
     spec_path = models.parent / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
-    stdout = cli("render", str(spec_path), "--no-progress")
+    stdout = run("render", str(spec_path), "--no-progress")
     assert f"2 images in {out}" in stdout and "0 failed" in stdout
     return out
 
@@ -212,7 +234,7 @@ def test_render_spec_writes_images_metadata_and_summary(local_job):
 @pytest.mark.slow
 def test_report_regenerates_the_gallery(local_job):
     (local_job / "gallery.html").unlink()
-    result = json.loads(cli("report", str(local_job)))
+    result = json.loads(run("report", str(local_job)))
     assert (local_job / "gallery.html").is_file()
     assert "1girl, solo, smile" in (local_job / "gallery.html").read_text()
     assert result  # what was written, as JSON
@@ -251,8 +273,8 @@ def test_render_quick_form_to_s3(models, manifest, s3_server):
 
 
 @pytest.mark.slow
-def test_demo(tmp_path):
-    out = cli("demo", "--out", str(tmp_path / "demo"), "--no-progress")
+def test_demo(local_ray_job, tmp_path):
+    out = run("demo", "--out", str(tmp_path / "demo"), "--no-progress")
     assert "0 failed" in out and "gallery.html" in out
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert summary["images_total"] == 8 and summary["failed_items"] == 0
@@ -260,7 +282,7 @@ def test_demo(tmp_path):
 
 
 @pytest.mark.slow
-def test_eval(models, tmp_path):
+def test_eval(local_ray_job, models, tmp_path):
     spec = yaml.safe_load((EXAMPLES / "example_eval_spec.yaml").read_text())
     spec.update(
         model={**spec["model"], "models_dir": str(models)},
@@ -274,7 +296,7 @@ def test_eval(models, tmp_path):
         cluster={**spec["cluster"], "cpu_workers": 1},
     )
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(spec))
-    out = cli("eval", str(tmp_path / "eval.yaml"))
+    out = run("eval", str(tmp_path / "eval.yaml"))
     report = json.loads((tmp_path / "eval" / "heldout_loss.json").read_text())
     assert report["n_failed"] == 0 and report["n_cases"] == 6
     assert f"{report['n_cases']} cases of {report['n_characters']} characters" in out
@@ -282,8 +304,8 @@ def test_eval(models, tmp_path):
 
 
 @pytest.mark.slow
-def test_timing(models, tmp_path):
-    out = cli(
+def test_timing(local_ray_job, models, tmp_path):
+    out = run(
         "timing",
         "--models",
         str(models),

@@ -123,12 +123,9 @@ def eval_dir(tmp_path_factory, tiny_models: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
+def ray_local(local_ray_job):
+    """This module's job on the session's local Ray (tests/conftest.py)."""
+    return local_ray_job
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,9 @@ CASE = dict(width=256, height=256, steps=2, turbo_steps=2, sampler="euler", cfg=
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
+def ray_local(local_ray_job):
+    """This module's job on the session's local Ray (tests/conftest.py)."""
+    return local_ray_job
 
 
 def spec_for(models: Path, out: Path, **kw) -> TimingSpec:

@@ -8,7 +8,9 @@
 - `app`: an Application built from the environment ($SNAPREF_MODELS_DIR, $SNAPREF_ADAPTER), for
   `serve run snapref_ray.pipelines.serve_app:app` and `serve build snapref_ray.pipelines.serve_app:app` (which needs a
   built Application, not a builder). Built on first access, so importing the module is cheap.
-- `start_local(config)` / `stop_local()`: a local Ray + Serve on `config.host:config.port`.
+- `start_local(config)` / `stop_local()`: a local Ray + Serve on `config.host:config.port`;
+  `start_local_serve` + `deploy_local` are its two halves, for callers that deploy several
+  applications in turn on one Serve (benchmarks, the tests).
 
 Under `serve run` / `serve deploy` the proxy binds what Serve's http_options say (serve.yaml);
 the ingress checks that address, not `config.host`, before it accepts to run without a token.
@@ -137,7 +139,21 @@ def start_local(
     With `config.direct_ingress` (the default), Ray started here and HAProxy installed, HAProxy answers
     the port and forwards straight to the ingress replica (snapref_ray/serve/direct_ingress.py);
     otherwise Serve's own proxy does, one actor hop more. Returns the base URL once every replica is
-    ready.
+    ready. The same as `start_local_serve` and then `deploy_local`.
+    """
+    url = start_local_serve(config, num_cpus=num_cpus, num_gpus=num_gpus, log_to_driver=log_to_driver)
+    deploy_local(config)
+    return url
+
+
+def start_local_serve(
+    config: ServeConfig, *, num_cpus: int | None = None, num_gpus: int | None = None, log_to_driver: bool = True
+) -> str:
+    """Start Ray (locally, unless already up) and Serve on config.host:config.port, without an
+    application (`deploy_local` adds it); returns the base URL.
+
+    Serve's HTTP options and, when Ray starts here, the front door (HAProxy or Serve's proxy, see
+    `start_local`) come from `config` and hold for every application deployed on this Serve after it.
     """
     import ray
 
@@ -160,6 +176,17 @@ def start_local(
             )
     elif config.direct_ingress:
         log.info("Ray was already running: its own environment decides between Serve's proxy and direct ingress")
+    serve.start(http_options={"host": config.host, "port": config.port, "request_timeout_s": config.proxy_timeout_s()})
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"http://{host}:{config.port}"
+
+
+def deploy_local(config: ServeConfig, *, name: str = APP_NAME) -> None:
+    """Deploy `config`'s application as `name` at route "/" on the running Serve (`start_local_serve`);
+    returns once every replica is ready. An application of that name is replaced.
+
+    The HTTP options stay those Serve started with: only the application's own settings change."""
+    global _topology
     if (
         config.topology == "auto"
         and not config.fused()
@@ -169,20 +196,16 @@ def start_local(
         # One GPU here: a second renderer replica could never start, so there is nothing to route.
         config = config.model_copy(update={"topology": "fused"})
         log.info("one renderer replica fits this machine's GPUs: the ingress renders itself (topology fused)")
-    global _topology
     _topology = "fused" if config.fused() else "split"
-    serve.start(http_options={"host": config.host, "port": config.port, "request_timeout_s": config.proxy_timeout_s()})
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    return f"http://{host}:{config.port}"
+    serve.run(build_app(config), name=name, route_prefix="/")
 
 
 _haproxy_dir: tempfile.TemporaryDirectory | None = None  # HAProxy's files for the local server
-_topology: str | None = None  # what start_local deployed
+_topology: str | None = None  # what deploy_local deployed last
 
 
 def local_topology() -> str | None:
-    """The topology start_local deployed ("fused" or "split"), None before it ran."""
+    """The topology start_local (deploy_local) deployed last ("fused" or "split"), None before it ran."""
     return _topology
 
 
@@ -199,6 +222,11 @@ def _renderers_that_fit(config: ServeConfig) -> int | None:
 def http_front() -> str:
     """What answers the local server's port: "haproxy" (direct ingress) or "serve_proxy"."""
     return "haproxy" if _haproxy_dir is not None else "serve_proxy"
+
+
+def haproxy_dir() -> Path | None:
+    """The folder of the local server's HAProxy (its haproxy.cfg under a node-id folder), None without it."""
+    return Path(_haproxy_dir.name) if _haproxy_dir is not None else None
 
 
 def _direct_ingress_env(config: ServeConfig) -> dict[str, str]:

@@ -4,6 +4,9 @@ No timing thresholds (the figures are for the README). What must hold whatever t
 image rendered by every runner, the job encoding each reference exactly once, and the grouped Ray
 Data pipeline never encoding a reference more often than there are actors (its LRU holds them all
 at smoke size).
+
+The runners run on the session's local Ray (tests/conftest.py) as this module's job: the benchmark
+uses the Ray its caller is connected to, and starts its own only when run as a script.
 """
 
 from __future__ import annotations
@@ -14,6 +17,13 @@ import math
 import pytest
 
 from benchmarks import ray_data_vs_job
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_job(local_ray):
+    # Worker output stays in Ray's logs, as when the benchmark starts its own Ray: stdout is the JSON.
+    with local_ray(log_to_driver=False):
+        yield
 
 
 @pytest.mark.slow

@@ -1,19 +1,18 @@
 """benchmarks/serve_latency.py --smoke runs end to end (a real local Serve, tiny models) and prints
 every section the benchmarks README reads. No timing thresholds: only that each figure exists and
-is a real measurement (positive, finite, counts that add up)."""
+is a real measurement (positive, finite, counts that add up).
+
+It runs in this process on the session's local Serve (tests/conftest.py), which it deploys its
+applications on in turn, as it does on the Serve it starts when run as a script."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+import torch
 
 
 def _latency(record: dict, where: str) -> None:
@@ -23,7 +22,7 @@ def _latency(record: dict, where: str) -> None:
 
 
 @pytest.mark.slow
-def test_serve_latency_smoke_prints_every_section(tmp_path: Path) -> None:
+def test_serve_latency_smoke_prints_every_section(local_serve, tmp_path: Path, capsys) -> None:
     from benchmarks import serve_latency
     from snapref_ray.serve.direct_ingress import haproxy_binary
 
@@ -31,18 +30,13 @@ def test_serve_latency_smoke_prints_every_section(tmp_path: Path) -> None:
         pytest.skip("haproxy is not installed (apt-get install haproxy): the benchmark measures the server behind it")
 
     out = tmp_path / "serve.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "serve_latency.py"), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)  # stdout is the JSON alone
-    assert result == json.loads(out.read_text())
+    threads = torch.get_num_threads()  # the benchmark's in-process Renderer runs on one thread, as a replica
+    try:
+        returned = serve_latency.main(["--smoke", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(capsys.readouterr().out)  # stdout is the JSON alone
+    assert result == json.loads(out.read_text()) == json.loads(json.dumps(returned))
     assert result["smoke"] is True and set(serve_latency.FIELDS) <= set(result)
     # The server's defaults for one replica, measured: HAProxy's front door, an ingress that renders itself.
     assert (result["front"], result["topology"]) == ("haproxy", "fused")

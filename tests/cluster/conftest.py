@@ -1,16 +1,17 @@
-"""Fixtures for the batch renderer: one local Ray per test module, generated references and manifests.
+"""Fixtures for the batch renderer: the session's local Ray for each test module, generated
+references and manifests.
 
-Ray starts once per module (5-15 s on 2 cores, ray-notes.md) with more logical CPUs than cores so
-that two render workers, the fake actors and their probes never wait for a slot; it is always shut
-down, also when a test fails. `ray_cluster_s3` additionally puts the SeaweedFS credentials in the
-environment of the driver and of every Ray worker: job specs carry no credentials by design (they
-come from the standard AWS environment, storage/jobspec.py).
+`ray_cluster` is this module's job on the session's local Ray (tests/conftest.py: 8 logical CPUs,
+more than cores, so that two render workers, the fake actors and their probes never wait for a
+slot); its actors go with it at the module's end, also when a test fails. `ray_cluster_s3`
+additionally puts the SeaweedFS credentials in the environment of the driver and of the job's
+workers: job specs carry no credentials by design (they come from the standard AWS environment,
+storage/jobspec.py).
 """
 
 from __future__ import annotations
 
 import csv
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,51 +26,19 @@ FAST_DEFAULTS = {"width": 256, "height": 256, "steps": 2, "cfg": 1.0, "sampler":
 GOOD_PROMPTS = ["1girl, solo, city street, night", "1girl, solo, beach, summer", "1girl, solo, library, reading"]
 
 
-def _start_ray(env_vars: dict[str, str]) -> None:
-    import ray
-
-    if ray.is_initialized():  # a previous module's teardown failed: never attach to a stale one
-        ray.shutdown()
-    # PYTHONPATH: workers import the project (and the test doubles of test_scheduler) from the
-    # checkout even where it is not pip-installed.
-    env = {
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-        "AWS_EC2_METADATA_DISABLED": "true",
-        **env_vars,
-    }
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env})
-
-
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local Ray for this module (8 logical CPUs, no dashboard), shut down at the end."""
-    import ray
-
-    _start_ray({})
-    try:
+def ray_cluster(local_ray) -> Iterator[None]:
+    """This module's job on the session's local Ray (workers import the project from the checkout)."""
+    with local_ray():
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
-def ray_cluster_s3(s3_server) -> Iterator[None]:
+def ray_cluster_s3(local_ray, s3_server) -> Iterator[None]:
     """`ray_cluster`, with the S3 test server's credentials in the driver's and the workers' environment."""
-    import ray
-
     creds = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-    saved = {k: os.environ.get(k) for k in (*creds, "AWS_EC2_METADATA_DISABLED")}
-    os.environ.update(creds, AWS_EC2_METADATA_DISABLED="true")
-    try:
-        _start_ray(creds)
+    with local_ray({**creds, "AWS_EC2_METADATA_DISABLED": "true"}, driver_env=True):
         yield
-    finally:
-        ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,6 +45,17 @@ def _manifest(folder: Path, name: str, references: int, prompts: int) -> Path:
     return write_manifest(folder / name, rows)
 
 
+def _driver_env() -> dict[str, str]:
+    """A driver subprocess's environment: a job of its own on the session's local Ray (as under
+    `ray job submit`), token authentication on; its workers get the head's environment."""
+    return {
+        **os.environ,
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        "RAY_AUTH_MODE": "token",
+        "PYTHONPATH": str(REPO),
+    }
+
+
 def _assert_exactly_once(storage_uri: str, expected: set[str], s3=None) -> pd.DataFrame:
     """Every expected item is committed once, and every committed image exists and decodes."""
     storage = open_storage(storage_uri, s3)
@@ -105,8 +116,7 @@ def test_interrupted_driver_resumes_and_renders_only_what_was_missing(tmp_path, 
     expected = expected_item_ids(spec)
     assert len(expected) == 18
 
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
-    env["PYTHONPATH"] = str(REPO)
+    env = _driver_env()
     log_path = tmp_path / "driver.log"
     log = open(log_path, "wb")
     # With its progress bar: "| 3/18 [" says the driver has committed 3 items (the bar moves
@@ -175,8 +185,7 @@ def test_killed_driver_sigkill_resumes_with_the_same_command_every_item_once(tmp
     expected = expected_item_ids(spec)
     assert len(expected) == 18
     command = [sys.executable, "-m", "jobs.generate_dataset", str(spec_file), "--no-progress"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
-    env["PYTHONPATH"] = str(REPO)
+    env = _driver_env()
     storage = open_storage(str(out))
     with open(tmp_path / "driver.log", "wb") as log:
         # Its own session: whatever the dead driver leaves behind is killed by group at the end.

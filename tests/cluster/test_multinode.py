@@ -1,8 +1,9 @@
 """Batch jobs on a real multi-node cluster: Ray's autoscaler adds GPU nodes (fake_multinode provider,
 tests/fake_cluster.py) for the job's GPU workers; the workers run the tiny models on CPU.
 
-One cluster for the module (a head with 1 CPU and no GPU, at most 3 autoscaled nodes with 1 CPU
-and `GPU: 1` each); the tests run in file order and each waits for what it needs.
+The session's fake cluster (tests/conftest.py: a head with 2 CPUs and no GPU, at most 3 autoscaled
+nodes with 1 CPU and `GPU: 1` each), cold when the module starts (the head alone); the tests run in
+file order and each waits for what it needs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from snapref_ray.pipelines.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_item_ids, read_metadata_table
 from tests.cluster.conftest import expected_item_ids, job_spec, make_reference_png, write_manifest
-from tests.fake_cluster import REPO, FakeCluster, fake_cluster
+from tests.fake_cluster import REPO, FakeCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -34,9 +35,10 @@ PROMPTS = ["1girl, city", "1girl, beach", "1girl, forest", "1girl, snow", "1girl
 
 
 @pytest.fixture(scope="module")
-def cluster() -> FakeCluster:
-    # The dashboard hosts the job server that `ray job submit` talks to.
-    with fake_cluster(max_gpu_nodes=3, dashboard=True) as c, c.connected():
+def cluster(shared_fake_cluster) -> FakeCluster:
+    # Cold: the first test starts a job on a cluster without GPU nodes. The session's cluster runs the
+    # dashboard, which hosts the job server that `ray job submit` talks to.
+    with shared_fake_cluster(max_gpu_nodes=3, cold=True) as c:
         yield c
 
 

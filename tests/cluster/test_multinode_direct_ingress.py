@@ -1,7 +1,10 @@
-"""Serve's HAProxy mode on a real multi-node cluster (tests/fake_cluster.py), the way README.md,
-Serving, tells cluster operators to run it: the direct-ingress environment (`direct_ingress_env`)
-on every Ray process, HAProxy on the head, and two fused replicas (ingress + renderer) on two
-autoscaled GPU nodes. Real HTTP on 127.0.0.1.
+"""Serve's HAProxy mode on a real multi-node cluster (the session's fake cluster, tests/conftest.py,
+at most 2 GPU nodes for this module) as README.md, Serving, has cluster operators run it: the
+direct-ingress environment (`direct_ingress_env`) in every Serve process, HAProxy on the head, and
+two fused replicas (ingress + renderer) on two autoscaled GPU nodes. Real HTTP on 127.0.0.1. The
+environment is the runtime environment of the module's job, which Serve's controller, its HAProxy
+manager and the replicas run under (the cluster is shared with modules that run Serve's own proxy);
+README.md sets it on the Ray processes themselves, which comes to the same for Serve.
 
 - HAProxy on the head forwards to both replicas, each on its own GPU node, and renders spread
   over them.
@@ -24,10 +27,11 @@ from ray import serve
 from snapref_ray.client import SnapRefClient
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import direct_ingress_env, haproxy_binary
-from tests.fake_cluster import FakeCluster, fake_cluster
+from tests.fake_cluster import FakeCluster
 from tests.serve.conftest import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# Its last test kills a GPU node: after the other fake-cluster modules, none of which then starts cold.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.ray_order(1)]
 
 TOKEN = "direct-ingress-token-3b9f"
 SMALL = {"width": 256, "height": 256, "steps": 2, "response_format": "json"}
@@ -44,7 +48,9 @@ def haproxy_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def server(haproxy_dir: Path, tiny_models: Path, tmp_path_factory) -> Iterator[tuple[FakeCluster, str]]:
+def server(
+    haproxy_dir: Path, shared_fake_cluster, tiny_models: Path, tmp_path_factory
+) -> Iterator[tuple[FakeCluster, str]]:
     from snapref_ray.pipelines.serve_app import APP_NAME, build_app
 
     # Durable references (a folder every fake node sees): the store may live on the node that dies.
@@ -62,13 +68,14 @@ def server(haproxy_dir: Path, tiny_models: Path, tmp_path_factory) -> Iterator[t
         references_uri=str(tmp_path_factory.mktemp("durable-references")),
     )
     env = direct_ingress_env(config, haproxy_binary(), haproxy_dir)
-    # head_cpus=2: the reference store and Serve's own actors fit on the head; each GPU node's one CPU
-    # goes to its replica.
-    with fake_cluster(max_gpu_nodes=REPLICAS, head_cpus=2, env=env) as cluster, cluster.connected():
+    # The head's 2 CPUs: the reference store and Serve's own actors fit on the head; each GPU node's one
+    # CPU goes to its replica.
+    with shared_fake_cluster(max_gpu_nodes=REPLICAS, env=env) as cluster:
         # One HAProxy, on the head: every fake node shares this machine's ports.
         serve.start(
             proxy_location="HeadOnly",
             http_options={"host": config.host, "port": config.port, "request_timeout_s": config.proxy_timeout_s()},
+            controller_options={"runtime_env": {"env_vars": env}},
         )
         try:
             serve.run(build_app(config), name=APP_NAME, route_prefix="/")

@@ -1,5 +1,6 @@
 """The Serve endpoint (snapref_ray.pipelines.serve_app, as shipped) with two renderer replicas on two
-autoscaled GPU nodes of a real multi-node cluster (tests/fake_cluster.py), real HTTP on 127.0.0.1.
+autoscaled GPU nodes of a real multi-node cluster (the session's fake cluster, tests/conftest.py, at
+most 2 GPU nodes for this module), Serve's own proxy on the head, real HTTP on 127.0.0.1.
 
 - Reference affinity: requests that name a reference reach the replica that encoded its RefKV
   (Serve's multiplexed routing); the hit rate of 8 references x 8 requests is printed.
@@ -22,7 +23,7 @@ from ray import serve
 from snapref_ray.client import ApiError, SnapRefClient
 from snapref_ray.serve.config import ServeConfig
 from tests.cluster.conftest import make_reference_png
-from tests.fake_cluster import FakeCluster, fake_cluster
+from tests.fake_cluster import FakeCluster
 from tests.serve.conftest import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -33,10 +34,10 @@ RENDERER = "Renderer"
 
 
 @pytest.fixture(scope="module")
-def cluster() -> FakeCluster:
-    # head_cpus=2: the ingress (0.5 CPU) and the reference store stay on the head; each GPU node's
+def cluster(shared_fake_cluster) -> FakeCluster:
+    # The head's 2 CPUs: the ingress (0.5 CPU) and the reference store stay on the head; each GPU node's
     # one CPU goes to its renderer replica. The dashboard serves the state API (replica -> node, pid).
-    with fake_cluster(max_gpu_nodes=2, head_cpus=2, dashboard=True) as c, c.connected():
+    with shared_fake_cluster(max_gpu_nodes=2) as c:
         yield c
 
 

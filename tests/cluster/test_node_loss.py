@@ -30,17 +30,18 @@ from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_errors_table, read_item_ids, read_metadata_table
 from tests.cluster.conftest import expected_item_ids, job_spec, make_reference_png, write_manifest
 from tests.cluster.renderer_doubles import OutOfMemoryAbove
-from tests.fake_cluster import FakeCluster, fake_cluster
+from tests.fake_cluster import FakeCluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# ray_order: its tests kill nodes, so it runs after the fake-cluster modules that want a warm cluster.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.ray_order(2)]
 
 REFERENCE_SIZE = (320, 448)
 
 
 @pytest.fixture(scope="module")
-def cluster() -> FakeCluster:
-    with fake_cluster(max_gpu_nodes=3) as c, c.connected():
-        yield c
+def cluster(fake_cluster_module) -> FakeCluster:
+    """The session's fake cluster (tests/conftest.py); every test's job is its own, and kills at most one node."""
+    return fake_cluster_module
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,12 @@
-"""One local Ray per module for the Ray Data tests, wired to the SeaweedFS test server through the AWS environment.
+"""The Ray Data tests' job on the session's local Ray, wired to the SeaweedFS test server through the AWS environment.
 
 Ray Data's own S3 reads and writes (pyarrow) and the renderer's model and reference reads (boto3)
 both take the endpoint and credentials from the standard variables, as on a real cluster; they are
-set in the driver (restored afterwards) and in every Ray worker.
+set in the driver (restored afterwards) and in the module's job, so in every worker it starts.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +18,8 @@ FAST_SETTINGS = {"width": 256, "height": 256, "steps": 2, "cfg": 1.0, "sampler":
 
 
 @pytest.fixture(scope="module")
-def ray_s3_env(s3_server, tmp_path_factory) -> Iterator[dict[str, str]]:
-    """A local Ray (8 logical CPUs) whose driver and workers see the S3 test server as "AWS"."""
-    import ray
-
+def ray_s3_env(local_ray, s3_server, tmp_path_factory) -> Iterator[dict[str, str]]:
+    """The session's local Ray (8 logical CPUs) whose driver and workers see the S3 test server as "AWS"."""
     env = {
         "AWS_ACCESS_KEY_ID": s3_server.access_key,
         "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
@@ -32,24 +29,5 @@ def ray_s3_env(s3_server, tmp_path_factory) -> Iterator[dict[str, str]]:
         # s3:// model folders are mirrored here, not in the user's ~/.cache.
         "SNAPREF_RAY_CACHE": str(tmp_path_factory.mktemp("model-cache")),
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    if ray.is_initialized():  # a previous module's teardown failed: never attach to a stale one
-        ray.shutdown()
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(
-        address="local",
-        num_cpus=8,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {**env, "PYTHONPATH": pythonpath}},
-    )
-    try:
+    with local_ray(env, driver_env=True, log_to_driver=False):
         yield env
-    finally:
-        ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -1,6 +1,7 @@
 """The HTTP API end to end: a real local Serve on 127.0.0.1 with the tiny models, real HTTP.
 
-One Serve instance for the module (start-up takes ~20 s); parsing helpers are tested without it.
+The module's application on the session's local Serve (tests/conftest.py); parsing helpers are
+tested without it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from snapref_ray.serve.config import ServeConfig, ServeLimits
 from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.references import ReferenceLRU
 from snapref_ray.storage.image_files import read_image_info
-from tests.serve.conftest import free_port
 
 TOKEN = "test-token-5f2c"
 TIMEOUT = 120  # seconds, every HTTP call
@@ -43,12 +43,10 @@ LIMITS = ServeLimits(max_upload_bytes=200_000, max_steps=8, max_n=3, max_side=51
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models: Path):
-    from snapref_ray.pipelines.serve_app import start_local, stop_local
-
+def server(local_serve, tiny_models: Path):
     config = ServeConfig(
         model=str(tiny_models),
-        port=free_port(),
+        port=local_serve.port,
         token=TOKEN,
         limits=LIMITS,
         min_replicas=1,
@@ -56,10 +54,8 @@ def server(tiny_models: Path):
         max_batch_size=4,
         request_timeout_s=120,
     )
-    try:
-        yield start_local(config, num_cpus=6)
-    finally:
-        stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
+    with local_serve.deployed(config) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from snapref_ray.client import ApiError as ClientError
 from snapref_ray.client import SnapRefClient
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.tiny import TinyConfig, write_tiny_adapter
-from tests.serve.conftest import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 TOKEN = "arcanima-test-token"
@@ -25,25 +24,20 @@ TOKEN = "arcanima-test-token"
 # One Serve start per kind is ~1 min here; v2 runs by default (the pilot goes through the batch-job
 # test). Add "arcanima-pilot" to run both (both pass).
 @pytest.fixture(scope="module", params=["arcanima-v2"])
-def served(request, tiny_models: Path, tmp_path_factory):
-    from snapref_ray.pipelines.serve_app import start_local, stop_local
-
+def served(request, local_serve, tiny_models: Path, tmp_path_factory):
     kind = request.param
     adapter = write_tiny_adapter(tmp_path_factory.mktemp(kind) / "adapter.safetensors", TinyConfig(), kind)
     config = ServeConfig(
         model={"models_dir": str(tiny_models), "adapter": str(adapter)},
-        port=free_port(),
+        port=local_serve.port,
         token=TOKEN,
         min_replicas=1,
         max_replicas=1,
         max_batch_size=4,
         request_timeout_s=300,
     )
-    try:
-        url = start_local(config, num_cpus=4)
+    with local_serve.deployed(config) as url:
         yield kind, SnapRefClient(url, token=TOKEN, timeout=600, retries=0)
-    finally:
-        stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
 
 
 def test_endpoint_renders_with_the_file_kind(served, tiny_models):

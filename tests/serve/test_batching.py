@@ -11,20 +11,17 @@ import pytest
 
 from snapref_ray.client import SnapRefClient
 from snapref_ray.serve.config import ServeConfig, ServeLimits
-from tests.serve.conftest import free_port
 
 SMALL = {"width": 256, "height": 256, "steps": 2}
 MAX_BATCH = 4
 
 
 @pytest.fixture(scope="module")
-def client(tiny_models: Path):
-    from snapref_ray.pipelines.serve_app import start_local, stop_local
-
+def client(local_serve, tiny_models: Path):
     # No token on loopback (allowed); a wide wait window so requests sent together surely meet.
     config = ServeConfig(
         model=str(tiny_models),
-        port=free_port(),
+        port=local_serve.port,
         min_replicas=1,
         max_replicas=1,
         max_batch_size=MAX_BATCH,
@@ -34,10 +31,8 @@ def client(tiny_models: Path):
         limits=ServeLimits(max_n=MAX_BATCH),
         request_timeout_s=120,
     )
-    try:
-        yield SnapRefClient(start_local(config, num_cpus=6), timeout=120, retries=0)
-    finally:
-        stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
+    with local_serve.deployed(config) as url:
+        yield SnapRefClient(url, timeout=120, retries=0)
 
 
 @pytest.fixture(scope="module")

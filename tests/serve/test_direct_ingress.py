@@ -1,11 +1,12 @@
 """The local server's front door: HAProxy on the port, forwarding straight to the ingress replicas.
 
-A real local Serve in HAProxy mode (snapref_ray/serve/direct_ingress.py) with the tiny models and
-two fused replicas (ingress replicas that render). The rest of tests/serve runs its HTTP behaviours
-through the same front (it is the default); this module checks what is particular to it: who
-answers the port, what listens where, renders spread over the replicas, uploads larger than Serve's
-gRPC default crossing deployments, and a replica that dies and comes back behind the same public
-address while the other keeps answering.
+A real local Serve in HAProxy mode (snapref_ray/serve/direct_ingress.py; the session's, started as
+`start_local` starts it: tests/conftest.py) with the tiny models and two fused replicas (ingress
+replicas that render). The rest of tests/serve runs its HTTP behaviours through the same front (it
+is the default); this module checks what is particular to it: who answers the port, what listens
+where, renders spread over the replicas, uploads larger than Serve's gRPC default crossing
+deployments, and a replica that dies and comes back behind the same public address while the
+other keeps answering.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def test_each_server_gets_its_own_haproxy_files_and_ports(tmp_path: Path) -> Non
 def test_without_haproxy_the_server_keeps_serves_proxy_and_says_so(monkeypatch, caplog) -> None:
     from snapref_ray.pipelines import serve_app
 
+    monkeypatch.setattr(serve_app, "_haproxy_dir", None)  # the session's server (if running) keeps its own
     monkeypatch.setattr(serve_app, "haproxy_binary", lambda: None)
     with caplog.at_level("WARNING", logger=serve_app.__name__):
         assert serve_app._direct_ingress_env(ServeConfig(model="m")) == {}
@@ -95,6 +97,7 @@ def test_without_haproxy_the_server_keeps_serves_proxy_and_says_so(monkeypatch, 
 def test_the_operators_own_serve_settings_win(monkeypatch) -> None:
     from snapref_ray.pipelines import serve_app
 
+    monkeypatch.setattr(serve_app, "_haproxy_dir", None)  # the session's server (if running) keeps its own
     monkeypatch.setattr(serve_app, "haproxy_binary", lambda: "/opt/haproxy/bin/haproxy")
     monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "30")
     try:
@@ -114,25 +117,20 @@ def test_the_operators_own_serve_settings_win(monkeypatch) -> None:
 
 # -- a running server ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_models: Path):
+def server(local_serve, tiny_models: Path):
     if haproxy_binary() is None:
         pytest.skip("haproxy is not installed (apt-get install haproxy)")
-    from snapref_ray.pipelines import serve_app
-
     config = ServeConfig(
         model=str(tiny_models),
-        port=free_port(),
+        port=local_serve.port,
         limits=LIMITS,
         topology="fused",
         min_replicas=REPLICAS,
         max_replicas=REPLICAS,
         reference_store_bytes=64 * 2**20,
     )
-    try:
-        url = serve_app.start_local(config, num_cpus=6)
-        yield url, config, Path(serve_app._haproxy_dir.name)
-    finally:
-        serve_app.stop_local(drain=False)
+    with local_serve.deployed(config) as url:
+        yield url, config, local_serve.haproxy_dir
 
 
 def _haproxy_cfg(workdir: Path) -> str:

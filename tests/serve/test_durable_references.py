@@ -1,8 +1,9 @@
 """Serve in production (issue 9): references stored durably and shared, model folders from s3://.
 
-The live module runs a real local Serve whose models come from the real SeaweedFS S3 server
-(`s3_server` fixture) and whose references are stored under an s3:// prefix on it, with two
-ReferenceStore replicas. A whole redeploy of the application (every replica new, every cache
+The live module runs its application on the session's local Serve (tests/conftest.py: the S3 test
+server's credentials are in its processes' environment, as on a cluster node) with models from the
+real SeaweedFS S3 server (`s3_server` fixture) and references stored under an s3:// prefix on it,
+with two ReferenceStore replicas. A whole redeploy of the application (every replica new, every cache
 empty) must still render an id uploaded before it, without a re-upload.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import uuid
 from pathlib import Path
 
@@ -21,7 +21,6 @@ from snapref_ray.client import SnapRefClient
 from snapref_ray.serve.api import ReferenceInfo
 from snapref_ray.serve.config import ServeConfig, ServeLimits
 from snapref_ray.serve.references import DurableReferences
-from tests.serve.conftest import free_port
 
 SMALL = {"width": 256, "height": 256, "steps": 1}
 
@@ -64,10 +63,8 @@ def test_more_store_replicas_need_durable_storage() -> None:
 
 
 @pytest.fixture(scope="module")
-def s3_serve(tiny_models: Path, s3_server, tmp_path_factory):
+def s3_serve(local_serve, tiny_models: Path, s3_server, tmp_path_factory):
     """(client, config, s3 prefix of the references) for a Serve with models and references on S3."""
-    from snapref_ray.pipelines.serve_app import start_local, stop_local
-
     run = uuid.uuid4().hex[:8]
     s3 = s3_server.client()
     for path in tiny_models.rglob("*"):
@@ -77,12 +74,11 @@ def s3_serve(tiny_models: Path, s3_server, tmp_path_factory):
                 Key=f"models-{run}/tiny/{path.relative_to(tiny_models)}",
                 Body=path.read_bytes(),
             )
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     # Credentials reach the replicas as on a cluster node: through the environment, never the config.
-    os.environ.update(AWS_ACCESS_KEY_ID=s3_server.access_key, AWS_SECRET_ACCESS_KEY=s3_server.secret_key)
+    assert local_serve.env["AWS_SECRET_ACCESS_KEY"] == s3_server.secret_key
     config = ServeConfig(
         model=f"s3://{s3_server.bucket}/models-{run}/tiny",
-        port=free_port(),
+        port=local_serve.port,
         references_uri=f"s3://{s3_server.bucket}/refs-{run}",
         reference_store_replicas=2,
         s3_endpoint_url=s3_server.endpoint_url,
@@ -94,16 +90,8 @@ def s3_serve(tiny_models: Path, s3_server, tmp_path_factory):
         limits=ServeLimits(max_n=2),
         request_timeout_s=120,
     )
-    try:
-        url = start_local(config, num_cpus=6)
+    with local_serve.deployed(config) as url:
         yield SnapRefClient(url, timeout=120, retries=0), config, f"refs-{run}"
-    finally:
-        stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.mark.slow

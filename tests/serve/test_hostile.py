@@ -10,9 +10,7 @@ lines (run with -s to see them); no test asserts on wall-clock time.
 from __future__ import annotations
 
 import base64
-import glob
 import json
-import os
 import select
 import socket
 import statistics
@@ -25,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from snapref_ray.serve.config import ServeConfig, ServeLimits
-from tests.serve.conftest import free_port
+from tests.ray_session import LogMark
 
 TOKEN = "hostile-test-token"
 AUTH = f"Bearer {TOKEN}"
@@ -77,15 +75,13 @@ class Answer:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models: Path):
-    from snapref_ray.pipelines.serve_app import start_local, stop_local
-
-    config = ServeConfig(model=str(tiny_models), port=free_port(), **CONFIG)
-    try:
-        start_local(config, num_cpus=6)
+def server(local_serve, tiny_models: Path):
+    global _SERVER_LOGS
+    config = ServeConfig(model=str(tiny_models), port=local_serve.port, **CONFIG)
+    # The session's Ray logs hold earlier modules' servers too: this module reads what its own wrote.
+    _SERVER_LOGS = LogMark(local_serve.logs_dir)
+    with local_serve.deployed(config):
         yield config.port
-    finally:
-        stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
 
 
 @pytest.fixture(scope="module")
@@ -551,23 +547,19 @@ def test_openapi_declares_bearer_and_docs_need_the_token(server: int) -> None:
 
 
 # -- 6. logs -------------------------------------------------------------------------------------
-def _replica_logs(deployment: str) -> str:
-    import ray
+_SERVER_LOGS: LogMark | None = None  # Ray's log files as they were before this module's server started
 
-    session = ray._private.worker._global_node.get_session_dir_path()
-    files = glob.glob(os.path.join(session, "logs", "serve", f"replica_*{deployment}*.log"))
-    assert files, f"no Serve log file for {deployment} under {session}"
-    return "\n".join(Path(f).read_text(errors="replace") for f in files)
+
+def _replica_logs(deployment: str) -> str:
+    """Everything the module's replicas of `deployment` logged."""
+    pattern = f"serve/replica_*{deployment}*.log"
+    assert _SERVER_LOGS.files(pattern), f"no Serve log file for {deployment} under {_SERVER_LOGS.logs_dir}"
+    return _SERVER_LOGS.since(pattern)
 
 
 def _worker_stderr() -> str:
-    """Everything the module's Ray workers wrote to stderr (where a root-logger traceback goes)."""
-    import ray
-
-    session = ray._private.worker._global_node.get_session_dir_path()
-    return "\n".join(
-        Path(f).read_text(errors="replace") for f in glob.glob(os.path.join(session, "logs", "worker-*.err"))
-    )
+    """What Ray's workers wrote to stderr (where a root-logger traceback goes) since the module's server started."""
+    return _SERVER_LOGS.since("worker-*.err")
 
 
 def _wait_for_log(deployment: str, needle: str, timeout: float = 20.0) -> str:

@@ -19,7 +19,6 @@ from PIL import Image
 from snapref_ray.client import SnapRefClient
 from snapref_ray.serve.config import ServeConfig, ServeLimits
 from snapref_ray.serve.errors import ApiError
-from tests.serve.conftest import free_port
 
 RETRY_AFTER_S = 3
 BURST = 8
@@ -30,12 +29,10 @@ SLOW = {"width": 512, "height": 512, "steps": 50}
 # Both topologies refuse alike: the split ingress through Serve's router queue, the fused replica
 # through its own admission count.
 @pytest.fixture(scope="module", params=["fused", "split"])
-def server(request, tiny_models: Path):
-    from snapref_ray.pipelines.serve_app import start_local, stop_local
-
+def server(request, local_serve, tiny_models: Path):
     config = ServeConfig(
         model=str(tiny_models),
-        port=free_port(),
+        port=local_serve.port,
         topology=request.param,
         min_replicas=1,
         max_replicas=1,
@@ -47,10 +44,8 @@ def server(request, tiny_models: Path):
         limits=ServeLimits(max_n=1, max_steps=200, max_side=512),
         request_timeout_s=120,
     )
-    try:
-        yield start_local(config, num_cpus=6)
-    finally:
-        stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
+    with local_serve.deployed(config) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
