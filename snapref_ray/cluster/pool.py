@@ -21,6 +21,8 @@ import ray
 
 from snapref_ray.cluster.tasks import WorkerInfo
 from snapref_ray.cluster.worker import RenderWorker, WorkerConfig
+from snapref_ray.model_spec import ModelSpec
+from snapref_ray.service.memory_estimate import estimate_worker_memory
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class PoolPlan:
     max_workers: int
     num_cpus_per_worker: float = 1.0
     max_task_retries: int = 1
+    memory_bytes: int = 0  # host memory each worker asks Ray for (0: none)
 
 
 def on_a_cluster(address: str | None) -> bool:
@@ -76,6 +79,55 @@ def plan_pool(shape: PoolShape, device: str, *, on_cluster: bool, gpus_now: int)
         high = shape.max_workers if shape.max_workers is not None else max(default, shape.min_workers)
         low = min(shape.min_workers, high)
     return PoolPlan(use_gpu, low, high, shape.num_cpus_per_worker, shape.max_task_retries)
+
+
+class WorkerDoesNotFit(ValueError):
+    """No node of the Ray the job runs on can hold one worker's memory request."""
+
+
+def worker_memory(
+    model: ModelSpec, *, override: int | None, width: int, height: int, batch: int, use_gpu: bool
+) -> tuple[int, dict | None]:
+    """(bytes of host memory each worker asks Ray for, the estimate's figures or None).
+
+    `override` (cluster.memory_per_worker) wins; else the estimate from the model files' headers
+    (service/memory_estimate.py) at the job's largest image and max_batch. Remote (s3://) model files are
+    not fetched by the driver for it: without an override such a job asks for no memory, and says so.
+    """
+    if override is not None:
+        return override, None
+    if model.is_remote():
+        log.info("model files are remote: workers ask Ray for no memory (set cluster.memory_per_worker)")
+        return 0, None
+    import torch
+
+    dtype = None if model.dtype == "auto" else getattr(torch, model.dtype)
+    if model.quantize == "fp8":
+        dtype = torch.bfloat16
+    estimate = estimate_worker_memory(
+        model.local_files(), width=width, height=height, batch=batch, on_gpu=use_gpu, dtype=dtype
+    )
+    return estimate.total, estimate.report()
+
+
+def check_memory_fits(plan: PoolPlan, *, on_cluster: bool) -> None:
+    """A worker that fits on no node of a local Ray is an error before anything starts; on a cluster it is a
+    warning (the autoscaler may add a larger node), and `start_timeout_s` ends the wait."""
+    if not plan.memory_bytes:
+        return
+    offered = [node["Resources"].get("memory", 0) for node in ray.nodes() if node["Alive"]]
+    if any(memory >= plan.memory_bytes for memory in offered):
+        return
+    gib = 2**30
+    message = (
+        f"a worker asks for {plan.memory_bytes / gib:.2f} GiB of memory, and the largest node offers"
+        f" {max(offered, default=0) / gib:.2f} GiB (Ray's `memory` resource)"
+    )
+    if not on_cluster:
+        raise WorkerDoesNotFit(
+            message + ": lower cluster.memory_per_worker, max_batch or the image size, or run on a larger machine"
+        )
+    log.warning("%s; waiting for the autoscaler to add a node that fits", message)
 
 
 def connect(address: str | None = None, *, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
@@ -113,6 +165,7 @@ class WorkerPool:
             max_restarts=-1,
             max_task_retries=plan.max_task_retries,
             max_concurrency=2,
+            **({"memory": plan.memory_bytes} if plan.memory_bytes else {}),
         )
         self.starting: dict[ray.ObjectRef, ray.actor.ActorHandle] = {}
         self.launched = 0

@@ -91,3 +91,4 @@ class WorkerInfo:
     device: str
     pid: int
     load_seconds: float
+    memory_budget_bytes: int | None = None  # the host memory this worker asked Ray for (None: none asked)

@@ -113,7 +113,12 @@ class RenderWorker:
     def info(self) -> WorkerInfo:
         r = self.service.renderer
         return WorkerInfo(
-            self.worker_id, self.node_id, str(r.device), os.getpid(), float(getattr(r, "load_seconds", 0.0))
+            self.worker_id,
+            self.node_id,
+            str(r.device),
+            os.getpid(),
+            float(getattr(r, "load_seconds", 0.0)),
+            self.config.memory_budget_bytes,
         )
 
     def pid(self) -> int:

@@ -131,6 +131,15 @@ class SnapRefRenderer:
         self._batches = 0
         self._hinted: set[str] = set()
 
+    @staticmethod
+    def memory_request(model: str | dict | ModelSpec, *, width: int, height: int, max_batch: int, gpu: bool) -> int:
+        """Bytes of host memory to pass as `map_batches(..., memory=...)`: the estimate a job's worker asks for
+        (service/memory_estimate.py), for the pipeline's largest image and `max_batch`."""
+        from snapref_ray.service.memory_estimate import estimate_worker_memory
+
+        files = ModelSpec.model_validate(model).local_files()
+        return estimate_worker_memory(files, width=width, height=height, batch=max_batch, on_gpu=gpu).total
+
     # -- the map_batches entry point ----------------------------------------------------------
     def __call__(self, batch: Any) -> pa.Table:
         rows, columns = batch_rows(batch)

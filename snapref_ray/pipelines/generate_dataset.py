@@ -9,6 +9,7 @@ renders only what is missing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -18,7 +19,17 @@ from dataclasses import asdict
 
 from snapref_ray.cluster.failures import REQUEUE_CAUSES
 from snapref_ray.cluster.metrics import job_metrics
-from snapref_ray.cluster.pool import PoolShape, WorkerPool, connect, gpus_in_cluster, kill, on_a_cluster, plan_pool
+from snapref_ray.cluster.pool import (
+    PoolShape,
+    WorkerPool,
+    check_memory_fits,
+    connect,
+    gpus_in_cluster,
+    kill,
+    on_a_cluster,
+    plan_pool,
+    worker_memory,
+)
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, SchedulerEvent
 from snapref_ray.cluster.tasks import ItemOutcome
 from snapref_ray.cluster.worker import WorkerConfig
@@ -35,7 +46,7 @@ log = logging.getLogger(__name__)
 _STAGES = {"worker": "sample"}  # a worker death is reported against the sampling stage
 
 
-def worker_config(spec: JobSpec, *, warmup: bool = True) -> WorkerConfig:
+def worker_config(spec: JobSpec, *, warmup: bool = True, memory_budget_bytes: int | None = None) -> WorkerConfig:
     c = spec.cluster
     return WorkerConfig(
         model=spec.model,
@@ -47,6 +58,7 @@ def worker_config(spec: JobSpec, *, warmup: bool = True) -> WorkerConfig:
         output_threads=c.output_threads,
         warmup_sizes=((spec.defaults.width, spec.defaults.height),),
         refkv_fetch_timeout_s=c.refkv_fetch_timeout_s,
+        memory_budget_bytes=memory_budget_bytes or None,
     )
 
 
@@ -113,6 +125,7 @@ def run_job(
     images_per_node: Counter[str] = Counter()
     forward_batches: Counter[int] = Counter()
     memory_by_worker: dict[str, list[dict]] = {}  # each worker's latest memory fit (service/memory.py)
+    memory_request: dict = {}  # what each worker asked Ray for, and the estimate behind it
     bar = None
     interrupted = False
     timing = {"startup_seconds": 0.0, "render_seconds": 0.0}
@@ -138,7 +151,20 @@ def run_job(
                 plan.max_workers,
                 "GPU" if plan.use_gpu else "CPU",
             )
-            pool = WorkerPool(worker_config(spec, warmup=warmup), plan, renderer_factory)
+            largest = max(todo, key=lambda item: item.settings.width * item.settings.height).settings
+            memory_bytes, memory_estimate = worker_memory(
+                spec.model,
+                override=c.memory_per_worker,
+                width=largest.width,
+                height=largest.height,
+                batch=c.max_batch,
+                use_gpu=plan.use_gpu,
+            )
+            plan = dataclasses.replace(plan, memory_bytes=memory_bytes)
+            memory_request.update(bytes=memory_bytes, estimate=memory_estimate)
+            check_memory_fits(plan, on_cluster=on_a_cluster(c.address))
+            config = worker_config(spec, warmup=warmup, memory_budget_bytes=None if plan.use_gpu else memory_bytes)
+            pool = WorkerPool(config, plan, renderer_factory)
             bar = _progress_bar(len(validated.items), len(validated.items) - len(todo)) if progress else None
             callbacks = [f for f in (bar.update if bar else None, on_progress) if f is not None]
 
@@ -201,6 +227,7 @@ def run_job(
             images_per_node,
             forward_batches,
             memory_by_worker,
+            memory_request,
         )
         write_summary(storage, summary)
     if write_gallery:
@@ -284,6 +311,7 @@ def _summary(
     images_per_node,
     forward_batches,
     memory_by_worker,
+    memory_request,
 ) -> dict:
     wall = time.time() - t_start
     done_now = stats.done_items if stats else 0
@@ -331,6 +359,8 @@ def _summary(
         # largest that fits the resolution, capped by max_batch; see service/memory.py).
         "forward_batches": {str(k): v for k, v in sorted(forward_batches.items())},
         # Per worker and resolution: one image's peak, what each further image adds, the batch chosen.
+        # The host memory each worker asked Ray for (cluster.memory_per_worker, or the estimate's figures).
+        "memory_per_worker": memory_request or None,
         "memory_fit": [
             {"worker_id": worker, **limit} for worker, limits in sorted(memory_by_worker.items()) for limit in limits
         ],

@@ -71,8 +71,13 @@ def build_app(config: ServeConfig) -> Application:
     store = ReferenceStore.options(num_replicas=config.reference_store_replicas).bind(
         config.reference_store_bytes, config.references_uri, config.s3_options()
     )
+    memory = replica_memory_bytes(config, on_gpu=gpus > 0)
     rendering = {
-        "ray_actor_options": {"num_cpus": config.cpus_per_replica, "num_gpus": gpus},
+        "ray_actor_options": {
+            "num_cpus": config.cpus_per_replica,
+            "num_gpus": gpus,
+            **({"memory": memory} if memory else {}),
+        },
         "autoscaling_config": {
             "min_replicas": config.min_replicas,
             "initial_replicas": max(config.min_replicas, 1),
@@ -104,6 +109,24 @@ def build_app(config: ServeConfig) -> Application:
     return Ingress.options(num_replicas=config.ingress_replicas, ray_actor_options={"num_cpus": 0.5}, **http).bind(
         config, renderer, store
     )
+
+
+def replica_memory_bytes(config: ServeConfig, *, on_gpu: bool) -> int:
+    """Host memory a rendering replica asks Ray for: `memory_per_replica`, else the estimate at the largest image
+    the limits allow and max_batch_size (service/memory_estimate.py); 0 where the files cannot be read here."""
+    if config.memory_per_replica is not None:
+        return config.memory_per_replica
+    if config.model.is_remote():
+        return 0
+    from snapref_ray.service.memory_estimate import estimate_worker_memory
+
+    side = min(config.limits.max_side, int((config.limits.max_megapixels * 1e6) ** 0.5) // 16 * 16)
+    try:
+        files = config.model.local_files()
+    except (FileNotFoundError, ValueError) as e:  # a path only the GPU nodes have: Serve places by GPUs alone
+        log.info("no memory estimate for the replicas (%s): they ask Ray for none", e)
+        return 0
+    return estimate_worker_memory(files, width=side, height=side, batch=config.max_batch_size, on_gpu=on_gpu).total
 
 
 def rendering_deployment(config: ServeConfig) -> str:

@@ -142,6 +142,13 @@ class ServeConfig(BaseModel):
         description="GPUs per renderer replica. None: 1 when the cluster has GPUs (one resident model"
         " per GPU, as the batch workers), else 0 (CPU replicas).",
     )
+    memory_per_replica: int | None = Field(
+        None,
+        ge=0,
+        description="Bytes of host memory each rendering replica asks Ray for (`memory=`). None: estimated from"
+        " the model files at the largest image the limits allow and max_batch_size (docs/serving.md); 0: none."
+        " Model files the deploying process cannot read (s3://, a path only the GPU nodes have) ask for none.",
+    )
     cpus_per_replica: float = Field(
         1.0,
         gt=0,

@@ -220,6 +220,13 @@ class ClusterSpec(_Section):
         description="Fail the job when min_workers are not ready after this long; 900 s covers a "
         "GPU node boot plus a model load.",
     )
+    memory_per_worker: int | None = Field(
+        None,
+        ge=0,
+        description="Bytes of host memory each worker asks Ray for (`memory=`), so Ray never packs more workers"
+        " on a node than fit and a CPU worker fits its batches inside it. None = estimated from the model files"
+        " and the job's largest image at max_batch (docs/jobs.md, Memory); 0 = ask for none.",
+    )
     output_threads: int = Field(
         4,
         ge=0,

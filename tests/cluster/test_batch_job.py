@@ -234,3 +234,34 @@ def test_job_reads_from_and_writes_to_s3_with_embedded_images(
     )
     assert ds.num_rows == 9 and isinstance(ds.features["image"], datasets.Image)
     assert {row["image"].size for row in ds} == {(256, 256)}
+
+
+@pytest.mark.slow
+def test_workers_ask_ray_for_the_estimated_memory_and_report_their_fit(local_job, tiny_models):
+    """The job's workers ask Ray for memory= (the estimate from the model files at its largest image and
+    max_batch), and summary.json reports that request and each worker's measured fit."""
+    from snapref_ray.cluster.pool import worker_memory
+    from snapref_ray.service.memory_estimate import estimate_worker_memory
+
+    spec, summary, _ = local_job
+    request = summary["memory_per_worker"]
+    expected = estimate_worker_memory(
+        spec.model.local_files(), width=256, height=256, batch=spec.cluster.max_batch, on_gpu=False
+    )
+    assert request == {"bytes": expected.total, "estimate": expected.report()}
+    assert worker_memory(spec.model, override=123, width=256, height=256, batch=2, use_gpu=False) == (123, None)
+    assert 0.5 * 2**30 < request["bytes"] < 4 * 2**30  # runtime, the tiny weights, one 256x256 decode
+    # Each worker measured its batch at the size it rendered and reported it.
+    fits = summary["memory_fit"]
+    assert fits and {(f["width"], f["height"], f["device"]) for f in fits} == {(256, 256, "cpu")}
+    assert all(f["image_peak_bytes"] > 0 and 1 <= f["batch"] for f in fits)
+
+
+@pytest.mark.slow
+def test_a_worker_that_fits_on_no_node_is_refused_before_it_starts(job_inputs, tiny_models, tmp_path):
+    from snapref_ray.cluster.pool import WorkerDoesNotFit
+
+    spec = job_spec(job_inputs.bad_rows_manifest, tiny_models, str(tmp_path / "out"))
+    huge = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"memory_per_worker": 2**50})})
+    with pytest.raises(WorkerDoesNotFit, match=r"a worker asks for 1048576\.00 GiB of memory, and the largest node"):
+        run_job(huge, progress=False, write_gallery=False)

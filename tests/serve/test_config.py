@@ -240,3 +240,22 @@ def test_module_level_app_builds_from_the_environment(monkeypatch) -> None:
     deployments = _deployments(serve_app.app)
     assert set(deployments) == {"SnapRefIngress", "Renderer", "ReferenceStore"}
     assert serve_app.config_from_env().model.models_dir == "/some/models"
+
+
+def test_rendering_replicas_ask_ray_for_memory(tiny_models) -> None:
+    """The replicas' memory= is the estimate from the model files at the largest image the limits allow (or the
+    config's figure); model files the deploying process cannot read ask for none."""
+    from snapref_ray.service.memory_estimate import estimate_worker_memory
+
+    config = ServeConfig(model=str(tiny_models), gpus_per_replica=0)
+    side = min(config.limits.max_side, int((config.limits.max_megapixels * 1e6) ** 0.5) // 16 * 16)
+    expected = estimate_worker_memory(
+        config.model.local_files(), width=side, height=side, batch=config.max_batch_size, on_gpu=False
+    ).total
+    assert _deployments(build_app(config))["Renderer"]["ray_actor_options"]["memory"] == expected
+    fused = _deployments(build_app(config.model_copy(update={"max_replicas": 1})))
+    assert fused["SnapRefIngress"]["ray_actor_options"]["memory"] == expected  # the fused ingress renders
+    explicit = config.model_copy(update={"memory_per_replica": 3 * 2**30})
+    assert _deployments(build_app(explicit))["Renderer"]["ray_actor_options"]["memory"] == 3 * 2**30
+    elsewhere = ServeConfig(model="/only/on/the/gpu/nodes", gpus_per_replica=0)
+    assert "memory" not in _deployments(build_app(elsewhere))["Renderer"]["ray_actor_options"]

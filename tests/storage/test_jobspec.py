@@ -82,6 +82,7 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
         "max_batch": 4,
         "transfer_gbps": None,
         "start_timeout_s": 900.0,
+        "memory_per_worker": None,
         "output_threads": 4,
     }
     assert spec.model.model_dump(exclude={"models_dir"}) == {
