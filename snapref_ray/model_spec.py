@@ -3,7 +3,7 @@
 `ModelSpec` is the one description of a loaded model, embedded unchanged wherever a renderer is
 made: a job spec (`model:`), an evaluation or timing spec (`model:`), the serve config (`model:`),
 Ray Data's `SnapRefRenderer(model=...)` and the command line (`--models`, `--adapter`, `--lora`,
-`--device`, `--dtype`, `--compile`, `--quantize`; `snapref_ray.service.cli_flags`). A field means
+`--device`, `--dtype`, `--compile`, `--quantize`; `snapref_ray.cli_flags`). A field means
 the same thing in all of them. Turning a spec into a loaded `Renderer` (s3:// files fetched once per
 node) is `snapref_ray.service.loading.load_renderer`.
 

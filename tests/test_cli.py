@@ -27,10 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import yaml
 from PIL import Image
-from safetensors.torch import save_file
 
 from snapref_ray import cli as snapref_cli
 from snapref_ray.serve.direct_ingress import free_port
@@ -166,14 +164,7 @@ def test_txt2img_without_and_with_references_and_a_lora(models, tmp_path):
         str(EXAMPLES / "example_refs" / "blue_hair_girl.png"),
         *SMALL,
     )
-    # A ComfyUI-layout LoRA on two linears of the tiny DiT (width 64).
-    gen = torch.Generator().manual_seed(0)
-    lora_sd = {}
-    for path in ("blocks.0.self_attn.q_proj", "blocks.1.mlp.layer2"):
-        fan_out, fan_in = (64, 64) if "q_proj" in path else (64, 256)
-        lora_sd[f"diffusion_model.{path}.lora_down.weight"] = torch.randn(4, fan_in, generator=gen) * 0.3
-        lora_sd[f"diffusion_model.{path}.lora_up.weight"] = torch.randn(fan_out, 4, generator=gen) * 0.3
-    save_file(lora_sd, str(tmp_path / "style.safetensors"))
+    # make-tiny's style LoRA (ComfyUI key layout, two linears of the tiny DiT)
     run(
         "txt2img",
         "--models",
@@ -187,7 +178,7 @@ def test_txt2img_without_and_with_references_and_a_lora(models, tmp_path):
         "--sampler",
         "euler",
         "--lora",
-        f"{tmp_path / 'style.safetensors'}:0.8",
+        f"{models / 'style-lora.safetensors'}:0.8",
         *SMALL,
     )
     images = {p.stem: pixels(p) for p in (plain, ref, pair, lora)}
@@ -337,7 +328,18 @@ def test_serve_answers_the_readme_curl_example(models, tmp_path):
     )
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "snapref_ray.cli", "serve", "--models", str(models), "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "snapref_ray.cli",
+            "serve",
+            "--models",
+            str(models),
+            "--lora",
+            f"{models / 'style-lora.safetensors'}:0.7",
+            "--port",
+            str(port),
+        ],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -391,6 +393,11 @@ def test_serve_answers_the_readme_curl_example(models, tmp_path):
             check=True,
         )
         assert Image.open(tmp_path / "scene.png").size == (256, 256)
+        # --lora reached the replicas: the model they loaded names it
+        served = json.loads(
+            subprocess.run([*curl, f"{base}/v1/models"], capture_output=True, text=True, check=True).stdout
+        )
+        assert served["loras"] == [{"file": "style-lora.safetensors", "strength": 0.7}], served
         # Without the token: 401, as the README says.
         denied = subprocess.run(
             ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"{base}/v1/models"], capture_output=True, text=True

@@ -238,7 +238,7 @@ def test_table_has_every_setting_and_ratios_from_the_measured_times(table, tiny_
         assert r["seconds_per_step"] == statistics.median(m["sample_s"] / m["steps"] for m in r["runs"])
     assert base["ratio_to_no_reference"] == 1.0
     kv = tiny_renderer.encode_reference((tiny_models / "reference.png").read_bytes(), width=256, height=256)
-    for name in ("snapref_default", "ref_in_uncond", "ref_guidance_apg", "ref_end_0.6", "turbo"):
+    for name in ("snapref_default", "ref_in_uncond", "ref_guidance_apg", "ref_end_0.6", "turbo", "step_cache"):
         assert rows[name]["refkv_bytes"] == kv.nbytes
         assert rows[name]["encode_seconds"] > 0
     for name in ("no_reference", "recompute_every_step"):
@@ -246,6 +246,10 @@ def test_table_has_every_setting_and_ratios_from_the_measured_times(table, tiny_
     assert rows["arcanima_pilot"]["refkv_bytes"] == 16 * 32 * 32 * 4  # the reference latent at the output size
     assert rows["arcanima_v2"]["refkv_bytes"] > 0 and rows["arcanima_v2"]["encode_seconds"] > 0
     assert rows["turbo"]["settings"]["steps"] == 2 and rows["turbo"]["settings"]["cfg"] == 1.0
+    # only the step-cache row runs with the cache, and it counts the forwards its image skipped
+    assert rows["step_cache"]["settings"]["step_cache"]["threshold"] == 0.2
+    assert 0 <= rows["step_cache"]["skipped_forwards"] < rows["step_cache"]["settings"]["steps"]
+    assert all(r["skipped_forwards"] is None for n, r in rows.items() if n != "step_cache")
     env = saved["environment"]
     assert (env["device"], env["dtype"]) == ("cpu", "float32")
     assert (env["torch"], env["snapref_ray"]) == (torch.__version__, snapref_ray.__version__)
@@ -268,6 +272,8 @@ def test_markdown_table_matches_the_json(table):
         assert cells[3] == f"{row['ratio_to_no_reference']:.2f}"
         assert cells[4] == f"{row['step_ratio_to_no_reference']:.2f}"
         assert cells[9] == f"{row['cpu_step_ratio_to_no_reference']:.2f}"
+        skipped = row["skipped_forwards"]
+        assert cells[11] == ("-" if skipped is None else f"{skipped}/{summary['case']['steps']}")
 
 
 @pytest.mark.slow

@@ -126,6 +126,7 @@ def run_job(
     forward_batches: Counter[int] = Counter()
     memory_by_worker: dict[str, list[dict]] = {}  # each worker's latest memory fit (service/memory.py)
     memory_request: dict = {}  # what each worker asked Ray for, and the estimate behind it
+    step_cache = {"images": 0, "forwards": 0, "forwards_saved": 0}  # images rendered with the step cache on
     bar = None
     interrupted = False
     timing = {"startup_seconds": 0.0, "render_seconds": 0.0}
@@ -173,6 +174,10 @@ def run_job(
                 forward_batches[outcome.row.get("forward_batch") or 0] += 1
                 if outcome.memory is not None:
                     memory_by_worker[outcome.row["worker_id"]] = outcome.memory
+                if outcome.row.get("skipped_forwards") is not None:
+                    step_cache["images"] += 1
+                    step_cache["forwards_saved"] += outcome.row["skipped_forwards"]
+                    step_cache["forwards"] += outcome.row["steps"]
                 _commit(metadata, storage, spec, outcome)
 
             scheduler = BatchScheduler(
@@ -228,6 +233,7 @@ def run_job(
             forward_batches,
             memory_by_worker,
             memory_request,
+            step_cache,
         )
         write_summary(storage, summary)
     if write_gallery:
@@ -312,6 +318,7 @@ def _summary(
     forward_batches,
     memory_by_worker,
     memory_request,
+    step_cache,
 ) -> dict:
     wall = time.time() - t_start
     done_now = stats.done_items if stats else 0
@@ -359,6 +366,9 @@ def _summary(
         # largest that fits the resolution, capped by max_batch; see service/memory.py).
         "forward_batches": {str(k): v for k, v in sorted(forward_batches.items())},
         # Per worker and resolution: one image's peak, what each further image adds, the batch chosen.
+        # DiT forwards the step cache let images skip (each image's rows skip or run together): of the
+        # forwards the images with the cache on would have run, how many they did not.
+        "step_cache": step_cache if step_cache["images"] else None,
         # The host memory each worker asked Ray for (cluster.memory_per_worker, or the estimate's figures).
         "memory_per_worker": memory_request or None,
         "memory_fit": [

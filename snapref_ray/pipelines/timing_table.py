@@ -25,7 +25,7 @@ from pydantic import Field, field_validator
 
 from snapref_ray.model_spec import LoRASpec, ModelSpec
 from snapref_ray.platform_info import cpu_model
-from snapref_ray.requests import RenderSettings, Sampler
+from snapref_ray.requests import RenderSettings, Sampler, StepCache
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.jobspec import ClusterSpec, OutputSpec, SpecFile, load_spec_file
 from snapref_ray.validation import run_reporting_usage_errors
@@ -43,6 +43,7 @@ SETTING_NAMES = (
     "ref_end_0.6",
     "recompute_every_step",
     "turbo",
+    "step_cache",
     "arcanima_v2",
     "arcanima_v2_rg1",
     "arcanima_pilot",
@@ -236,6 +237,12 @@ def timing_plan(spec: TimingSpec, adapter_kind: str | None = "snapref") -> tuple
             base.model_copy(update={"steps": spec.turbo_steps, "cfg": 1.0}),
             True,
             turbo=spec.turbo_lora is not None,
+        ),
+        TimingSetting(
+            "step_cache",
+            "SnapRef default + step cache at ComfyUI's EasyCache defaults (threshold 0.2, 0.15-0.95), per image",
+            base.model_copy(update={"step_cache": StepCache()}),
+            True,
         ),
         # ArcAnima at its own defaults (ref_guidance 4.5 + APG, both CFG rows read), and at ref_guidance 1
         # (no extra call), the setting the seed's per-step figures match.
@@ -448,6 +455,7 @@ class TimingWorker:
             "cpu_seconds_per_image": cpu if on_cpu else None,
             "cpu_seconds_per_step": cpu_step if on_cpu else None,
             "refkv_bytes": kv.nbytes if kv is not None else None,
+            "skipped_forwards": result.skipped_forwards,
             "peak_memory_bytes": memory.peak,
             "peak_memory_delta_bytes": memory.delta,
             "memory_metric": memory.metric,
@@ -574,6 +582,8 @@ def _rows(settings: list[TimingSetting], runs: dict[str, list[dict]]) -> list[di
                 "encode_seconds": _median([m["encode_s"] for m in measured]),
                 "cpu_seconds_per_step": _median([m["cpu_seconds_per_step"] for m in measured]),
                 "refkv_bytes": measured[0]["refkv_bytes"],
+                # The step cache's forwards saved (its images' rows skip or run together); None without it.
+                "skipped_forwards": measured[0]["skipped_forwards"],
                 "peak_memory_bytes": max(m["peak_memory_bytes"] for m in measured),
                 "runs": measured,
             }
@@ -660,8 +670,8 @@ def format_markdown(summary: dict) -> str:
         "",
         f"| setting | s/image | s/step | x no ref (image) | x no ref (step) | {memory} | RefKV | encode s |"
         + (" CPU s/step | x no ref (CPU time, step) |" if cpu else "")
-        + " FLOP model x no ref (step, 832x1216) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cpu else "") + "---:|",
+        + " FLOP model x no ref (step, 832x1216) | forwards skipped |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cpu else "") + "---:|---:|",
     ]
     for r in summary["settings"]:
         line = (
@@ -674,6 +684,8 @@ def format_markdown(summary: dict) -> str:
             line += f" {_seconds(r['cpu_seconds_per_step'])} | {'-' if ratio is None else f'{ratio:.2f}'} |"
         flop = r.get("flop_step_ratio_832x1216")
         line += f" {'-' if flop is None else f'{flop:.2f}'} |"
+        skipped = r.get("skipped_forwards")
+        line += " - |" if skipped is None else f" {skipped}/{case['steps']} |"
         lines.append(line)
     lines += [
         "",
@@ -685,7 +697,8 @@ def format_markdown(summary: dict) -> str:
         "row's (the turbo row against the full-step no-reference row). FLOP model: matmul FLOPs of one step "
         "of real Anima at 832x1216 with a 1 MP reference (`snapref_ray/pipelines/flop_model.py`), against the "
         "no-reference step; a floor that leaves out memory traffic. ArcAnima rows run their own adapter file "
-        "(the pilot's RefKV column is its reference latent: nothing else is cached).",
+        "(the pilot's RefKV column is its reference latent: nothing else is cached). "
+        "forwards skipped: of the image's sampling steps, how many DiT forwards the step cache let it skip.",
         "",
     ]
     if cpu:

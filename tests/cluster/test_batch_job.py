@@ -265,3 +265,24 @@ def test_a_worker_that_fits_on_no_node_is_refused_before_it_starts(job_inputs, t
     huge = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"memory_per_worker": 2**50})})
     with pytest.raises(WorkerDoesNotFit, match=r"a worker asks for 1048576\.00 GiB of memory, and the largest node"):
         run_job(huge, progress=False, write_gallery=False)
+
+
+@pytest.mark.slow
+def test_summary_counts_the_forwards_the_step_cache_saved(local_job, job_inputs, tiny_models, tmp_path):
+    _, plain, _ = local_job
+    assert plain["step_cache"] is None  # no image ran with the cache
+    manifest = write_manifest(
+        job_inputs.folder / "cached.csv",
+        [{"reference": job_inputs.references[0], "prompt": f"1girl, solo, scene {i}", "seed": i} for i in range(3)],
+    )
+    spec = job_spec(manifest, tiny_models, str(tmp_path / "out"), defaults={"steps": 10, "step_cache": "on"})
+    summary = run_job(spec, progress=False, write_gallery=False)
+    rows = pq.read_table(tmp_path / "out" / "metadata").to_pylist()
+    assert summary["images_this_run"] == len(rows) == 3
+    # the summary adds up what each image's metadata row says it skipped
+    assert summary["step_cache"] == {
+        "images": 3,
+        "forwards": 30,
+        "forwards_saved": sum(r["skipped_forwards"] for r in rows),
+    }
+    assert all(r["skipped_forwards"] is not None for r in rows)

@@ -211,6 +211,22 @@ def test_node_killed_as_a_refkv_fetch_from_it_starts(cluster, references, tiny_m
     assert summary["requeues"]["refkv_lost"] >= 1, summary["requeues"]
 
 
+def test_the_issue_22_job_at_the_default_size_fits_three_workers_on_one_machine(
+    cluster, references, tiny_models, tmp_path
+):
+    """Issue 22's job: three workers on the fake cluster's nodes (one 24 GB machine in all), the default 1024x1024,
+    max_batch 4. Their batches' VAE decodes once took ~2.3 GB per image and Ray's memory monitor killed them;
+    now every item lands once, no worker is killed, and each worker reports the batch its measured fit chose."""
+    spec = _spec(tmp_path, references, tiny_models, cluster, size=1024, max_batch=4)
+    summary = run_job(spec, progress=False, write_gallery=False)
+    rows = _every_item_once(spec, summary)
+    assert summary["requeues"]["oom_killed"] == 0 and summary["peak_workers"] == 3, summary["requeues"]
+    assert summary["memory_per_worker"]["bytes"] > 0  # each asked Ray for memory
+    fits = [f for f in summary["memory_fit"] if (f["width"], f["height"]) == (1024, 1024)]
+    assert fits and all(f["image_peak_bytes"] > 0 and f["batch"] >= 1 for f in fits)
+    assert max(r["forward_batch"] for r in rows) > 1  # batches, not single images
+
+
 def test_out_of_memory_on_the_nodes_splits_batches_and_remembers_the_size(cluster, references, tiny_models, tmp_path):
     # The workers' renderer runs out of memory above one 256x256 image per forward (a torch.OutOfMemoryError).
     spec = _spec(tmp_path, references, tiny_models, cluster)
