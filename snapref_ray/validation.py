@@ -97,8 +97,16 @@ def usage_error_lines(error: BaseException) -> list[str] | None:
     if isinstance(error, ValidationError):
         return format_validation_error(error)
     if isinstance(error, (ValueError, OSError)):
-        return [str(error).strip() or type(error).__name__]
+        return _one_line_per_problem(str(error).strip() or type(error).__name__)
     return None
+
+
+def _one_line_per_problem(text: str) -> list[str]:
+    """`invalid job spec F:` + indented problems as one line per problem, each naming F; else one line."""
+    head, *rest = [line.strip() for line in text.splitlines() if line.strip()]
+    if rest and head.endswith(":"):
+        return [f"{head} {problem}" for problem in rest]
+    return ["; ".join([head, *rest])]
 
 
 def debug_requested(flag: bool = False) -> bool:

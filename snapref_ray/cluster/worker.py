@@ -349,6 +349,7 @@ class RenderWorker:
             "worker_id": self.worker_id,
             "model": service.model_id,
             "adapter": service.adapter_id,
+            "adapter_kind": service.adapter_kind,
             "device": str(r.device),
             "dtype": str(getattr(r, "dtype", "")).removeprefix("torch."),
         }

@@ -91,8 +91,11 @@ def step_flops(name: str, config: DiTConfig, case: Case, *, cfg: bool = True, re
     ten = lambda r: tuple((p, r) for p in BLOCK_LINEARS)  # noqa: E731
     if name == "no_reference":
         return forward_flops(config, RowGroup(rows_text, L))
-    if name in ("snapref_default", "ref_in_uncond", "ref_guidance_apg", "ref_end_0.6", "recompute_every_step", "turbo"):
-        reading = 1 if name in ("snapref_default", "recompute_every_step", "turbo") else 2
+    # The step-cache row's steps that run cost what SnapRef's default does; the ones it skips cost
+    # nothing here (the table's "forwards skipped" column counts them).
+    snapref_rows = ("snapref_default", "ref_in_uncond", "ref_guidance_apg", "ref_end_0.6", "recompute_every_step")
+    if name in (*snapref_rows, "turbo", "step_cache"):
+        reading = 1 if name in ("snapref_default", "recompute_every_step", "turbo", "step_cache") else 2
         rows = 1 if name == "turbo" else rows_text
         total = forward_flops(config, RowGroup(reading, L, Lr, snap_target))
         total += forward_flops(config, RowGroup(rows - reading, L, 0, snap_target)) if rows > reading else 0.0

@@ -333,6 +333,7 @@ def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
         },
         "adapter": {
             "identity": first["adapter"],
+            "kind": first["adapter_kind"],
             "path": spec.model.adapter,
             "mode": spec.mode,
             "ref_weight": spec.ref_weight,
@@ -367,7 +368,7 @@ def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
 
 
 # Per-worker facts, reported once under "model"/"adapter" rather than in every case.
-_RUN_FIELDS = ("case_id", "model", "adapter", "device", "dtype")
+_RUN_FIELDS = ("case_id", "model", "adapter", "adapter_kind", "device", "dtype")
 _CASE_FIELDS = (
     "case_id",
     "manifest_row",

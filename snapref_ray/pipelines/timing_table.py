@@ -698,7 +698,8 @@ def format_markdown(summary: dict) -> str:
         "of real Anima at 832x1216 with a 1 MP reference (`snapref_ray/pipelines/flop_model.py`), against the "
         "no-reference step; a floor that leaves out memory traffic. ArcAnima rows run their own adapter file "
         "(the pilot's RefKV column is its reference latent: nothing else is cached). "
-        "forwards skipped: of the image's sampling steps, how many DiT forwards the step cache let it skip.",
+        "forwards skipped: of the image's sampling steps, how many DiT forwards the step cache let it skip "
+        "(its FLOP column is per forward it runs).",
         "",
     ]
     if cpu:
