@@ -30,17 +30,21 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import e2e_runs, end_to_end
 from benchmarks.arcanima_steps import arcanima_rows
 from benchmarks.common import environment, interleaved, log, paired_ratio, parse_dtype, resolve_device, summarize
+from benchmarks.model_folder import MODEL_SETS, ModelFolderWriter, ModelSet
 from benchmarks.snapref_steps import ENCODE, GEOMETRIES, SETTINGS, StepBench, StepsGeometry
 from snapref_ray.models.attention import read_form
 from snapref_ray.models.compiled import compile_forward
@@ -62,6 +66,7 @@ FIELDS = (
     "memory",
     "images_per_gpu_hour",
     "extra_rows",
+    "end_to_end",
     "skipped",
     "seconds_total",
     "environment",
@@ -127,6 +132,8 @@ def _median(values: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The suite: the step phases, then the end-to-end runs that fit the budget (the model folder they load is
+    written from the start, beside the step phases)."""
     t_start = time.perf_counter()
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype)
@@ -135,6 +142,78 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         geo = StepsGeometry(
             geo.dit.with_blocks(args.blocks), geo.ref_width_px, geo.ref_height_px, geo.ref_rank, geo.target_rank
         )
+    runs = e2e_runs.parse_runs(args.e2e_runs)
+    e2e_root = Path(tempfile.mkdtemp(prefix="snapref-e2e-", dir=args.e2e_dir)) if runs else None
+    try:
+        writer = (
+            ModelFolderWriter(e2e_root / "models", e2e_model_set(args), background=device.type == "cuda")
+            if e2e_root
+            else None
+        )
+        result = {} if args.end_to_end_only else step_phases(args, device, dtype, geo, t_start)
+        skipped = result.setdefault("skipped", [])
+        if args.end_to_end_only:
+            skipped.append("step phases (--end-to-end-only)")
+        if writer is None:
+            skipped.append("end-to-end runs (--e2e-runs none)")
+        else:
+            end_to_end.free_device_memory(device)  # the step phases' models are gone; their cached blocks too
+            e2e = end_to_end.run_phase(e2e_config(args, runs, result, t_start), writer, e2e_root)
+            skipped += [f"end-to-end {s['run']} ({s['why']})" for s in e2e["skipped"]]
+            result["end_to_end"] = e2e
+    finally:
+        if e2e_root is not None:
+            shutil.rmtree(e2e_root, ignore_errors=True)
+    return {
+        "benchmark": "gpu_suite",
+        "compile_backend": None if args.no_compile else args.compile_backend,
+        "geometry": {**geo.dit.describe(), "name": geo.dit.name, "ref_tokens": geo.ref_tokens},
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "read_form": read_form(),
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "peak_tflops": args.peak_tflops,
+        **result,
+        "seconds_total": time.perf_counter() - t_start,
+        "environment": environment(device, dtype),
+    }
+
+
+def e2e_model_set(args: argparse.Namespace) -> ModelSet:
+    """The model folder of the geometry: real size, width-scaled or tiny; `--blocks` applies to its DiT."""
+    ms = MODEL_SETS[args.geometry]
+    return replace(ms, dit=ms.dit.with_blocks(args.blocks)) if args.blocks else ms
+
+
+def e2e_config(
+    args: argparse.Namespace, runs: list[e2e_runs.RunSpec], steps: dict[str, Any], t_start: float
+) -> end_to_end.PhaseConfig:
+    """The end-to-end phase's settings: the recipe for the geometry, the deadline, the step phases' figures."""
+    base = e2e_runs.RECIPES[args.geometry]
+    recipe = e2e_runs.recipe_for(base, images=args.e2e_images, steps=args.e2e_steps)
+    default = steps.get("snapref", {}).get("snapref_default", {})
+    step_seconds = {k: default[f] for k, f in (("eager", "seconds"), ("compiled", "compiled_seconds")) if f in default}
+    compiled = steps.get("step", {}).get("compiled")
+    return end_to_end.PhaseConfig(
+        runs=tuple(runs),
+        recipe=recipe,
+        device=args.device,
+        deadline=t_start + args.budget_s,
+        compile_backend=args.compile_backend,
+        compile_mode=args.compile_mode,
+        no_compile=args.no_compile,
+        step_seconds=step_seconds,
+        step_batch=args.batch,
+        compile_seconds_per_graph=compiled["compile_seconds"] / 2 if compiled else None,
+        startup_prior_s=args.e2e_startup_s,
+    )
+
+
+def step_phases(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, geo: StepsGeometry, t_start: float
+) -> dict[str, Any]:
+    """The DiT step phases (1-5 of the module docstring) and the registered rows."""
     log(
         f"gpu_suite: {geo.dit.name}, {geo.dit.num_blocks} blocks, {geo.dit.tokens} + {geo.ref_tokens} tokens, "
         f"{dtype} on {device}, batch {args.batch}, read form {read_form()}"
@@ -225,15 +304,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         extra[name] = fn(SuiteContext(bench, args, device))
     memory["peak"] = max(memory.values())
     return {
-        "benchmark": "gpu_suite",
-        "compile_backend": None if args.no_compile else args.compile_backend,
-        "geometry": {**geo.dit.describe(), "name": geo.dit.name, "ref_tokens": geo.ref_tokens},
-        "device": device.type,
-        "dtype": str(dtype).removeprefix("torch."),
-        "read_form": read_form(),
-        "batch": args.batch,
-        "rounds": args.rounds,
-        "peak_tflops": args.peak_tflops,
         "step": step,
         "host_syncs": syncs,
         "snapref": snapref,
@@ -242,8 +312,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "images_per_gpu_hour": images,
         "extra_rows": extra,
         "skipped": skipped,
-        "seconds_total": time.perf_counter() - t_start,
-        "environment": environment(device, dtype),
     }
 
 
@@ -257,6 +325,19 @@ def markdown(result: dict[str, Any]) -> str:
         f" px ({g['tokens']} tokens), reference {g['ref_tokens']} tokens; batch {result['batch']}; read form "
         f"`{result['read_form']}`; torch {env['torch']}; {result['seconds_total']:.0f} s in all.",
         "",
+    ]
+    if "step" in result:
+        lines += step_markdown(result)
+    if "end_to_end" in result:
+        lines += end_to_end.markdown(result["end_to_end"])
+    if result["skipped"]:
+        lines += ["Skipped: " + "; ".join(result["skipped"]) + ".", ""]
+    return "\n".join(lines)
+
+
+def step_markdown(result: dict[str, Any]) -> list[str]:
+    """The step phases' sections."""
+    lines = [
         "## DiT CFG step (no reference)",
         "",
         "| | s / step | TFLOP/s | % of peak |",
@@ -310,9 +391,7 @@ def markdown(result: dict[str, Any]) -> str:
     for name, rows in result["extra_rows"].items():
         lines += [f"## {name}", "", "| figure | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in rows.items()] + [""]
-    if result["skipped"]:
-        lines += ["Skipped: " + "; ".join(result["skipped"]) + ".", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -337,7 +416,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="torch.compile backend (the smoke run uses 'eager': dynamo's full-graph trace, no codegen)",
     )
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--budget-s", type=float, default=420.0, help="compiled phases only if eager took < half of it")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=440.0,
+        help="seconds for the whole suite (default 440: under 8 minutes with start-up and exit): the compiled step "
+        "phase runs only if the eager one took less than half, an end-to-end run starts only if its estimate ends "
+        "within it",
+    )
+    p.add_argument(
+        "--e2e-runs",
+        default=None,
+        help="end-to-end runs in order, ADAPTER[-rgG]:bf16|fp8:eager|compiled, comma-separated (ADAPTER: snapref, v2,"
+        f" pilot; 'none' for no end-to-end phase); default {e2e_runs.DEFAULT_RUNS} ({e2e_runs.SMOKE_RUNS} with"
+        " --smoke)",
+    )
+    p.add_argument(
+        "--e2e-images", default=None, help="REFERENCESxPROMPTS of the end-to-end job (default 2x16; 1x2 with --smoke)"
+    )
+    p.add_argument("--e2e-steps", type=int, default=None, help="sampling steps of the end-to-end job (default 30)")
+    p.add_argument(
+        "--e2e-startup-s",
+        type=float,
+        default=45.0,
+        help="the estimator's start-up seconds of a job before one has run (Ray worker, model load, warm-up)",
+    )
+    p.add_argument("--e2e-dir", default=None, help="where the model folder and job outputs go (default: the temp dir)")
+    p.add_argument(
+        "--end-to-end-only", action="store_true", help="skip the step phases: the whole budget for end-to-end runs"
+    )
     p.add_argument("--out-dir", default="gpu-suite", help="writes gpu_suite.json and gpu_suite.md here")
     p.add_argument(
         "--smoke",
@@ -348,6 +455,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         args.device, args.geometry, args.rounds, args.batch = args.device or "cpu", "smoke", 1, args.batch or 1
         args.compile_backend = "eager"  # an inductor compile costs minutes on a small CPU
+        args.e2e_runs = args.e2e_runs if args.e2e_runs is not None else e2e_runs.SMOKE_RUNS
+    args.e2e_runs = args.e2e_runs if args.e2e_runs is not None else e2e_runs.DEFAULT_RUNS
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     args.device = args.device or ("cuda" if cuda else "cpu")
     args.geometry = args.geometry or ("real" if cuda else "scaled")
