@@ -286,6 +286,27 @@ def _assert_end_to_end(e2e: dict, markdown: str) -> None:
     assert "## End to end" in markdown
 
 
+@pytest.mark.slow
+def test_gpu_suite_end_to_end_only_starts_what_fits_the_budget(tmp_path, capsys):
+    """Without step phases the first run starts unmeasured; the next is skipped when its estimate, from the
+    finished run plus three compiles, overruns a 1 s budget."""
+    from benchmarks import gpu_suite
+
+    argv = ["--smoke", "--end-to-end-only", "--budget-s", "1", "--e2e-runs", "v2-rg1:fp8:eager,snapref:bf16:compiled"]
+    result = gpu_suite.main([*argv, "--out-dir", str(tmp_path)])
+    e2e = result["end_to_end"]
+    assert not {"step", "snapref", "extra_rows"} & set(result)
+    assert [r["run"] for r in e2e["runs"]] == ["v2-rg1:fp8:eager"] and "error" not in e2e["runs"][0]
+    assert e2e["runs"][0]["estimate_seconds"] is None and e2e["runs"][0]["images"] == 2
+    (skip,) = e2e["skipped"]
+    assert skip["run"] == "snapref:bf16:compiled" and skip["estimate_seconds"] > 90 * 3
+    assert skip["why"].endswith("0 s left of the budget")
+    assert result["skipped"] == ["step phases (--end-to-end-only)", f"end-to-end snapref:bf16:compiled ({skip['why']})"]
+    markdown = (tmp_path / "gpu_suite.md").read_text()
+    assert "## DiT CFG step" not in markdown and "| v2-rg1:fp8:eager | 2 |" in markdown
+    assert "Skipped: step phases (--end-to-end-only); end-to-end snapref:bf16:compiled (estimated" in markdown
+
+
 def test_gpu_suite_has_arcanima_rows_and_takes_more(tmp_path, capsys):
     """Both ArcAnima kinds are measured beside the plain step; a registered function's figures land too."""
     from benchmarks import gpu_suite
