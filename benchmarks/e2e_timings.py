@@ -6,13 +6,14 @@ What each record carries, and so where each figure comes from:
   reference encodes.
 - the metadata rows (one per image, `service/records.py`): `sample_s` and `decode_s` of the forward that
   rendered the image (the same value on each of its `forward_batch` images), `encode_s` of the reference
-  it read (the same value on each image of that reference), `upload_s` of its own PNG encoding, thumbnail
+  it read (its reference stream's; the same on each image of that reference), `upload_s` of its PNG encoding, thumbnail
   and storage writes (the worker's output thread: overlapped with sampling when `output_threads` > 0).
-- the renderer's results: `text_s` too, which the rows do not keep, and the renders that make no row (the
-  worker's warm-up, the memory fit's one-step probe). `TimedRendererFactory` wraps the worker's real
-  renderer (the `renderer_factory` hook of `run_job`) and appends each render call's timings to a
-  JSON-lines file. `text_s` is host time: the engine does not synchronise after the text encoder, so GPU
-  work still queued then lands in `sample_s`.
+- the renderer's calls: `text_s` too, which the rows do not keep; the renders that make no row (the
+  worker's warm-up, the memory fit's one-step probe); each reference encode whole (`encode_s` is its
+  reference stream only, not the VAE encode and caption before it). `TimedRendererFactory` wraps the
+  worker's real renderer (the `renderer_factory` hook of `run_job`) and appends each call of `render` and
+  `encode_reference` to a JSON-lines file (`CallLog`). `text_s` is host time: the engine does not
+  synchronise after the text encoder, so GPU work still queued then lands in `sample_s`.
 
 PNG encoding and storage share `upload_s`; `png_encode_seconds` times the worker's encoder
 (`encode_image`, same format and records) on one output image apart, and storage is the rest.
@@ -46,29 +47,37 @@ OVERLAPPED = ("png_encode", "storage")
 SHARES = ("startup", *DEVICE_COMPONENTS, "other_render", *OVERLAPPED)
 
 
-class RenderLog:
-    """A renderer's `render`, with each call's timings appended to a JSON-lines file (one line per call)."""
+class CallLog:
+    """A renderer method (`render` or `encode_reference`) whose calls are appended to a JSON-lines file.
 
-    def __init__(self, render: Callable[..., list], path: str) -> None:
-        self._render, self._path, self._lock = render, path, threading.Lock()
+    Each line: the call, the worker's pid, when it finished (`time.time()`), its seconds; for `render` the
+    engine's own timings of the forward (the same on every image of it), for `encode_reference` the seconds
+    of the reference stream alone (the RefKV's `encode_seconds`: the VAE encode and caption are the rest).
+    """
 
-    def __call__(self, requests, *args: Any, **kwargs: Any) -> list:
+    def __init__(self, method: Callable[..., Any], path: str, call: str) -> None:
+        self._method, self._path, self._call, self._lock = method, path, call, threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
-        results = self._render(requests, *args, **kwargs)
-        seconds = time.perf_counter() - t0
-        if results:
-            t = results[0].timings  # one forward: the same timings on every image
-            record = {
-                "pid": os.getpid(),
-                "finished_at": time.time(),
-                "images": len(results),
-                "steps": int(t.get("steps", 0)),
-                "seconds": seconds,
-                **{k: t.get(k, 0.0) for k in ("text_s", "sample_s", "decode_s", "encode_s")},
-            }
-            with self._lock, open(self._path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        return results
+        out = self._method(*args, **kwargs)
+        record = {
+            "call": self._call,
+            "pid": os.getpid(),
+            "finished_at": time.time(),
+            "seconds": time.perf_counter() - t0,
+        }
+        if self._call == "render":
+            if not out:
+                return out
+            t = out[0].timings
+            record.update(images=len(out), steps=int(t.get("steps", 0)))
+            record.update({k: t.get(k, 0.0) for k in ("text_s", "sample_s", "decode_s")})
+        else:
+            record["stream_s"] = out.encode_seconds
+        with self._lock, open(self._path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return out
 
 
 @dataclass(frozen=True)
@@ -91,13 +100,14 @@ class TimedRendererFactory:
             renderer.compiled = True
         else:
             renderer = load_worker_renderer(config)
-        # An instance attribute: the service and the worker call `renderer.render` and get the log's wrapper.
-        renderer.render = RenderLog(renderer.render, self.log_path)
+        # Instance attributes: the render service calls `renderer.render` / `.encode_reference` and gets the logs.
+        renderer.render = CallLog(renderer.render, self.log_path, "render")
+        renderer.encode_reference = CallLog(renderer.encode_reference, self.log_path, "encode")
         return renderer
 
 
-def read_render_log(path: str | Path) -> list[dict[str, Any]]:
-    """The records `RenderLog` wrote (none when the worker rendered nothing)."""
+def read_call_log(path: str | Path) -> list[dict[str, Any]]:
+    """The records `CallLog` wrote (none when the worker rendered nothing)."""
     p = Path(path)
     return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
 
@@ -118,7 +128,7 @@ def png_encode_seconds(image_bytes: bytes, fmt: str = "png", repeats: int = 3) -
 def time_breakdown(
     summary: dict[str, Any],
     rows: Sequence[dict[str, Any]],
-    render_log: Sequence[dict[str, Any]],
+    call_log: Sequence[dict[str, Any]],
     *,
     job_steps: int,
     png_seconds_per_image: float,
@@ -126,26 +136,26 @@ def time_breakdown(
 ) -> dict[str, Any]:
     """Seconds per component of a finished job, their shares of its wall time (`SHARES`), and images per hour.
 
-    Each forward's and each reference encode's seconds are counted once, however many images share them:
-    a row's `sample_s` / `decode_s` are divided by its `forward_batch`, `encode_s` is taken once per reference
-    and multiplied by the encodes the job reports per reference. `render_log` records with `job_steps` steps
-    are the job's forwards (their `text_s`); the others are the worker's warm-up (finished before the worker
-    was ready: `ready_at`, `time.time()` by worker pid, part of start-up) and the memory probe's.
+    DiT sampling and VAE decode come from the metadata rows, each forward counted once (a row's `sample_s`
+    and `decode_s` divided by its `forward_batch`); text encoding from the job's forwards in `call_log`
+    (renders of `job_steps` steps); the reference encode from its `encode_reference` calls (VAE encode,
+    caption and reference stream). The other renders are the worker's warm-up (finished before the worker
+    was ready: `ready_at`, `time.time()` by worker pid; part of start-up) and the memory probe.
     """
     images = summary["images_this_run"]
     if images != len(rows):
         raise ValueError(f"summary says {images} images this run, the metadata has {len(rows)} rows")
-    job = [r for r in render_log if r["steps"] == job_steps]
-    others = [r for r in render_log if r["steps"] != job_steps]
+    renders = [r for r in call_log if r["call"] == "render"]
+    encodes = [r for r in call_log if r["call"] == "encode"]
+    job = [r for r in renders if r["steps"] == job_steps]
+    others = [r for r in renders if r["steps"] != job_steps]
     warmup = [r for r in others if r["finished_at"] <= ready_at.get(r["pid"], float("-inf"))]
-    per_reference = {r["reference_hash"]: r["encode_s"] for r in rows}
-    encodes_per_reference = summary["reference_encodes"] / max(1, len(per_reference))
     upload = sum(r["upload_s"] for r in rows)
     png = min(upload, png_seconds_per_image * images)
     seconds = {
         "dit_sampling": sum(r["sample_s"] / r["forward_batch"] for r in rows),
         "text_encoding": sum(r["text_s"] for r in job),
-        "reference_encode": sum(per_reference.values()) * encodes_per_reference,
+        "reference_encode": sum(r["seconds"] for r in encodes),
         "vae_decode": sum(r["decode_s"] / r["forward_batch"] for r in rows),
         "memory_probe": sum(r["seconds"] for r in others) - sum(r["seconds"] for r in warmup),
         "png_encode": png,
@@ -167,7 +177,11 @@ def time_breakdown(
             "wall": 3600 * images / wall,
             "dit_sampling_only": 3600 * images / seconds["dit_sampling"],
         },
-        # The two records of the forwards' sampling time: each forward's from the rows and from the renderer.
-        "dit_sampling_seconds_from_render_log": sum(r["sample_s"] for r in job),
+        # Each figure from a second record, to check the first against: the forwards' sampling from the
+        # renderer's results, the reference streams from the rows (once per reference).
+        "dit_sampling_seconds_from_call_log": sum(r["sample_s"] for r in job),
+        "reference_stream_seconds": sum(r["stream_s"] for r in encodes),
+        "reference_stream_seconds_from_rows": sum({r["reference_hash"]: r["encode_s"] for r in rows}.values()),
         "forwards": len(job),
+        "reference_encodes": len(encodes),
     }

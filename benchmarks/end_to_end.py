@@ -38,7 +38,7 @@ from benchmarks.e2e_timings import (
     SHARES,
     TimedRendererFactory,
     png_encode_seconds,
-    read_render_log,
+    read_call_log,
     time_breakdown,
 )
 from benchmarks.model_folder import ADAPTER_FILES, ModelFolderWriter
@@ -97,7 +97,7 @@ def run_one(
 
     out = manifest.parent / "runs" / run.name.replace(":", "-")
     out.mkdir(parents=True)
-    render_log = out / "render-log.jsonl"
+    call_log = out / "calls.jsonl"
     spec = JobSpec.model_validate(
         {
             "model": {
@@ -121,7 +121,7 @@ def run_one(
             "cluster": {"num_workers": 1},
         }
     )
-    factory = TimedRendererFactory(str(render_log), compile_backend, compile_mode)
+    factory = TimedRendererFactory(str(call_log), compile_backend, compile_mode)
     workers: list = []
     ready_at: dict[int, float] = {}  # worker pid -> when it was ready (its warm-up done)
 
@@ -152,7 +152,7 @@ def run_one(
         time_breakdown(
             summary,
             rows,
-            read_render_log(render_log),
+            read_call_log(call_log),
             job_steps=recipe.steps,
             png_seconds_per_image=png_s,
             ready_at=ready_at,

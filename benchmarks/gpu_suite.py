@@ -1,8 +1,9 @@
-"""The one-shot GPU suite: everything issue 12 asks of a GPU, in one command, one JSON + one Markdown.
+"""The one-shot GPU suite: everything issues 12 and 24 ask of a GPU, in one command, one JSON + one Markdown.
 
     python -m benchmarks.gpu_suite --out-dir gpu-suite            # one GPU: real size, bf16, < 8 min
     python -m benchmarks.gpu_suite --smoke --out-dir /tmp/suite   # CPU, tiny: checks the script (CI)
     python -m benchmarks.gpu_suite --device cpu --geometry scaled --blocks 4 --out-dir cpu-suite
+    python -m benchmarks.gpu_suite --end-to-end-only --budget-s 560 --out-dir e2e   # only phase 6
 
 Random weights at real size (Anima 2B: width 2048, 28 blocks, 832x1216 target = 3,952 tokens,
 1 MP reference = 4,096 tokens, bf16) through the engine's own step (`benchmarks/snapref_steps.py`'s
@@ -16,13 +17,21 @@ Random weights at real size (Anima 2B: width 2048, 28 blocks, 832x1216 target = 
 3. the one-off reference encode (the DiT reference stream, fp32 as the design requires);
 4. peak device memory (per phase), and the attention read form in use;
 5. images per GPU-hour for the recipe (30 steps, 832x1216, CFG 4.5, one reference shared by
-   `--prompts-per-reference` images, `--batch` images per forward): DiT steps + the encode share.
-   Text encoding and the VAE decode are not in it (not part of this suite's model), which the
-   JSON says; at ~1.16 PFLOP of DiT work per image they are a few per cent.
+   `--prompts-per-reference` images, `--batch` images per forward): DiT steps + the encode share
+   only (no text encoding, VAE, PNG or storage: phase 6 has them);
+6. end to end (`benchmarks/end_to_end.py`): real `run_job`s on the device, one worker, on a model folder
+   of random weights in the real key layouts at real size (`benchmarks/model_folder.py`, written and
+   checked in a child process while phases 1-5 run): 2 references x 16 prompts, 832x1216, 30 er_sde
+   steps, CFG 4.5, for SnapRef default, ArcAnima v2 at ref_guidance 1 and the pilot, eager and
+   compiled, bf16 and fp8 (`--e2e-runs`, in that order of importance). Per run: images per GPU-hour
+   against the job's render time and its wall time, and the share of the wall time in start-up, DiT
+   sampling, text encoding, reference encode, VAE decode, the memory probe, PNG encoding and storage.
 
 Rows from other features (ArcAnima) plug in through `register_rows(name, fn)`: fn(context) returns
-a dict of figures that lands under `extra_rows` and in the Markdown. A time budget
-(`--budget-s`, default 420) skips the compiled phases, saying so, when the eager ones took too long.
+a dict of figures that lands under `extra_rows` and in the Markdown. The time budget (`--budget-s`,
+default 440 s for the whole suite) skips the compiled step phase when the eager one took more than
+half of it, and starts an end-to-end run only when its estimate (`e2e_runs.RunEstimator`) ends within
+it; what was skipped, and why, is listed under `skipped`.
 """
 
 from __future__ import annotations

@@ -279,8 +279,11 @@ def _assert_end_to_end(e2e: dict, markdown: str) -> None:
             r["share_of_wall"][k] for k in (*DEVICE_COMPONENTS, "other_render")
         )
         assert 0.5 < covered <= 1.0 + 1e-6, covered
-        # The forwards' sampling seconds, from the metadata rows and from the renderer's own results.
-        assert r["seconds"]["dit_sampling"] == pytest.approx(r["dit_sampling_seconds_from_render_log"], rel=1e-4)
+        # The forwards' sampling seconds and the reference streams', each from the metadata rows and from the
+        # renderer's own results; one encode per reference (one worker).
+        assert r["seconds"]["dit_sampling"] == pytest.approx(r["dit_sampling_seconds_from_call_log"], rel=1e-4)
+        assert r["reference_stream_seconds"] == pytest.approx(r["reference_stream_seconds_from_rows"], rel=1e-4)
+        assert r["reference_encodes"] == 1 and r["seconds"]["reference_encode"] > r["reference_stream_seconds"]
         assert r["forwards"] == sum(n // int(b) for b, n in r["forward_batches"].items())
         assert f"| {r['run']} | 2 |" in markdown
     assert "## End to end" in markdown

@@ -245,59 +245,57 @@ def test_estimator_prefers_what_ran_and_falls_back_to_the_step_phases():
 # --- the time breakdown -----------------------------------------------------------------------------
 
 
-def _row(ref: str, batch: int, sample: float, decode: float, encode: float, upload: float) -> dict:
+def _row(ref: str, batch: int, sample: float, decode: float, stream: float, upload: float) -> dict:
     return {
         "reference_hash": ref,
         "forward_batch": batch,
         "sample_s": sample,
         "decode_s": decode,
-        "encode_s": encode,
+        "encode_s": stream,
         "upload_s": upload,
     }
 
 
+def _call(call: str, finished_at: float, seconds: float, **timings: float) -> dict:
+    return {"call": call, "pid": 7, "finished_at": finished_at, "seconds": seconds, **timings}
+
+
 def test_time_breakdown_counts_each_forward_and_encode_once():
-    # Reference a: one forward of 4 images (sample 8 s, decode 2 s), encoded in 0.5 s; reference b: a forward of
-    # 2 (sample 5 s, decode 1 s), encoded in 0.7 s. Each image's own upload 0.25 s.
+    # Reference a: one forward of 4 images (sample 8 s, decode 2 s), its encode 0.9 s of which the stream 0.5 s;
+    # reference b: a forward of 2 (sample 5 s, decode 1 s), encoded in 1.1 s (stream 0.7 s). Each image's own
+    # upload 0.25 s. The worker was ready at t = 105: the 1-step render before is its warm-up, the one after
+    # the memory probe.
     rows = [_row("a", 4, 8.0, 2.0, 0.5, 0.25)] * 4 + [_row("b", 2, 5.0, 1.0, 0.7, 0.25)] * 2
     log = [
-        {"pid": 7, "finished_at": 100.0, "steps": 1, "images": 1, "seconds": 3.0, "text_s": 0.1, "sample_s": 1.0},
-        {"pid": 7, "finished_at": 110.0, "steps": 1, "images": 1, "seconds": 1.5, "text_s": 0.1, "sample_s": 0.5},
-        {"pid": 7, "finished_at": 120.0, "steps": 30, "images": 4, "seconds": 10.6, "text_s": 0.4, "sample_s": 8.0},
-        {"pid": 7, "finished_at": 130.0, "steps": 30, "images": 2, "seconds": 6.3, "text_s": 0.2, "sample_s": 5.0},
+        _call("render", 100.0, 3.0, steps=1, images=1, text_s=0.1, sample_s=1.0),
+        _call("encode", 108.0, 0.9, stream_s=0.5),
+        _call("render", 110.0, 1.5, steps=1, images=1, text_s=0.1, sample_s=0.5),
+        _call("render", 120.0, 10.6, steps=30, images=4, text_s=0.4, sample_s=8.0),
+        _call("encode", 121.0, 1.1, stream_s=0.7),
+        _call("render", 130.0, 6.3, steps=30, images=2, text_s=0.2, sample_s=5.0),
     ]
-    summary = {
-        "images_this_run": 6,
-        "wall_seconds": 60.0,
-        "startup_seconds": 30.0,
-        "render_seconds": 28.0,
-        "reference_encodes": 2,
-    }
+    summary = {"images_this_run": 6, "wall_seconds": 60.0, "startup_seconds": 30.0, "render_seconds": 28.0}
     out = time_breakdown(summary, rows, log, job_steps=30, png_seconds_per_image=0.1, ready_at={7: 105.0})
     expected = {
         "startup": 30.0,
         "dit_sampling": 13.0,
         "text_encoding": 0.6,
-        "reference_encode": 1.2,
+        "reference_encode": 2.0,
         "vae_decode": 3.0,
-        "memory_probe": 1.5,  # the 1-step render after the worker was ready; the one before is the warm-up
-        "other_render": 28.0 - (13.0 + 0.6 + 1.2 + 3.0 + 1.5),
+        "memory_probe": 1.5,
+        "other_render": 28.0 - (13.0 + 0.6 + 2.0 + 3.0 + 1.5),
         "png_encode": 0.6,
         "storage": 1.5 - 0.6,
     }
     assert out["seconds"] == pytest.approx(expected)
     assert list(out["seconds"]) == list(SHARES)
     assert out["share_of_wall"] == pytest.approx({k: v / 60.0 for k, v in expected.items()})
-    assert out["warmup_seconds"] == 3.0 and out["forwards"] == 2
-    assert out["dit_sampling_seconds_from_render_log"] == pytest.approx(13.0)
+    assert (out["warmup_seconds"], out["forwards"], out["reference_encodes"]) == (3.0, 2, 2)
+    assert out["dit_sampling_seconds_from_call_log"] == pytest.approx(13.0)
+    assert out["reference_stream_seconds"] == pytest.approx(1.2) == out["reference_stream_seconds_from_rows"]
     assert out["images_per_gpu_hour"] == pytest.approx(
         {"render": 3600 * 6 / 28.0, "wall": 3600 * 6 / 60.0, "dit_sampling_only": 3600 * 6 / 13.0}
     )
-    # A worker that re-encoded reference a (evicted): 3 encodes for 2 references.
-    again = time_breakdown(
-        {**summary, "reference_encodes": 3}, rows, log, job_steps=30, png_seconds_per_image=0.1, ready_at={7: 105.0}
-    )
-    assert again["seconds"]["reference_encode"] == pytest.approx(1.2 * 1.5)
     with pytest.raises(ValueError, match="summary says 7 images this run, the metadata has 6 rows"):
         time_breakdown(
             {**summary, "images_this_run": 7}, rows, log, job_steps=30, png_seconds_per_image=0.1, ready_at={}
