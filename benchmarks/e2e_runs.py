@@ -81,7 +81,10 @@ def parse_runs(text: str) -> list[RunSpec]:
             guidance = float(rg) if rg else None
         except ValueError:
             raise ValueError(f"--e2e-runs: {token!r}: -rg must be followed by a number, found {rg!r}") from None
-        runs.append(RunSpec(adapter, guidance, parts[1], parts[2] == "compiled"))
+        run = RunSpec(adapter, guidance, parts[1], parts[2] == "compiled")
+        if run in runs:
+            raise ValueError(f"--e2e-runs: {token!r} is listed twice")
+        runs.append(run)
     return runs
 
 

@@ -6,8 +6,8 @@ What each record carries, and so where each figure comes from:
   reference encodes.
 - the metadata rows (one per image, `service/records.py`): `sample_s` and `decode_s` of the forward that
   rendered the image (the same value on each of its `forward_batch` images), `encode_s` of the reference
-  it read (its reference stream's; the same on each image of that reference), `upload_s` of its PNG encoding, thumbnail
-  and storage writes (the worker's output thread: overlapped with sampling when `output_threads` > 0).
+  stream it read (the same on each image of that reference), `upload_s` of its own PNG encoding,
+  thumbnail and storage writes (an output thread: beside the sampling when `output_threads` > 0).
 - the renderer's calls: `text_s` too, which the rows do not keep; the renders that make no row (the
   worker's warm-up, the memory fit's one-step probe); each reference encode whole (`encode_s` is its
   reference stream only, not the VAE encode and caption before it). `TimedRendererFactory` wraps the
@@ -82,7 +82,7 @@ class CallLog:
 
 @dataclass(frozen=True)
 class TimedRendererFactory:
-    """`run_job`'s `renderer_factory`: the worker's real renderer, its render calls logged to `log_path`.
+    """`run_job`'s `renderer_factory`: the worker's real renderer, its render and encode calls logged to `log_path`.
 
     `compile_backend` / `compile_mode` other than inductor's defaults (what `Renderer(compile=True)` uses)
     compile the loaded DiT's forward with those instead (the smoke run traces with the 'eager' backend).

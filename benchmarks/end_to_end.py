@@ -3,14 +3,14 @@
 A model folder of random weights in the real key layouts (`benchmarks/model_folder.py`: at real size on
 the GPU, the tiny set in `--smoke`) and one job per run: 2 references x 16 prompts at 832x1216, 30 er_sde
 steps, CFG 4.5, one worker (`cluster.num_workers: 1`), output threads at their default, a local output
-folder; no gallery (a report, not part of producing the dataset). Each run is an adapter x dtype x
-compile mode (`RunSpec`, `--e2e-runs`), in order of importance: SnapRef default bf16 compiled and eager,
-then fp8, then ArcAnima v2 at ref_guidance 1 and the pilot (its published defaults).
+folder; no gallery (a report, not part of producing the dataset). Each run is an adapter x weights x
+compile mode (`e2e_runs.RunSpec`, `--e2e-runs`), in order of importance: SnapRef default bf16 compiled
+and eager, then fp8, then ArcAnima v2 at ref_guidance 1 and the pilot (its published defaults).
 
-Per run: images per GPU-hour against the job's render seconds (summary.json) and against its wall
-seconds (start-up included), and the share of the wall time in each component (`e2e_timings.py`: DiT
-sampling, text encoding, reference encode, VAE decode, PNG encoding, storage, the warm-up and memory
-probe, start-up).
+Per run: images per GPU-hour against the job's render seconds (summary.json), its wall seconds
+(start-up included) and its DiT sampling alone, and the share of the wall time in each part
+(`e2e_timings.SHARES`: start-up, DiT sampling, text encoding, reference encode, VAE decode, the memory
+probe, the rest of the render time; PNG encoding and storage in the worker's output threads).
 
 The budget: a run starts only when its estimate (`RunEstimator`) ends before the suite's deadline; runs
 that would not are listed under `skipped` with the estimate and the time left, and later, cheaper runs
@@ -90,6 +90,7 @@ def run_one(
     compile_mode: str | None,
 ) -> dict[str, Any]:
     """One `run_job` of `recipe` with `run`'s model; its time breakdown (`e2e_timings.time_breakdown`)."""
+    # Imported here: the suite imports this module whether or not the phase runs, and these bring in Ray.
     from snapref_ray.pipelines.generate_dataset import run_job
     from snapref_ray.storage.backends import open_storage
     from snapref_ray.storage.jobspec import JobSpec

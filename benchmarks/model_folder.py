@@ -11,7 +11,7 @@ generators (`make_tiny_dit_state_dict`, `make_tiny_qwen3_state_dict`, `random_va
 
 `planned_tensors` gives every file's keys and shapes from the module trees on the meta device
 (nothing allocated), so the real-size byte counts and the comparison with the released files' key
-listings (tests/data/ref-keys/) need no 5.5 GB write; `check_model_folder` compares a written
+listings (tests/data/ref-keys/) need no 6.3 GB write; `check_model_folder` compares a written
 folder with its plan and with those listings and loads every file through the project's loaders.
 """
 

@@ -190,6 +190,7 @@ def test_run_list_parses_in_order_and_errors_name_the_token():
         ("lora:bf16:eager", "adapter must be one of snapref, v2, pilot, found 'lora'"),
         ("v2:fp16:eager", "expected bf16|fp8 then eager|compiled"),
         ("v2-rgx:bf16:eager", "-rg must be followed by a number, found 'x'"),
+        ("snapref:bf16:eager", "'snapref:bf16:eager' is listed twice"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_runs(f"snapref:bf16:eager,{bad}")
