@@ -88,8 +88,13 @@ def run_one(
     device: str,
     compile_backend: str,
     compile_mode: str | None,
+    start_timeout_s: float,
 ) -> dict[str, Any]:
-    """One `run_job` of `recipe` with `run`'s model; its time breakdown (`e2e_timings.time_breakdown`)."""
+    """One `run_job` of `recipe` with `run`'s model; its time breakdown (`e2e_timings.time_breakdown`).
+
+    `start_timeout_s`: how long the worker may take to be ready (the time left in the budget, so that a worker
+    that never gets its GPU fails the run instead of outliving the suite).
+    """
     # Imported here: the suite imports this module whether or not the phase runs, and these bring in Ray.
     from snapref_ray.pipelines.generate_dataset import run_job
     from snapref_ray.storage.backends import open_storage
@@ -119,7 +124,7 @@ def run_one(
                 **run.row_settings(),
             },
             "output": {"uri": str(out / "output")},
-            "cluster": {"num_workers": 1},
+            "cluster": {"num_workers": 1, "start_timeout_s": start_timeout_s},
         }
     )
     factory = TimedRendererFactory(str(call_log), compile_backend, compile_mode)
@@ -238,6 +243,7 @@ def run_phase(cfg: PhaseConfig, writer: ModelFolderWriter, root: Path) -> dict[s
                     device=cfg.device,
                     compile_backend=cfg.compile_backend,
                     compile_mode=cfg.compile_mode,
+                    start_timeout_s=max(60.0, left),
                 )
             except Exception as e:  # one failing run must not cost the others
                 record = {"run": run.name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
@@ -273,9 +279,11 @@ def _start_ray(device: str) -> bool:
         return False
     # The workers import the renderer factory (benchmarks/) and the project from this checkout.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    cuda = device.startswith("cuda")
     ray.init(
         address="local",
-        num_cpus=None if device.startswith("cuda") else 4,  # on a small CPU: more slots than cores, as in the tests
+        num_cpus=None if cuda else 4,  # on a small CPU: more slots than cores, as the tests do
+        num_gpus=torch.cuda.device_count() if cuda else 0,  # declared: the worker must not wait on GPU detection
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": path}},
