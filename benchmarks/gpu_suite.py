@@ -1,8 +1,9 @@
-"""The one-shot GPU suite: everything issue 12 asks of a GPU, in one command, one JSON + one Markdown.
+"""The one-shot GPU suite: everything issues 12 and 24 ask of a GPU, in one command, one JSON + one Markdown.
 
     python -m benchmarks.gpu_suite --out-dir gpu-suite            # one GPU: real size, bf16, < 8 min
     python -m benchmarks.gpu_suite --smoke --out-dir /tmp/suite   # CPU, tiny: checks the script (CI)
     python -m benchmarks.gpu_suite --device cpu --geometry scaled --blocks 4 --out-dir cpu-suite
+    python -m benchmarks.gpu_suite --end-to-end-only --budget-s 560 --out-dir e2e   # only phase 6
 
 Random weights at real size (Anima 2B: width 2048, 28 blocks, 832x1216 target = 3,952 tokens,
 1 MP reference = 4,096 tokens, bf16) through the engine's own step (`benchmarks/snapref_steps.py`'s
@@ -16,13 +17,21 @@ Random weights at real size (Anima 2B: width 2048, 28 blocks, 832x1216 target = 
 3. the one-off reference encode (the DiT reference stream, fp32 as the design requires);
 4. peak device memory (per phase), and the attention read form in use;
 5. images per GPU-hour for the recipe (30 steps, 832x1216, CFG 4.5, one reference shared by
-   `--prompts-per-reference` images, `--batch` images per forward): DiT steps + the encode share.
-   Text encoding and the VAE decode are not in it (not part of this suite's model), which the
-   JSON says; at ~1.16 PFLOP of DiT work per image they are a few per cent.
+   `--prompts-per-reference` images, `--batch` images per forward): DiT steps + the encode share
+   only (no text encoding, VAE, PNG or storage: phase 6 has them);
+6. end to end (`benchmarks/end_to_end.py`): real `run_job`s on the device, one worker, on a model folder
+   of random weights in the real key layouts at real size (`benchmarks/model_folder.py`, written and
+   checked in a child process while phases 1-5 run): 2 references x 16 prompts, 832x1216, 30 er_sde
+   steps, CFG 4.5, for SnapRef default, ArcAnima v2 at ref_guidance 1 and the pilot, eager and
+   compiled, bf16 and fp8 (`--e2e-runs`, in that order of importance). Per run: images per GPU-hour
+   against the job's render time and its wall time, and the share of the wall time in start-up, DiT
+   sampling, text encoding, reference encode, VAE decode, the memory probe, PNG encoding and storage.
 
 Rows from other features (ArcAnima) plug in through `register_rows(name, fn)`: fn(context) returns
-a dict of figures that lands under `extra_rows` and in the Markdown. A time budget
-(`--budget-s`, default 420) skips the compiled phases, saying so, when the eager ones took too long.
+a dict of figures that lands under `extra_rows` and in the Markdown. The time budget (`--budget-s`,
+default 440 s for the whole suite) skips the compiled step phase when the eager one took more than
+half of it, and starts an end-to-end run only when its estimate (`e2e_runs.RunEstimator`) ends within
+it; what was skipped, and why, is listed under `skipped`.
 """
 
 from __future__ import annotations
@@ -30,17 +39,21 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import e2e_runs, end_to_end
 from benchmarks.arcanima_steps import arcanima_rows
 from benchmarks.common import environment, interleaved, log, paired_ratio, parse_dtype, resolve_device, summarize
+from benchmarks.model_folder import MODEL_SETS, ModelFolderWriter, ModelSet
 from benchmarks.snapref_steps import ENCODE, GEOMETRIES, SETTINGS, StepBench, StepsGeometry
 from snapref_ray.models.attention import read_form
 from snapref_ray.models.compiled import compile_forward
@@ -62,6 +75,7 @@ FIELDS = (
     "memory",
     "images_per_gpu_hour",
     "extra_rows",
+    "end_to_end",
     "skipped",
     "seconds_total",
     "environment",
@@ -127,6 +141,8 @@ def _median(values: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The suite: the step phases, then the end-to-end runs that fit the budget (the model folder they load is
+    written from the start, beside the step phases)."""
     t_start = time.perf_counter()
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype)
@@ -135,6 +151,78 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         geo = StepsGeometry(
             geo.dit.with_blocks(args.blocks), geo.ref_width_px, geo.ref_height_px, geo.ref_rank, geo.target_rank
         )
+    runs = e2e_runs.parse_runs(args.e2e_runs)
+    e2e_root = Path(tempfile.mkdtemp(prefix="snapref-e2e-", dir=args.e2e_dir)) if runs else None
+    try:
+        writer = (
+            ModelFolderWriter(e2e_root / "models", e2e_model_set(args), background=device.type == "cuda")
+            if e2e_root
+            else None
+        )
+        result = {} if args.end_to_end_only else step_phases(args, device, dtype, geo, t_start)
+        skipped = result.setdefault("skipped", [])
+        if args.end_to_end_only:
+            skipped.append("step phases (--end-to-end-only)")
+        if writer is None:
+            skipped.append("end-to-end runs (--e2e-runs none)")
+        else:
+            end_to_end.free_device_memory(device)  # the step phases' models are gone; their cached blocks too
+            e2e = end_to_end.run_phase(e2e_config(args, runs, result, t_start), writer, e2e_root)
+            skipped += [f"end-to-end {s['run']} ({s['why']})" for s in e2e["skipped"]]
+            result["end_to_end"] = e2e
+    finally:
+        if e2e_root is not None:
+            shutil.rmtree(e2e_root, ignore_errors=True)
+    return {
+        "benchmark": "gpu_suite",
+        "compile_backend": None if args.no_compile else args.compile_backend,
+        "geometry": {**geo.dit.describe(), "name": geo.dit.name, "ref_tokens": geo.ref_tokens},
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "read_form": read_form(),
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "peak_tflops": args.peak_tflops,
+        **result,
+        "seconds_total": time.perf_counter() - t_start,
+        "environment": environment(device, dtype),
+    }
+
+
+def e2e_model_set(args: argparse.Namespace) -> ModelSet:
+    """The model folder of the geometry: real size, width-scaled or tiny; `--blocks` applies to its DiT."""
+    ms = MODEL_SETS[args.geometry]
+    return replace(ms, dit=ms.dit.with_blocks(args.blocks)) if args.blocks else ms
+
+
+def e2e_config(
+    args: argparse.Namespace, runs: list[e2e_runs.RunSpec], steps: dict[str, Any], t_start: float
+) -> end_to_end.PhaseConfig:
+    """The end-to-end phase's settings: the recipe for the geometry, the deadline, the step phases' figures."""
+    base = e2e_runs.RECIPES[args.geometry]
+    recipe = e2e_runs.recipe_for(base, images=args.e2e_images, steps=args.e2e_steps)
+    default = steps.get("snapref", {}).get("snapref_default", {})
+    step_seconds = {k: default[f] for k, f in (("eager", "seconds"), ("compiled", "compiled_seconds")) if f in default}
+    compiled = steps.get("step", {}).get("compiled")
+    return end_to_end.PhaseConfig(
+        runs=tuple(runs),
+        recipe=recipe,
+        device=args.device,
+        deadline=t_start + args.budget_s,
+        compile_backend=args.compile_backend,
+        compile_mode=args.compile_mode,
+        no_compile=args.no_compile,
+        step_seconds=step_seconds,
+        step_batch=args.batch,
+        compile_seconds_per_graph=compiled["compile_seconds"] / 2 if compiled else None,
+        startup_prior_s=args.e2e_startup_s,
+    )
+
+
+def step_phases(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, geo: StepsGeometry, t_start: float
+) -> dict[str, Any]:
+    """The DiT step phases (1-5 of the module docstring) and the registered rows."""
     log(
         f"gpu_suite: {geo.dit.name}, {geo.dit.num_blocks} blocks, {geo.dit.tokens} + {geo.ref_tokens} tokens, "
         f"{dtype} on {device}, batch {args.batch}, read form {read_form()}"
@@ -225,15 +313,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         extra[name] = fn(SuiteContext(bench, args, device))
     memory["peak"] = max(memory.values())
     return {
-        "benchmark": "gpu_suite",
-        "compile_backend": None if args.no_compile else args.compile_backend,
-        "geometry": {**geo.dit.describe(), "name": geo.dit.name, "ref_tokens": geo.ref_tokens},
-        "device": device.type,
-        "dtype": str(dtype).removeprefix("torch."),
-        "read_form": read_form(),
-        "batch": args.batch,
-        "rounds": args.rounds,
-        "peak_tflops": args.peak_tflops,
         "step": step,
         "host_syncs": syncs,
         "snapref": snapref,
@@ -242,8 +321,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "images_per_gpu_hour": images,
         "extra_rows": extra,
         "skipped": skipped,
-        "seconds_total": time.perf_counter() - t_start,
-        "environment": environment(device, dtype),
     }
 
 
@@ -257,6 +334,19 @@ def markdown(result: dict[str, Any]) -> str:
         f" px ({g['tokens']} tokens), reference {g['ref_tokens']} tokens; batch {result['batch']}; read form "
         f"`{result['read_form']}`; torch {env['torch']}; {result['seconds_total']:.0f} s in all.",
         "",
+    ]
+    if "step" in result:
+        lines += step_markdown(result)
+    if "end_to_end" in result:
+        lines += end_to_end.markdown(result["end_to_end"])
+    if result["skipped"]:
+        lines += ["Skipped: " + "; ".join(result["skipped"]) + ".", ""]
+    return "\n".join(lines)
+
+
+def step_markdown(result: dict[str, Any]) -> list[str]:
+    """The step phases' sections."""
+    lines = [
         "## DiT CFG step (no reference)",
         "",
         "| | s / step | TFLOP/s | % of peak |",
@@ -310,9 +400,7 @@ def markdown(result: dict[str, Any]) -> str:
     for name, rows in result["extra_rows"].items():
         lines += [f"## {name}", "", "| figure | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in rows.items()] + [""]
-    if result["skipped"]:
-        lines += ["Skipped: " + "; ".join(result["skipped"]) + ".", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -337,7 +425,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="torch.compile backend (the smoke run uses 'eager': dynamo's full-graph trace, no codegen)",
     )
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--budget-s", type=float, default=420.0, help="compiled phases only if eager took < half of it")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=440.0,
+        help="seconds for the whole suite (default 440: under 8 minutes with start-up and exit): the compiled step "
+        "phase runs only if the eager one took less than half, an end-to-end run starts only if its estimate ends "
+        "within it",
+    )
+    p.add_argument(
+        "--e2e-runs",
+        default=None,
+        help="end-to-end runs in order, ADAPTER[-rgG]:bf16|fp8:eager|compiled, comma-separated (ADAPTER: snapref, v2,"
+        f" pilot; 'none' for no end-to-end phase); default {e2e_runs.DEFAULT_RUNS} ({e2e_runs.SMOKE_RUNS} with"
+        " --smoke)",
+    )
+    p.add_argument(
+        "--e2e-images", default=None, help="REFERENCESxPROMPTS of the end-to-end job (default 2x16; 1x2 with --smoke)"
+    )
+    p.add_argument("--e2e-steps", type=int, default=None, help="sampling steps of the end-to-end job (default 30)")
+    p.add_argument(
+        "--e2e-startup-s",
+        type=float,
+        default=45.0,
+        help="the estimator's start-up seconds of a job before one has run (Ray worker, model load, warm-up)",
+    )
+    p.add_argument("--e2e-dir", default=None, help="where the model folder and job outputs go (default: the temp dir)")
+    p.add_argument(
+        "--end-to-end-only", action="store_true", help="skip the step phases: the whole budget for end-to-end runs"
+    )
     p.add_argument("--out-dir", default="gpu-suite", help="writes gpu_suite.json and gpu_suite.md here")
     p.add_argument(
         "--smoke",
@@ -348,6 +464,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         args.device, args.geometry, args.rounds, args.batch = args.device or "cpu", "smoke", 1, args.batch or 1
         args.compile_backend = "eager"  # an inductor compile costs minutes on a small CPU
+        args.e2e_runs = args.e2e_runs if args.e2e_runs is not None else e2e_runs.SMOKE_RUNS
+    args.e2e_runs = args.e2e_runs if args.e2e_runs is not None else e2e_runs.DEFAULT_RUNS
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     args.device = args.device or ("cuda" if cuda else "cpu")
     args.geometry = args.geometry or ("real" if cuda else "scaled")
