@@ -15,20 +15,18 @@ Timed interleaved with the suite's no-reference step, so the ratios share its co
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from benchmarks.common import interleaved, log, paired_ratio, summarize
 from benchmarks.snapref_steps import CFG, SIGMA
+from benchmarks.suite_rows import SuiteContext
 from snapref_ray.adapter.arcanima import BoundArcAnima, make_arcanima
 from snapref_ray.adapter.kinds import ARCANIMA_KINDS, ARCANIMA_LAYOUTS
 from snapref_ray.adapter.reference_adapter import PreparedReference
 from snapref_ray.requests import RenderSettings
 from snapref_ray.sampling.ref_guidance import Combiner, plan_step
-
-if TYPE_CHECKING:
-    from benchmarks.gpu_suite import SuiteContext
 
 
 def _arcanima_step(ctx: SuiteContext, kind: str) -> tuple[Callable[[], torch.Tensor], Callable[[], Any], BoundArcAnima]:

@@ -27,8 +27,10 @@ Random weights at real size (Anima 2B: width 2048, 28 blocks, 832x1216 target = 
    against the job's render time and its wall time, and the share of the wall time in start-up, DiT
    sampling, text encoding, reference encode, VAE decode, the memory probe, PNG encoding and storage.
 
-Rows from other features (ArcAnima) plug in through `register_rows(name, fn)`: fn(context) returns
-a dict of figures that lands under `extra_rows` and in the Markdown. The time budget (`--budget-s`,
+Rows from other features plug in through `benchmarks.suite_rows.register_rows(name, fn)`: fn(context)
+returns a dict of figures that lands under `extra_rows` and in the Markdown. Registered by default:
+ArcAnima's step ratios (`arcanima_steps.py`) and the step cache's bookkeeping and skipped-step cost
+(`step_cache_steps.py`). The time budget (`--budget-s`,
 default 440 s for the whole suite) skips the compiled step phase when the eager one took more than
 half of it, and starts an end-to-end run only when its estimate (`e2e_runs.RunEstimator`) ends within
 it; what was skipped, and why, is listed under `skipped`.
@@ -44,7 +46,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,8 @@ from benchmarks.arcanima_steps import arcanima_rows
 from benchmarks.common import environment, interleaved, log, paired_ratio, parse_dtype, resolve_device, summarize
 from benchmarks.model_folder import MODEL_SETS, ModelFolderWriter, ModelSet
 from benchmarks.snapref_steps import ENCODE, GEOMETRIES, SETTINGS, StepBench, StepsGeometry
+from benchmarks.step_cache_steps import step_cache_rows
+from benchmarks.suite_rows import EXTRA_ROWS, SuiteContext, register_rows
 from snapref_ray.models.attention import read_form
 from snapref_ray.models.compiled import compile_forward
 
@@ -82,24 +86,8 @@ FIELDS = (
 )
 
 
-@dataclass
-class SuiteContext:
-    """What a registered row function gets: the built bench, the arguments, the device."""
-
-    bench: StepBench
-    args: argparse.Namespace
-    device: torch.device
-
-
-_EXTRA_ROWS: dict[str, Callable[[SuiteContext], dict[str, Any]]] = {}
-
-
-def register_rows(name: str, fn: Callable[[SuiteContext], dict[str, Any]]) -> None:
-    """Add a section to the suite (e.g. ArcAnima's step ratios); fn returns flat figures."""
-    _EXTRA_ROWS[name] = fn
-
-
 register_rows("ArcAnima", arcanima_rows)
+register_rows("Step cache", step_cache_rows)
 
 
 def host_syncs(bench: StepBench, device: torch.device) -> dict[str, Any]:
@@ -309,7 +297,7 @@ def step_phases(
     }
 
     extra = {}
-    for name, fn in _EXTRA_ROWS.items():
+    for name, fn in EXTRA_ROWS.items():
         extra[name] = fn(SuiteContext(bench, args, device))
     memory["peak"] = max(memory.values())
     return {

@@ -312,21 +312,29 @@ def test_gpu_suite_end_to_end_only_starts_what_fits_the_budget(tmp_path, capsys)
 
 def test_gpu_suite_has_arcanima_rows_and_takes_more(tmp_path, capsys):
     """Both ArcAnima kinds are measured beside the plain step; a registered function's figures land too."""
-    from benchmarks import gpu_suite
+    from benchmarks import gpu_suite, suite_rows
 
-    registered = dict(gpu_suite._EXTRA_ROWS)
-    gpu_suite.register_rows("Example rows", lambda ctx: {"blocks": ctx.bench.geo.dit.num_blocks})
+    registered = dict(suite_rows.EXTRA_ROWS)
+    suite_rows.register_rows("Example rows", lambda ctx: {"blocks": ctx.bench.geo.dit.num_blocks})
     try:
         result = gpu_suite.main(["--smoke", "--no-compile", "--e2e-runs", "none", "--out-dir", str(tmp_path)])
     finally:
-        gpu_suite._EXTRA_ROWS.clear()
-        gpu_suite._EXTRA_ROWS.update(registered)
+        suite_rows.EXTRA_ROWS.clear()
+        suite_rows.EXTRA_ROWS.update(registered)
     assert result["extra_rows"]["Example rows"] == {"blocks": 2}
     arc = result["extra_rows"]["ArcAnima"]
     for kind, rank in (("arcanima-v2", 64), ("arcanima-pilot", 32)):
         assert arc[f"{kind} s/step"] > 0 and arc[f"{kind} x no reference"] > 0 and arc[f"{kind} rank"] == rank
+    # The step cache's rows: threshold 0 decides at every step and skips none; an unreachable threshold skips
+    # steps of the window (not the first, which has no deltas yet, nor those outside it).
+    cache = result["extra_rows"]["Step cache"]
+    assert cache["threshold 0 forwards skipped"] == 0
+    assert 0 < cache["all-skip forwards skipped"] < cache["loop steps"]
+    assert cache["off s/loop"] > 0 and cache["threshold 0 x off (bookkeeping of steps that run)"] > 0
+    assert 0 < cache["all-skip x off"] and cache["skipped step x full step"] >= 0
     assert result["host_syncs"]["checked"] is False  # CUDA only
     assert result["skipped"] == ["compiled steps (--no-compile)", "end-to-end runs (--e2e-runs none)"]
     assert "end_to_end" not in result
     markdown = (tmp_path / "gpu_suite.md").read_text()
     assert "## Example rows" in markdown and "| arcanima-pilot x no reference |" in markdown
+    assert "## Step cache" in markdown
