@@ -1,4 +1,4 @@
-"""Benchmark: fetch a RefKV from another node, or encode the reference again? (issue 9)
+"""Benchmark: fetch a RefKV from another node, or encode the reference again?
 
 On two nodes of a real multi-node Ray cluster (by default the fake multi-node cluster of
 tests/fake_cluster.py, started here; or `--address` of a running one), side by side in one run:

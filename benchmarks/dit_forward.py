@@ -1,4 +1,4 @@
-"""Benchmark: one Anima DiT forward and one CFG step (issue 2).
+"""Benchmark: one Anima DiT forward and one CFG step.
 
 Cases (one JSON line each on stdout; progress on stderr):
 - CPU `real_arch`: the real architecture (width 2048, 16 x 128 heads, MLP 8192, context 512 x 1024,

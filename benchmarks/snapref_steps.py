@@ -1,10 +1,11 @@
-"""Benchmark: seconds per sampling step with and without a SnapRef reference (issue 3).
+"""Benchmark: seconds per sampling step with and without a SnapRef reference.
 
 Prints ONE JSON table (in the spirit of the seeds' comparison_summary.json): for each setting the
 median seconds per step and its ratio to the no-reference step, the one-off reference encode
-time, the RefKV size, and the issue's three targets with met/missed. All settings are measured
-side by side in one run: every round times each setting once, in a rotated order (common.interleaved),
-so load and clock drift land on all of them alike; ratios are medians of per-round ratios.
+time, the RefKV size, and the three step targets (docs/design.md#performance-targets) with
+met/missed. All settings are measured side by side in one run: every round times each setting
+once, in a rotated order (common.interleaved), so load and clock drift land on all of them alike;
+ratios are medians of per-round ratios.
 
 Settings (text CFG 4, so every step has a cond and an uncond row):
 - no_reference: the plain Anima step (2 rows, no adapter LoRA, no read);

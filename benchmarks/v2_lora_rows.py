@@ -1,10 +1,10 @@
-"""Benchmark: ArcAnima v2's LoRA where only some rows of a CFG batch read (issue #24), three ways.
+"""Benchmark: ArcAnima v2's LoRA where only some rows of a CFG batch read, three ways.
 
 One v2 DiT forward over a step's rows, the cached reference read by the reading rows and the
 LoRA (x 1) carried by them, computed three ways side by side:
 
 - `every_row_scaled`: the delta computed for every row and multiplied by 0 where a row does not
-  read (what the engine did before issue #24; kept here as the comparison);
+  read (what the engine did before v2's LoRA moved to the reading rows; kept here as the comparison);
 - `gathered`: one forward, the delta computed on the reading rows only (gathered as slices) and
   put back among zero rows (`RowLoRA` below: the alternative measured);
 - `sub_batches`: the reading rows and the others as two forwards of the step, the LoRA and the
@@ -66,7 +66,7 @@ SIGMA = 0.5
 
 @dataclass(frozen=True)
 class RowScaledLoRA:
-    """The engine's v2 LoRA before issue #24: the delta of every row, x 0 in rows that do not read."""
+    """The engine's former v2 LoRA: the delta of every row, x 0 in rows that do not read."""
 
     pair: LoRAPair
     row_scale_B: torch.Tensor

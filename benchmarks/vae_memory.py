@@ -1,4 +1,4 @@
-"""Benchmark: peak memory of a batch's VAE decode against one image's, and what tiling costs (issue 22).
+"""Benchmark: peak memory of a batch's VAE decode against one image's, and what tiling costs.
 
 Cases (one JSON line each on stdout; progress on stderr). Memory is the peak RSS (`ru_maxrss`) of a
 fresh subprocess per measurement, CPU fp32, so nothing one run allocates or caches leaks into the next:
@@ -16,7 +16,7 @@ Both memory cases report per batch `peak_rss_bytes` (`ru_maxrss`: the process's 
 models included), `rss_before_bytes` (RSS when the measured call starts) and
 `call_peak_above_start_bytes` (the kernel's high-water mark, restarted at that moment, minus it: the
 call's own peak), plus `vae_plans` (the plan lines the VAE logged), `ratio` = peak_rss(batch 4) /
-peak_rss(batch 1) and whether it meets the issue's target (<= 1.35).
+peak_rss(batch 1) and whether it meets the target (<= 1.35, docs/design.md#performance-targets).
 
 The script runs against any checkout of the project (`PYTHONPATH=<checkout>`), so the same command
 measures a tree before and after a change; the estimate and plan fields are filled where the tree
@@ -162,7 +162,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _one_image_estimate(width: int, height: int, vae_base_dim: int) -> int | None:
-    try:  # a tree from before issue 22 has no estimates; the measurement itself needs none
+    try:  # a tree from before the VAE's memory estimates has none; the measurement itself needs none
         from snapref_ray.models.vae import VAEConfig
         from snapref_ray.models.vae_memory import decode_peak_bytes
     except ImportError:

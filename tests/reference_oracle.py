@@ -1,9 +1,9 @@
-"""A float64 oracle for SnapRef's reference read, written from the design notes alone.
+"""A float64 oracle for SnapRef's reference read, written from docs/design.md alone.
 
 It shares no code with `snapref_ray.models` or the reference cache: the weights come straight
-from the safetensors files, the Anima DiT (anima-model.md §2) is re-written here in a few plain
+from the safetensors files, the Anima DiT (docs/design.md#dit) is re-written here in a few plain
 functions, and the reference is read *fresh* at every call — per block ONE attention over the
-joint sequence [target tokens; reference tokens] with an explicit mask (snapref-adapter.md §1, §4):
+joint sequence [target tokens; reference tokens] with an explicit mask (docs/design.md#snapref-cached-reference-kv):
 
 - reference tokens run at σ = 0 with the reference LoRA branch and their own caption context, at
   their own RoPE offset, and see only the tokens of their own reference;
@@ -32,7 +32,8 @@ from safetensors.torch import load_file
 
 F64 = torch.float64
 EPS = 1e-6
-# Anima-2.9B: the model block each block of a 28-block adapter attaches to (snapref-adapter.md §7).
+# Anima-2.9B: the model block each block of a 28-block adapter attaches to
+# (docs/design.md#deeper-models-28-to-40-blocks).
 INHERITED_40 = (0, 1, 3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 19, 20, 22, 23, 25, 26, 28, 29, 31, 32, 34, 35, 37, 38, 39)
 REF_LINEARS = (
     "self_attn.q_proj",
@@ -95,7 +96,7 @@ def load_adapter_weights(path: Path, model_blocks: int, mode: str) -> OracleAdap
     return OracleAdapter(ref, target, weights, json.loads(meta["ref_rope_offset"]))
 
 
-# --- the Anima DiT, from anima-model.md §2 ------------------------------------------------------
+# --- the Anima DiT, from docs/design.md#dit --------------------------------------------------------
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -132,7 +133,7 @@ def modulation(sd: dict, prefix: str, e_n: torch.Tensor, a: torch.Tensor, chunks
 
 @functools.lru_cache(maxsize=64)
 def rope_angles(Hp: int, Wp: int, head_dim: int, offset: tuple[int, int, int]) -> torch.Tensor:
-    """[Hp*Wp, head_dim/2] angles of tokens (0 + dt, i + dh, j + dw), §2.4 (t ratio 1, h/w ratio 4)."""
+    """[Hp*Wp, head_dim/2] angles of tokens (0 + dt, i + dh, j + dw), docs/design.md#rope (t ratio 1, h/w ratio 4)."""
     d_hw = head_dim // 6 * 2
     d_t = head_dim - 2 * d_hw
     out = []
@@ -310,8 +311,8 @@ def sample_euler_cfg(
     adapter: OracleAdapter | None,
     ref_weight: float | None,
 ) -> torch.Tensor:
-    """Euler with CFG (anima-model.md §6.4, §6.5); the cond row reads the reference, the uncond row
-    does not (the default path, snapref-adapter.md §5). x0: [B, 16, H, W]; conds[b]: [S, C]."""
+    """Euler with CFG (docs/design.md#samplers); the cond row reads the reference, the uncond row does not
+    (the default path, docs/design.md#which-rows-read-and-reference-guidance). x0: [B, 16, H, W]; conds[b]: [S, C]."""
     config = dit_config(sd)
     x = x0.clone()
     for i in range(len(sigmas) - 1):

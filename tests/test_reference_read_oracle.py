@@ -4,7 +4,7 @@ float64 oracle (tests/reference_oracle.py) over whole sampling runs of the produ
 The production path is the public one: `Renderer.render(..., references=...)` encodes RefKV once
 and samples with it; the sampled latent is taken where the Renderer hands it to the VAE. The
 oracle shares nothing with it but the weight files, the text contexts, the reference pixels and
-the schedule: it re-derives the DiT from the design notes and reads the reference through one
+the schedule: it re-derives the DiT from docs/design.md and reads the reference through one
 masked attention over [target; reference] tokens in every block of every call.
 """
 

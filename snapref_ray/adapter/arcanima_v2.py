@@ -1,6 +1,6 @@
 """ArcAnima v2 as a `ReferenceAdapter`: the cached asymmetric read.
 
-Seed 002, "How it works": the reference latent runs once per image through every block at
+The ArcAnima README, "How it works": the reference latent runs once per image through every block at
 timestep 0, its tokens at RoPE positions shifted past the target grid, through self-attention
 and MLP only (reference tokens skip the text cross-attention); each block's K/V is kept. In every
 step the rows that read the reference attend over [target K/V; cached reference K/V] (the shared

@@ -1,6 +1,6 @@
 """The SnapRef adapter file, `anima_ref_kv/1`: reading, validating and writing it.
 
-The format is defined in docs/design/snapref-adapter.md §2. A file is recognised by its
+The format is defined in docs/design.md#the-snapref-file-format. A file is recognised by its
 `__metadata__["format"]` alone, never by its name, so a renamed adapter still loads and a LoRA
 renamed to look like an adapter is still refused. Everything about a file is validated from its
 safetensors header before any tensor data is read: a wrong rank, a missing block or a missing
@@ -44,7 +44,7 @@ FP8_FORMAT = "fp8_e4m3fn_rowwise"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 # The ten DiT linears the reference branch adapts, and the one the target branch adapts
-# (module paths inside a block, anima-model.md §2.8).
+# (module paths inside a block, docs/design.md#dit).
 REF_LINEARS = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -207,9 +207,9 @@ class SnapRefAdapter:
     """A loaded SnapRef adapter: the reference and target LoRA branches and the mode vectors.
 
     `ref_loras[i]` / `target_loras[i]` belong to ADAPTER block i (block-layout mapping onto a
-    model with more blocks is the caller's business, snapref-adapter.md §7). `meta` describes the
-    file the weights came from; `to()` changes where the weights live, not what they are, so it
-    keeps `meta` and `identity`.
+    model with more blocks is the caller's business, docs/design.md#deeper-models-28-to-40-blocks).
+    `meta` describes the file the weights came from; `to()` changes where the weights live, not what
+    they are, so it keeps `meta` and `identity`.
     """
 
     meta: AdapterMeta

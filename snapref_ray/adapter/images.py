@@ -1,4 +1,7 @@
-"""Reference images: bytes in, RGB pixels out, sized for the reference stream (snapref-adapter.md §3, §6).
+"""Reference images: bytes in, RGB pixels out, sized for the reference stream.
+
+How a reference is prepared: docs/design.md#snapref-cached-reference-kv; pairs and several images of one
+character: docs/design.md#several-references.
 
 References arrive from users (HTTP uploads, job manifests, S3), so every input is untrusted:
 any PIL mode is accepted and normalised to RGB, transparency is composited on white (the

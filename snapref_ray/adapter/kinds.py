@@ -2,7 +2,8 @@
 
 Three kinds of reference adapter load (docs/adapters.md):
 
-- `snapref`: SnapRef's `anima_ref_kv/1` (snapref-adapter.md), recognised by its metadata only.
+- `snapref`: SnapRef's `anima_ref_kv/1` (docs/design.md#the-snapref-file-format), recognised by its
+  metadata only.
 - `arcanima-v2`: the ArcAnima Reference Adapter v2 (`anima_ref_adapter_v2_r64.safetensors`, 183 MB):
   a rank-64 LoRA on the ten linears of the 28 Anima blocks, read with asymmetric attention.
 - `arcanima-pilot`: the ArcAnima pilot (`anima_ref_adapter_pilot_r32.safetensors`): a rank-32
@@ -38,7 +39,7 @@ from snapref_ray.models.checkpoint import DIT_PREFIXES, CheckpointError, read_he
 from snapref_ray.models.dit import BLOCK_LINEARS
 from snapref_ray.models.lora import KOHYA_PREFIXES, _module_path, _split_key
 
-# The `__metadata__["format"]` of a SnapRef file (docs/design/snapref-adapter.md §2).
+# The `__metadata__["format"]` of a SnapRef file (docs/design.md#the-snapref-file-format).
 SNAPREF_FORMAT = "anima_ref_kv/1"
 # Metadata key this project writes into ArcAnima files it makes or converts (and into a plain
 # LoRA whose shape happens to match an adapter signature, to say it is a LoRA).

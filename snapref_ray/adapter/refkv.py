@@ -4,7 +4,7 @@ All blocks live in one contiguous tensor `kv_N2HLD` ([blocks, K/V, heads, ref_to
 moving it between devices is one copy, and turning it into bytes for Ray's object store is
 one view. Pickling goes through a `uint8` numpy array so that Ray stores it out-of-band and a
 reader on the same node maps it zero-copy and read-only (torch tensors would be copied on
-every put and get; see ray-notes.md).
+every put and get; docs/design.md#ray-facts-this-design-relies-on).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """SnapRef (`anima_ref_kv/1`) as a `ReferenceAdapter`: its branches and mode weights laid out per MODEL block.
 
 A 28-block adapter on the 40-block Anima-2.9B hooks the inherited blocks only
-(snapref-adapter.md §7); the 12 inserted blocks get no LoRA, but reference K/V is still
-computed and read in all of them. Their read weight is that of the nearest inherited block
+(docs/design.md#deeper-models-28-to-40-blocks); the 12 inserted blocks get no LoRA, but reference
+K/V is still computed and read in all of them. Their read weight is that of the nearest inherited block
 before them, so a mode's per-block profile keeps its shape over depth.
 
 The reference stream runs once at sigma 0 with the reference LoRA branch (and the caption

@@ -138,7 +138,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, num_gpus
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        # "local" never attaches to a stale cluster left by an unclean exit (ray-notes.md).
+        # "local" never attaches to a stale cluster left by an unclean exit.
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True)
 
 

@@ -1,7 +1,7 @@
 """The driver-side loop: reference affinity, K/V hand-off through the object store, retries.
 
 Ray Data has no key affinity and `ActorPool` neither replaces dead actors nor resubmits their
-work (ray-notes.md), so the job runs its own loop over `ray.wait`:
+work (docs/design.md#ray-facts-this-design-relies-on), so the job runs its own loop over `ray.wait`:
 
 - Items are grouped by reference. A reference is *opened* by asking one worker to encode it;
   the RefKV that call returns is owned by the driver and lives in the object store while the
@@ -91,7 +91,7 @@ class SchedulerConfig:
     # cannot provide the GPUs), and stop relaunching after this many workers failed to start.
     start_timeout_s: float = 900.0
     max_start_failures: int = 3
-    # A RefKV's size before one is measured: 1 MP at real size in bf16 (ray-notes.md).
+    # A RefKV's size before one is measured: 1 MP at real size in bf16 (docs/design.md#refkv-and-its-lifetime).
     assumed_refkv_bytes: int = 940_000_000
     # Probes that find the actor dead (not merely restarting) before the worker is given up; a
     # restarting actor (ActorUnavailableError, minutes for a GPU model load) is probed again

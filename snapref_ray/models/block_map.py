@@ -1,8 +1,9 @@
 """Which model block a block-indexed adapter (SnapRef adapter, LoRA) attaches to.
 
 Anima-2.9B is Anima deepened LLaMA-Pro style from 28 to 40 DiT blocks: the 28 original blocks
-keep their order and 12 new blocks are inserted between them (anima-model.md §9). Weights trained
-on the 28-block model attach to the inherited positions only; the inserted blocks get nothing.
+keep their order and 12 new blocks are inserted between them
+(docs/design.md#deeper-models-28-to-40-blocks). Weights trained on the 28-block model attach to
+the inherited positions only; the inserted blocks get nothing.
 Any layout without a known map is an error, never a silent attachment to the wrong layers.
 """
 

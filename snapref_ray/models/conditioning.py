@@ -1,6 +1,6 @@
 """Prompt -> the DiT's cross-attention context, as ComfyUI builds it for Anima.
 
-For one prompt (design doc anima-model.md §3 steps 6-7, §4):
+For one prompt (docs/design.md#from-prompt-to-context):
 1. tokenize (Qwen ids; T5 ids with prompt weights),
 2. Qwen3 final hidden state, computed in fp32 -> [1, Lq, 1024],
 3. cast to the adapter's dtype (the DiT's inference dtype, bf16 for the released model) and run

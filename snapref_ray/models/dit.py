@@ -1,4 +1,4 @@
-"""The Anima DiT: Cosmos-Predict2-2B "MiniTrainDIT" plus Anima's LLM adapter (anima-model.md §2, §3).
+"""The Anima DiT: Cosmos-Predict2-2B "MiniTrainDIT" plus Anima's LLM adapter (docs/design.md#dit).
 
 One forward maps a normalised latent, a noise level sigma and a text context to the flow
 velocity. The same blocks also run the SnapRef reference stream (`reference_kv`): sigma 0,

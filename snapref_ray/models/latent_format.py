@@ -1,8 +1,8 @@
 """Wan 2.1 latent normalisation: between VAE space (what the VAE encodes/decodes) and model space (what the DiT sees).
 
-ComfyUI's `latent_formats.Wan21` (scale factor 1.0; design notes §5.3): `process_in` maps a VAE
-latent μ into the DiT's space before sampling, `process_out` maps the sampler's result back
-before decoding. The same constants are diffusers' `AutoencoderKLQwenImage` defaults.
+ComfyUI's `latent_formats.Wan21` (scale factor 1.0; docs/design.md#latent-normalisation):
+`process_in` maps a VAE latent μ into the DiT's space before sampling, `process_out` maps the
+sampler's result back before decoding. The same constants are diffusers' `AutoencoderKLQwenImage` defaults.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Anima's LLM adapter: Qwen3 hidden states -> the T5-like context the Cosmos DiT was trained on.
 
 Its queries are learned embeddings of the prompt's T5 token ids; they self-attend, then
-cross-attend to the Qwen3 states (anima-model.md §3). ComfyUI runs it without attention masks,
+cross-attend to the Qwen3 states (docs/design.md#llm-adapter). ComfyUI runs it without attention masks,
 and so does this module; zero-padding the result to 512 rows is the caller's job (it also
 applies the per-token prompt weights first).
 """
@@ -121,7 +121,7 @@ class AdapterBlock(nn.Module):
 
 
 class LLMAdapter(nn.Module):
-    """The `llm_adapter.*` part of an Anima DiT file (anima-model.md §3)."""
+    """The `llm_adapter.*` part of an Anima DiT file (docs/design.md#llm-adapter)."""
 
     def __init__(self, config: LLMAdapterConfig) -> None:
         super().__init__()

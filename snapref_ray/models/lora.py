@@ -64,7 +64,7 @@ class LoRAModule:
 
 LoRA = dict[str, LoRAModule]
 
-# --- The Anima DiT's Linear layers (anima-model.md §2.8, §3): what a LoRA key may name. ---------------
+# --- The Anima DiT's Linear layers (docs/design.md#dit, #llm-adapter): what a LoRA key may name. ------
 TOP_LINEARS = (
     "t_embedder.1.linear_1",
     "t_embedder.1.linear_2",
@@ -138,7 +138,7 @@ def _from_kohya(name: str) -> str | None:
     return None
 
 
-# diffusers `CosmosTransformer3DModel` names -> ComfyUI names (anima-model.md §8, reversed).
+# diffusers `CosmosTransformer3DModel` names -> ComfyUI names (docs/design.md#oracles-in-the-tests, reversed).
 _DIFFUSERS_TOP = {
     "time_embed.t_embedder.linear_1": "t_embedder.1.linear_1",
     "time_embed.t_embedder.linear_2": "t_embedder.1.linear_2",

@@ -6,7 +6,7 @@ weights in the file's dtype (bf16) but runs the forward in fp32 ("manual cast" w
 embeddings), so this module does the same: every layer computes in the dtype of its input, and
 the input is always fp32.
 
-Architecture (design doc anima-model.md §4.2): GQA self-attention with per-head RMSNorm on q and
+Architecture (docs/design.md#qwen3-text-encoder): GQA self-attention with per-head RMSNorm on q and
 k before rotate-half RoPE (theta 1e6), SiLU-gated MLP, pre-norm residual blocks, causal mask
 plus an additive padding mask of finfo.min / 4, as ComfyUI's llama.py builds it.
 """

@@ -2,7 +2,7 @@
 
 Anima reads a prompt twice: Qwen3 sees Qwen2-BPE ids (weights ignored), and the LLM adapter's
 queries are T5 ids that carry the prompt weights. Both follow ComfyUI's `SDTokenizer` exactly
-(design doc anima-model.md §4.1):
+(docs/design.md#tokenizers-and-prompt-weights):
 
 - The prompt is parsed once with the weight syntax: `(text)` is x1.1, `(text:1.3)` sets 1.3,
   nesting multiplies, `\\(` and `\\)` are literal parentheses.

@@ -7,7 +7,7 @@ temporal tap `weight[:, :, -1]`; the temporal resamplers (`time_conv`) are skipp
 frame. So this module keeps the file's 5-D weights (state dicts round-trip unchanged) and runs
 2-D convolutions on [B, C, H, W] activations only; there is never a time axis to allocate.
 
-Structure and key names follow ComfyUI's `comfy/ldm/wan/vae.py` (design notes §5); numbers
+Structure and key names follow ComfyUI's `comfy/ldm/wan/vae.py` (docs/design.md#vae); numbers
 match diffusers' `AutoencoderKLQwenImage` (tests/models/test_vae.py).
 """
 

@@ -1,7 +1,7 @@
 """Classifier-free guidance and the two corrections Anima users run: RescaleCFG and APG.
 
 All functions take denoised estimates (D = x − σ·v) as ComfyUI's guidance hooks see them and
-return the guided D. anima-model.md §6.4 (CFG), §6.7 (RescaleCFG), §6.8 (APG).
+return the guided D. The formulas: docs/design.md#guidance-cfg-rescalecfg-apg.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ Rows (per request; the batch stacks each kind for all requests):
 - COND_NOREF: positive prompt without the reference; only when ref_guidance != 1, inside
   [ref_start, ref_end].
 
-D = D_u + cfg * (D_c - D_u) + (ref_guidance - 1) * (D_c - D_c,noref)   (snapref-adapter.md §5)
+D = D_u + cfg * (D_c - D_u) + (ref_guidance - 1) * (D_c - D_c,noref)
+
+The rows, the corrections and each kind's defaults: docs/design.md#which-rows-read-and-reference-guidance.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class Combiner:
 def rescale_towards(
     x: torch.Tensor, sigma: torch.Tensor, guided: torch.Tensor, cond: torch.Tensor, phi: float
 ) -> torch.Tensor:
-    """RescaleCFG's std matching (anima-model.md §6.7) applied to an already-combined estimate."""
+    """RescaleCFG's std matching applied to a combined estimate (docs/design.md#guidance-cfg-rescalecfg-apg)."""
     s = sigma.reshape(-1, *[1] * (x.ndim - 1)) if sigma.ndim else sigma
     root = torch.sqrt(s * s + 1.0)
     x_in = x / (s * s + 1.0)

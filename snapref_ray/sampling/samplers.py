@@ -3,7 +3,7 @@
 `denoise(x, σ)` returns the model's denoised estimate D (guidance already applied: it is built by
 composition in the caller). Both samplers reproduce ComfyUI's `sample_euler` (s_churn 0) and
 `sample_er_sde` (s_noise 1, max_stage 3, default noise scaler) for a flow (CONST) model, see
-anima-model.md §6.5/§6.6.
+docs/design.md#samplers.
 
 The schedule stays on the host. `sigmas` is moved to the CPU once, so every σ the loop branches
 on, passes to `denoise` or multiplies into x is a host number (a CPU 0-dim tensor in device

@@ -1,4 +1,4 @@
-"""A float64 re-derivation of the Anima DiT for the ArcAnima tests, written from anima-model.md §2.
+"""A float64 re-derivation of the Anima DiT for the ArcAnima tests, written from docs/design.md#dit.
 
 Nothing here calls the production model: weights are read from the safetensors files with
 `safe_open`, and patchify, timestep embedding, adaLN modulation, RMSNorm, 3D RoPE, attention,

@@ -41,7 +41,8 @@ def test_wire_form_aliases_a_read_only_buffer_without_copying():
 def test_nbytes_counts_both_k_and_v_of_every_block():
     kv = make_kv(blocks=3, heads=2, tokens=5, dim=4, dtype=torch.bfloat16)
     assert kv.nbytes == 3 * 2 * 2 * 5 * 4 * 2
-    # Real size, 1 MP reference: 28 blocks x 2 x 4096 tokens x 2048 x 2 bytes (ray-notes.md: ~0.94 GB).
+    # Real size, 1 MP reference: 28 blocks x 2 x 4096 tokens x 2048 x 2 bytes, ~0.94 GB
+    # (docs/design.md#refkv-and-its-lifetime).
     assert 28 * 2 * 4096 * 2048 * 2 == 939_524_096
 
 

@@ -1,12 +1,12 @@
-"""A whole node lost mid-job costs no item, on a real multi-node cluster (issue #23), and out of memory splits a
-batch there (issue #22).
+"""A whole node lost mid-job costs no item, on a real multi-node cluster, and out of memory splits a batch
+there.
 
 Ray's autoscaler with its fake provider (tests/fake_cluster.py): a head and up to three 1-CPU `GPU: 1` nodes,
 each a real raylet with its own object store; the job's GPU workers run the tiny models on the CPU. A node is
 lost by SIGKILL to its raylet (its workers go with it), at a moment picked through the scheduler's event seam
 (`run_job(on_event=...)`), never by sleeping: before any image, mid-batch, as a RefKV fetch from it starts,
-and the issue's own moment — the node of a worker whose reference other workers still need, once two
-images are written.
+and the moment a node loss was first reported at — the node of a worker whose reference other workers still
+need, once two images are written.
 
 The references are 320x448 (the example references' size), so a RefKV is ~0.6 MB: above Ray's 100 KiB inline
 limit, it lives in the object store of the node that encoded it, and is lost with that node. One cluster serves
@@ -110,8 +110,8 @@ class NodeKiller:
 
 
 def after_two_images_the_last_joined_encoder(event: SchedulerEvent, k: NodeKiller) -> str | None:
-    """The issue: once two images are written, the node of the last-added worker that encoded a reference (its
-    prompts are still to be rendered: at most a batch of 4 of 24 is done)."""
+    """The reported failure: once two images are written, the node of the last-added worker that encoded a
+    reference (its prompts are still to be rendered: at most a batch of 4 of 24 is done)."""
     if event.kind == "item_done" and k.done >= 2:
         return next((n for n in reversed(k.joined) if n in k.encoders), None)
     return None
@@ -176,7 +176,7 @@ def _nothing_sent_to_the_dead_node(killer: NodeKiller, rows: list[dict]) -> None
     assert not [r for r in rows if r["node_id"] == killer.killed and r["finished_at"] > killer.killed_at]
 
 
-def test_issue_23_node_of_a_worker_whose_reference_is_still_needed_killed_after_two_images(
+def test_node_of_a_worker_whose_reference_is_still_needed_killed_after_two_images(
     cluster, references, tiny_models, tmp_path
 ):
     # As reported: 3 references x 8 prompts at 512x512, max_workers 3 (and the default max_batch of 4).
@@ -211,10 +211,10 @@ def test_node_killed_as_a_refkv_fetch_from_it_starts(cluster, references, tiny_m
     assert summary["requeues"]["refkv_lost"] >= 1, summary["requeues"]
 
 
-def test_the_issue_22_job_at_the_default_size_fits_three_workers_on_one_machine(
+def test_three_workers_at_the_default_size_fit_one_machine_without_a_memory_kill(
     cluster, references, tiny_models, tmp_path
 ):
-    """Issue 22's job: three workers on the fake cluster's nodes (one 24 GB machine in all), the default 1024x1024,
+    """Three workers on the fake cluster's nodes (one 24 GB machine in all), the default 1024x1024 and
     max_batch 4. Their batches' VAE decodes once took ~2.3 GB per image and Ray's memory monitor killed them;
     now every item lands once, no worker is killed, and each worker reports the batch its measured fit chose."""
     spec = _spec(tmp_path, references, tiny_models, cluster, size=1024, max_batch=4)

@@ -2,7 +2,7 @@ import pytest
 
 from snapref_ray.models.block_map import INHERITED_28_TO_40, INSERTED_28_TO_40, BlockLayoutError, adapter_block_map
 
-# snapref-adapter.md §7 / anima-model.md §9
+# docs/design.md#deeper-models-28-to-40-blocks
 SPEC_MAP = [0, 1, 3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 19, 20, 22, 23, 25, 26, 28, 29, 31, 32, 34, 35, 37, 38, 39]
 
 

@@ -67,7 +67,8 @@ def adapter():
 
 
 def reference(tokenizer, text_encoder, adapter, prompt, dtype=torch.float32):
-    """The steps of design doc §3.6-7 / §4 written out: Qwen fp32 -> adapter dtype -> adapter -> x w -> pad."""
+    """The steps of docs/design.md#from-prompt-to-context written out: Qwen fp32 -> adapter dtype -> adapter
+    -> x w -> pad."""
     tok = tokenizer.tokenize(prompt)
     with torch.no_grad():
         hidden = text_encoder(torch.tensor([tok.qwen_ids]))

@@ -29,7 +29,8 @@ from snapref_ray.models.ops import Linear, LoRAPair
 from snapref_ray.models.rope import apply_rope, dit_rope, dit_rope_axis_dims
 from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict
 
-# ComfyUI module path -> diffusers CosmosTransformer3DModel path (anima-model.md §8), applied in order.
+# ComfyUI module path -> diffusers CosmosTransformer3DModel path, applied in order
+# (docs/design.md#oracles-in-the-tests).
 _TO_DIFFUSERS = [
     (r"^t_embedder\.1\.", "time_embed.t_embedder."),
     (r"^t_embedding_norm\.", "time_embed.norm."),
@@ -60,7 +61,7 @@ def to_diffusers_key(key: str) -> str:
 
 
 def diffusers_dit(config: DiTConfig, sd: dict[str, torch.Tensor]):
-    """diffusers' Cosmos DiT with Anima's config (§8), loaded strictly from our keys.
+    """diffusers' Cosmos DiT with Anima's config (docs/design.md#oracles-in-the-tests), loaded strictly from our keys.
 
     Only the parity tests need diffusers; they skip by name without it (a failure under SNAPREF_NO_SKIP).
     """
@@ -194,7 +195,7 @@ def test_diffusers_key_mapping_covers_the_real_layout(ref_keys_dir):
     assert ours == theirs
 
 
-# --- RoPE numbers (anima-model.md §2.4) --------------------------------------------------------
+# --- RoPE numbers (docs/design.md#rope) ----------------------------------------------------------
 
 
 def test_dit_rope_split_and_ntk_bases():

@@ -9,7 +9,7 @@ import torch
 
 from snapref_ray.models.latent_format import WAN21_MEAN, WAN21_STD, process_in, process_out
 
-# Design notes §5.3 (ComfyUI latent_formats.Wan21).
+# docs/design.md#latent-normalisation (ComfyUI latent_formats.Wan21).
 DOC_MEAN = [
     -0.7571,
     -0.7089,
@@ -48,7 +48,7 @@ DOC_STD = [
 ]
 
 
-def test_constants_match_design_notes_and_diffusers():
+def test_constants_match_the_design_doc_and_diffusers():
     assert list(WAN21_MEAN) == DOC_MEAN
     assert list(WAN21_STD) == DOC_STD
     from diffusers import AutoencoderKLQwenImage

@@ -26,7 +26,7 @@ def linear(i: int, o: int, gen: torch.Generator) -> ops.Linear:
 
 
 def stand_in(num_blocks: int = 2, seed: int = 0) -> nn.Module:
-    """Tiny module tree with ops.Linear at the Anima DiT's module paths (anima-model.md §2.8, §3)."""
+    """Tiny module tree with ops.Linear at the Anima DiT's module paths (docs/design.md#dit, #llm-adapter)."""
     g = torch.Generator().manual_seed(seed)
 
     def attn(q_in, kv_in, out_name):

@@ -20,7 +20,7 @@ REAL_PARAMS = 126_892_531
 
 
 def to_diffusers_keys(sd: dict[str, torch.Tensor], cfg: VAEConfig) -> dict[str, torch.Tensor]:
-    """Original Wan names → diffusers AutoencoderKLQwenImage names (design notes §8, VAE mapping)."""
+    """Original Wan names → diffusers AutoencoderKLQwenImage names (docs/design.md#oracles-in-the-tests)."""
     per_up_stage = cfg.num_res_blocks + 2  # decoder stage: num_res_blocks + 1 resnets, then one upsampler
 
     def up_block(m: re.Match) -> str:

@@ -28,7 +28,7 @@ def test_rescale_cfg_multiplier_zero_is_cfg(case):
 
 
 def rescale_reference(x, sigma, d_c, d_u, s, phi):
-    """§6.7 in float64 with explicit loops over (row, column W) for the std."""
+    """RescaleCFG (docs/design.md#guidance-cfg-rescalecfg-apg) in float64, explicit loops over (row, column W)."""
     x, d_c, d_u = x.double(), d_c.double(), d_u.double()
     x_in = x / (sigma**2 + 1)
     c = (x_in - d_c) * (sigma**2 + 1) ** 0.5 / sigma
@@ -58,7 +58,7 @@ def test_apg_eta_one_without_threshold_is_cfg_with_scale_plus_one(case):
 
 
 def apg_reference(d_c, d_u, s, eta, threshold):
-    """§6.8 in float64, one (row, channel) at a time."""
+    """APG (docs/design.md#guidance-cfg-rescalecfg-apg) in float64, one (row, channel) at a time."""
     d_c, d_u = d_c.double(), d_u.double()
     out = torch.empty_like(d_c)
     for b in range(d_c.shape[0]):

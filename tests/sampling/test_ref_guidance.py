@@ -72,7 +72,7 @@ def test_corrections_change_only_the_guided_estimate(correction):
     )
 
 
-# --- float64 re-derivation of the combination (snapref-adapter.md §5, anima-model.md §6.7, §6.8) ----------------
+# --- float64 re-derivation of the combination (docs/design.md#which-rows-read-and-reference-guidance) ----------------
 # Written with numpy and explicit per-(row, channel) loops, apart from the torch code it checks.
 
 

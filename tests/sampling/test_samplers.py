@@ -1,4 +1,4 @@
-"""euler and er_sde against float64 re-derivations written here from anima-model.md §6.5/§6.6."""
+"""euler and er_sde against float64 re-derivations written here from docs/design.md#samplers."""
 
 import math
 

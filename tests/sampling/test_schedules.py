@@ -3,7 +3,7 @@ import torch
 
 from snapref_ray.sampling.schedules import flow_sigma_table, get_sigmas, percent_to_sigma
 
-# anima-model.md §6.2: ComfyUI's "simple" schedule for 30 steps.
+# docs/design.md#flow-matching-and-the-sigma-schedule: ComfyUI's "simple" schedule for 30 steps.
 SIMPLE_30 = [
     1.0,
     0.988753,

@@ -1,4 +1,4 @@
-"""Serve in production (issue 9): references stored durably and shared, model folders from s3://.
+"""Serve in production: references stored durably and shared, model folders from s3://.
 
 The live module runs its application on the session's local Serve (tests/conftest.py: the S3 test
 server's credentials are in its processes' environment, as on a cluster node) with models from the

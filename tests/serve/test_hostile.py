@@ -1,4 +1,4 @@
-"""The endpoint under hostile clients (issue 13), over real HTTP to a real local Serve on 127.0.0.1.
+"""The endpoint under hostile clients, over real HTTP to a real local Serve on 127.0.0.1.
 
 Every case sends the hostile request on a raw socket (so nothing on the client side tidies it up),
 checks the answer (status, JSON error shape, the field named) and that the server still serves a

@@ -124,8 +124,8 @@ def test_ids_are_stable_and_independent_of_row_order(job_dir):
 def test_item_id_formula_is_pinned():
     # Changing this value breaks resuming every existing output: only on purpose.
     assert item_id_for(None, 0, "ab" * 32, "1girl, solo", 5, RenderSettings()) == "b3272c79ffaf7f5e2cc3"
-    # Unset optional settings are left out of the hash: the settings that were the defaults before issue 10
-    # (cfg 4.0, ref_guidance 1, ref_in_uncond off), given explicitly, keep their old id.
+    # Unset optional settings are left out of the hash: the settings that were the defaults before the kinds had
+    # defaults of their own (cfg 4.0, ref_guidance 1, ref_in_uncond off), given explicitly, keep their old id.
     old_defaults = RenderSettings(cfg=4.0, ref_guidance=1.0, ref_in_uncond=False)
     assert item_id_for(None, 0, "ab" * 32, "1girl, solo", 5, old_defaults) == "b0742deb984c5f11c6b6"
     assert item_id_for("hero_01", 2, "ab" * 32, "ignored", 5, RenderSettings()) == "hero_01-2"
@@ -484,11 +484,11 @@ def test_example_job_validates():
 def test_s3_manifest_and_references_give_the_same_items(job_dir, s3_server):
     rows = [
         {"reference": "refs/red.png", "prompt": "a", "seed": 1},
-        {"references": "refs/green.png|../shared/blue.png", "prompt": "b"},
+        {"references": "refs/green.png|../common/blue.png", "prompt": "b"},
         {"left": "refs/red.png", "right": "refs/blue.png", "prompt": "c"},
     ]
-    (job_dir / "shared").mkdir()
-    (job_dir / "shared" / "blue.png").write_bytes((job_dir / "refs" / "blue.png").read_bytes())
+    (job_dir / "common").mkdir()
+    (job_dir / "common" / "blue.png").write_bytes((job_dir / "refs" / "blue.png").read_bytes())
     sub = job_dir / "jobs"
     sub.mkdir()
     (sub / "refs").symlink_to(job_dir / "refs")
@@ -497,7 +497,7 @@ def test_s3_manifest_and_references_give_the_same_items(job_dir, s3_server):
     bucket, prefix, client = s3_server.bucket, "test_work_items", s3_server.client()
     for key, path in {
         "jobs/m.csv": sub / "m.csv",
-        "shared/blue.png": job_dir / "shared" / "blue.png",
+        "common/blue.png": job_dir / "common" / "blue.png",
         **{f"jobs/refs/{c}.png": job_dir / "refs" / f"{c}.png" for c in ("red", "green", "blue")},
     }.items():
         client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=path.read_bytes())
@@ -508,7 +508,7 @@ def test_s3_manifest_and_references_give_the_same_items(job_dir, s3_server):
     assert [i.item_id for i in remote.items] == [i.item_id for i in local.items]
     assert remote.items[1].reference.uris == (
         f"s3://{bucket}/{prefix}/jobs/refs/green.png",
-        f"s3://{bucket}/{prefix}/shared/blue.png",
+        f"s3://{bucket}/{prefix}/common/blue.png",
     )
     missing = build_work_items(
         spec, [{"reference": "refs/none.png", "prompt": "p", ROW_KEY: 4}], s3=s3_server.s3_options()

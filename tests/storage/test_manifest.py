@@ -133,7 +133,7 @@ def test_relative_paths_resolve_against_the_manifest_folder(tmp_path):
     assert base == str(tmp_path / "jobs")
     assert resolve_relative("refs/a.png", base) == str(tmp_path / "jobs" / "refs" / "a.png")
     assert resolve_relative("./refs/../b.png", base) == str(tmp_path / "jobs" / "b.png")
-    assert resolve_relative("../shared/c.png", base) == str(tmp_path / "shared" / "c.png")
+    assert resolve_relative("../common/c.png", base) == str(tmp_path / "common" / "c.png")
     assert resolve_relative("/abs/d.png", base) == "/abs/d.png"
     assert resolve_relative("s3://other/e.png", base) == "s3://other/e.png"
     # A manifest given relative to the current directory still resolves to absolute paths.
