@@ -91,7 +91,7 @@ def test_snapref_steps_smoke_prints_every_field(capsys):
         assert set(snapref_steps.TARGET_FIELDS + snapref_steps.CPU_TARGET_FIELDS) <= set(target), name
         assert isinstance(target["met"], bool)
     _assert_positive_numbers({k: table[k] for k in snapref_steps.FIELDS if k != "environment"}, "table")
-    # Rows and reads per setting are the engine's plan (snapref-adapter.md §5).
+    # Rows and reads per setting are the engine's plan (docs/design.md#which-rows-read-and-reference-guidance).
     plans = {name: (s["rows"], s["reading_rows"]) for name, s in table["settings"].items()}
     assert plans == {
         "no_reference": (2, 0),
@@ -158,7 +158,7 @@ def test_flop_model_linear_part_equals_torch_flop_counter():
 
 
 def test_flop_model_real_size_ratios_match_the_issue():
-    # Issue 3's FLOP floors at 832x1216 with a 1 MP reference: SnapRef ~1.11x, recompute ~1.5x, ref_guidance ~1.55x.
+    # The FLOP floors (docs/design.md#performance-targets) at 832x1216 with a 1 MP reference: SnapRef ~1.11x, recompute ~1.5x, ref_guidance ~1.55x.
     config = real_dit_config(28)
     f = lambda **k: dit_forward_flops(config, tokens=3952, context_rows=512, **k)  # noqa: E731
     no_ref = f(rows=2)
