@@ -50,7 +50,18 @@ def test_txt2img_png_carries_parameters_and_the_reference_hash(tiny_models, tiny
     assert code == 0
     data = out.read_bytes()
     info = read_image_info(data)
-    settings = RenderSettings(width=256, height=256, steps=2, cfg=1.0, sampler="euler")
+    # The settings the image was drawn with, SnapRef's published defaults filled in (as every front door records)
+    settings = RenderSettings(
+        width=256,
+        height=256,
+        steps=2,
+        cfg=1.0,
+        sampler="euler",
+        ref_guidance=1.0,
+        ref_in_uncond=False,
+        ref_outside="reference",
+        strength=1.0,
+    )
     assert info["seed"] == 5 and info["prompt"] == "1girl, cafe"
     assert info["settings"] == settings.model_dump()
     assert info["reference_hash"] == content_hash(reference.read_bytes())

@@ -158,7 +158,8 @@ def test_flop_model_linear_part_equals_torch_flop_counter():
 
 
 def test_flop_model_real_size_ratios_match_the_issue():
-    # The FLOP floors (docs/design.md#performance-targets) at 832x1216 with a 1 MP reference: SnapRef ~1.11x, recompute ~1.5x, ref_guidance ~1.55x.
+    # The FLOP floors (docs/design.md#performance-targets) at 832x1216 with a 1 MP reference:
+    # SnapRef ~1.11x, recompute ~1.5x, ref_guidance ~1.55x.
     config = real_dit_config(28)
     f = lambda **k: dit_forward_flops(config, tokens=3952, context_rows=512, **k)  # noqa: E731
     no_ref = f(rows=2)

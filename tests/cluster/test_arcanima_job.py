@@ -1,5 +1,6 @@
 """A batch job renders with ArcAnima v2 and pilot files on a real local Ray: the kind comes from the file,
-a manifest row with a SnapRef-only setting fails with the field and the kind, the others render."""
+a manifest row with a SnapRef-only setting is refused before rendering (the settings are resolved for the
+file's kind as the rows are read), with its row, the field and the kind; the others render."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def test_job_renders_with_an_arcanima_adapter(kind, job_inputs, tiny_models, tmp
         manifest, tiny_models, str(tmp_path / "out"), model={"adapter": str(adapter)}, cluster={"num_workers": 1}
     )
     summary = run_job(spec, progress=False, write_gallery=False)
-    assert summary["images_this_run"] == 2 and summary["failed_items"] == 1
-    errors = pd.read_parquet(tmp_path / "out" / "errors")
-    assert errors["error"].str.contains(f"mode='char' does not apply to {kind} adapters").all(), errors["error"]
+    assert (summary["images_this_run"], summary["invalid_rows"], summary["failed_items"]) == (2, 1, 0)
+    (error,) = pd.read_parquet(tmp_path / "out" / "errors").itertuples()
+    assert (error.manifest_row, error.stage) == (3, "validate")  # rows count from 1
+    assert error.error.startswith("field 'mode': ") and f"mode='char' does not apply to {kind} adapters" in error.error
     meta = pd.read_parquet(tmp_path / "out" / "metadata")
     assert len(meta) == 2 and meta["adapter"].str.startswith("sha256:").all()
     assert sorted(meta["prompt"]) == ["1girl, solo, beach", "1girl, solo, park"]

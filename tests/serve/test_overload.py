@@ -101,19 +101,24 @@ def test_server_recovers_after_the_burst(server: str, reference_id: str) -> None
     assert status == 200 and headers["X-Cache-Hit"] == "true"
 
 
-def test_check_health_fails_only_when_the_device_is_stuck() -> None:
+def test_check_health_fails_only_when_the_device_is_stuck(tiny_renderer) -> None:
     from snapref_ray.serve.renderer import ReplicaRenderer
+    from snapref_ray.service.service import RenderService
 
-    replica = object.__new__(ReplicaRenderer)  # the health logic alone, no model
+    replica = object.__new__(ReplicaRenderer)  # the health logic on a real render service, no Serve
     replica._config = ServeConfig(model="m", stall_timeout_s=60)
-    now = time.monotonic()
-    replica._busy_since, replica._last_progress = None, now - 3600
+    replica.service = service = RenderService(tiny_renderer)
+    service._health.last_progress = time.monotonic() - 3600
     replica.check_health()  # idle for an hour: healthy
-    replica._busy_since, replica._last_progress = now - 3600, now - 1
-    replica.check_health()  # a long render that keeps finishing steps: healthy
-    replica._last_progress = now - 120
-    with pytest.raises(RuntimeError, match=r"renderer stalled: the device has made no progress for 12\d s"):
+    with service.device("render"):
+        replica.check_health()  # just started
+        service._health.last_progress = time.monotonic() - 120
+        service.tick(1, 30)  # a long render that keeps finishing steps: healthy
         replica.check_health()
+        service._health.last_progress = time.monotonic() - 120  # no step for two minutes
+        with pytest.raises(RuntimeError, match=r"renderer stalled: the device has made no progress for 12\d s"):
+            replica.check_health()
+    replica.check_health()  # the device was let go: healthy again
 
 
 def test_a_fused_replica_admits_renders_up_to_its_slots_and_cancels_them_on_timeout() -> None:
