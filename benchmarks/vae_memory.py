@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import emit, environment, log
+from snapref_ray.service.memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 
 TARGET_RATIO = 1.35
 CASES = ("render", "real_vae_decode", "tiling")
@@ -69,29 +70,6 @@ TILING_FIELDS = ("benchmark", "case", "vae", "latent_hw", "tile", "rows", "envir
 # --- measured in a fresh subprocess ---------------------------------------------------------
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak_rss() -> bool:
-    """Restart the kernel's RSS high-water mark (VmHWM) from the current RSS, where Linux allows it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _vm_hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
-
-
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one measurement in this (fresh) process; peak RSS over the whole process life."""
     from snapref_ray.engine import Renderer
@@ -106,8 +84,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["case"] == "render":
         settings = RenderSettings(width=width, height=height, steps=spec["steps"])
         requests = [RenderRequest(prompt="1girl, solo", seed=i, settings=settings) for i in range(batch)]
-        reset = _reset_peak_rss()
-        rss_before = _rss_bytes()
+        reset = reset_peak_resident()
+        rss_before = resident_bytes()
         t0 = time.perf_counter()
         images = [r.image for r in renderer.render(requests)]
     else:
@@ -116,8 +94,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
         renderer.vae = load_vae(random_vae_state_dict(VAEConfig(base_dim=spec["vae_base_dim"])))
         latent = torch.randn(batch, 16, 1, height // 8, width // 8, generator=torch.Generator().manual_seed(0))
-        reset = _reset_peak_rss()
-        rss_before = _rss_bytes()
+        reset = reset_peak_resident()
+        rss_before = resident_bytes()
         t0 = time.perf_counter()
         images = renderer.decode(latent)
     seconds = time.perf_counter() - t0
@@ -127,7 +105,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     # The measured call's own peak above the RSS it started from. `peak - rss_before` would not do:
     # pages the kernel reclaims from the process meanwhile (library code under memory pressure) lower
     # rss_before but not the life-long peak.
-    call_peak = _vm_hwm_bytes() - rss_before if reset else None
+    call_peak = peak_resident_bytes() - rss_before if reset else None
     return {
         "peak_rss_bytes": peak,
         "rss_before_bytes": rss_before,

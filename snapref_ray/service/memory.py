@@ -122,7 +122,7 @@ class HostMemory(DeviceMemory):
     def measure(self, fn: Callable[[], T]) -> tuple[T, int]:
         with self._lock:
             before = resident_bytes()
-            if _reset_peak_resident():
+            if reset_peak_resident():
                 result = fn()
                 return result, max(0, peak_resident_bytes() - before)
             return _sampled_peak(fn, before)
@@ -271,7 +271,7 @@ def peak_resident_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _reset_peak_resident() -> bool:
+def reset_peak_resident() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not possible."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
