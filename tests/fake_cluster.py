@@ -54,6 +54,12 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
+def _available_memory_bytes() -> int:
+    from ray._private.utils import estimate_available_memory
+
+    return int(estimate_available_memory())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -316,6 +322,7 @@ class FakeCluster(RayHead):
         dashboard: bool = False,
         env: dict[str, str] | None = None,
         keep_temp_dir: bool = False,
+        memory_per_node_bytes: int | None = None,
     ) -> None:
         super().__init__(
             num_cpus=head_cpus,
@@ -329,6 +336,9 @@ class FakeCluster(RayHead):
         self.head_cpus = head_cpus
         self.idle_timeout_minutes = idle_timeout_minutes
         self.killed_nodes: set[str] = set()  # by kill_node, since the last cold start
+        # What a raylet started here would find by itself (this machine's available memory less its object
+        # store), declared in the node type so that the autoscaler can place workers that ask for `memory=`.
+        self.memory_per_node_bytes = memory_per_node_bytes or _available_memory_bytes() - object_store_bytes
 
     @property
     def _config_path(self) -> Path:
@@ -345,12 +355,18 @@ class FakeCluster(RayHead):
         """The autoscaler re-reads this file on every update (each second), so a new limit holds at once:
         it terminates the nodes above it (through the provider) and launches no more."""
         provider_limit = self.max_gpu_nodes
-        gpu_resources = {"CPU": self.cpus_per_node, "GPU": 1, "object_store_memory": self.object_store_bytes}
+        gpu_resources = {
+            "CPU": self.cpus_per_node,
+            "GPU": 1,
+            "object_store_memory": self.object_store_bytes,
+            "memory": self.memory_per_node_bytes,  # as a cloud's node type declares it (tests/fake_node_provider.py)
+        }
         config = {
             "cluster_name": f"fake-{self.temp_dir.name}",
             "max_workers": provider_limit,
             "provider": {
-                "type": "fake_multinode",
+                "type": "external",
+                "module": "tests.fake_node_provider.FakeNodesWithMemory",
                 "use_node_id_as_ip": True,
                 "disable_node_updaters": True,
                 "disable_launch_config_check": True,

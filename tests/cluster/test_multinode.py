@@ -20,14 +20,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import ray
-import yaml
 from PIL import Image
 
 from snapref_ray.pipelines.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_item_ids, read_metadata_table
 from tests.cluster.conftest import expected_item_ids, job_spec, make_reference_png, write_manifest
-from tests.fake_cluster import REPO, FakeCluster
+from tests.fake_cluster import FakeCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -150,50 +149,27 @@ def test_whole_node_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_mo
     assert len(after) > 0 and killed["node"] not in set(after["node_id"])
 
 
-def test_ray_job_submit_with_token_auth(cluster, tiny_models, tmp_path):
-    """`ray job submit` of jobs/generate_dataset.py, as the README shows it (RAY_AUTH_MODE=token)."""
-    manifest = _manifest(tmp_path, references=2, prompts=2)
-    out = tmp_path / "out"
-    spec_path = tmp_path / "job.yaml"
-    spec_path.write_text(
-        yaml.safe_dump(
-            {
-                "model": {"models_dir": str(tiny_models)},
-                "manifest": str(manifest),
-                "output": {"uri": str(out)},
-                "defaults": {"width": 256, "height": 256, "steps": 2, "cfg": 1.0, "sampler": "euler"},
-                "cluster": {"max_workers": 2, "max_batch": 1},
-            }
-        )
-    )
-    submission = f"snapref-test-{time.time_ns()}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "ray.scripts.scripts",
-        "job",
-        "submit",
-        "--address",
-        cluster.dashboard_url,
-        "--submission-id",
-        submission,
-        "--working-dir",
-        str(REPO),
-        "--",
-        "python",
-        "-m",
-        "jobs.generate_dataset",
-        str(spec_path),
-        "--no-progress",
-    ]
-    done = subprocess.run(cmd, env=cluster.driver_env(), capture_output=True, text=True, timeout=420)
+def test_readme_ray_job_submit_line(cluster, tiny_models, s3_server):
+    """The README's `ray job submit` line as written, against this cluster's job server (RAY_ADDRESS, token
+    auth) and the S3 test server, with one addition: `--runtime-env-json` carrying the test server's
+    credentials, which a cloud cluster's nodes get from their instance role (docs/clusters.md)."""
+    from tests.test_readme import job_lines, s3_env, s3_job_output, upload_inputs
+
+    line = job_lines()[3]
+    assert line.startswith("ray job submit -- snapref-ray render s3://my-bucket/manifest.csv")
+    rows = upload_inputs(s3_server, tiny_models)
+    credentials = json.dumps({"env_vars": {**s3_env(s3_server), "AWS_EC2_METADATA_DISABLED": "true"}})
+    submit = line.replace("ray job submit --", f"ray job submit --runtime-env-json '{credentials}' --", 1)
+    env = {**cluster.driver_env(), "RAY_ADDRESS": cluster.dashboard_url}
+    done = subprocess.run(["bash", "-c", submit], env=env, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"Job '{submission}' succeeded" in done.stdout + done.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    assert (summary["images_this_run"], summary["failed_items"]) == (4, 0)
+    assert "succeeded" in done.stdout + done.stderr
+    summary, table = s3_job_output(s3_server, "job2")
+    assert (summary["images_this_run"], summary["failed_items"]) == (len(rows), 0)
     # On a cluster, `device: auto` asked for GPU workers: they ran on the GPU nodes, never on the head.
-    assert set(summary["images_per_node"]) <= set(cluster.gpu_node_ids()) | set(cluster.raylet_pids())
-    assert not set(summary["images_per_node"]) & {n["NodeID"] for n in ray.nodes() if not n["Resources"].get("GPU")}
+    head = {n["NodeID"] for n in ray.nodes() if not n["Resources"].get("GPU")}
+    assert set(summary["images_per_node"]) and not set(summary["images_per_node"]) & head
+    assert sorted(r["prompt"] for r in table) == sorted(r["prompt"] for r in rows)
     # Without the token mode the same CLI is refused (what users of Ray 2.60 clusters meet).
     env = {k: v for k, v in cluster.driver_env().items() if k != "RAY_AUTH_MODE"}
     env["RAY_AUTH_MODE"] = "disabled"

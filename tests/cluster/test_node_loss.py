@@ -176,6 +176,24 @@ def _nothing_sent_to_the_dead_node(killer: NodeKiller, rows: list[dict]) -> None
     assert not [r for r in rows if r["node_id"] == killer.killed and r["finished_at"] > killer.killed_at]
 
 
+def test_three_workers_at_the_default_size_fit_one_machine_without_a_memory_kill(
+    cluster, references, tiny_models, tmp_path
+):
+    """Three workers on the fake cluster's nodes (one 24 GB machine in all), the default 1024x1024 and
+    max_batch 4. Their batches' VAE decodes once took ~2.3 GB per image and Ray's memory monitor killed them;
+    now every item lands once, no worker is killed, and each worker reports the batch its measured fit chose.
+    First in the module: a node a later test kills lingers in the autoscaler's books for about a minute,
+    counting against the three."""
+    spec = _spec(tmp_path, references, tiny_models, cluster, size=1024, max_batch=4)
+    summary = run_job(spec, progress=False, write_gallery=False)
+    rows = _every_item_once(spec, summary)
+    assert summary["requeues"]["oom_killed"] == 0 and summary["peak_workers"] == 3, summary["requeues"]
+    assert summary["memory_per_worker"]["bytes"] > 0  # each asked Ray for memory
+    fits = [f for f in summary["memory_fit"] if (f["width"], f["height"]) == (1024, 1024)]
+    assert fits and all(f["image_peak_bytes"] > 0 and f["batch"] >= 1 for f in fits)
+    assert max(r["forward_batch"] for r in rows) > 1  # batches, not single images
+
+
 def test_node_of_a_worker_whose_reference_is_still_needed_killed_after_two_images(
     cluster, references, tiny_models, tmp_path
 ):
@@ -209,22 +227,6 @@ def test_node_killed_as_a_refkv_fetch_from_it_starts(cluster, references, tiny_m
     _nothing_sent_to_the_dead_node(killer, rows)
     # The fetching worker could not have the RefKV (lost, or not in 5 s) and encoded it itself.
     assert summary["requeues"]["refkv_lost"] >= 1, summary["requeues"]
-
-
-def test_three_workers_at_the_default_size_fit_one_machine_without_a_memory_kill(
-    cluster, references, tiny_models, tmp_path
-):
-    """Three workers on the fake cluster's nodes (one 24 GB machine in all), the default 1024x1024 and
-    max_batch 4. Their batches' VAE decodes once took ~2.3 GB per image and Ray's memory monitor killed them;
-    now every item lands once, no worker is killed, and each worker reports the batch its measured fit chose."""
-    spec = _spec(tmp_path, references, tiny_models, cluster, size=1024, max_batch=4)
-    summary = run_job(spec, progress=False, write_gallery=False)
-    rows = _every_item_once(spec, summary)
-    assert summary["requeues"]["oom_killed"] == 0 and summary["peak_workers"] == 3, summary["requeues"]
-    assert summary["memory_per_worker"]["bytes"] > 0  # each asked Ray for memory
-    fits = [f for f in summary["memory_fit"] if (f["width"], f["height"]) == (1024, 1024)]
-    assert fits and all(f["image_peak_bytes"] > 0 and f["batch"] >= 1 for f in fits)
-    assert max(r["forward_batch"] for r in rows) > 1  # batches, not single images
 
 
 def test_out_of_memory_on_the_nodes_splits_batches_and_remembers_the_size(cluster, references, tiny_models, tmp_path):

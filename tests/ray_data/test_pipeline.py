@@ -1,4 +1,5 @@
-"""The README's Ray Data pipeline, run as written on a local Ray against the SeaweedFS S3 server; read_results.
+"""The README's Ray Data pipeline, run as written on a local Ray against the SeaweedFS S3 server; read_results
+and docs/ray-data.md's read_results block, run as written.
 
 3 references x 4 prompts (and one corrupt reference) in a CSV on S3, the tiny models in an s3://
 models folder, an actor pool of 2, `write_parquet` to S3 and read back with pyarrow. Every image is
@@ -39,11 +40,11 @@ PROMPTS = [
 ]
 
 
-def readme_block(marker: str = "ray-data-pipeline") -> str:
-    """The Python block that follows `<!-- marker: ... -->` in README.md, verbatim."""
-    text = (REPO / "README.md").read_text()
+def readme_block(marker: str = "ray-data-pipeline", page: str = "README.md") -> str:
+    """The Python block that follows `<!-- marker: ... -->` in `page` (README.md, docs/...), verbatim."""
+    text = (REPO / page).read_text()
     match = re.search(rf"<!-- {marker}:[^>]*-->\n```python\n(.*?)\n```", text, re.S)
-    assert match, f"README.md lost its {marker} block"
+    assert match, f"{page} lost its {marker} block"
     return match.group(1)
 
 
@@ -236,7 +237,7 @@ def job_output(ray_s3_env, s3_server, inputs, tiny_models, tmp_path_factory):
         folder / "manifest.csv",
         [{"reference": r, "prompt": p, "seed": i} for r in refs for i, p in enumerate(PROMPTS[:2])],
     )
-    out = f"s3://{BUCKET}/run1"  # the README's read_results example reads this
+    out = f"s3://{BUCKET}/run1"  # docs/ray-data.md's read_results example reads this
     spec = job_spec(manifest, tiny_models, out)
     summary = run_job(spec, progress=False, write_gallery=False)
     assert summary["images_total"] == 4
@@ -281,7 +282,9 @@ def test_read_results_refuses_a_folder_without_job_output(tmp_path):
 
 def test_readme_read_results_block_runs_as_written(job_output, s3_server):
     exec(
-        compile(readme_block("ray-data-read-results"), "README.md:ray-data-read-results", "exec"),
+        compile(
+            readme_block("ray-data-read-results", "docs/ray-data.md"), "docs/ray-data.md:ray-data-read-results", "exec"
+        ),
         {"__name__": "readme_read_results"},
     )
     table = _read_parquet_prefix(s3_server.client(), "run1-cs/")

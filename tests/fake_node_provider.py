@@ -1,0 +1,43 @@
+"""Ray's fake multi-node provider, with node types that offer `memory` as a cloud's node types do.
+
+The job's workers ask Ray for `memory=` (docs/design.md#memory). On AWS or GCP the autoscaler fills each
+node type's `memory` in from its instance type, and KubeRay from the pod's limits, so a pending worker's
+request tells the autoscaler which node type fits it. Ray's fake_multinode provider has no instance types:
+a node type that leaves `memory` out is one that no memory request fits, and the autoscaler never launches
+it. Its own code cannot take `memory` in a node type either (it passes every resource other than CPU, GPU
+and object_store_memory to RayParams as a custom resource, which RayParams refuses for `memory`).
+
+`FakeNodesWithMemory` is that provider with one difference: a node type's `memory` becomes the launched
+raylet's `memory` (RayParams(memory=...)), so what the autoscaler plans with is what the node offers.
+tests/fake_cluster.py names it in the autoscaler config as an `external` provider.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import ray._private.parameter as ray_parameter
+from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
+
+# The parent looks RayParams up in its module at each call; launches run on the autoscaler's threads.
+_params_lock = threading.Lock()
+
+
+class FakeNodesWithMemory(FakeMultiNodeProvider):
+    def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels) -> None:
+        memory = resources.get("memory")
+        if memory is None:
+            return super()._create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
+        original = ray_parameter.RayParams
+
+        def params_with_memory(**kwargs: Any) -> ray_parameter.RayParams:
+            custom = {k: v for k, v in (kwargs.pop("resources") or {}).items() if k != "memory"}
+            return original(memory=int(memory), resources=custom, **kwargs)
+
+        with _params_lock:
+            ray_parameter.RayParams = params_with_memory
+            try:
+                super()._create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
+            finally:
+                ray_parameter.RayParams = original
