@@ -1,15 +1,13 @@
 """Every `snapref-ray` subcommand on one shared tiny model folder, its exit status and its output
-(stdout, files, JSON, images, HTTP answers) checked.
+(stdout, files, JSON, images) checked.
 
-Most commands run in this process (`snapref_ray.cli.main([...])`, what the console script calls);
-those that start Ray use the session's local Ray (tests/conftest.py), as under `RAY_ADDRESS`. Two run
-as a user runs them, a subprocess of the command (`python -m snapref_ray.cli`, so a checkout
-without `pip install` works): the quick-form render to S3, whose AWS variables must reach the
-render workers through the environment of the Ray the command starts itself, and `serve`, a
-server answering curl until Ctrl-C.
+The commands run in this process (`snapref_ray.cli.main([...])`, what the console script calls); those
+that start Ray use the session's local Ray (tests/conftest.py), as under `RAY_ADDRESS`. The commands the
+README shows (demo, the quick-form render to a folder and to S3, `serve` answering curl) run as a user
+runs them, as subprocesses, in tests/test_readme.py; `serve`'s flags are checked here.
 
 Sizes are the smallest the settings allow (256 px) and 2 steps; the commands that start Ray or
-render (txt2img, render, demo, eval, timing, serve) are marked slow.
+render (txt2img, render, eval, timing) are marked slow.
 """
 
 from __future__ import annotations
@@ -18,11 +16,6 @@ import contextlib
 import csv
 import io
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +24,6 @@ import yaml
 from PIL import Image
 
 from snapref_ray import cli as snapref_cli
-from snapref_ray.serve.direct_ingress import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "snapref_ray" / "examples"
@@ -48,23 +40,6 @@ def run(*args: str) -> str:
             status = e.code
     assert status == 0, f"snapref-ray {' '.join(args)} exited {status}:\n{err.getvalue()[-4000:]}"
     return out.getvalue()
-
-
-def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600) -> str:
-    """`snapref-ray ARGS` as a subprocess (`python -m snapref_ray.cli`: a checkout without `pip install` works)."""
-    full_env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {})
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", "snapref_ray.cli", *args],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"snapref-ray {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
-    return proc.stdout
 
 
 def pixels(path: Path) -> np.ndarray:
@@ -232,47 +207,6 @@ def test_report_regenerates_the_gallery(local_job):
 
 
 @pytest.mark.slow
-def test_render_quick_form_to_s3(models, manifest, s3_server):
-    env = {
-        "AWS_ENDPOINT_URL": s3_server.endpoint_url,
-        "AWS_ACCESS_KEY_ID": s3_server.access_key,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
-        "AWS_REGION": "us-east-1",
-    }
-    uri = f"s3://{s3_server.bucket}/cli-quick"
-    out = cli(
-        "render",
-        str(manifest),
-        "--models",
-        str(models),
-        "--out",
-        uri,
-        "--workers",
-        "1",
-        "--no-progress",
-        "--sampler",
-        "euler",
-        *SMALL,
-        env=env,
-    )
-    assert f"2 images in {uri}" in out
-    client = s3_server.client()
-    summary = json.loads(client.get_object(Bucket=s3_server.bucket, Key="cli-quick/summary.json")["Body"].read())
-    assert (summary["images_total"], summary["failed_items"]) == (2, 0)
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket, Prefix="cli-quick/images/")["Contents"]]
-    assert len(keys) == 2
-
-
-@pytest.mark.slow
-def test_demo(local_ray_job, tmp_path):
-    out = run("demo", "--out", str(tmp_path / "demo"), "--no-progress")
-    assert "0 failed" in out and "gallery.html" in out
-    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
-    assert summary["images_total"] == 8 and summary["failed_items"] == 0
-    assert (tmp_path / "demo" / "gallery.html").is_file()
-
-
-@pytest.mark.slow
 def test_eval(local_ray_job, models, tmp_path):
     spec = yaml.safe_load((EXAMPLES / "example_eval_spec.yaml").read_text())
     spec.update(
@@ -318,96 +252,20 @@ def test_timing(local_ray_job, models, tmp_path):
     assert all(row["label"] in out for row in rows)  # the Markdown table printed
 
 
-@pytest.mark.slow
-def test_serve_answers_the_readme_curl_example(models, tmp_path):
-    port = free_port()
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        SNAPREF_API_TOKEN="secret",
+def test_serve_flags_build_the_served_model_spec(models, tmp_path, monkeypatch):
+    """`serve --models DIR --lora FILE:0.7 --dtype ...` builds the server's ModelSpec with the job's field names
+    (model_spec.py), paths resolved against the working directory. The server itself, run as the README shows
+    it, is tests/test_readme.py's; a served LoRA's pixels, tests/test_cross_path.py's."""
+    from snapref_ray.serve.cli import config_from_args
+
+    monkeypatch.chdir(models.parent)
+    parser = snapref_cli.build_parser()
+    args = parser.parse_args(
+        ["serve", "--models", "tiny", "--lora", "tiny/style-lora.safetensors:0.7", "--dtype", "float32"]
     )
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "snapref_ray.cli",
-            "serve",
-            "--models",
-            str(models),
-            "--lora",
-            f"{models / 'style-lora.safetensors'}:0.7",
-            "--port",
-            str(port),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=tmp_path,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while "serving on" not in (tmp_path / "serve.log").read_text():
-            assert proc.poll() is None, f"serve exited early:\n{(tmp_path / 'serve.log').read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "serve did not come up in 300 s"
-            time.sleep(1)
-        curl = ["curl", "-sS", "--fail-with-body", "--max-time", "300", "-H", "Authorization: Bearer secret"]
-        uploaded = json.loads(
-            subprocess.run(
-                [
-                    *curl,
-                    "-F",
-                    f"file=@{models / 'reference.png'}",
-                    "-F",
-                    "ref_caption=1girl, blue dress",
-                    f"{base}/v1/references",
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        )
-        assert (uploaded["width"], uploaded["height"]) == (128, 192)
-        body = {
-            "reference_id": uploaded["reference_id"],
-            "prompt": "1girl, in a cafe",
-            "width": 256,
-            "height": 256,
-            "steps": 4,
-            "seed": 7,
-        }
-        subprocess.run(
-            [
-                *curl,
-                "-H",
-                "Content-Type: application/json",
-                "-o",
-                str(tmp_path / "scene.png"),
-                "-d",
-                json.dumps(body),
-                f"{base}/v1/render",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        assert Image.open(tmp_path / "scene.png").size == (256, 256)
-        # --lora reached the replicas: the model they loaded names it
-        served = json.loads(
-            subprocess.run([*curl, f"{base}/v1/models"], capture_output=True, text=True, check=True).stdout
-        )
-        assert served["loras"] == [{"file": "style-lora.safetensors", "strength": 0.7}], served
-        # Without the token: 401, as the README says.
-        denied = subprocess.run(
-            ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"{base}/v1/models"], capture_output=True, text=True
-        )
-        assert denied.stdout == "401"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    config = config_from_args(args)
+    assert config.model.models_dir == str(models)
+    assert [(lora.path, lora.strength) for lora in config.model.loras] == [
+        (str(models / "style-lora.safetensors"), 0.7)
+    ]
+    assert config.model.dtype == "float32"

@@ -59,8 +59,8 @@ def env_for_commands(**extra: str) -> dict[str, str]:
 
 
 def run_bash(code: str, cwd: Path, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """`code` as a bash script in `cwd`, in its own process group: on a timeout or a failure the whole group
-    (a server it started in the background too) gets SIGTERM, then SIGKILL."""
+    """`code` as a bash script in `cwd`, in its own process group; when it ends, what is left of the group (a
+    server it started in the background, processes a local Ray left behind) gets SIGTERM, then SIGKILL."""
     proc = subprocess.Popen(
         ["bash", "-c", code],
         cwd=cwd,
@@ -80,7 +80,7 @@ def run_bash(code: str, cwd: Path, env: dict[str, str], timeout: float = 600) ->
     return subprocess.CompletedProcess(["bash", "-c", code], proc.returncode, out)
 
 
-def _stop_group(pgid: int, grace_s: float = 60.0) -> None:
+def _stop_group(pgid: int, grace_s: float = 10.0) -> None:
     import time
 
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
@@ -89,12 +89,25 @@ def _stop_group(pgid: int, grace_s: float = 60.0) -> None:
         except ProcessLookupError:
             return
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
+        while time.monotonic() < deadline and _live_members(pgid):
             time.sleep(0.2)
+        if not _live_members(pgid):
+            return
+
+
+def _live_members(pgid: int) -> list[int]:
+    """The group's processes that still run. A zombie has exited: it waits for a parent to reap it, and in a
+    container whose PID 1 reaps nothing (the one a local Ray's processes are left to) that never comes."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid pgrp ...: split after the command, which may hold spaces.
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            members.append(int(stat.parent.name))
+    return members
 
 
 def ok(result: subprocess.CompletedProcess, what: str) -> str:
@@ -376,7 +389,6 @@ def test_endpoint_block_as_written_on_a_free_port(workdir):
     ok(result, "the README's endpoint block")
     scene = workdir / "scene.png"
     assert Image.open(scene).format == "PNG" and Image.open(scene).size == (256, 256)
-    assert "serving on http://127.0.0.1:" + port in result.stdout
     assert "stopping: replicas finish what they hold" in result.stdout  # `kill %1 && wait` stopped it cleanly
 
 
