@@ -2,7 +2,8 @@
 
 - `RayHead`: a head node alone. The test session's local Ray is one (tests/ray_session.py): each test
   module connects its own driver to it, a job of its own with its own runtime environment.
-- `FakeCluster`: a head plus Ray's autoscaler with its fake_multinode provider. Every node the
+- `FakeCluster`: a head plus Ray's autoscaler with its fake_multinode provider (as
+  tests/fake_node_provider.py extends it: node types offer `memory`, as a cloud's do). Every node the
   autoscaler launches is a real raylet with its own object store and resources (`GPU: 1` on a
   machine without GPUs), joined to the head. Objects fetched by an actor on another node travel
   between object stores; a node dies when its raylet is killed.
