@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -81,8 +82,6 @@ def run_bash(code: str, cwd: Path, env: dict[str, str], timeout: float = 600) ->
 
 
 def _stop_group(pgid: int, grace_s: float = 10.0) -> None:
-    import time
-
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, sig)
