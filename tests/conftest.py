@@ -34,11 +34,19 @@ environment once per session and give the module its own job on it:
   test kills one is marked `pytest.mark.ray_order(1)` and runs after the others. Leave nothing
   running on the cluster (Serve shut down) at the module's end.
 
-A driver is connected to one Ray at a time, so only one environment runs at a time:
-`pytest_collection_modifyitems` below runs the modules that need none first, then those of each
-environment together (local Ray, local Serve, fake cluster), each module's tests in file order.
-A test that starts its own Ray (a subprocess, a benchmark's own `ray.init`) needs no fixture and
-runs before any environment starts. The environments started are printed at the end of the run.
+Two lanes, side by side (pytest-xdist, `-n 2 --dist loadgroup` in pyproject.toml)
+---------------------------------------------------------------------------------
+A driver is connected to one Ray at a time, so a process runs one environment at a time.
+`pytest_collection_modifyitems` below puts each environment's modules together (local Ray, local
+Serve, fake cluster; each module's tests in file order) and marks them with the environment's
+lane (`XDIST_LANES` in tests/ray_session.py): the local Ray and the local Serve are one lane, the
+fake cluster the other. pytest-xdist gives each lane, whole, to one of its two workers, so each
+environment starts once, in its lane's worker, while the other lane runs in the other; the modules
+that need no environment fill the workers once their lanes are done. A test that starts its own
+Ray (a subprocess, a benchmark's own `ray.init`) needs no fixture; the worker stops its lane's
+environment before it (`pytest_runtest_setup`). `-n 0` runs everything in one process, in the same
+order: the modules that need no environment first, then each environment's. The environments
+started are printed at the end of the run, summed over the workers.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_session import ENVIRONMENTS, FAKE_CLUSTER, LOCAL_RAY, LOCAL_SERVE, RaySession
+from tests.ray_session import ENVIRONMENTS, FAKE_CLUSTER, LOCAL_RAY, LOCAL_SERVE, XDIST_LANES, RaySession
 
 pytest_plugins = ["tests.s3_server"]
 
@@ -203,23 +211,61 @@ def _environment_rank(item: pytest.Item) -> tuple[int, int]:
     return 0, 0
 
 
-@pytest.hookimpl(trylast=True)
+# Each test module's (environment, `ray_order`): the highest of its tests' (a module runs whole).
+_MODULE_RANK: dict[Path, tuple[int, int]] = {}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the lane marks (it appends "@lane" to node ids)
 def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     """Modules that need no Ray environment first, then each environment's modules together, so
     that each environment starts once (within one, by `ray_order` mark, then file order); a
-    module's tests keep their order."""
-    module_rank: dict[Path, tuple[int, int]] = {}
+    module's tests keep their order. Each environment's modules are also marked with its lane
+    (`xdist_group`): pytest-xdist hands a lane's tests to one worker, whole and in this order."""
+    module_rank = _MODULE_RANK
     first_seen: dict[Path, int] = {}
     for index, item in enumerate(items):
         module_rank[item.path] = max(module_rank.get(item.path, (0, 0)), _environment_rank(item))
         first_seen.setdefault(item.path, index)
     items.sort(key=lambda item: (module_rank[item.path], first_seen[item.path]))
+    for item in items:
+        environment = module_rank[item.path][0]
+        if environment:
+            item.add_marker(pytest.mark.xdist_group(XDIST_LANES[ENVIRONMENTS[environment - 1]]))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A module that needs no environment may start a Ray of its own (a benchmark's `ray.init`):
+    under pytest-xdist it can follow a lane in the same worker, whose environment stops first.
+    (By module: a test of an environment's module may use that module's fixtures without naming one.)"""
+    if _SESSION is not None and _MODULE_RANK.get(item.path, (0, 0))[0] == 0:
+        _SESSION.close()
+
+
+def _environment_counts() -> dict[str, int]:
+    counts = {f"{name} starts": n for name, n in _SESSION.starts.items()}
+    return {**counts, "serve applications": _SESSION.serve_deployments}
+
+
+def pytest_sessionfinish(session) -> None:
+    """A pytest-xdist worker sends its environments' counts to the controller with its results."""
+    if _SESSION is not None and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["ray_environments"] = _environment_counts()
+
+
+_WORKER_COUNTS: list[dict[str, int]] = []
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, called in the controller as each worker ends
+def pytest_testnodedown(node, error) -> None:
+    counts = getattr(node, "workeroutput", {}).get("ray_environments")
+    if counts:
+        _WORKER_COUNTS.append(counts)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if _SESSION is not None:
-        started = ", ".join(f"{name} {count}" for name, count in _SESSION.starts.items())
-        terminalreporter.write_line(
-            f"Ray environments started: {started}; applications deployed on the local Serve: "
-            f"{_SESSION.serve_deployments}"
-        )
+    """How often each environment started (once per lane is the aim) and how many applications
+    the local Serve deployed, summed over the workers."""
+    counts = list(_WORKER_COUNTS) + ([_environment_counts()] if _SESSION is not None else [])
+    if counts:
+        total = {key: sum(c.get(key, 0) for c in counts) for key in counts[0]}
+        terminalreporter.write_line("Ray environments: " + ", ".join(f"{k} {v}" for k, v in total.items()))

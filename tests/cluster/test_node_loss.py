@@ -142,18 +142,18 @@ def _run(spec, cluster: FakeCluster, choose) -> tuple[dict, NodeKiller]:
     return summary, killer
 
 
-def _every_item_once(spec, summary: dict) -> list[dict]:
-    """24/24 committed exactly once, every image decodes, nothing in errors/, and no attempt was counted."""
+def _every_item_once(spec, summary: dict, items: int = 24) -> list[dict]:
+    """`items`/`items` committed exactly once, every image decodes, nothing in errors/, and no attempt was counted."""
     storage = open_storage(spec.output.uri)
     ids = read_item_ids(storage)
     assert len(ids) == len(set(ids)), f"duplicated items: {[i for i, n in Counter(ids).items() if n > 1]}"
-    assert set(ids) == expected_item_ids(spec) and len(ids) == 24
+    assert set(ids) == expected_item_ids(spec) and len(ids) == items
     rows = read_metadata_table(storage).to_pylist()
     for row in rows:
         Image.open(io.BytesIO(storage.get_bytes(row["image_key"]))).load()
     assert read_errors_table(storage).num_rows == 0
     # What generate_dataset's main() turns into exit status 0.
-    assert (summary["images_this_run"], summary["failed_items"]) == (24, 0)
+    assert (summary["images_this_run"], summary["failed_items"]) == (items, 0)
     assert summary["attempts"]["charged"] == 0 and {r["attempt"] for r in rows} == {1}
     return rows
 
@@ -182,11 +182,13 @@ def test_three_workers_at_the_default_size_fit_one_machine_without_a_memory_kill
     """Three workers on the fake cluster's nodes (one 24 GB machine in all), the default 1024x1024 and
     max_batch 4. Their batches' VAE decodes once took ~2.3 GB per image and Ray's memory monitor killed them;
     now every item lands once, no worker is killed, and each worker reports the batch its measured fit chose.
+    All three start at once (min_workers 3) and get a reference with a full batch of prompts each: the
+    three batches render side by side, which is the memory this is about.
     First in the module: a node a later test kills lingers in the autoscaler's books for about a minute,
     counting against the three."""
-    spec = _spec(tmp_path, references, tiny_models, cluster, size=1024, max_batch=4)
+    spec = _spec(tmp_path, references, tiny_models, cluster, prompts=(4, 4, 4), size=1024, max_batch=4, min_workers=3)
     summary = run_job(spec, progress=False, write_gallery=False)
-    rows = _every_item_once(spec, summary)
+    rows = _every_item_once(spec, summary, items=12)
     assert summary["requeues"]["oom_killed"] == 0 and summary["peak_workers"] == 3, summary["requeues"]
     assert summary["memory_per_worker"]["bytes"] > 0  # each asked Ray for memory
     fits = [f for f in summary["memory_fit"] if (f["width"], f["height"]) == (1024, 1024)]
