@@ -221,14 +221,13 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     that each environment starts once (within one, by `ray_order` mark, then file order); a
     module's tests keep their order. Each environment's modules are also marked with its lane
     (`xdist_group`): pytest-xdist hands a lane's tests to one worker, whole and in this order."""
-    module_rank = _MODULE_RANK
     first_seen: dict[Path, int] = {}
     for index, item in enumerate(items):
-        module_rank[item.path] = max(module_rank.get(item.path, (0, 0)), _environment_rank(item))
+        _MODULE_RANK[item.path] = max(_MODULE_RANK.get(item.path, (0, 0)), _environment_rank(item))
         first_seen.setdefault(item.path, index)
-    items.sort(key=lambda item: (module_rank[item.path], first_seen[item.path]))
+    items.sort(key=lambda item: (_MODULE_RANK[item.path], first_seen[item.path]))
     for item in items:
-        environment = module_rank[item.path][0]
+        environment = _MODULE_RANK[item.path][0]
         if environment:
             item.add_marker(pytest.mark.xdist_group(XDIST_LANES[ENVIRONMENTS[environment - 1]]))
 
