@@ -62,6 +62,12 @@ from tests.ray_session import ENVIRONMENTS, FAKE_CLUSTER, LOCAL_RAY, LOCAL_SERVE
 
 pytest_plugins = ["tests.s3_server"]
 
+# Inductor compiles in a pool of worker processes by default, one per core, each importing torch
+# anew; for the tiny graphs of these tests on 2 cores the pool costs more than it saves
+# (tests/models/test_compiled.py, cold cache: 66 s against 52 s with one thread). Set before any
+# Ray starts, so the Ray workers and subprocesses of the session inherit it too.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 REF_KEYS_DIR = DATA_DIR / "ref-keys"
 NO_SKIP_VAR = "SNAPREF_NO_SKIP"
