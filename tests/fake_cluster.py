@@ -210,10 +210,9 @@ class RayHead:
         # command lines, which is how stop() finds them.
         proc = subprocess.run(cmd, env=self._start_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
         if proc.returncode != 0:
+            output = (self.temp_dir / "ray-start.log").read_text(errors="replace")[-3000:]  # stop() removes it
             self.stop()
-            raise RuntimeError(
-                f"ray start failed ({proc.returncode}): {(self.temp_dir / 'ray-start.log').read_text()[-3000:]}"
-            )
+            raise RuntimeError(f"ray start failed ({proc.returncode}): {output}")
         self._remember_children()
         return self
 
