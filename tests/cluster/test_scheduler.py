@@ -64,6 +64,41 @@ class FakeWorker:
         poison_fails_the_batch: bool = False,
         slow_reference: tuple[str, float] | None = None,
     ) -> None:
+        self.lock = threading.Lock()
+        self.active = 0
+        self._configure(
+            name,
+            render_s,
+            encode_s,
+            refkv_bytes,
+            die_on_first_render,
+            die_on_every_render,
+            ray_oom_above,
+            lose_first_refkv,
+            poison_fails_the_batch,
+            slow_reference,
+        )
+
+    def reset(self, name: str, **kwargs) -> None:
+        """A fresh fake for the next test, in this process: what the constructor does with these arguments."""
+        deadline = time.monotonic() + 30
+        while self.active and time.monotonic() < deadline:  # a call of the last test still sleeping
+            time.sleep(0.01)
+        self.__init__(name, **kwargs)
+
+    def _configure(
+        self,
+        name,
+        render_s,
+        encode_s,
+        refkv_bytes,
+        die_on_first_render,
+        die_on_every_render,
+        ray_oom_above,
+        lose_first_refkv,
+        poison_fails_the_batch,
+        slow_reference,
+    ) -> None:
         self.name, self.render_s, self.encode_s, self.refkv_bytes = name, render_s, encode_s, refkv_bytes
         self.die_marker = die_on_first_render  # a file path: die once, on the first render, then never again
         self.die_always = die_on_every_render  # a cluster that keeps losing this worker
@@ -73,8 +108,6 @@ class FakeWorker:
         self.slow_reference = slow_reference  # (reference hash, seconds): renders of it take this long
         self.cache = RefKVCache(1 << 40)
         self.log: list[tuple] = []
-        self.lock = threading.Lock()
-        self.active = 0
         self.peak_active = 0
 
     def info(self) -> WorkerInfo:
@@ -193,22 +226,49 @@ class FakeWorker:
         return list(self.log), self.peak_active
 
 
+FAKE_OPTIONS = {"max_concurrency": 4, "max_restarts": -1, "max_task_retries": 0}
+# A fake made with these dies on purpose; Ray restarts it with its constructor's arguments, so it is never reused.
+DYING = {"die_on_first_render", "die_on_every_render"}
+
+
+@pytest.fixture(scope="module")
+def idle_fakes():
+    """Fake workers a test left alive, reset and reused by the next: each new one is a Ray worker
+    process that imports torch (~2.5 CPU-seconds), and the scheduler sees only the handles."""
+    idle: list = []
+    yield idle
+    for h in idle:
+        ray.kill(h, no_restart=True)
+
+
 @pytest.fixture
-def make_workers():
-    """Start fake workers (killed after the test): make_workers(n, **kwargs) -> (handles, infos)."""
-    started = []
+def make_workers(idle_fakes):
+    """Fake workers for one test, new or reset: make_workers(n, **kwargs) -> (handles, infos)."""
+    lent, started = [], []
 
     def make(n: int, *, options: dict | None = None, per_worker: list[dict] | None = None, **kwargs):
-        opts = {"max_concurrency": 4, "max_restarts": -1, "max_task_retries": 0, **(options or {})}
-        handles = [
-            FakeWorker.options(**opts).remote(f"w{i}", **kwargs, **((per_worker or [{}] * n)[i])) for i in range(n)
-        ]
-        started.extend(handles)
+        opts = {**FAKE_OPTIONS, **(options or {})}
+        handles, resets = [], []
+        for i in range(n):
+            args = {**kwargs, **(per_worker or [{}] * n)[i]}
+            if opts == FAKE_OPTIONS and not args.keys() & DYING:
+                if idle_fakes:
+                    handle = idle_fakes.pop()
+                    resets.append(handle.reset.remote(f"w{i}", **args))
+                else:
+                    handle = FakeWorker.options(**opts).remote(f"w{i}", **args)
+                lent.append(handle)
+            else:
+                handle = FakeWorker.options(**opts).remote(f"w{i}", **args)
+                started.append(handle)
+            handles.append(handle)
+        ray.get(resets, timeout=60)
         return handles, ray.get([h.info.remote() for h in handles], timeout=60)
 
     yield make
     for h in started:
         ray.kill(h, no_restart=True)
+    idle_fakes.extend(lent)
 
 
 def items(reference: str, n: int, *, settings: RenderSettings = SETTINGS, prompt: str = "scene") -> list[WorkItem]:
