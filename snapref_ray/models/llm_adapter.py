@@ -126,7 +126,13 @@ class LLMAdapter(nn.Module):
     def __init__(self, config: LLMAdapterConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.model_dim)
+        rows, width = config.vocab_size, config.model_dim
+        if torch.get_default_device().type == "meta":
+            # How the loaders build it: no initialisation to run. nn.Embedding's normal_ on the meta
+            # device goes through torch's Python reference, which imports torch._dynamo (~1 CPU-s).
+            self.embed = nn.Embedding(rows, width, _weight=torch.empty(rows, width))
+        else:
+            self.embed = nn.Embedding(rows, width)
         self.blocks = nn.ModuleList(AdapterBlock(config) for _ in range(config.num_blocks))
         self.out_proj = Linear(config.model_dim, config.model_dim, bias=True)
         self.norm = RMSNorm(config.model_dim)
