@@ -35,7 +35,7 @@ class TinyConfig:
     num_blocks: int = 2
     head_dim: int = 32
     text_dim: int = 64  # Qwen3 hidden = LLM adapter width = DiT context width (in_proj is identity)
-    vae_base_dim: int = 8
+    vae_base_dim: int = 4
     ref_rank: int = 8
     target_rank: int = 4
     seed: int = 0

@@ -36,6 +36,7 @@ from snapref_ray.models.vae_tiles import (
     tile_spans,
     tile_weights,
 )
+from snapref_ray.tiny import TinyConfig
 
 TINY = VAEConfig(base_dim=8)
 GiB = 2**30
@@ -48,7 +49,8 @@ TILED_MAX_ABS_255 = 0.01
 
 @pytest.fixture(scope="module")
 def vae():
-    return make_tiny_vae(seed=0)
+    """The tiny model set's VAE (`tiny_renderer`'s weights: the same width and seed)."""
+    return make_tiny_vae(base_dim=TinyConfig().vae_base_dim, seed=TinyConfig().seed)
 
 
 def model_latent_of(batch: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
