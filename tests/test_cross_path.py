@@ -41,30 +41,12 @@ LORA_STRENGTH = 0.8
 
 
 @pytest.fixture(scope="module")
-def server():
-    """A local Ray with Serve on a free port (each case deploys its own app on it): (config, base URL)."""
-    import ray
-    from ray import serve
-
-    from snapref_ray.pipelines.serve_app import stop_local
+def server(local_serve):
+    """The session's local Serve (tests/conftest.py), which each case deploys its own app on; the job and the
+    Ray Data pipeline run on its Ray too. (config, the LocalServe)."""
     from snapref_ray.serve.config import ServeConfig
-    from snapref_ray.serve.direct_ingress import free_port
 
-    config = ServeConfig(model="unused", port=free_port(), cpus_per_replica=1.0, max_replicas=1)
-    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": config.host, "port": config.port})
-        yield config, f"http://{config.host}:{config.port}"
-    finally:
-        stop_local(drain=False)
-
-
-def _deploy(config, model: ModelSpec) -> None:
-    from ray import serve
-
-    from snapref_ray.pipelines.serve_app import APP_NAME, build_app
-
-    serve.run(build_app(config.model_copy(update={"model": model})), name=APP_NAME, route_prefix="/")
+    return ServeConfig(model="unused", port=local_serve.port, cpus_per_replica=1.0, max_replicas=1), local_serve
 
 
 def _pixels(png: bytes) -> np.ndarray:
@@ -171,11 +153,11 @@ def _ray_data(model: ModelSpec, reference: Path) -> dict:
 
 
 def _endpoint(server, model: ModelSpec, reference: Path) -> dict:
-    config, url = server
-    _deploy(config, model)
-    client = SnapRefClient(url, timeout=300, retries=0)
-    reference_id = client.upload_reference(reference.read_bytes())
-    return client.render(PROMPT, reference_id=reference_id, seed=SEED, response_format="json", **SETTINGS)
+    config, local_serve = server
+    with local_serve.deployed(config.model_copy(update={"model": model})) as url:
+        client = SnapRefClient(url, timeout=300, retries=0)
+        reference_id = client.upload_reference(reference.read_bytes())
+        return client.render(PROMPT, reference_id=reference_id, seed=SEED, response_format="json", **SETTINGS)
 
 
 def test_txt2img_job_ray_data_and_the_endpoint_agree(case, server):
