@@ -64,41 +64,6 @@ class FakeWorker:
         poison_fails_the_batch: bool = False,
         slow_reference: tuple[str, float] | None = None,
     ) -> None:
-        self.lock = threading.Lock()
-        self.active = 0
-        self._configure(
-            name,
-            render_s,
-            encode_s,
-            refkv_bytes,
-            die_on_first_render,
-            die_on_every_render,
-            ray_oom_above,
-            lose_first_refkv,
-            poison_fails_the_batch,
-            slow_reference,
-        )
-
-    def reset(self, name: str, **kwargs) -> None:
-        """A fresh fake for the next test, in this process: what the constructor does with these arguments."""
-        deadline = time.monotonic() + 30
-        while self.active and time.monotonic() < deadline:  # a call of the last test still sleeping
-            time.sleep(0.01)
-        self.__init__(name, **kwargs)
-
-    def _configure(
-        self,
-        name,
-        render_s,
-        encode_s,
-        refkv_bytes,
-        die_on_first_render,
-        die_on_every_render,
-        ray_oom_above,
-        lose_first_refkv,
-        poison_fails_the_batch,
-        slow_reference,
-    ) -> None:
         self.name, self.render_s, self.encode_s, self.refkv_bytes = name, render_s, encode_s, refkv_bytes
         self.die_marker = die_on_first_render  # a file path: die once, on the first render, then never again
         self.die_always = die_on_every_render  # a cluster that keeps losing this worker
@@ -108,7 +73,17 @@ class FakeWorker:
         self.slow_reference = slow_reference  # (reference hash, seconds): renders of it take this long
         self.cache = RefKVCache(1 << 40)
         self.log: list[tuple] = []
+        self.lock = threading.Lock()
+        self.active = 0
         self.peak_active = 0
+
+    def reset(self, name: str, **kwargs) -> None:
+        """A fresh fake for the next test, in this process: what the constructor does with these arguments
+        (once no call of the last test is still sleeping, so none of its bookkeeping lands on the new state)."""
+        deadline = time.monotonic() + 30
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.__init__(name, **kwargs)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.name, ray.get_runtime_context().get_node_id(), "fake", os.getpid(), 0.0)
@@ -251,16 +226,13 @@ def make_workers(idle_fakes):
         handles, resets = [], []
         for i in range(n):
             args = {**kwargs, **(per_worker or [{}] * n)[i]}
-            if opts == FAKE_OPTIONS and not args.keys() & DYING:
-                if idle_fakes:
-                    handle = idle_fakes.pop()
-                    resets.append(handle.reset.remote(f"w{i}", **args))
-                else:
-                    handle = FakeWorker.options(**opts).remote(f"w{i}", **args)
-                lent.append(handle)
+            reusable = opts == FAKE_OPTIONS and not args.keys() & DYING
+            if reusable and idle_fakes:
+                handle = idle_fakes.pop()
+                resets.append(handle.reset.remote(f"w{i}", **args))
             else:
                 handle = FakeWorker.options(**opts).remote(f"w{i}", **args)
-                started.append(handle)
+            (lent if reusable else started).append(handle)
             handles.append(handle)
         ray.get(resets, timeout=60)
         return handles, ray.get([h.info.remote() for h in handles], timeout=60)
