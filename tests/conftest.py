@@ -53,6 +53,9 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,6 +70,29 @@ pytest_plugins = ["tests.s3_server"]
 # (tests/models/test_compiled.py, cold cache: 66 s against 52 s with one thread). Set before any
 # Ray starts, so the Ray workers and subprocesses of the session inherit it too.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+RAY_TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
+
+
+def pytest_configure(config) -> None:
+    """The session's Ray authentication token, in a file of its own named by RAY_AUTH_TOKEN_PATH.
+
+    Ray 2.60's `ray start --head` turns token authentication on but does not create a token: on a
+    machine without `~/.ray/auth_token` every test head failed to start ("Token authentication is
+    enabled but no authentication token was found"), until some `ray.init` happened to write one.
+    Made here, in the controller (or the only process, with `-n 0`) before any Ray starts or any
+    pytest-xdist worker is spawned: the workers, every Ray process and every driver subprocess
+    inherit the variable, so all of them use this one token. A token the caller already set is used.
+    """
+    if hasattr(config, "workerinput") or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get(RAY_TOKEN_PATH_VAR):
+        return
+    folder = Path(tempfile.mkdtemp(prefix="snapref-test-ray-token-"))
+    token_file = folder / "auth_token"
+    token_file.write_text(secrets.token_hex(32))  # what Ray itself generates: 256 random bits as hex
+    token_file.chmod(0o600)
+    os.environ[RAY_TOKEN_PATH_VAR] = str(token_file)
+    config.add_cleanup(lambda: (os.environ.pop(RAY_TOKEN_PATH_VAR, None), shutil.rmtree(folder, ignore_errors=True)))
+
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 REF_KEYS_DIR = DATA_DIR / "ref-keys"

@@ -257,6 +257,11 @@ class RayHead:
                     out[arg.split("=", 1)[1]] = pid
         return out
 
+    def log_monitor_pids(self) -> list[int]:
+        """The live log monitors of this cluster: the head's alone, however many nodes run (one host, one
+        logs folder; tests/fake_node_provider.py)."""
+        return sorted(pid for pid in self.pids() if "log_monitor.py" in _cmdline(pid))
+
     def _own_pids(self) -> list[int]:
         """Processes naming our temp dir, or our GCS address (the head's Ray Client server names
         only the address, and is re-parented to PID 1 when `ray start` exits)."""
@@ -493,6 +498,14 @@ def main(argv: list[str] | None = None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        # `ray start --head` (Ray 2.60) turns token auth on but makes no token: make the default one,
+        # ~/.ray/auth_token, where drivers in other shells find it too (kept if it exists).
+        subprocess.run(
+            [sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
+            stdout=subprocess.DEVNULL,
+            check=True,
+        )
     with fake_cluster(max_gpu_nodes=args.max_gpu_nodes, dashboard=not args.no_dashboard) as cluster:
         print(f"RAY_ADDRESS={cluster.address}  (for ray.init and snapref-ray render)")
         if not args.no_dashboard:
