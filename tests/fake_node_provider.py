@@ -7,8 +7,14 @@ a node type that leaves `memory` out is one that no memory request fits, and the
 it. Its own code cannot take `memory` in a node type either (it passes every resource other than CPU, GPU
 and object_store_memory to RayParams as a custom resource, which RayParams refuses for `memory`).
 
-`FakeNodesWithMemory` is that provider with one difference: a node type's `memory` becomes the launched
-raylet's `memory` (RayParams(memory=...)), so what the autoscaler plans with is what the node offers.
+`FakeNodesWithMemory` is that provider with two differences:
+- a node type's `memory` becomes the launched raylet's `memory` (RayParams(memory=...)), so what the
+  autoscaler plans with is what the node offers;
+- a launched node starts no log monitor of its own. Every fake node writes its logs into the head's
+  session folder (one machine), which the head's log monitor already follows; Ray's own advice is one
+  log monitor per host. Each extra one polled that same folder ten times a second (3-4 % of a core
+  apiece, more as worker log files pile up) and sent every worker line to the drivers once per node.
+
 tests/fake_cluster.py names it in the autoscaler config as an `external` provider.
 """
 
@@ -27,16 +33,16 @@ _params_lock = threading.Lock()
 class FakeNodesWithMemory(FakeMultiNodeProvider):
     def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels) -> None:
         memory = resources.get("memory")
-        if memory is None:
-            return super()._create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
         original = ray_parameter.RayParams
 
-        def params_with_memory(**kwargs: Any) -> ray_parameter.RayParams:
+        def launched_node_params(**kwargs: Any) -> ray_parameter.RayParams:
             custom = {k: v for k, v in (kwargs.pop("resources") or {}).items() if k != "memory"}
-            return original(memory=int(memory), resources=custom, **kwargs)
+            if memory is not None:
+                kwargs["memory"] = int(memory)
+            return original(resources=custom, include_log_monitor=False, **kwargs)
 
         with _params_lock:
-            ray_parameter.RayParams = params_with_memory
+            ray_parameter.RayParams = launched_node_params
             try:
                 super()._create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
             finally:

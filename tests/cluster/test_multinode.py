@@ -102,6 +102,7 @@ def test_job_on_a_cold_cluster_gets_gpu_nodes_and_later_workers_join(cluster, ti
     assert len(nodes) >= 2, f"all images from one node: {nodes}"
     assert nodes <= set(cluster.gpu_node_ids()) | {n for _, n in joins}
     assert cluster.raylet_pids().keys() >= nodes  # real, separate raylets
+    assert len(cluster.log_monitor_pids()) == 1  # one per host: the GPU nodes share the head's logs folder
     # Rendering started with the first worker; workers that joined after it rendered too.
     late = {node for t, node in joins if t > first_commit[0]}
     assert late, f"every worker joined before the first image: {joins}, first image at {first_commit[0]}"
