@@ -4,11 +4,17 @@ fields count towards a job's fingerprint."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
 from snapref_ray.model_spec import LoRASpec, ModelSpec
 from snapref_ray.models.bundle import ModelFilesError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_lora_parse_reads_an_optional_trailing_strength(tmp_path):
@@ -82,3 +88,21 @@ def test_fingerprint_changes_with_what_changes_pixels_only():
     ]
     prints = [base.fingerprint(), *(d.fingerprint() for d in different)]
     assert len({repr(p) for p in prints}) == len(prints)
+
+
+def test_a_model_spec_and_the_serve_reference_store_load_without_torch():
+    """Describing a model, and Serve's ReferenceStore replica (which only keeps reference bytes), import no
+    torch: `snapref_ray.models` imports its network modules on first use, not with the package. A fresh
+    interpreter, since this one imported torch long ago."""
+    code = (
+        "import sys\n"
+        "from snapref_ray.model_spec import ModelSpec\n"
+        "from snapref_ray.serve.references import ReferenceStore\n"
+        "from snapref_ray.models import bundle\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+        "from snapref_ray.models import WanVAE, load_dit\n"  # the package's names still resolve, on first use
+        "assert 'torch' in sys.modules and WanVAE.__module__ == 'snapref_ray.models.vae'\n"
+        "import snapref_ray.models as m\n"
+        "assert sorted(m.__all__) == sorted(n for n in m.__all__ if getattr(m, n) is not None)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
