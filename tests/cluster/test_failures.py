@@ -56,6 +56,11 @@ def _driver_env() -> dict[str, str]:
     }
 
 
+def _default_sigint() -> None:
+    """In a driver subprocess before it execs: SIGINT back to its default action, whatever this process has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _assert_exactly_once(storage_uri: str, expected: set[str], s3=None) -> pd.DataFrame:
     """Every expected item is committed once, and every committed image exists and decodes."""
     storage = open_storage(storage_uri, s3)
@@ -127,6 +132,10 @@ def test_interrupted_driver_resumes_and_renders_only_what_was_missing(tmp_path, 
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
+        # Ctrl-C as a terminal delivers it: a suite started in the background of a non-interactive shell
+        # (`pytest &`, nohup) inherits SIGINT ignored, and a Python started with SIGINT ignored installs no
+        # KeyboardInterrupt handler, so the driver rendered on through the interrupt.
+        preexec_fn=_default_sigint,
     )
     try:
         deadline = time.monotonic() + 180
