@@ -77,9 +77,10 @@ RAY_TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
 def pytest_configure(config) -> None:
     """The session's Ray authentication token, in a file of its own named by RAY_AUTH_TOKEN_PATH.
 
-    Ray 2.60's `ray start --head` turns token authentication on but does not create a token: on a
-    machine without `~/.ray/auth_token` every test head failed to start ("Token authentication is
-    enabled but no authentication token was found"), until some `ray.init` happened to write one.
+    Ray 2.60's `ray start --head` creates no token, and the test heads start it with
+    RAY_AUTH_MODE=token: on a machine without `~/.ray/auth_token` every test head failed to start
+    ("Token authentication is enabled but no authentication token was found"), until some `ray.init`
+    happened to write one.
     Made here, in the controller (or the only process, with `-n 0`) before any Ray starts or any
     pytest-xdist worker is spawned: the workers, every Ray process and every driver subprocess
     inherit the variable, so all of them use this one token. A token the caller already set is used.

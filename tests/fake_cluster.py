@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
-        # `ray start --head` (Ray 2.60) turns token auth on but makes no token: make the default one,
+        # `ray start --head` (Ray 2.60) makes no token, and RayHead asks it for token auth: make the default one,
         # ~/.ray/auth_token, where drivers in other shells find it too (kept if it exists).
         subprocess.run(
             [sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
