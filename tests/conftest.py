@@ -75,6 +75,31 @@ RAY_TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
 
 
 def pytest_configure(config) -> None:
+    _one_share_of_the_cores_per_worker(config)
+    _session_ray_token(config)
+
+
+def _one_share_of_the_cores_per_worker(config) -> None:
+    """Each pytest-xdist worker's torch gets its share of the cores (`OMP_NUM_THREADS`), not all of them.
+
+    torch's OpenMP threads spin after every parallel region waiting for more work, which only pays when
+    they have the cores to themselves. With two workers on 2 cores, each with 2 threads, beside the Ray
+    actors of the other lane, the spinning ate the other processes' time: tests/models/test_dit.py,
+    test_fp8.py and test_vae.py took 34 CPU-s alone, 53 CPU-s beside two busy processes, and 33 CPU-s on
+    one thread beside them (and less wall time: 60 s against 69 s).
+    Set in the controller before the workers are spawned, so they inherit it, and with them every Ray
+    head, actor and subprocess they start (Ray leaves a variable it finds set). A caller's value stays.
+    """
+    workers = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or not workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = os.cpu_count() or 1
+    per_worker = 1 if not isinstance(workers, int) else max(1, cores // workers)  # "auto": a worker per core
+    os.environ["OMP_NUM_THREADS"] = str(per_worker)
+    config.add_cleanup(lambda: os.environ.pop("OMP_NUM_THREADS", None))
+
+
+def _session_ray_token(config) -> None:
     """The session's Ray authentication token, in a file of its own named by RAY_AUTH_TOKEN_PATH.
 
     Ray 2.60's `ray start --head` creates no token, and the test heads start it with
