@@ -37,7 +37,7 @@ from snapref_ray.models.latent_format import process_in, process_out
 from snapref_ray.models.lora import merge_loras, read_lora
 from snapref_ray.models.qwen3 import load_text_encoder
 from snapref_ray.models.tokenizer import AnimaTokenizer
-from snapref_ray.models.vae import load_vae
+from snapref_ray.models.vae import load_vae, vae_compute_dtype
 from snapref_ray.models.vae_memory import decode_in_budget, encode_in_budget
 from snapref_ray.requests import RenderError, RenderRequest, RenderSettings
 from snapref_ray.sampling.noise import initial_noise, noise_scaling
@@ -113,7 +113,7 @@ class Renderer:
         self.prompts = PromptEncoder(
             AnimaTokenizer(files.qwen_tokenizer, files.t5_tokenizer), text_encoder, self.dit.llm_adapter
         )
-        self.vae = load_vae(files.vae, device=self.device, dtype=self.dtype)
+        self.vae = load_vae(files.vae, device=self.device, dtype=vae_compute_dtype(self.device, self.dtype))
         adapter_path = adapter if adapter is not None else files.adapter
         self.adapter: ReferenceAdapter | None = None
         if adapter_path is not None:
@@ -186,7 +186,7 @@ class Renderer:
         pixel_list = bound.reference_pixels(images, layout, ref_megapixels, sources, output_size)
         latents = []
         for pixels in pixel_list:
-            mu = encode_in_budget(self.vae, pixels.to(self.device, self.dtype))
+            mu = encode_in_budget(self.vae, pixels.to(self.device, self.vae.dtype))
             latents.append(process_in(mu.float()))
         # A kind whose reference stream takes no text has no caption to encode.
         context = self.prompts.encode(ref_caption, device=self.device).float() if bound.reads_caption else None
@@ -325,7 +325,7 @@ class Renderer:
             if init_image is None:
                 raise RenderError("settings.denoise < 1 needs an init image (img2img)")
             pixels = image_to_pixels(init_image.convert("RGB").resize((s.width, s.height), Image.LANCZOS))
-            latent = process_in(encode_in_budget(self.vae, pixels.to(self.device, self.dtype)).float()).unsqueeze(2)
+            latent = process_in(encode_in_budget(self.vae, pixels.to(self.device, self.vae.dtype)).float()).unsqueeze(2)
             x = noise_scaling(sigmas[0], noise, latent.expand_as(noise))
         else:
             x = noise
@@ -459,7 +459,7 @@ class Renderer:
         The VAE decodes the batch in one call, image by image or in tiles, whichever fits the free
         memory (models/vae_memory.py; `self.vae.memory_policy` overrides the choice).
         """
-        z = process_out(latent_B_C_T_H_W.float()).to(self.dtype)
+        z = process_out(latent_B_C_T_H_W.float()).to(self.vae.dtype)
         pixels_B3HW = decode_in_budget(self.vae, z[:, :, 0] if z.ndim == 5 else z)
         # Converted image by image: the float temporaries of the whole batch would add up to a
         # sizeable share of one image's decode peak.

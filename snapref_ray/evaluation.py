@@ -69,7 +69,7 @@ def encode_target(renderer, target_image: Image.Image) -> torch.Tensor:
             f"target image is {target_image.width}x{target_image.height}: both sides must be multiples"
             " of 16 (fit it with prepare_target)"
         )
-    pixels = image_to_pixels(target_image.convert("RGB")).to(renderer.device, renderer.dtype)
+    pixels = image_to_pixels(target_image.convert("RGB")).to(renderer.device, renderer.vae.dtype)
     return process_in(encode_in_budget(renderer.vae, pixels).float()).unsqueeze(2)
 
 

@@ -287,6 +287,24 @@ def test_fp16_model_keeps_the_reference_stream_finite(tmp_path, ref_bytes):
     assert not all(torch.isfinite(k).all() and torch.isfinite(v).all() for k, v in naive)
 
 
+def test_a_bf16_model_on_the_cpu_runs_its_vae_in_float32(tiny_models):
+    """On a CPU the VAE decodes in float32 whatever the model's dtype (bf16 convolutions have no fast CPU
+    kernel): a bf16 Renderer's images equal a float32 VAE's decode of the same latent, loaded apart."""
+    from snapref_ray.models.latent_format import process_out
+    from snapref_ray.models.vae import load_vae
+
+    r = Renderer.from_folder(tiny_models, device="cpu", dtype=torch.bfloat16)
+    assert r.dtype == torch.bfloat16 and r.dit.x_embedder.proj[1].weight.dtype == torch.bfloat16
+    assert r.vae.dtype == torch.float32
+    latent = torch.randn(1, 16, 1, 32, 32, generator=torch.Generator().manual_seed(5))
+    (image,) = r.decode(latent)
+    oracle_vae = load_vae(r.files.vae, device="cpu", dtype=torch.float32)
+    with torch.inference_mode():
+        x_B3HW = oracle_vae.decode(process_out(latent)[:, :, 0])
+    expected = ((x_B3HW[0].float() + 1) / 2).clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    assert np.abs(np.asarray(image, dtype=np.int16) - expected.astype(np.int16)).max() <= 1
+
+
 def _t5_vocab() -> int:
     from snapref_ray.models.tiny_text import TINY_T5_VOCAB
 

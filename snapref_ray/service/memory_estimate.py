@@ -5,7 +5,8 @@ grows past what the node has. A worker measures its real needs once it renders (
 ask before that, so it estimates from the files' headers (nothing is loaded):
 
 - runtime: torch, Ray's worker process and its buffers (measured here: ~0.5 GiB of RSS before any model);
-- the weights that live in host memory: all of them for a CPU worker (in the dtype it computes in), the
+- the weights that live in host memory: all of them for a CPU worker (in the dtype it computes in; the VAE's in
+  float32, the dtype it runs in on a CPU), the
   largest file for a GPU worker (safetensors streams each file through host memory while it is moved);
 - one image at the job's largest size: one VAE decode (models/vae_memory.py's estimate; the VAE decodes
   image by image), the DiT's activations for its rows, and one reference's K/V;
@@ -26,7 +27,7 @@ import torch
 from snapref_ray.models.bundle import ModelFiles
 from snapref_ray.models.checkpoint import read_header, strip_prefix
 from snapref_ray.models.dit import DiTConfig
-from snapref_ray.models.vae import VAE_PREFIXES, infer_vae_config
+from snapref_ray.models.vae import VAE_PREFIXES, infer_vae_config, vae_compute_dtype
 from snapref_ray.models.vae_memory import decode_peak_bytes
 
 RUNTIME_BYTES = 1 * 2**30  # torch + a Ray worker at rest (~0.5 GiB measured), with room for its threads' buffers
@@ -72,13 +73,16 @@ def estimate_worker_memory(
         runtime = GPU_RUNTIME_BYTES
         image = per_image = 0  # activations and the decode live on the device
     else:
-        weights = sum(_elements(_header(f)) for f in weight_files) * element
+        # The VAE runs in float32 on a CPU whatever the model's dtype (models/vae.py, vae_compute_dtype).
+        vae_element = torch.tensor([], dtype=vae_compute_dtype("cpu", compute)).element_size()
+        weights = sum(_elements(_header(f)) for f in weight_files if f != files.vae) * element
+        weights += _elements(_header(files.vae)) * vae_element
         runtime = RUNTIME_BYTES
         tokens = (height // 16) * (width // 16)
         rows = 3  # cond, uncond and the reference-guidance row: the most an image runs
         per_image = rows * tokens * config.model_channels * element * DIT_LIVE_TENSORS_PER_TOKEN
         vae = infer_vae_config(strip_prefix(_meta(_header(files.vae)), VAE_PREFIXES), str(files.vae))
-        decode = decode_peak_bytes(vae, (height // 8, width // 8), compute)
+        decode = decode_peak_bytes(vae, (height // 8, width // 8), vae_compute_dtype("cpu", compute))
         refkv = config.num_blocks * 2 * REFERENCE_TOKENS * config.model_channels * element
         image = per_image + decode + refkv
     return MemoryEstimate(runtime, weights, image, per_image, batch, width, height)

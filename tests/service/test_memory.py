@@ -165,3 +165,23 @@ def test_one_image_that_does_not_fit_names_its_size_device_and_figures():
     message = str(caught.value)
     assert "832x1216" in message and "cuda" in message and "CUDA out of memory" in message
     assert caught.value.field == "width"
+
+
+def test_a_cpu_workers_estimate_holds_its_vae_in_float32_whatever_the_model_dtype(tiny_models) -> None:
+    """A CPU worker loads the DiT, text encoder and adapter in its dtype and the VAE in float32 (the dtype the VAE
+    runs in on a CPU): the estimate's weight bytes count each file's elements at that size."""
+    from safetensors import safe_open
+
+    from snapref_ray.models.bundle import resolve_model_files
+    from snapref_ray.service.memory_estimate import estimate_worker_memory
+
+    files = resolve_model_files(tiny_models)
+
+    def elements(path) -> int:
+        with safe_open(str(path), "pt") as f:
+            return sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
+
+    others = sum(elements(p) for p in (files.dit, files.text_encoder, files.adapter))
+    for dtype, size in ((torch.bfloat16, 2), (torch.float32, 4)):
+        estimate = estimate_worker_memory(files, width=256, height=256, batch=1, on_gpu=False, dtype=dtype)
+        assert estimate.weight_bytes == others * size + elements(files.vae) * 4, dtype
