@@ -2,78 +2,55 @@
 
 Every kind runs behind one interface, `ReferenceAdapter` (reference_adapter.py), and has one row
 of `KINDS` (kinds.py).
+
+The names below are imported on first use (lazy_exports.py): Serve's ingress replicas take the
+torch-free parts (image checks, reference identities) without importing torch.
 """
 
-from snapref_ray.adapter.arcanima import ArcAnimaAdapter, load_arcanima, make_arcanima, save_arcanima
-from snapref_ray.adapter.file import (
-    FORMAT,
-    REF_LINEARS,
-    TARGET_LINEARS,
-    WEIGHT_FORMATS,
-    AdapterError,
-    AdapterLayout,
-    AdapterMeta,
-    SnapRefAdapter,
-    adapter_identity,
-    check_adapter_file,
-    estimate_file_size,
-    load_adapter,
-    save_adapter,
-)
-from snapref_ray.adapter.generate import char_mode_weights, make_adapter
-from snapref_ray.adapter.images import (
-    MAX_REFERENCE_PIXELS,
-    ReferenceImageError,
-    content_hash,
-    fit_megapixels,
-    image_to_pixels,
-    open_reference,
-    prepare_reference,
-    stitch_side_by_side,
-)
-from snapref_ray.adapter.inspect import format_file_inspection, format_inspection, inspect_adapter, inspect_file
-from snapref_ray.adapter.kinds import ARCANIMA_LAYOUTS, KINDS, AdapterKind, Detection, detect_kind
-from snapref_ray.adapter.reference_adapter import PreparedReference, ReferenceAdapter, RowReader, load_bound_adapter
+from snapref_ray.lazy_exports import lazy_exports
 
-__all__ = [
-    "FORMAT",
-    "REF_LINEARS",
-    "TARGET_LINEARS",
-    "WEIGHT_FORMATS",
-    "AdapterError",
-    "AdapterLayout",
-    "AdapterMeta",
-    "SnapRefAdapter",
-    "adapter_identity",
-    "check_adapter_file",
-    "estimate_file_size",
-    "load_adapter",
-    "save_adapter",
-    "char_mode_weights",
-    "make_adapter",
-    "MAX_REFERENCE_PIXELS",
-    "ReferenceImageError",
-    "content_hash",
-    "fit_megapixels",
-    "image_to_pixels",
-    "open_reference",
-    "prepare_reference",
-    "stitch_side_by_side",
-    "format_inspection",
-    "inspect_adapter",
-    "format_file_inspection",
-    "inspect_file",
-    "ARCANIMA_LAYOUTS",
-    "KINDS",
-    "AdapterKind",
-    "Detection",
-    "detect_kind",
-    "PreparedReference",
-    "ReferenceAdapter",
-    "RowReader",
-    "load_bound_adapter",
-    "ArcAnimaAdapter",
-    "load_arcanima",
-    "make_arcanima",
-    "save_arcanima",
-]
+_EXPORTS = {
+    "adapter_identity": "file",
+    "AdapterError": "file",
+    "AdapterKind": "kinds",
+    "AdapterLayout": "file",
+    "AdapterMeta": "file",
+    "ARCANIMA_LAYOUTS": "kinds",
+    "ArcAnimaAdapter": "arcanima",
+    "char_mode_weights": "generate",
+    "check_adapter_file": "file",
+    "content_hash": "images",
+    "detect_kind": "kinds",
+    "Detection": "kinds",
+    "estimate_file_size": "file",
+    "fit_megapixels": "images",
+    "FORMAT": "file",
+    "format_file_inspection": "inspect",
+    "format_inspection": "inspect",
+    "image_to_pixels": "images",
+    "inspect_adapter": "inspect",
+    "inspect_file": "inspect",
+    "KINDS": "kinds",
+    "load_adapter": "file",
+    "load_arcanima": "arcanima",
+    "load_bound_adapter": "reference_adapter",
+    "make_adapter": "generate",
+    "make_arcanima": "arcanima",
+    "MAX_REFERENCE_PIXELS": "images",
+    "open_reference": "images",
+    "prepare_reference": "images",
+    "PreparedReference": "reference_adapter",
+    "REF_LINEARS": "file",
+    "ReferenceAdapter": "reference_adapter",
+    "ReferenceImageError": "images",
+    "RowReader": "reference_adapter",
+    "save_adapter": "file",
+    "save_arcanima": "arcanima",
+    "SnapRefAdapter": "file",
+    "stitch_side_by_side": "images",
+    "TARGET_LINEARS": "file",
+    "WEIGHT_FORMATS": "file",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

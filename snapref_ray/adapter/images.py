@@ -17,11 +17,13 @@ import io
 import math
 import warnings
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+if TYPE_CHECKING:  # imported where pixels are made: Serve's ingress checks images without torch
+    import torch
 
 # 64 MP: larger than any camera or scan a user would send as a character reference (the
 # reference is resized to ~1 MP anyway), and small enough that decoding one stays < 256 MB.
@@ -127,6 +129,8 @@ def fit_output_size(img: Image.Image, width: int, height: int) -> Image.Image:
 
 def image_to_pixels(img: Image.Image) -> torch.Tensor:
     """RGB image -> float32 [1, 3, H, W] in [-1, 1] (the VAE's input range)."""
+    import torch
+
     hwc = np.asarray(img.convert("RGB"), dtype=np.float32)  # [H, W, 3] in 0..255
     return torch.from_numpy(hwc).permute(2, 0, 1).unsqueeze(0).div(127.5).sub(1.0).contiguous()
 

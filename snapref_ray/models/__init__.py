@@ -7,10 +7,7 @@ torch-free submodule (`bundle`, which says where a model folder's files are, for
 ReferenceStore replica) does not pay for importing torch, about 3 CPU-seconds and 300 MB per process.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
+from snapref_ray.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "AnimaDiT": "dit",
@@ -31,11 +28,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

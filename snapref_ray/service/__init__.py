@@ -5,17 +5,22 @@ line (`cli.py`) all render through a `RenderService` (service.py) and record wha
 `records.py`. What they share lives here, once: the model spec's loading (loading.py), the reference's
 identity and RefKV key (references.py), the RefKV cache (refkv_cache.py), what may share a forward
 (batching.py), the memory fit (memory.py), row parsing (rows.py) and a job's work items (work_items.py).
+
+The names below are imported on first use (lazy_exports.py): Serve's ingress replicas take the
+torch-free parts (image checks, reference identities) without importing torch.
 """
 
-from snapref_ray.service.references import ReferenceIdentity, ReferenceInput, RefKVKey, reference_hash
-from snapref_ray.service.service import Rendered, RenderOutOfMemory, RenderService
+from snapref_ray.lazy_exports import lazy_exports
 
-__all__ = [
-    "RefKVKey",
-    "ReferenceIdentity",
-    "ReferenceInput",
-    "RenderOutOfMemory",
-    "RenderService",
-    "Rendered",
-    "reference_hash",
-]
+_EXPORTS = {
+    "reference_hash": "references",
+    "ReferenceIdentity": "references",
+    "ReferenceInput": "references",
+    "RefKVKey": "references",
+    "Rendered": "service",
+    "RenderOutOfMemory": "service",
+    "RenderService": "service",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -101,6 +101,31 @@ def test_server_recovers_after_the_burst(server: str, reference_id: str) -> None
     assert status == 200 and headers["X-Cache-Hit"] == "true"
 
 
+def _maps_libtorch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any("libtorch" in line for line in f)
+
+
+@pytest.mark.slow
+def test_only_the_replicas_that_render_load_torch(server: str, reference_id: str, request) -> None:
+    """After uploads and renders went through it, a split ingress has no libtorch in its address space (it parses,
+    checks and routes; torch costs a replica about 3 CPU-seconds to import and 200 MB), nor has the ReferenceStore;
+    the replicas that render have it. Same machine: the replicas' /proc is readable here."""
+    from ray._private import state  # the GCS's actor table: this Serve's Ray runs no dashboard for the state API
+
+    from snapref_ray.pipelines.serve_app import APP_NAME
+
+    loads = {}
+    for actor in state.actors().values():
+        prefix, _, deployment = actor["ActorClassName"].rpartition(":")
+        if actor["State"] == "ALIVE" and prefix == f"ServeReplica:{APP_NAME}":
+            loads.setdefault(deployment, set()).add(_maps_libtorch(actor["Pid"]))
+    if "fused" in request.node.callspec.id:
+        assert loads == {"SnapRefIngress": {True}, "ReferenceStore": {False}}, loads
+    else:
+        assert loads == {"SnapRefIngress": {False}, "Renderer": {True}, "ReferenceStore": {False}}, loads
+
+
 def test_check_health_fails_only_when_the_device_is_stuck(tiny_renderer) -> None:
     from snapref_ray.serve.renderer import ReplicaRenderer
     from snapref_ray.service.service import RenderService
