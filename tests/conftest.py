@@ -70,6 +70,13 @@ pytest_plugins = ["tests.s3_server"]
 # (tests/models/test_compiled.py, cold cache: 66 s against 52 s with one thread). Set before any
 # Ray starts, so the Ray workers and subprocesses of the session inherit it too.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Ray's usage statistics stay off in the tests: they would be reported to Ray's servers (the tests touch
+# only 127.0.0.1), and Ray Data starts an actor just to collect them.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Each Ray head's log monitor re-lists its logs folder on every 0.1 s poll while it holds under this many
+# files, and the session's heads hold hundreds (every worker leaves two); above it, every 0.5 s. New
+# workers' lines still reach the drivers within half a second.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 RAY_TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
 
