@@ -22,6 +22,7 @@ inputs the test writes itself (the S3 manifest), 256 px and 2 steps.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import os
@@ -142,13 +143,20 @@ def test_quick_start_pip_commands_resolve(line, tmp_path):
     pips = [part.strip() for part in line.split("&&") if part.strip().startswith("pip install")]
     assert len(pips) == 2
     for pip in pips:
-        dry = pip.replace("pip install", f"{sys.executable} -m pip install --dry-run", 1)
-        # pip's own settings from the environment stay, but not a quiet one (.ci/run sets PIP_QUIET): the
-        # dry run's report is what this reads.
-        env = {k: v for k, v in env_for_commands().items() if k != "PIP_QUIET"}
-        out = ok(run_bash(dry, REPO, env, timeout=300), dry)
+        out = _pip_dry_run(pip)
         if "-e" in pip.split():
             assert "Would install snapref-ray-0.1.0" in out, out[-2000:]
+
+
+@functools.cache
+def _pip_dry_run(pip: str) -> str:
+    """`pip install --dry-run ...` of one command, its output; both lines start with the same torch pin, which
+    resolves the same way from the same checkout and environment, so it is resolved once (~7 CPU-s a run)."""
+    dry = pip.replace("pip install", f"{sys.executable} -m pip install --dry-run", 1)
+    # pip's own settings from the environment stay, but not a quiet one (.ci/run sets PIP_QUIET): the dry run's
+    # report is what this reads.
+    env = {k: v for k, v in env_for_commands().items() if k != "PIP_QUIET"}
+    return ok(run_bash(dry, REPO, env, timeout=300), dry)
 
 
 @pytest.mark.slow
