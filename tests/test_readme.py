@@ -151,7 +151,7 @@ def test_quick_start_pip_commands_resolve(line, tmp_path):
 @functools.cache
 def _pip_dry_run(pip: str) -> str:
     """`pip install --dry-run ...` of one command, its output; both lines start with the same torch pin, which
-    resolves the same way from the same checkout and environment, so it is resolved once (~7 CPU-s a run)."""
+    resolves the same way from the same checkout and environment, so it is resolved once (~2.5 s a run here)."""
     dry = pip.replace("pip install", f"{sys.executable} -m pip install --dry-run", 1)
     # pip's own settings from the environment stay, but not a quiet one (.ci/run sets PIP_QUIET): the dry run's
     # report is what this reads.

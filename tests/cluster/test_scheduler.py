@@ -492,7 +492,8 @@ def test_an_image_that_never_fits_fails_with_its_size_device_and_memory_figures(
 @pytest.mark.slow
 def test_a_cluster_that_keeps_losing_workers_ends_the_job_with_a_message(make_workers):
     # Every render kills its worker (Ray restarts it): no item can be charged, only the budget stops this.
-    # One item, so a budget of one requeue: each loss is a worker process Ray starts again (~4 CPU-s here).
+    # One item, so a budget of one requeue: each loss is a worker process Ray starts again (~6 s of this
+    # test's time here).
     handles, infos = make_workers(1, die_on_every_render=True)
     rec = Recorder()
     scheduler = rec.scheduler(
