@@ -85,6 +85,24 @@ def _renderer_replicas(cluster: FakeCluster) -> dict[str, dict]:
     return out
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) the process has used so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _wait_for_cpu(pid: int, cpu_seconds: float, timeout_s: float) -> bool:
+    """Wait until the process has used `cpu_seconds` of CPU in all. An idle replica used 0.17 s in 10 s
+    (measured here), one rendering 512x512 uses a core or more: two seconds over its idle figure within
+    the timeout means it is working on the requests."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _cpu_seconds(pid) >= cpu_seconds:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 @pytest.fixture(scope="module")
 def references(client: SnapRefClient, tmp_path_factory) -> list[str]:
     folder = tmp_path_factory.mktemp("serve-refs")
@@ -154,11 +172,17 @@ def test_killed_replica_answers_503_in_flight_and_later_requests_succeed(cluster
 
     errors: list[str] = []
 
+    victim_pid = replicas[victim]["pid"]
     with ThreadPoolExecutor(8) as pool:
+        idle_cpu = _cpu_seconds(victim_pid)
         futures = [pool.submit(render, 1000 + i) for i in range(8)]
-        time.sleep(1.0)  # the requests are with the victim now (its references' affinity)
+        # Kill only once the victim is rendering them (its references' affinity). A fixed one-second
+        # sleep was not always enough on the loaded 2-core CI machine: once the kill came before the
+        # requests reached the victim, and all eight were answered 200 by the other replicas.
+        busy = _wait_for_cpu(victim_pid, idle_cpu + 2.0, timeout_s=90)
         in_flight = sum(not f.done() for f in futures)
-        os.kill(replicas[victim]["pid"], signal.SIGKILL)
+        assert busy, f"the victim replica never started rendering: {[f.result() for f in futures]}"
+        os.kill(victim_pid, signal.SIGKILL)
         outcomes = [f.result(timeout=150) for f in futures]
     assert in_flight > 0, f"every request finished before the kill: {outcomes}"
     statuses = Counter(status for status, _ in outcomes)
