@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import csv
 import gc
-import os
 import shutil
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,7 +199,7 @@ def run_phase(cfg: PhaseConfig, writer: ModelFolderWriter, root: Path) -> dict[s
     try:
         folder_info = writer.wait()
         manifest = write_job_inputs(root / "job", cfg.recipe)
-        started_ray = _start_ray(cfg.device)
+        stop_ray = _start_ray(cfg.device)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
         log(f"end to end: not run: {error}")
@@ -255,10 +255,8 @@ def run_phase(cfg: PhaseConfig, writer: ModelFolderWriter, root: Path) -> dict[s
                 estimator.done.append(Done(run, record["wall_seconds"], sampling, record["images"], cfg.recipe.steps))
             log(f"end to end: {run.name} done: {_one_line(record)}")
     finally:
-        if started_ray:
-            import ray
-
-            ray.shutdown()
+        if stop_ray is not None:
+            stop_ray()
         gc.collect()
     return {
         "recipe": cfg.recipe.describe(),
@@ -271,24 +269,20 @@ def run_phase(cfg: PhaseConfig, writer: ModelFolderWriter, root: Path) -> dict[s
     }
 
 
-def _start_ray(device: str) -> bool:
-    """A local Ray for the jobs unless one is running; whether this call started it."""
+def _start_ray(device: str) -> Callable[[], None] | None:
+    """A local Ray for the jobs unless one is running: the call that stops it, or None if one was running."""
     import ray
 
+    from benchmarks.local_ray import start_local_ray
+
     if ray.is_initialized():
-        return False
+        return None
     # The workers import the renderer factory (benchmarks/) and the project from this checkout.
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     cuda = device.startswith("cuda")
-    ray.init(
-        address="local",
+    return start_local_ray(
         num_cpus=None if cuda else 4,  # on a small CPU: more slots than cores, as the tests do
         num_gpus=torch.cuda.device_count() if cuda else 0,  # declared: the worker must not wait on GPU detection
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
     )
-    return True
 
 
 def _one_line(record: dict[str, Any]) -> str:

@@ -415,6 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.WARNING)
     import ray
 
+    from benchmarks.local_ray import start_local_ray
     from snapref_ray.tiny import make_tiny
 
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
@@ -428,19 +429,12 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         models_dir = make_tiny(root / "tiny-models")
         with s3_context as s3:
-            env_vars = {"PYTHONPATH": str(REPO)}
-            if s3 is not None:  # job specs carry no credentials: they come from the AWS environment
-                env_vars.update(AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
-                saved_env = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-                os.environ.update(AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
+            # Job specs carry no credentials: the driver and the workers take them from the AWS environment.
+            credentials = {}
+            if s3 is not None:
+                credentials = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
             # More logical CPUs than workers: each worker reserves one; the driver and Ray need none.
-            ray.init(
-                address="local",
-                num_cpus=max(counts) + 2,
-                include_dashboard=False,
-                log_to_driver=False,
-                runtime_env={"env_vars": env_vars},
-            )
+            stop_ray = start_local_ray(credentials, num_cpus=max(counts) + 2)
             runs = []
             try:
                 # A small job first, not reported: the first job in a driver pays one-off imports
@@ -461,10 +455,7 @@ def main(argv: list[str] | None = None) -> dict:
                             runs.append(run_one(n, prompts, args, models_dir, root, overlap=overlap, s3=s3))
                             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
             finally:
-                ray.shutdown()
-                if s3 is not None:  # leave the caller's environment as it was (the smoke test runs in-process)
-                    for k, v in saved_env.items():
-                        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+                stop_ray()  # and the caller's environment as it was (the smoke test runs in-process)
         for prompts in scenarios:
             group = [r for r in runs if r["prompts_per_reference"] == prompts]
             single = next(

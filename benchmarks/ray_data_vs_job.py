@@ -44,6 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from benchmarks.local_ray import start_local_ray  # noqa: E402
 from benchmarks.orchestration import SimulatedRenderer  # noqa: E402
 
 RUNNERS = ("job", "ray_data_ungrouped", "ray_data_grouped")
@@ -250,18 +251,12 @@ def main(argv: list[str] | None = None) -> dict:
     from snapref_ray.tiny import make_tiny
 
     root = Path(tempfile.mkdtemp(prefix="snapref-ray-data-vs-job-"))
-    started_ray = not ray.is_initialized()
+    stop_ray = None  # set when this call starts the Ray it runs on
     try:
         models_dir = make_tiny(root / "tiny-models")  # the job spec resolves a models folder; the GPU is simulated
         manifest = write_manifest(root, args.references, args.prompts)
-        if started_ray:
-            ray.init(
-                address="local",
-                num_cpus=args.workers + 2,
-                include_dashboard=False,
-                log_to_driver=False,
-                runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-            )
+        if not ray.is_initialized():
+            stop_ray = start_local_ray(num_cpus=args.workers + 2)
         ray.data.DataContext.get_current().enable_progress_bars = False
         runs = [run_job_runner(manifest, models_dir, root / "job", args)]
         for grouped in (False, True):
@@ -269,8 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
             runs.append(run_ray_data(manifest, models_dir, root / name, args, grouped=grouped))
             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     finally:
-        if started_ray:
-            ray.shutdown()
+        if stop_ray is not None:
+            stop_ray()
         shutil.rmtree(root, ignore_errors=True)
     by = {r["runner"]: r for r in runs}
     result = {

@@ -17,8 +17,9 @@ A test never calls `ray.init`, `start_local` or `FakeCluster(...).start()` itsel
 most of what these tests cost. It takes one of these fixtures (module scope), which start the
 environment once per session and give the module its own job on it:
 
-- `local_ray_job`: this process connected to the session's local Ray (8 logical CPUs, no GPU) for
-  the module; yields the head (`.address`, `.driver_env()` for a driver in a subprocess).
+- `local_ray_job`: this process connected to the session's local Ray (8 logical CPUs, no GPU, the S3
+  test server's AWS variables in its environment: `local_ray_environment`) for the module; yields the
+  head (`.address`, `.driver_env()` for a driver in a subprocess).
   `local_ray(env, driver_env=True)` is the same as a context manager whose job (and, with
   `driver_env`, this process) also gets `env`, e.g. S3 credentials: tests/cluster/conftest.py.
 - `local_serve`: the session's local Serve (HAProxy in front, 127.0.0.1). The module builds its
@@ -227,12 +228,24 @@ def ray_session() -> Iterator[RaySession]:
         _SESSION.close()
 
 
+@pytest.fixture(scope="session")
+def local_ray_environment(s3_server, tmp_path_factory) -> dict[str, str]:
+    """What the session's local Ray runs with, and so every worker of every job on it: the S3 test
+    server as "AWS" (as a cluster node's environment holds its credentials) and a model cache of the
+    session's own (s3:// model folders are mirrored there, not in the user's ~/.cache).
+
+    In the head's environment rather than in each module's job: a job with a runtime environment
+    starts every worker through Ray's `setup_worker.py`, a second Python start (tests/fake_cluster.py
+    `RayHead.job_runtime_env`)."""
+    return {**s3_server.aws_environment(), "SNAPREF_RAY_CACHE": str(tmp_path_factory.mktemp("model-cache"))}
+
+
 @pytest.fixture(scope="module")
-def local_ray(ray_session: RaySession):
+def local_ray(ray_session: RaySession, local_ray_environment):
     """`local_ray(env=None, *, driver_env=False, log_to_driver=True)`: a context manager connecting
     this process to the session's local Ray as a job whose workers get `env` too (and, with
     `driver_env`, this process); yields the head."""
-    ray_session.local_ray()
+    ray_session.local_ray(local_ray_environment)
     return functools.partial(ray_session.local_job)
 
 

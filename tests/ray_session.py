@@ -6,9 +6,10 @@ against 9.3 s to deploy and delete the application on the shared Serve; its own 
 (before any GPU node) against 1.5 s. So the session starts each of these environments once and
 the modules take turns on it:
 
-- "local_ray": a local head (`RayHead`, 8 logical CPUs, no GPU). Each module connects its own
-  driver, a job whose runtime environment carries that module's variables (S3 credentials, a model
-  cache), and disconnects at its end; its actors and workers go with its job.
+- "local_ray": a local head (`RayHead`, 8 logical CPUs, no GPU) whose processes have the session's
+  S3 credentials and model cache in their environment (tests/conftest.py `local_ray_environment`).
+  Each module connects its own driver, a job (with a runtime environment only for variables the head
+  lacks: `RayHead.job_runtime_env`), and disconnects at its end; its actors and workers go with its job.
 - "local_serve": Ray and Serve in this process, started by `serve_app.start_local_serve` as the
   server starts them (HAProxy in front, the direct-ingress environment on every Ray process, the S3
   test server's credentials in the environment as on a cluster node). Each module deploys its own
@@ -155,6 +156,7 @@ class RaySession:
     def __init__(self) -> None:
         self._name: str | None = None
         self._running: RayHead | LocalServe | None = None
+        self._local_ray_env: dict[str, str] = {}  # what the local head runs with, from its first request
         self.starts: dict[str, int] = dict.fromkeys(ENVIRONMENTS, 0)  # reported at the end of the session
         self.serve_deployments = 0
 
@@ -176,9 +178,14 @@ class RaySession:
             running.stop()
 
     # -- the environments -----------------------------------------------------------------------
-    def local_ray(self) -> RayHead:
-        """The session's local head, started if it is not running."""
-        return self._switch(LOCAL_RAY, lambda: RayHead(num_cpus=8).start())
+    def local_ray(self, env: dict[str, str] | None = None) -> RayHead:
+        """The session's local head, started (with `env` in its processes' environment, or the env it
+        was first asked with) if it is not running."""
+        if env is not None:
+            if self._local_ray_env and env != self._local_ray_env:
+                raise RuntimeError("the session's local Ray runs with another environment; one per session")
+            self._local_ray_env = dict(env)
+        return self._switch(LOCAL_RAY, lambda: RayHead(num_cpus=8, env=self._local_ray_env).start())
 
     @contextlib.contextmanager
     def local_job(self, env: dict[str, str] | None = None, *, driver_env: bool = False, log_to_driver: bool = True):

@@ -93,6 +93,17 @@ class SeaweedServer:
             **overrides,
         )
 
+    def aws_environment(self) -> dict[str, str]:
+        """The standard AWS variables that make this server "AWS" for boto3 and pyarrow, as a cluster
+        node's environment would hold its real credentials."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
     def client(self):
         """A plain boto3 client for this server, with no retries (for probing and test set-up)."""
         import boto3
