@@ -4,7 +4,7 @@ The real-size folder is never written here (5.5 GB): its plan (keys and shapes f
 the meta device) is compared with the released files' listings, byte counts are re-derived from those
 listings, and the writer is run at a smaller geometry, its files compared with the plan at that geometry
 and loaded through the project's loaders. The whole phase runs in the suite's smoke test
-(test_benchmarks_smoke.py).
+(test_gpu_suite_smoke.py).
 """
 
 from __future__ import annotations
