@@ -76,6 +76,17 @@ def _exactly_once(out: Path, expected: set[str]) -> pd.DataFrame:
     return frame
 
 
+def _wait_for_alive_workers(count: int, timeout_s: float) -> None:
+    """Until `count` RenderWorker actors of the cluster have finished starting (Ray's state API)."""
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + timeout_s
+    filters = [("class_name", "=", "RenderWorker"), ("state", "=", "ALIVE")]
+    while len(list_actors(filters=filters)) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} workers alive after {timeout_s:.0f} s"
+        time.sleep(0.5)
+
+
 def test_job_on_a_cold_cluster_gets_gpu_nodes_and_later_workers_join(cluster, tiny_models, tmp_path):
     assert cluster.gpu_node_ids() == []  # only the head: no GPU anywhere yet
     spec = _cluster_spec(
@@ -88,13 +99,31 @@ def test_job_on_a_cold_cluster_gets_gpu_nodes_and_later_workers_join(cluster, ti
     )
     joins: list[tuple[float, str]] = []  # (time, node_id) of each worker joining the schedule
     first_commit: list[float] = []
-    summary = run_job(
-        spec,
-        progress=False,
-        write_gallery=False,
-        on_workers=lambda handles, infos: joins.extend((time.monotonic(), i.node_id) for i in infos),
-        on_progress=lambda n: first_commit or first_commit.append(time.monotonic()),
-    )
+
+    def committed(n: int) -> None:
+        if first_commit:
+            return
+        first_commit.append(time.monotonic())
+        # Now the autoscaler may bring the other two nodes. The driver waits here until their workers have
+        # started, so that they join while most of the job is left: on an idle machine the first worker
+        # renders the whole job in less time than a node takes to boot.
+        cluster.set_gpu_node_limit(3)
+        _wait_for_alive_workers(3, timeout_s=180)
+
+    # One GPU node until the first image, then three. With all three launched at once, their workers once
+    # joined within half a second of each other, before the first image: whether a worker joined a job
+    # that was already rendering depended on how fast this machine started nodes, not on the scheduler.
+    cluster.set_gpu_node_limit(1)
+    try:
+        summary = run_job(
+            spec,
+            progress=False,
+            write_gallery=False,
+            on_workers=lambda handles, infos: joins.extend((time.monotonic(), i.node_id) for i in infos),
+            on_progress=committed,
+        )
+    finally:
+        cluster.set_gpu_node_limit(3)
 
     frame = _exactly_once(tmp_path / "out", expected_item_ids(spec))
     assert (summary["images_this_run"], summary["failed_items"]) == (24, 0)
