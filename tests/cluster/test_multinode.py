@@ -76,13 +76,14 @@ def _exactly_once(out: Path, expected: set[str]) -> pd.DataFrame:
     return frame
 
 
-def _wait_for_alive_workers(count: int, timeout_s: float) -> None:
-    """Until `count` RenderWorker actors of the cluster have finished starting (Ray's state API)."""
+def _wait_for_alive_workers(cluster: FakeCluster, count: int, timeout_s: float) -> None:
+    """Until `count` RenderWorker actors of the cluster have finished starting (Ray's state API, asked of
+    this cluster's dashboard by address: the other lane's Ray runs on this machine too)."""
     from ray.util.state import list_actors
 
     deadline = time.monotonic() + timeout_s
     filters = [("class_name", "=", "RenderWorker"), ("state", "=", "ALIVE")]
-    while len(list_actors(filters=filters)) < count:
+    while len(list_actors(address=cluster.dashboard_url, filters=filters)) < count:
         assert time.monotonic() < deadline, f"fewer than {count} workers alive after {timeout_s:.0f} s"
         time.sleep(0.5)
 
@@ -108,7 +109,7 @@ def test_job_on_a_cold_cluster_gets_gpu_nodes_and_later_workers_join(cluster, ti
         # started, so that they join while most of the job is left: on an idle machine the first worker
         # renders the whole job in less time than a node takes to boot.
         cluster.set_gpu_node_limit(3)
-        _wait_for_alive_workers(3, timeout_s=180)
+        _wait_for_alive_workers(cluster, 3, timeout_s=180)
 
     # One GPU node until the first image, then three. With all three launched at once, their workers once
     # joined within half a second of each other, before the first image: whether a worker joined a job
