@@ -13,7 +13,13 @@ and object_store_memory to RayParams as a custom resource, which RayParams refus
 - a launched node starts no log monitor of its own. Every fake node writes its logs into the head's
   session folder (one machine), which the head's log monitor already follows; Ray's own advice is one
   log monitor per host. Each extra one polled that same folder ten times a second (3-4 % of a core
-  apiece, more as worker log files pile up) and sent every worker line to the drivers once per node.
+  apiece, more as worker log files pile up) and sent every worker line to the drivers once per node;
+- a node whose raylet has died is no longer listed, as a cloud's API stops listing a machine that died.
+  The parent keeps a killed node (tests/fake_cluster.py `kill_node`) in its books as running, so the
+  autoscaler counted it against `max_workers` and launched no replacement until its idle timeout took
+  the dead node down: a job that lost its only rendering node waited 44 s for a new one
+  (tests/cluster/test_node_loss.py, mid_batch). The scheduler sees the loss as before (the GCS's
+  health check); only the replacement comes as soon as a cloud's would.
 
 tests/fake_cluster.py names it in the autoscaler config as an `external` provider.
 """
@@ -24,6 +30,7 @@ import threading
 from typing import Any
 
 import ray._private.parameter as ray_parameter
+import ray._private.ray_constants as ray_constants
 from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
 
 # The parent looks RayParams up in its module at each call; launches run on the autoscaler's threads.
@@ -31,6 +38,17 @@ _params_lock = threading.Lock()
 
 
 class FakeNodesWithMemory(FakeMultiNodeProvider):
+    def non_terminated_nodes(self, tag_filters):
+        self._forget_dead_nodes()
+        return super().non_terminated_nodes(tag_filters)
+
+    def _forget_dead_nodes(self) -> None:
+        """Drop the nodes whose raylet has exited, and end what is left of them (their agents)."""
+        with self.lock:
+            dead = [node_id for node_id, entry in self._nodes.items() if _raylet_exited(entry.get("node"))]
+            for node_id in dead:
+                self._terminate_node(self._nodes.pop(node_id))
+
     def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels) -> None:
         memory = resources.get("memory")
         original = ray_parameter.RayParams
@@ -47,3 +65,11 @@ class FakeNodesWithMemory(FakeMultiNodeProvider):
                 super()._create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
             finally:
                 ray_parameter.RayParams = original
+
+
+def _raylet_exited(node: Any) -> bool:
+    """Whether a launched node's raylet process has exited (the head's entry holds no node)."""
+    if node is None:
+        return False
+    raylets = node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
+    return bool(raylets) and all(info.process.poll() is not None for info in raylets)
