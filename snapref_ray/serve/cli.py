@@ -65,15 +65,19 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from snapref_ray.pipelines.serve_app import http_front, local_topology, start_local, stop_local
+    from snapref_ray.pipelines.serve_app import deploy_local, http_front, local_topology, start_local_serve, stop_local
 
     config = config_from_args(args)
     config.check_security()
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    _stop_on_signals(stop)
     try:
-        url = start_local(config)
+        url = start_local_serve(config)
+        # `ray.init` puts its own SIGTERM handling in place (a SystemExit, and a stack dump and abort from its
+        # core worker): a `kill` then ended the server with exit 134 while its replicas were still draining.
+        # Ours again, before the replicas start: a stop asked for while they load drains once they are up.
+        _stop_on_signals(stop)
+        deploy_local(config)
         auth = "bearer token required" if config.resolved_token() else "no token (loopback only)"
         front = "HAProxy -> ingress (direct ingress)" if http_front() == "haproxy" else "Serve's proxy -> ingress"
         front += " that renders" if local_topology() == "fused" else " -> renderers"
@@ -83,3 +87,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("stopping: replicas finish what they hold", flush=True)
         stop_local()
     return 0
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    """Ctrl-C and SIGTERM (`kill`, a container's stop) ask the server to drain and stop."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
