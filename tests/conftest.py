@@ -13,7 +13,7 @@ skip's reason, so a CI run that passes has run every test.
 
 Ray: one environment per kind for the whole session (tests/ray_session.py)
 ---------------------------------------------------------------------------
-A test never calls `ray.init`, `start_local` or `FakeCluster(...).start()` itself: starting Ray is
+A test never calls `ray.init`, `start_local_serve` or `FakeCluster(...).start()` itself: starting Ray is
 most of what these tests cost. It takes one of these fixtures (module scope), which start the
 environment once per session and give the module its own job on it:
 

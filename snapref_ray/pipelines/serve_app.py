@@ -8,9 +8,9 @@
 - `app`: an Application built from the environment ($SNAPREF_MODELS_DIR, $SNAPREF_ADAPTER), for
   `serve run snapref_ray.pipelines.serve_app:app` and `serve build snapref_ray.pipelines.serve_app:app` (which needs a
   built Application, not a builder). Built on first access, so importing the module is cheap.
-- `start_local(config)` / `stop_local()`: a local Ray + Serve on `config.host:config.port`;
-  `start_local_serve` + `deploy_local` are its two halves, for callers that deploy several
-  applications in turn on one Serve (benchmarks, the tests).
+- `start_local_serve(config)` + `deploy_local(config)` / `stop_local()`: a local Ray + Serve on
+  `config.host:config.port` and the application on it (`snapref-ray serve`); callers that deploy several
+  applications in turn on one Serve (benchmarks, the tests) call `deploy_local` once for each.
 
 Under `serve run` / `serve deploy` the proxy binds what Serve's http_options say (serve.yaml);
 the ingress checks that address, not `config.host`, before it accepts to run without a token.
@@ -154,29 +154,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def start_local(
-    config: ServeConfig, *, num_cpus: int | None = None, num_gpus: int | None = None, log_to_driver: bool = True
-) -> str:
-    """Start Ray (locally, unless already up), Serve and the app; answer HTTP on config.host:config.port.
-
-    With `config.direct_ingress` (the default), Ray started here and HAProxy installed, HAProxy answers
-    the port and forwards straight to the ingress replica (snapref_ray/serve/direct_ingress.py);
-    otherwise Serve's own proxy does, one actor hop more. Returns the base URL once every replica is
-    ready. The same as `start_local_serve` and then `deploy_local`.
-    """
-    url = start_local_serve(config, num_cpus=num_cpus, num_gpus=num_gpus, log_to_driver=log_to_driver)
-    deploy_local(config)
-    return url
-
-
 def start_local_serve(
     config: ServeConfig, *, num_cpus: int | None = None, num_gpus: int | None = None, log_to_driver: bool = True
 ) -> str:
     """Start Ray (locally, unless already up) and Serve on config.host:config.port, without an
     application (`deploy_local` adds it); returns the base URL.
 
-    Serve's HTTP options and, when Ray starts here, the front door (HAProxy or Serve's proxy, see
-    `start_local`) come from `config` and hold for every application deployed on this Serve after it.
+    Serve's HTTP options and, when Ray starts here, the front door come from `config` and hold for every
+    application deployed on this Serve after it. With `config.direct_ingress` (the default), Ray started
+    here and HAProxy installed, HAProxy answers the port and forwards straight to the ingress replica
+    (snapref_ray/serve/direct_ingress.py); otherwise Serve's own proxy does, one actor hop more.
     """
     import ray
 
@@ -228,7 +215,7 @@ _topology: str | None = None  # what deploy_local deployed last
 
 
 def local_topology() -> str | None:
-    """The topology start_local (deploy_local) deployed last ("fused" or "split"), None before it ran."""
+    """The topology deploy_local deployed last ("fused" or "split"), None before it ran."""
     return _topology
 
 

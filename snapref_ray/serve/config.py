@@ -105,12 +105,12 @@ class ServeConfig(BaseModel):
     port: int = Field(8000, ge=1, le=65535, description="HTTP port; 8000 is Ray Serve's own default.")
     direct_ingress: bool = Field(
         True,
-        description="Local server (`snapref-ray serve`, start_local): HAProxy answers `port` and forwards"
+        description="Local server (`snapref-ray serve`, start_local_serve): HAProxy answers `port` and forwards"
         " straight to the ingress replicas, which render (fused) or call the renderers over gRPC"
         " (split; Ray Serve's HAProxy mode with direct ingress), instead of Serve's HTTP proxy"
         " and actor calls:"
         " ~20 ms less per request on 2 CPU cores. Needs the haproxy binary (else Serve's proxy"
-        " is used, with a warning) and applies when start_local starts Ray. A cluster started"
+        " is used, with a warning) and applies when start_local_serve starts Ray. A cluster started"
         " by `ray start` or KubeRay sets this in its own environment (README.md, Serving).",
     )
     token: SecretStr | None = Field(

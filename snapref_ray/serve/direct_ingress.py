@@ -17,7 +17,7 @@ without SO_REUSEADDR: after a restart the port stays refused while the old conne
 TIME_WAIT, and Serve then blocks it for good.)
 
 These are process environment settings that Serve's controller and replicas read when they start,
-so they must be in place before Ray starts: `start_local` applies them to the local Ray it creates
+so they must be in place before Ray starts: `start_local_serve` applies them to the local Ray it creates
 when the `haproxy` binary is installed (Debian/Ubuntu: `apt-get install haproxy`). A cluster started
 otherwise (`ray start`, KubeRay) decides for itself; see README.md, Serving.
 """

@@ -192,7 +192,7 @@ def test_renderers_that_fit_counts_the_local_gpus(monkeypatch) -> None:
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
     monkeypatch.setattr(serve_app, "_cluster_has_gpus", lambda: True)
-    # One GPU: start_local fuses an 'auto' server even with max_replicas 4 (a second replica could never start).
+    # One GPU: deploy_local fuses an 'auto' server even with max_replicas 4 (a second replica could never start).
     assert serve_app._renderers_that_fit(ServeConfig(model="m")) == 1
     assert serve_app._renderers_that_fit(ServeConfig(model="m", gpus_per_replica=0.5)) == 2
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})

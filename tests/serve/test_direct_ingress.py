@@ -1,7 +1,7 @@
 """The local server's front door: HAProxy on the port, forwarding straight to the ingress replicas.
 
 A real local Serve in HAProxy mode (snapref_ray/serve/direct_ingress.py; the session's, started as
-`start_local` starts it: tests/conftest.py) with the tiny models and two fused replicas (ingress
+`start_local_serve` starts it: tests/conftest.py) with the tiny models and two fused replicas (ingress
 replicas that render). The rest of tests/serve runs its HTTP behaviours through the same front (it
 is the default); this module checks what is particular to it: who answers the port, what listens
 where, renders spread over the replicas, uploads larger than Serve's gRPC default crossing
@@ -148,7 +148,7 @@ def _ingress_servers(workdir: Path) -> list[tuple[str, int]]:
 def _listed_replicas(workdir: Path, timeout_s: float = 60.0) -> list[tuple[str, int]]:
     """The ingress replicas in HAProxy's configuration once it lists all REPLICAS of them. Serve gathers
     replica changes for a moment before it rewrites the file, so a replica that just became ready (and
-    let start_local return) may be missing for a second or two; meanwhile HAProxy uses the others."""
+    let deploy_local return) may be missing for a second or two; meanwhile HAProxy uses the others."""
     deadline = time.monotonic() + timeout_s
     while len(set(servers := _ingress_servers(workdir))) < REPLICAS:
         assert time.monotonic() < deadline, _haproxy_cfg(workdir)
