@@ -327,10 +327,9 @@ class FakeCluster(RayHead):
     consecutive tests reuse the nodes the previous one brought up (the fake provider kills a node
     without draining it; an actor placed on it in the same second dies with it).
 
-    A node that dies other than by the autoscaler's hand (`kill_node`) stays in the fake provider's
-    books until the autoscaler gives up on it (about a minute, Ray 2.60's v1 autoscaler), counting
-    against `max_gpu_nodes` meanwhile. `set_gpu_node_limit(..., cold=True)` has the autoscaler
-    terminate every GPU node at once, the dead ones included.
+    A node that dies other than by the autoscaler's hand (`kill_node`) leaves the provider's books as
+    soon as its raylet has exited (tests/fake_node_provider.py), so the autoscaler replaces it within
+    its next update. `set_gpu_node_limit(..., cold=True)` has the autoscaler terminate every GPU node.
     """
 
     def __init__(
@@ -470,8 +469,7 @@ class FakeCluster(RayHead):
     def set_gpu_node_limit(self, max_gpu_nodes: int, *, cold: bool = False, timeout_s: float = 120) -> None:
         """From now on the autoscaler keeps at most `max_gpu_nodes` GPU nodes; it terminates idle ones
         above the limit itself. `cold` first has it terminate every GPU node (the head alone, as
-        after a fresh start), which also clears the nodes `kill_node` left in its books. Needs a
-        connected driver (`connected()`)."""
+        after a fresh start). Needs a connected driver (`connected()`)."""
         if cold:
             self.max_gpu_nodes = 0
             self._write_autoscaler_config()

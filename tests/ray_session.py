@@ -234,7 +234,5 @@ class RaySession:
             ).start(),
         )
         with cluster.connected(env, log_to_driver=log_to_driver):
-            # Nodes an earlier module killed linger in the autoscaler's books for about a minute,
-            # counting against the limit: a cold start clears them at once.
-            cluster.set_gpu_node_limit(max_gpu_nodes, cold=cold or bool(cluster.killed_nodes))
+            cluster.set_gpu_node_limit(max_gpu_nodes, cold=cold)
             yield cluster
