@@ -127,12 +127,19 @@ class _PlanLog(logging.Handler):
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """`_child(spec)` in a fresh interpreter (same PYTHONPATH), its JSON result."""
+    """`_child(spec)` in a fresh interpreter, its JSON result.
+
+    The child's PYTHONPATH is the caller's (a checkout named there is the one measured) followed by this tree, which
+    holds `benchmarks`: with a PYTHONPATH that named something else only, the child could not import this script's
+    own package and every measurement failed.
+    """
+    own_tree = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), own_tree) if p)
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(Path(__file__).resolve().parents[1]))},
+        env={**os.environ, "PYTHONPATH": path},
     )
     if proc.returncode != 0:
         raise RuntimeError(f"measurement {spec} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

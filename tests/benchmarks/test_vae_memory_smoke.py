@@ -11,7 +11,9 @@ from benchmarks import vae_memory
 
 
 @pytest.mark.slow
-def test_vae_memory_smoke_prints_every_field(capsys):
+def test_vae_memory_smoke_prints_every_field(capsys, monkeypatch, tmp_path):
+    # A PYTHONPATH that names only some other folder: the measurement children still import this tree.
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     records = vae_memory.main(["--smoke"])
 
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
