@@ -80,11 +80,13 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 RAY_TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
+MODEL_CACHE_VAR = "SNAPREF_RAY_CACHE"  # snapref_ray/storage/model_cache.py
 
 
 def pytest_configure(config) -> None:
     _one_share_of_the_cores_per_worker(config)
     _session_ray_token(config)
+    _session_model_cache(config)
 
 
 def _one_share_of_the_cores_per_worker(config) -> None:
@@ -126,6 +128,20 @@ def _session_ray_token(config) -> None:
     token_file.chmod(0o600)
     os.environ[RAY_TOKEN_PATH_VAR] = str(token_file)
     config.add_cleanup(lambda: (os.environ.pop(RAY_TOKEN_PATH_VAR, None), shutil.rmtree(folder, ignore_errors=True)))
+
+
+def _session_model_cache(config) -> None:
+    """The session's own model cache (`SNAPREF_RAY_CACHE`), so that no test writes into the user's
+    `~/.cache/snapref-ray`: the fake cluster's nodes (started from a test process, with its environment)
+    mirrored the README's s3:// model folder there in `test_readme_ray_job_submit_line`. The local Ray's
+    processes get a cache of their own besides (`local_ray_environment`).
+    Made in the controller before the workers are spawned, like the token above; a caller's value stays.
+    """
+    if hasattr(config, "workerinput") or os.environ.get(MODEL_CACHE_VAR):
+        return
+    folder = Path(tempfile.mkdtemp(prefix="snapref-test-model-cache-"))
+    os.environ[MODEL_CACHE_VAR] = str(folder)
+    config.add_cleanup(lambda: (os.environ.pop(MODEL_CACHE_VAR, None), shutil.rmtree(folder, ignore_errors=True)))
 
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
