@@ -7,7 +7,7 @@ with a reading (cond) and a non-reading (uncond) row in one batch.
 pilot: the production path against a direct two-frame forward of the oracle.
 The v2 LoRA's FLOPs are those of the reading rows only (FlopCounterMode against the shapes), the
 reading and plain sub-batches put every row back in place, and v2 renders through the compiled
-forward as eagerly.
+forward as eagerly (inductor's own lowering of the forward: tests/models/test_compiled.py).
 """
 
 from __future__ import annotations
@@ -224,9 +224,13 @@ def test_v2_reading_rows_anywhere_in_the_batch_equal_the_oracle(tiny_arc, render
 
 
 @pytest.mark.slow
-def test_v2_reading_sub_batch_through_inductor_equals_eager(renderers, tiny_arc):
-    """Inductor's graph (not only dynamo's capture) of v2's reading forward: the LoRA on all ten
-    linears of every block (the text context's k/v projections too) and the read of every row."""
+def test_v2_reading_sub_batch_through_aot_autograd_equals_eager(renderers, tiny_arc):
+    """v2's reading forward (the LoRA on all ten linears of every block, the text context's k/v projections
+    too, and the read of every row) captured whole by dynamo and traced by AOTAutograd into the decomposed
+    graph that inductor lowers, run, equals eager. Inductor's own lowering of that structure (a LoRA on
+    every linear, reading and plain rows) is checked once, in
+    tests/models/test_compiled.py::test_compiled_forward_equals_eager: an inductor compile costs most of a
+    minute on a 2-core CPU, and v2 puts nothing into the forward that the LoRA pairs and reads there lack."""
     from snapref_ray.models.compiled import compile_forward
 
     renderer = renderers["arcanima-v2"]
@@ -238,7 +242,7 @@ def test_v2_reading_sub_batch_through_inductor_equals_eager(renderers, tiny_arc)
     loras = renderer.adapter.full_loras(0.8)
     refs = refkv.reads((True, True), [1.0] * refkv.num_blocks)
     with torch.inference_mode():
-        compiled = compile_forward(renderer.dit)(x, sigma, ctx, loras=loras, refs=refs)
+        compiled = compile_forward(renderer.dit, backend="aot_eager")(x, sigma, ctx, loras=loras, refs=refs)
         eager = renderer.dit(x, sigma, ctx, loras=loras, refs=refs)
         without_lora = renderer.dit(x, sigma, ctx, refs=refs)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)

@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounter
 
 from snapref_ray.models.attention import RefRead
 from snapref_ray.models.compiled import compile_forward
-from snapref_ray.models.dit import load_dit
+from snapref_ray.models.dit import BLOCK_LINEARS, load_dit
 from snapref_ray.models.ops import LoRAPair
 from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict
 
@@ -53,6 +53,21 @@ def _target_loras(seed: int):
     g = torch.Generator().manual_seed(seed)
     pair = LoRAPair(0.1 * torch.randn(4, WIDTH, generator=g), 0.1 * torch.randn(WIDTH, 4, generator=g), 1.0)
     return [{"self_attn.q_proj": pair}] * BLOCKS
+
+
+def _every_linear_lora(dit, seed: int, rank: int = 4):
+    """A rank-`rank` LoRA on each of the ten linears of every block (the text context's k/v projections
+    too), as ArcAnima v2's adapter and a style LoRA over all targets put them."""
+    g = torch.Generator().manual_seed(seed)
+    loras = []
+    for block in dit.blocks:
+        pairs = {}
+        for name in BLOCK_LINEARS:
+            out_features, in_features = block.get_submodule(name).weight.shape
+            down = 0.1 * torch.randn(rank, in_features, generator=g)
+            pairs[name] = LoRAPair(down, 0.1 * torch.randn(out_features, rank, generator=g), 0.8)
+        loras.append(pairs)
+    return loras
 
 
 def _no_syncs():
@@ -102,19 +117,25 @@ def test_prompts_references_and_weights_do_not_recompile(dit):
 
 @pytest.mark.slow
 def test_compiled_forward_equals_eager(dit):
-    """Inductor's graph against the eager module, fp32, on one batch holding every kind of row.
+    """Inductor's graph against the eager module, fp32, on one batch holding every kind of row, with a
+    LoRA on all ten linears of every block.
 
-    One graph only (an inductor compile costs minutes on a small CPU): rows 0-1 read the reference
-    with a weighted read (2.5 / 0.25 per block), row 2 is a plain row in the same forward, so the
-    plain path, the reading path and the mixed-row merge are all compiled and checked.
+    One graph only (an inductor compile is most of a minute on a small CPU): rows 0-1 read the reference
+    with a weighted read (2.5 / 0.25 per block), row 2 is a plain row in the same forward, so the plain
+    path, the reading path and the mixed-row merge are all compiled and checked; the LoRA on every linear,
+    the text context's k/v projections too, is what ArcAnima v2's reading sub-batch and a style LoRA add to
+    the graph (tests/adapter/test_arcanima_methods.py runs v2's own forward through dynamo and AOTAutograd).
     """
     forward = compile_forward(dit)
     x, sigma, ctx = _inputs(3, 5)
     refs = _refs(dit, (True, True, False), 6, weights=(2.5, 0.25))
+    loras = _every_linear_lora(dit, 7)
     with torch.inference_mode():
-        compiled = forward(x, sigma, ctx, loras=_target_loras(7), refs=refs)
-        eager = dit(x, sigma, ctx, loras=_target_loras(7), refs=refs)
-        plain = dit(x, sigma, ctx, loras=_target_loras(7))
+        compiled = forward(x, sigma, ctx, loras=loras, refs=refs)
+        eager = dit(x, sigma, ctx, loras=loras, refs=refs)
+        plain = dit(x, sigma, ctx, loras=loras)
+        without_lora = dit(x, sigma, ctx, refs=refs)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     assert (eager[:2] - plain[:2]).abs().max() > 1e-3  # rows 0-1 really read
     torch.testing.assert_close(eager[2], plain[2], rtol=0, atol=1e-5)  # row 2 is a plain row
+    assert (eager - without_lora).abs().max() > 1e-3  # the LoRA is in the graph
