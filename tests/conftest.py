@@ -122,12 +122,10 @@ def _session_ray_token(config) -> None:
     """
     if hasattr(config, "workerinput") or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get(RAY_TOKEN_PATH_VAR):
         return
-    folder = Path(tempfile.mkdtemp(prefix="snapref-test-ray-token-"))
-    token_file = folder / "auth_token"
+    token_file = _session_folder(config, "snapref-test-ray-token-", RAY_TOKEN_PATH_VAR) / "auth_token"
     token_file.write_text(secrets.token_hex(32))  # what Ray itself generates: 256 random bits as hex
     token_file.chmod(0o600)
     os.environ[RAY_TOKEN_PATH_VAR] = str(token_file)
-    config.add_cleanup(lambda: (os.environ.pop(RAY_TOKEN_PATH_VAR, None), shutil.rmtree(folder, ignore_errors=True)))
 
 
 def _session_model_cache(config) -> None:
@@ -139,9 +137,15 @@ def _session_model_cache(config) -> None:
     """
     if hasattr(config, "workerinput") or os.environ.get(MODEL_CACHE_VAR):
         return
-    folder = Path(tempfile.mkdtemp(prefix="snapref-test-model-cache-"))
-    os.environ[MODEL_CACHE_VAR] = str(folder)
-    config.add_cleanup(lambda: (os.environ.pop(MODEL_CACHE_VAR, None), shutil.rmtree(folder, ignore_errors=True)))
+    os.environ[MODEL_CACHE_VAR] = str(_session_folder(config, "snapref-test-model-cache-", MODEL_CACHE_VAR))
+
+
+def _session_folder(config, prefix: str, variable: str) -> Path:
+    """A temporary folder for the session; at its end the folder is removed and `variable` (which the
+    caller points into it) is unset."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    config.add_cleanup(lambda: (os.environ.pop(variable, None), shutil.rmtree(folder, ignore_errors=True)))
+    return folder
 
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
