@@ -34,6 +34,7 @@ from dataclasses import dataclass
 __all__ = [
     "PLOT_KEYS",
     "format_duration",
+    "format_rate",
     "histogram",
     "images_per_minute",
     "latency_svg",
@@ -220,6 +221,11 @@ def format_duration(seconds: float) -> str:
     return f"{h} h {rem // 60:02d} min"
 
 
+def format_rate(per_minute: float) -> str:
+    """``0.5``, ``90``, ``21,540``: a rate with three significant digits below 100, whole above."""
+    return f"{per_minute:,.0f}" if per_minute >= 100 else f"{per_minute:.3g}"
+
+
 # ----------------------------------------------------------------------------- matplotlib
 
 
@@ -316,7 +322,7 @@ def throughput_svg(finished_at: Sequence[float], start: float | None = None, max
             linewidth=1.4,
             linestyle=(0, (6, 4)),
             gid="throughput-mean",
-            label=f"mean {mean:.3g} images / min",
+            label=f"mean {format_rate(mean)} images / min",
         )
         # The legend sits above the plot so it never hides a bar.
         ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, labelcolor=_MEAN)

@@ -260,7 +260,8 @@ def test_gallery_in_chromium_shows_every_reference_and_loads_every_thumbnail(sma
 def test_gallery_source_escapes_user_strings(small_job):
     root, _, _ = small_job
     html = (root / "gallery.html").read_text()
-    assert "&lt;/figcaption&gt;&lt;script&gt;document.title=&quot;pwned&quot;&lt;/script&gt; &amp; " in html
+    # Jinja2's autoescaping (markupsafe) writes a double quote as &#34; where html.escape wrote &quot;.
+    assert "&lt;/figcaption&gt;&lt;script&gt;document.title=&#34;pwned&#34;&lt;/script&gt; &amp; " in html
     assert "<script>document.title" not in html
     assert "ValueError: still &lt;bad&gt;" in html and "RayActorError" not in html
 
