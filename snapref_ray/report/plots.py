@@ -346,8 +346,8 @@ def workers_svg(
     span, uses = worker_utilisation(worker_ids, started_at, finished_at)
     if not uses:
         return _no_data(title, "no items with worker_id, started_at and finished_at")
-    # Re-merge at the timeline's resolution (~600 px) so a 60,000-item job draws a few hundred boxes a row.
-    span, uses = worker_utilisation(worker_ids, started_at, finished_at, merge_gap_s=span / 600)
+    # Re-merge at the timeline's resolution (~400 pt wide) so a 60,000-item job draws a few hundred boxes a row.
+    span, uses = worker_utilisation(worker_ids, started_at, finished_at, merge_gap_s=span / 400)
     mean_util = sum(u.utilisation for u in uses) / len(uses)
     subtitle = (
         f"{len(uses)} workers over {format_duration(span)}; "
