@@ -36,6 +36,7 @@ class RunRow:
     number: int
     started: str
     images: str
+    failed: str
     wall: str
     startup: str
     rendering: str
@@ -87,16 +88,17 @@ def page_header(
             " the throughput plot draws it as its mean line"
         )
     facts.append(Fact("pages", f"{n_pages:,}"))
+    runs = _runs(summary.get("runs"))
+    # With a runs list, the top-level wall time is the job's (over its runs), and each run's is in the table.
+    shown = [fact for fact in _SUMMARY_FACTS if not (runs and fact[0] == "wall_seconds")]
     run_facts = [
-        Fact(label, _format_or_str(fmt, summary[key]))
-        for key, label, fmt in _SUMMARY_FACTS
-        if summary.get(key) is not None
+        Fact(label, _format_or_str(fmt, summary[key])) for key, label, fmt in shown if summary.get(key) is not None
     ]
     return Header(
         facts=facts,
         throughput_note=note,
         run_facts=run_facts,
-        runs=_runs(summary.get("runs")),
+        runs=runs,
         scalars=_summary_scalars(summary),
         plots=list(plot_keys.items()),
         failed=len(failed),
@@ -145,6 +147,7 @@ def _runs(runs) -> list[RunRow]:
                 number=i + 1,
                 started=timestamp(started) if started is not None else "–",
                 images=f"{images:,.0f}" if images is not None else "–",
+                failed=f"{failed:,.0f}" if (failed := number(run, "failed_items")) is not None else "–",
                 wall=duration(number(run, "wall_seconds")),
                 startup=duration(number(run, "startup_seconds")),
                 rendering=duration(render_s),

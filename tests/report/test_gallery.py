@@ -380,20 +380,33 @@ def test_header_shows_one_labelled_throughput_the_charts_mean_line(small_job):
 def test_runs_of_summary_json_are_a_table_and_odd_entries_do_not_fail_the_page(tmp_path):
     storage, _, table = write_job(tmp_path / "job", n_refs=1, per_ref=2, images=False)
     runs = [
-        {"started_at": T0, "images_this_run": 8, "wall_seconds": 30.0, "startup_seconds": 12.0, "render_seconds": 16.0},
+        # As the job's typed summary writes a run (pipelines' RunFigures).
+        {
+            "started_at": T0,
+            "finished_at": T0 + 30,
+            "items_to_render": 9,
+            "images": 8,
+            "failed_items": 1,
+            "interrupted": False,
+            "wall_seconds": 30.0,
+            "startup_seconds": 12.0,
+            "render_seconds": 16.0,
+        },
         {"images_this_run": 4, "interrupted": True, "images_per_hour_rendering": 360.0},  # no timings
         "not a run",  # skipped
         {"images_this_run": EVIL, "render_seconds": "fast"},  # odd values show as "–"
     ]
-    write_gallery(storage, table, summary={"runs": runs, "manifest": EVIL})
+    write_gallery(storage, table, summary={"runs": runs, "manifest": EVIL, "wall_seconds": 46.0})
     html = storage.get_bytes("gallery.html").decode()
     body = html.split('<details class="runs" open>', 1)[1].split("</details>", 1)[0]
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", body)[1:]]
     assert cells == [
-        ["1", "2023-11-14 22:13:20", "8", "30 s", "12 s", "16 s", "30", "–"],  # 8 images in 16 s
-        ["2", "–", "4", "–", "–", "–", "6", "yes"],  # 360 / hour
-        ["3", "–", "–", "–", "–", "–", "–", "–"],
+        ["1", "2023-11-14 22:13:20", "8", "1", "30 s", "12 s", "16 s", "30", "no"],  # 8 images in 16 s
+        ["2", "–", "4", "–", "–", "–", "–", "6", "yes"],  # 360 / hour
+        ["3", "–", "–", "–", "–", "–", "–", "–", "–"],
     ]
+    # The top-level wall time is the job's when runs exist: no "last run" wall time beside the table.
+    assert ("wall time", "46 s") not in header_facts(html)
     # The summary's strings reach the page as text only (the "all of summary.json" facts).
     dom = Dom(html)
     assert dom.find("b") == [] and len(dom.find("script")) == 1
