@@ -48,3 +48,20 @@ def test_report_of_a_job_that_has_only_claimed_its_output_is_an_empty_gallery(tm
     result = write_report(str(tmp_path))
     assert (result["images"], result["pages"]) == (0, 1)
     assert "No images in this job yet." in (tmp_path / "gallery.html").read_text()
+
+
+def test_every_template_and_static_file_is_package_data():
+    """An installed package (pip install .) carries what the gallery reads at run time."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    import snapref_ray
+
+    package = Path(snapref_ray.__file__).parent
+    patterns = tomllib.loads((package.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    files = [
+        p.relative_to(package).as_posix() for d in ("templates", "static") for p in (package / "report" / d).iterdir()
+    ]
+    assert len(files) >= 6
+    assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns["snapref_ray"])] == []
