@@ -119,13 +119,15 @@ _SUMMARY_FACTS = (
 def _runs(runs) -> list[RunRow]:
     """The rows of the runs table from ``summary.json``'s ``runs`` list (a resume adds one).
 
-    Written by other versions too: a missing or odd figure shows as "–", never fails the page.
+    Each run as the job's summary records it (``started_at``, ``images``, ``failed_items``,
+    ``wall_seconds``, ``startup_seconds``, ``render_seconds``, ``interrupted``); a run's rate is
+    its images over its rendering time. A missing or odd figure shows as "–", never fails the page.
     """
     if not isinstance(runs, list):
         return []
 
-    def number(run: Mapping, *keys: str) -> float | None:
-        v = next((run[k] for k in keys if k in run), None)
+    def number(run: Mapping, key: str) -> float | None:
+        v = run.get(key)
         return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
     def duration(v: float | None) -> str:
@@ -133,13 +135,9 @@ def _runs(runs) -> list[RunRow]:
 
     rows = []
     for i, run in enumerate(r for r in runs if isinstance(r, Mapping)):
-        images = number(run, "images_this_run", "images")
+        images = number(run, "images")
         render_s = number(run, "render_seconds")
-        rate = (
-            images / render_s * 60
-            if images is not None and render_s
-            else (number(run, "images_per_hour_rendering") or 0) / 60 or None
-        )
+        rate = images / render_s * 60 if images is not None and render_s else None
         started = number(run, "started_at")
         interrupted = run.get("interrupted")
         rows.append(

@@ -33,10 +33,12 @@ from dataclasses import dataclass
 
 __all__ = [
     "PLOT_KEYS",
+    "bin_edges",
     "format_duration",
     "format_rate",
     "histogram",
     "images_per_minute",
+    "job_start",
     "latency_svg",
     "mean_images_per_minute",
     "throughput_svg",
