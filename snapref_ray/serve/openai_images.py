@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from snapref_ray.requests import RenderSettings, StepCache
-from snapref_ray.serve.api import ECHO_CHARS, ModelCard, RenderBody, echo, validation_error
+from snapref_ray.serve.api import ECHO_CHARS, REFERENCE_FIELDS, ModelCard, RenderBody, echo, validation_error
 from snapref_ray.serve.errors import ApiError
 from snapref_ray.serve.openai_errors import renamed
 
@@ -128,6 +128,17 @@ class ImageEditRequest(ImageRequestFields):
     input_fidelity: str | None = Field(
         None, description="Refused: how closely the reference is followed is ref_weight (and ref_guidance)."
     )
+
+    def adapter_settings(self) -> dict[str, Any]:
+        for name in REFERENCE_FIELDS:
+            if name in (self.model_extra or {}):
+                raise ApiError(
+                    400,
+                    name,
+                    "an edit's reference is its image file(s); to render with an uploaded reference by id,"
+                    " use /v1/images/generations",
+                )
+        return super().adapter_settings()
 
 
 class OutputOptions(BaseModel):
@@ -247,7 +258,8 @@ _NESTED = re.compile(r"([a-z_]+)\[([a-z_]+)\]")  # how the OpenAI SDK sends a di
 
 def edit_field_names() -> list[str]:
     """Every text part an edit may carry (the SDK sends a dict setting as `name[key]` parts)."""
-    names = [n for n in ImageEditRequest.model_fields] + list(ADAPTER_FIELDS)
+    # The reference fields only to be refused by name: an edit's reference is its image.
+    names = [*ImageEditRequest.model_fields, *ADAPTER_FIELDS, *REFERENCE_FIELDS]
     return names + [f"step_cache[{key}]" for key in StepCache.model_fields]
 
 

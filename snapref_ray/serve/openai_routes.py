@@ -52,8 +52,8 @@ router = APIRouter()
 _ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 401, 404, 408, 413, 415, 503, 504)}
 _PROMPT_FIELDS = ("prompt", "negative_prompt", "ref_caption")
 _SMALL_FIELD_BYTES = 1024  # a number, a name or a small JSON object
-# Internal names an edit's errors may carry, as the client sent them: the files are the reference.
-_EDIT_NAMES = {**OPENAI_NAMES, "reference_id": "image", "file": "image", "reference_image": "image"}
+# Once an edit's files are the reference, the renderer's errors about "reference_id" are about them.
+_EDIT_RENDER_NAMES = {**OPENAI_NAMES, "reference_id": "image"}
 
 
 def _with_settings(schema: dict) -> dict:
@@ -140,6 +140,9 @@ class OpenAIImageRoutes:
             req = _validated(ImageEditRequest, form_values(texts))
             body = render_body(req)
             output = output_options(req)
+        except ApiError as e:
+            raise renamed(e, OPENAI_NAMES) from None
+        try:
             if req.model is not None:
                 check_model(req.model, await self._model_id())
             layout = _layout(req, len(images))
@@ -150,7 +153,7 @@ class OpenAIImageRoutes:
             reply = await self._render_with(body, reference, started)
             return await _answer(reply, reference, output)
         except ApiError as e:
-            raise renamed(e, _EDIT_NAMES) from None
+            raise renamed(e, _EDIT_RENDER_NAMES) from None
 
     async def _read_edit_form(self, request: Request, content_type: str) -> tuple[list[bytes], dict[str, str]]:
         """The edit's image files (in order) and its text fields, parsed as the body streams in."""

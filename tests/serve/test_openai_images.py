@@ -138,6 +138,29 @@ def test_errors_name_the_field_as_the_client_sent_it() -> None:
     assert renamed(untouched, OPENAI_NAMES) is untouched
 
 
+def test_errors_take_openais_shape_only_on_its_routes() -> None:
+    from starlette.requests import Request as StarletteRequest
+
+    from snapref_ray.serve.ingress import _error_response
+
+    overloaded = ApiError(503, None, "the renderers are at capacity", headers={"Retry-After": "5"})
+    for path, body in [
+        (
+            "/v1/images/generations",
+            {
+                "message": "the renderers are at capacity",
+                "type": "server_overloaded_error",
+                "param": None,
+                "code": "overloaded",
+            },
+        ),
+        ("/v1/render", {"field": None, "message": "the renderers are at capacity"}),
+    ]:
+        response = _error_response(StarletteRequest({"type": "http", "path": path, "headers": []}), overloaded)
+        assert (response.status_code, json.loads(response.body)) == (503, {"error": body})
+        assert response.headers["Retry-After"] == "5"  # the SDK waits as long before it retries
+
+
 # -- the live server ---------------------------------------------------------------------------
 @pytest.mark.slow
 def test_models_list_and_the_fields_of_today(oai: openai.OpenAI, server: str) -> None:
@@ -278,6 +301,15 @@ def test_bad_input_raises_the_sdks_typed_errors(oai: openai.OpenAI, server: str,
     edit = {"prompt": "p", "size": SIZE, "extra_body": {"num_inference_steps": STEPS}}
     err = bad_request(oai.images.edit, image=("a.png", b"GIF89a but not really", "image/png"), **edit)
     assert err.param == "image" and "not an image format" in err.message
+    image = ("ref.png", reference_png, "image/png")
+    for change, param, message in [
+        ({"extra_body": {"reference_id": "0" * 32}}, "reference_id", "an edit's reference is its image"),
+        ({"extra_body": {"reference_layout": "pair"}}, "reference_layout", "send two images, not 1"),
+        ({"mask": image}, "mask", "masks are not served"),
+        ({"extra_body": {"num_inference_steps": 9}}, "num_inference_steps", "more than the 8 allowed"),
+    ]:
+        err = bad_request(oai.images.edit, image=image, **{**edit, **change})
+        assert err.param == param and message in err.message, (change, err.message)
     with pytest.raises(openai.APIStatusError) as too_large:
         oai.images.edit(image=("a.png", b"\x00" * (LIMITS.max_upload_bytes + 1), "image/png"), **edit)
     assert too_large.value.status_code == 413 and too_large.value.param == "image"
