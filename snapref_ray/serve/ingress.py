@@ -63,7 +63,7 @@ from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
 from snapref_ray.serve.errors import ApiError
 from snapref_ray.serve.forms import MultipartForm
-from snapref_ray.serve.openai_errors import is_openai_route, openai_error_body
+from snapref_ray.serve.openai_errors import error_response
 from snapref_ray.serve.openai_images import model_cards
 from snapref_ray.serve.openai_routes import OpenAIImageRoutes
 from snapref_ray.serve.openai_routes import router as openai_router
@@ -98,33 +98,27 @@ app = FastAPI(
 app.include_router(openai_router)
 
 
-def _error_response(request: Request, error: ApiError) -> JSONResponse:
-    """`error` in the shape of the route it answers: OpenAI's on its routes, the API's own elsewhere."""
-    body = openai_error_body(error) if is_openai_route(request.url.path) else error.body()
-    return JSONResponse(body, status_code=error.status, headers=error.headers or None)
-
-
 @app.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return _error_response(request, exc)
+    return error_response(request, exc)
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": "value_error"}
     field = field_path(tuple(p for p in first["loc"] if p != "body")) or None
-    return _error_response(request, ApiError(400, field, error_message(first, echo_limit=ECHO_CHARS)))
+    return error_response(request, ApiError(400, field, error_message(first, echo_limit=ECHO_CHARS)))
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return _error_response(request, ApiError(exc.status_code, None, str(exc.detail), getattr(exc, "headers", None)))
+    return error_response(request, ApiError(exc.status_code, None, str(exc.detail), getattr(exc, "headers", None)))
 
 
 @app.exception_handler(Exception)
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:  # a bug: log it whole
     log.exception("unexpected error in %s %s", request.method, request.url.path)
-    return _error_response(request, ApiError(500, None, f"internal error: {type(exc).__name__}"))
+    return error_response(request, ApiError(500, None, f"internal error: {type(exc).__name__}"))
 
 
 def _proxy_host() -> str | None:

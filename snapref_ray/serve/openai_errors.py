@@ -10,6 +10,8 @@ names these routes take (`size`, not `width`).
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from snapref_ray.serve.errors import ApiError
 
@@ -70,6 +72,12 @@ def openai_error_body(error: ApiError) -> dict:
             code=_CODES.get(error.status),
         )
     ).model_dump()
+
+
+def error_response(request: Request, error: ApiError) -> JSONResponse:
+    """`error` in the shape of the route it answers: OpenAI's on its routes, the API's own elsewhere."""
+    body = openai_error_body(error) if is_openai_route(request.url.path) else error.body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers or None)
 
 
 def renamed(error: ApiError, names: dict[str, str]) -> ApiError:

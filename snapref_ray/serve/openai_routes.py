@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.api import (
     FORM_OVERHEAD,
     ReferenceOptions,
@@ -58,8 +59,6 @@ _EDIT_RENDER_NAMES = {**OPENAI_NAMES, "reference_id": "image"}
 
 def _with_settings(schema: dict) -> dict:
     """`schema` with the adapter's settings listed (they are accepted as extra fields under their own names)."""
-    from snapref_ray.requests import RenderSettings
-
     settings = RenderSettings.model_json_schema()
     properties = {**schema["properties"], **{n: settings["properties"][n] for n in ADAPTER_FIELDS}}
     defs = {**schema.get("$defs", {}), **settings.get("$defs", {})}

@@ -22,7 +22,7 @@ from PIL import Image
 from snapref_ray.client import SnapRefClient
 from snapref_ray.serve.config import ServeConfig, ServeLimits
 from snapref_ray.serve.errors import ApiError
-from snapref_ray.serve.openai_errors import renamed
+from snapref_ray.serve.openai_errors import error_response, renamed
 from snapref_ray.serve.openai_images import OPENAI_NAMES, form_values
 from snapref_ray.storage.image_files import read_image_info
 
@@ -129,6 +129,39 @@ def test_form_fields_are_typed_like_json() -> None:
         assert info.value.field == "guidance_scale"
 
 
+def test_a_form_takes_a_repeatable_part_up_to_its_bound() -> None:
+    import asyncio
+
+    from snapref_ray.serve.forms import MultipartForm
+
+    def parsed(files: int) -> MultipartForm:
+        parts = [(b"prompt", b"p")] + [(b"image[]", bytes([i]) * 3) for i in range(files)]
+        body = b"".join(
+            b'--b\r\nContent-Disposition: form-data; name="' + name + b'"\r\n\r\n' + data + b"\r\n"
+            for name, data in parts
+        )
+        form = MultipartForm(
+            "multipart/form-data; boundary=b",
+            {"prompt": 10, "image[]": 10},
+            max_parts=10,
+            max_header_bytes=256,
+            repeatable={"image[]": 3},
+        )
+
+        async def chunks():
+            yield body + b"--b--\r\n"
+
+        asyncio.run(form.feed(chunks()))
+        return form
+
+    form = parsed(3)
+    assert [bytes(p.data) for p in form.repeated["image[]"]] == [b"\x00" * 3, b"\x01" * 3, b"\x02" * 3]
+    assert [p.index for p in form.repeated["image[]"]] == [2, 3, 4] and form.text("prompt") == "p"
+    with pytest.raises(ApiError, match="part 5 is 'image\\[\\]' number 4; at most 3 accepted") as info:
+        parsed(4)
+    assert (info.value.status, info.value.field) == (400, "image[]")
+
+
 def test_errors_name_the_field_as_the_client_sent_it() -> None:
     err = renamed(ApiError(400, "steps", "9 steps, more than the 8 allowed"), OPENAI_NAMES)
     assert (err.field, err.message) == ("num_inference_steps", "num_inference_steps: 9 steps, more than the 8 allowed")
@@ -140,8 +173,6 @@ def test_errors_name_the_field_as_the_client_sent_it() -> None:
 
 def test_errors_take_openais_shape_only_on_its_routes() -> None:
     from starlette.requests import Request as StarletteRequest
-
-    from snapref_ray.serve.ingress import _error_response
 
     overloaded = ApiError(503, None, "the renderers are at capacity", headers={"Retry-After": "5"})
     for path, body in [
@@ -156,7 +187,7 @@ def test_errors_take_openais_shape_only_on_its_routes() -> None:
         ),
         ("/v1/render", {"field": None, "message": "the renderers are at capacity"}),
     ]:
-        response = _error_response(StarletteRequest({"type": "http", "path": path, "headers": []}), overloaded)
+        response = error_response(StarletteRequest({"type": "http", "path": path, "headers": []}), overloaded)
         assert (response.status_code, json.loads(response.body)) == (503, {"error": body})
         assert response.headers["Retry-After"] == "5"  # the SDK waits as long before it retries
 
