@@ -268,7 +268,7 @@ def test_edit_equals_render_and_encodes_once(
 
 
 @pytest.mark.slow
-def test_edit_with_two_images_as_a_pair(
+def test_edit_with_two_images_as_a_pair_or_one_character(
     oai: openai.OpenAI, native: SnapRefClient, reference_png: bytes, red_png: bytes
 ) -> None:
     answer = oai.images.edit(
@@ -281,6 +281,15 @@ def test_edit_with_two_images_as_a_pair(
     assert answer.snapref["reference_ids"] == [left, right]
     expected, _ = _rendered(native, "2girls, side by side", 2, left_reference_id=left, right_reference_id=right)
     assert np.array_equal(_pixels(base64.b64decode(answer.data[0].b64_json)), expected)
+    # The same two files without reference_layout: several images of one character, read another way.
+    multi = oai.images.edit(
+        image=[("left.png", reference_png, "image/png"), ("right.png", red_png, "image/png")],
+        prompt="2girls, side by side",
+        size=SIZE,
+        extra_body={"seed": 2, "num_inference_steps": STEPS},
+    )
+    assert multi.snapref["reference_ids"] == [left, right] and multi.snapref["cache_hit"] is False
+    assert not np.array_equal(_pixels(base64.b64decode(multi.data[0].b64_json)), expected)
 
 
 @pytest.mark.slow
