@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import ray
 
 from snapref_ray.cluster.calls import Call, CallKind, InFlight, Returned
-from snapref_ray.cluster.placement import Assignment, Placement, QueuedReference, fetch_is_cheaper
+from snapref_ray.cluster.placement import Assignment, Placement, QueuedReference
 from snapref_ray.cluster.pool import Member, PoolMembers, WorkerPool
 from snapref_ray.cluster.recovery import Recovery, RequeueBudgetExceeded
 from snapref_ray.cluster.schedule import EVENT_KINDS, Cause, SchedulerConfig, SchedulerEvent, SchedulerStats
@@ -47,7 +47,6 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerEvent",
     "SchedulerStats",
-    "fetch_is_cheaper",
 ]
 
 

@@ -42,7 +42,7 @@ from snapref_ray.pipelines.job_summary import (
 )
 from snapref_ray.service.loading import adapter_kind
 from snapref_ray.service.work_items import JobValidationError, ValidatedJob, WorkItem, load_work_items
-from snapref_ray.storage.backends import open_storage
+from snapref_ray.storage.backends import Storage, open_storage
 from snapref_ray.storage.jobspec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
 from snapref_ray.storage.ledger import claim_output, committed_item_ids, job_fingerprint
 from snapref_ray.storage.metadata import ErrorWriter, MetadataWriter, read_errors_table, read_summary, write_summary
@@ -130,7 +130,7 @@ class _Hooks:
 class _Output:
     """The job's output as this run holds it: the storage, its fingerprint, what earlier runs left, the writers."""
 
-    storage: object
+    storage: Storage
     fingerprint: str
     done_before: set[str]
     earlier_runs: list[RunFigures]
