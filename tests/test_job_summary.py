@@ -55,3 +55,15 @@ def test_a_summary_written_before_runs_existed_counts_as_one_run():
     new = {"runs": [first.model_dump(mode="json")]}
     assert RunFigures.from_earlier_summary(new) == [first]
     assert RunFigures.from_earlier_summary({"images_total": 3}) == []
+
+
+def test_an_unreadable_earlier_summary_starts_the_figures_again(tmp_path):
+    from snapref_ray.pipelines.generate_dataset import _earlier_runs
+    from snapref_ray.storage.backends import open_storage
+
+    storage = open_storage(str(tmp_path))
+    assert _earlier_runs(storage) == []  # a new output
+    (tmp_path / "summary.json").write_text('{"runs": [{"images": 3')  # a driver killed while writing it
+    assert _earlier_runs(storage) == []
+    (tmp_path / "summary.json").write_text('{"runs": [' + run(3, wall=9.0, render=6.0).model_dump_json() + "]}")
+    assert _earlier_runs(storage) == [run(3, wall=9.0, render=6.0)]

@@ -191,17 +191,27 @@ def _claim(spec: JobSpec) -> _Output:
     storage = open_storage(spec.output.uri, spec.s3_options())
     fingerprint = job_fingerprint(spec_fingerprint(spec))
     claim_output(storage, fingerprint, spec_fingerprint(spec), append=spec.output.append)
-    earlier = read_summary(storage)
     return _Output(
         storage,
         fingerprint,
         committed_item_ids(storage),
-        RunFigures.from_earlier_summary(earlier) if earlier else [],
+        _earlier_runs(storage),
         MetadataWriter(
             storage, embed_images=spec.output.embed_images, flush_seconds=spec.output.metadata_flush_seconds
         ),
         ErrorWriter(storage),
     )
+
+
+def _earlier_runs(storage: Storage) -> list[RunFigures]:
+    """The runs an earlier summary.json recorded; none when there is none, or it cannot be read (a driver killed
+    while writing it): the job's figures then start again from this run, and nothing else is lost."""
+    try:
+        earlier = read_summary(storage)
+        return RunFigures.from_earlier_summary(earlier) if earlier else []
+    except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError and pydantic's ValidationError are ValueErrors
+        log.warning("%s cannot be read (%s); its earlier runs are not counted", storage.uri_for("summary.json"), e)
+        return []
 
 
 def _plan(spec: JobSpec, validated: ValidatedJob, output: _Output) -> list[WorkItem]:
