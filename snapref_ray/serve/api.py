@@ -284,10 +284,6 @@ def check_limits(body: RenderBody, limits: ServeLimits) -> None:
         raise ApiError(
             400, "ref_megapixels", f"{body.ref_megapixels} MP, more than the {limits.max_megapixels} allowed"
         )
-    if body.recompute_reference_every_step:
-        raise ApiError(
-            400, "recompute_reference_every_step", "is a benchmark baseline and is not served; leave it false"
-        )
     if body.denoise < 1.0:
         raise ApiError(400, "denoise", "img2img (denoise < 1) is not served over HTTP; use 1")
 

@@ -226,7 +226,7 @@ class Ingress:
         self._auth.check(request.headers.get("authorization"))
         # Asked each time (one replica's figures: the memory fit and cache counters change as it works).
         info = await self._call(self._local.info() if self._local else self._renderer.info.remote())
-        return {**info, "limits": self._limits, "max_batch_size": self._config.max_batch_size}
+        return {**info, "limits": self._limits, "max_batch_size": self._config.max_batch}
 
     @app.api_route("/openapi.json", methods=_READ, include_in_schema=False)
     async def openapi(self, request: Request) -> JSONResponse:

@@ -177,7 +177,6 @@ def test_validation_errors_name_the_field(body: dict, field: str, message: str) 
         ({"negative_prompt": "x" * 201}, "negative_prompt"),
         ({"ref_megapixels": 3.0}, "ref_megapixels"),
         ({"denoise": 0.5}, "denoise"),
-        ({"recompute_reference_every_step": True}, "recompute_reference_every_step"),
     ],
 )
 def test_server_limits_name_the_field(body: dict, field: str) -> None:
