@@ -74,6 +74,7 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
 def _reference(args: argparse.Namespace, settings: RenderSettings, adapter_kind: str | None):
     """The typed `Reference` of --reference / --reference2, checked before any device work (None without one)."""
     from snapref_ray.adapter.images import ReferenceImageError
+    from snapref_ray.requests import RenderError
     from snapref_ray.service.references import Reference, check_reference
 
     images, layout = _reference_images(args)
@@ -86,6 +87,9 @@ def _reference(args: argparse.Namespace, settings: RenderSettings, adapter_kind:
     except ReferenceImageError as e:
         flag = next((f for f, src in zip(flags, sources) if str(e).startswith(src)), "--reference")
         raise ReferenceImageError(f"{flag} {e}") from None
+    except RenderError as e:  # a layout the adapter does not read
+        flag = "--reference2" if layout == "pair" else f"--reference (given {len(args.reference)} times)"
+        raise RenderError(f"{flag}: {str(e).removeprefix('layout: ')}", field="reference") from None
     return Reference.of_images(images, layout, settings, sources)
 
 
