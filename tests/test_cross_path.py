@@ -392,3 +392,21 @@ def test_every_door_gives_each_input_the_same_verdict(case, job, ray_data, endpo
             assert (data_row["encode_s"] == 0) == data_row["refkv_cache_hit"], (v.name, data_row["encode_s"])
             if answer is not None:
                 assert (answer["timings"]["encode_s"] == 0) == answer["cache_hit"], (v.name, answer["timings"])
+
+
+def test_a_ray_data_actor_fits_its_batches_into_the_memory_it_asked_ray_for(server, tiny_models):
+    """The memory budget reaches the render service from every door: a job hands its workers the figure they
+    ask Ray for (WorkerConfig), Serve its replicas (tests/serve/test_config.py), and a Ray Data actor reads the
+    `memory=` Ray assigned it (unless `memory_budget_bytes` says otherwise)."""
+    import ray
+
+    from snapref_ray.data import SnapRefRenderer
+
+    model = ModelSpec(models_dir=str(tiny_models), device="cpu").model_dump()
+    asked = 900 * 2**20
+    actor = ray.remote(SnapRefRenderer).options(num_cpus=1, memory=asked).remote(model)
+    try:
+        budget = ray.get(actor.__ray_call__.remote(lambda self: self.service.memory.memory.budget_bytes), timeout=300)
+        assert budget == asked
+    finally:
+        ray.kill(actor)

@@ -117,7 +117,11 @@ class SnapRefRenderer:
             renderer_factory(spec) if renderer_factory else load_renderer(spec, s3=self.s3, cache_dir=model_cache_dir)
         )
         self.service = RenderService(
-            renderer, refkv_cache_bytes=refkv_cache_bytes, memory_budget_bytes=memory_budget_bytes, model_spec=spec
+            renderer,
+            refkv_cache_bytes=refkv_cache_bytes,
+            # Unset: the memory= this actor asked Ray for (`map_batches(..., memory=...)`), as a job's worker does.
+            memory_budget_bytes=memory_budget_bytes if memory_budget_bytes is not None else _assigned_memory(),
+            model_spec=spec,
         )
         self.node_id, self.worker_id = _identity()
         if self.service.adapter_id is None and renderer_factory is None:
@@ -291,6 +295,18 @@ def _identity() -> tuple[str, str]:
         pass
     host = os.uname().nodename
     return host, f"{host}-{os.getpid()}"
+
+
+def _assigned_memory() -> int | None:
+    """The bytes of memory Ray assigned this actor (its `memory=`); None outside Ray or when it asked for none."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return int(ray.get_runtime_context().get_assigned_resources().get("memory", 0)) or None
+    except ImportError:
+        pass
+    return None
 
 
 def _empty_row(row: dict) -> dict[str, Any]:
