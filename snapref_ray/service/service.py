@@ -10,8 +10,7 @@ the CLI's flags). The service owns, once:
 - settings resolved for the loaded adapter kind before anything is rendered or recorded,
 - the memory fit: how many images one forward may hold at a resolution (memory.py), and splitting a
   forward that ran out of device memory,
-- the device: one render or encode at a time, and the progress a health check reads.
-
+- the device: one render or encode at a time, and the progress a health check reads,
 - the reference: a door hands it a `Reference` (service/references.py) and the service decides what the
   render reads: the images themselves with `recompute_reference_every_step` (that baseline runs the
   reference stream at every step), else a RefKV from the cache, from `Reference.fetch` or encoded here.
@@ -54,6 +53,9 @@ class RenderOutOfMemory(RenderError):
     """One image does not fit the device: the message names its size, the device and the memory figures."""
 
 
+ReferenceSource = Literal["cache", "fetched", "encoded", "recomputed"]
+
+
 @dataclass
 class Rendered:
     """One image and the facts every output records about it."""
@@ -65,9 +67,6 @@ class Rendered:
     reference_hash: str | None
     skipped_forwards: int | None = None  # DiT forwards the step cache skipped for it (None: cache off)
     reference_source: ReferenceSource | None = None  # where what it read came from (None: no reference)
-
-
-ReferenceSource = Literal["cache", "fetched", "encoded", "recomputed"]
 
 
 @dataclass(frozen=True)
