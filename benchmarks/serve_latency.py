@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
             update={
                 "max_ongoing_requests": 1,
                 "max_queued_requests": 1,
-                "max_batch_size": 1,
+                "max_batch": 1,
                 "batch_wait_timeout_s": 0.0,
                 "limits": ServeLimits(max_n=1, max_side=512),
             }
