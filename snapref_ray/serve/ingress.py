@@ -233,7 +233,7 @@ class Ingress(OpenAIImageRoutes):
         return {
             **info,
             "limits": self._limits,
-            "max_batch_size": self._config.max_batch_size,
+            "max_batch": self._config.max_batch,
             "object": "list",
             "data": model_cards(info, self._started),
         }

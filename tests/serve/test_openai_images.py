@@ -43,7 +43,7 @@ def server(local_serve, tiny_models: Path):
         limits=LIMITS,
         min_replicas=1,
         max_replicas=1,
-        max_batch_size=4,
+        max_batch=4,
         request_timeout_s=120,
     )
     with local_serve.deployed(config) as url:
