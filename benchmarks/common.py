@@ -297,13 +297,6 @@ def time_once(fn: Callable[[], Any], device: torch.device, cpu_seconds: list[flo
     return t1 - t0
 
 
-def time_repeats(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup: int = 1) -> list[float]:
-    """`warmup` untimed calls, then the seconds of each of `repeats` calls."""
-    for _ in range(warmup):
-        time_once(fn, device)
-    return [time_once(fn, device) for _ in range(repeats)]
-
-
 def interleaved(
     cases: Mapping[str, Callable[[], Any]],
     device: torch.device,

@@ -44,7 +44,6 @@ SNAPREF_FORMAT = "anima_ref_kv/1"
 # Metadata key this project writes into ArcAnima files it makes or converts (and into a plain
 # LoRA whose shape happens to match an adapter signature, to say it is a LoRA).
 KIND_METADATA_KEY = "adapter_kind"
-AdapterKindName = Literal["snapref", "arcanima-v2", "arcanima-pilot"]
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,6 @@ KINDS: dict[str, AdapterKind] = {
 # The kinds recognised by their LoRA layout, and that layout.
 ARCANIMA_LAYOUTS: dict[str, ArcAnimaLayout] = {k: row.lora_layout for k, row in KINDS.items() if row.lora_layout}
 ARCANIMA_KINDS = tuple(ARCANIMA_LAYOUTS)
-ALL_KINDS = tuple(KINDS)
 
 
 @dataclass(frozen=True)

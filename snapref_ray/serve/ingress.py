@@ -74,7 +74,6 @@ from snapref_ray.validation import error_message, field_path
 log = logging.getLogger(__name__)
 
 _INFO_CACHE_SIZE = 100_000  # reference infos kept by an ingress (~1 kB each)
-_SETTINGS_FIELDS = set(RenderBody.model_fields)
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 503, 504)}
 _READ = ["GET", "HEAD"]  # every GET route answers HEAD too (same headers, no body)
 # Text fields of a multipart upload: a caption of max_prompt_chars characters is at most 4 bytes each in
