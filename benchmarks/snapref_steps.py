@@ -1,6 +1,6 @@
 """Benchmark: seconds per sampling step with and without a SnapRef reference.
 
-Prints ONE JSON table (in the spirit of the seeds' comparison_summary.json): for each setting the
+Prints ONE JSON table (laid out like the timing table's comparison_summary.json): for each setting the
 median seconds per step and its ratio to the no-reference step, the one-off reference encode
 time, the RefKV size, and the three step targets (docs/design.md#performance-targets) with
 met/missed. All settings are measured side by side in one run: every round times each setting

@@ -48,7 +48,7 @@ KIND_METADATA_KEY = "adapter_kind"
 
 @dataclass(frozen=True)
 class ArcAnimaLayout:
-    """What an ArcAnima file holds and how it is read. `published` fields are the seed's facts;
+    """What an ArcAnima file holds and how it is read. `published` fields are what the ArcAnima README states;
     the rest are this project's documented choices (docs/adapters.md), switchable here."""
 
     kind: str
@@ -58,7 +58,7 @@ class ArcAnimaLayout:
     linears: tuple[str, ...]  # published: all ten linears of every block (28 x 64 x 51,200 = 91.75 M at rank 64)
     published_file: str
     published_size: str
-    # Choice: does the LoRA also act in the v2 reference stream (the seed is silent)? Off: the
+    # Choice: does the LoRA also act in the v2 reference stream (the ArcAnima README does not say)? Off: the
     # reference stream is the base model, and the LoRA acts only in rows that read the reference.
     lora_in_reference_stream: bool = False
     # Choice: where the v2 reference sits in RoPE, "past the target grid": shifted by the target's
