@@ -1,7 +1,7 @@
 """Benchmark: fetch a RefKV from another node, or encode the reference again?
 
 On two nodes of a real multi-node Ray cluster (by default the fake multi-node cluster of
-tests/fake_cluster.py, started here; or `--address` of a running one), side by side in one run:
+benchmarks/fake_cluster.py, started here; or `--address` of a running one), side by side in one run:
 
 - fetch: an actor on node A returns a RefKV of the real shape with random bf16 values (so the
   driver owns it, as in a job); an actor on node B `ray.get`s it, which pulls every byte from A's
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return emit(measure(args), indent=2)
         finally:
             ray.shutdown()
-    from tests.fake_cluster import fake_cluster
+    from benchmarks.fake_cluster import fake_cluster
 
     # Object stores big enough for one real-size RefKV on each of the two nodes.
     store = 300_000_000 if args.smoke else 2_200_000_000

@@ -29,7 +29,7 @@ scheduling resource.)
 Output overlap (`--overlap on|off|both`): `on` is the worker's default, images encoded and
 uploaded on its output threads (`snapref_ray/cluster/output_writer.py`, `cluster.output_threads`)
 while the next batch samples; `off` (`output_threads: 0`) stores them inline while the device
-waits. `--output s3` writes to a SeaweedFS S3 server started for the run (tests/s3_server.py),
+waits. `--output s3` writes to a SeaweedFS S3 server started for the run (benchmarks/s3_server.py),
 `--noise-images` returns images with noise in them so PNG encoding costs what a real render's
 does (a flat image compresses to nothing). Each run reports `output_overlap` and `workers_busy`.
 
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
     s3_context = contextlib.nullcontext()
     if args.output == "s3":
         sys.path.insert(0, str(REPO))
-        from tests.s3_server import run_seaweedfs
+        from benchmarks.s3_server import run_seaweedfs
 
         s3_context = run_seaweedfs(root / "seaweedfs")
     try:
