@@ -31,8 +31,6 @@ from benchmarks.common import (
     DiTGeometry,
     available_memory_bytes,
     build_dit,
-    dit_forward_flop_breakdown,
-    dit_forward_flops,
     dit_parameter_bytes,
     emit,
     environment,
@@ -43,6 +41,7 @@ from benchmarks.common import (
     summarize,
 )
 from snapref_ray.models.dit import AnimaDiT, real_dit_config
+from snapref_ray.models.flops import dit_forward_flop_breakdown, dit_forward_flops
 from snapref_ray.sampling.guidance import cfg as cfg_combine
 
 H100_H200_BF16_DENSE_TFLOPS = 989.0

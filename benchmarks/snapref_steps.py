@@ -45,9 +45,7 @@ from benchmarks.common import (
     SCALED,
     SMOKE,
     DiTGeometry,
-    block_linear_dims,
     build_dit,
-    dit_forward_flops,
     emit,
     environment,
     interleaved,
@@ -65,6 +63,7 @@ from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.adapter.snapref import BoundSnapRef
 from snapref_ray.engine import Renderer
 from snapref_ray.models.compiled import compile_forward
+from snapref_ray.models.flops import block_linear_dims, dit_forward_flops
 from snapref_ray.requests import RenderSettings
 from snapref_ray.sampling.ref_guidance import Combiner, Row, plan_step
 
