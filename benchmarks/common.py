@@ -255,18 +255,6 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
 # --- machine ---------------------------------------------------------------------------------
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """What a figure was measured on: device, dtype, versions, threads, load."""
     env: dict[str, Any] = {

@@ -147,11 +147,6 @@ def _store_bytes_used() -> int:
     return int(reply.store_stats.object_store_bytes_used)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -161,7 +156,10 @@ class Sampler:
     """Peak RSS (every 20 ms) and object-store bytes (every 0.2 s) from a thread; its own CPU is kept apart."""
 
     def __init__(self) -> None:
-        self.peak_rss = _rss_bytes()
+        from snapref_ray.service.memory import resident_bytes
+
+        self._resident_bytes = resident_bytes
+        self.peak_rss = resident_bytes()
         self.peak_store = 0
         self.own_cpu = 0.0
         self._stop = threading.Event()
@@ -171,7 +169,7 @@ class Sampler:
         t0 = time.thread_time()
         last_store = 0.0
         while not self._stop.is_set():
-            self.peak_rss = max(self.peak_rss, _rss_bytes())
+            self.peak_rss = max(self.peak_rss, self._resident_bytes())
             if time.monotonic() - last_store >= 0.2:
                 try:
                     self.peak_store = max(self.peak_store, _store_bytes_used())
@@ -215,6 +213,7 @@ def _write_job(folder: Path, references: int, prompts: int) -> Path:
 
 def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, overlap: bool = True, s3=None) -> dict:
     from snapref_ray.pipelines.generate_dataset import run_job
+    from snapref_ray.service.memory import resident_bytes
     from snapref_ray.storage.jobspec import JobSpec
 
     references = -(-workers * args.batches_per_worker * args.max_batch // prompts)
@@ -262,7 +261,7 @@ def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, o
     deadline = time.monotonic() + 10
     while _store_bytes_used() > MiB // 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    rss_before = _rss_bytes()
+    rss_before = resident_bytes()
     with Sampler() as sampler:
         summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False, on_workers=workers_ready)
         cpu = _cpu_seconds() - marks["cpu0"]
