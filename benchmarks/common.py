@@ -26,17 +26,15 @@ from typing import Any
 
 import torch
 
-from snapref_ray.models.dit import PATCH, AnimaDiT, DiTConfig, load_dit
+from snapref_ray.models.dit import AnimaDiT, DiTConfig, load_dit
+from snapref_ray.models.geometry import VAE_SCALE, token_count
 from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict, tiny_dit_config
 from snapref_ray.platform_info import cpu_model
 
-# Token counts of the geometries the benchmarks use (one token = one 2x2 patch of the 8x latent).
-PIXELS_PER_TOKEN_SIDE = 8 * PATCH
-
 
 def tokens_for(width_px: int, height_px: int) -> int:
-    """Target tokens of a width x height image: (h/16) * (w/16) for sides that are multiples of 16."""
-    return -(-height_px // PIXELS_PER_TOKEN_SIDE) * -(-width_px // PIXELS_PER_TOKEN_SIDE)
+    """Target tokens of a width x height image (sides multiples of geometry.PIXELS_PER_TOKEN)."""
+    return token_count(height=height_px, width=width_px)
 
 
 # --- geometries and models ------------------------------------------------------------------
@@ -69,7 +67,7 @@ class DiTGeometry:
 
     @property
     def latent_hw(self) -> tuple[int, int]:
-        return self.height_px // 8, self.width_px // 8
+        return self.height_px // VAE_SCALE, self.width_px // VAE_SCALE
 
     @property
     def config(self) -> DiTConfig:

@@ -33,6 +33,7 @@ import ray
 
 from benchmarks.common import REAL, SMOKE, emit, environment, log, summarize
 from snapref_ray.cluster.placement import fetch_is_cheaper
+from snapref_ray.models.geometry import token_count
 
 # The DiT's K/V layout (snapref_ray/adapter/refkv.py: [blocks, K/V, heads, ref_tokens, head_dim]).
 REAL_BLOCKS, REAL_HEADS, REAL_HEAD_DIM = REAL.num_blocks, REAL.model_channels // REAL.head_dim, REAL.head_dim
@@ -121,7 +122,7 @@ def refkv_shape(smoke: bool) -> tuple[int, int, int, int, int]:
         g = SMOKE
         # 1,024 tokens: 512 KB, above Ray's 100 KB inline limit, so it travels between object stores too.
         return (g.num_blocks, 2, g.model_channels // g.head_dim, 1024, g.head_dim)
-    tokens = (REAL_REF_PX[0] // 16) * (REAL_REF_PX[1] // 16)
+    tokens = token_count(height=REAL_REF_PX[1], width=REAL_REF_PX[0])
     return (REAL_BLOCKS, 2, REAL_HEADS, tokens, REAL_HEAD_DIM)
 
 

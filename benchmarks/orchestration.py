@@ -103,13 +103,20 @@ class SimulatedRenderer:
         import torch
 
         from snapref_ray.adapter.refkv import RefKV
+        from snapref_ray.models.geometry import token_grid
 
         time.sleep(self.encode_s)
         digest = hashlib.sha256(b"".join(images)).hexdigest()[:32]
         tokens = max(1, self.refkv_bytes // (2 * 2 * 64 * 2))  # [blocks=2, K/V, heads=1, tokens, 64] bf16
         kv = torch.zeros((2, 2, 1, tokens, 64), dtype=torch.bfloat16)
         return RefKV(
-            kv, ((1, 1, 1),), ((0, 0, 0),), (1, height // 16, width // 16), "simulated-adapter", digest, self.encode_s
+            kv,
+            ((1, 1, 1),),
+            ((0, 0, 0),),
+            (1, *token_grid(height=height, width=width)),
+            "simulated-adapter",
+            digest,
+            self.encode_s,
         )
 
     def resolve(self, settings):

@@ -64,6 +64,7 @@ from snapref_ray.adapter.snapref import BoundSnapRef
 from snapref_ray.engine import Renderer
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.flops import block_linear_dims, dit_forward_flops
+from snapref_ray.models.geometry import latent_size
 from snapref_ray.requests import RenderSettings
 from snapref_ray.sampling.ref_guidance import Combiner, Row, plan_step
 
@@ -166,7 +167,9 @@ class StepBench:
         ctx = torch.randn(2, g.context_rows, g.context_dim, generator=gen).to(device, dtype)
         # Per row kind, one [1, S, C] context per request (one request here), as _render_batch builds it.
         self.ctx_for = {Row.COND: [ctx[:1]] * batch, Row.UNCOND: [ctx[1:]] * batch, Row.COND_NOREF: [ctx[:1]] * batch}
-        ref_latent = torch.randn(1, 16, geo.ref_height_px // 8, geo.ref_width_px // 8, generator=gen).to(device)
+        ref_latent = torch.randn(
+            1, 16, *latent_size(height=geo.ref_height_px, width=geo.ref_width_px), generator=gen
+        ).to(device)
         ref_context = torch.randn(1, g.context_rows, g.context_dim, generator=gen).to(device)
         self.prepared = PreparedReference((ref_latent,), ref_context, "benchmark-reference")
         self.refkv: RefKV = self.encode()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from snapref_ray.models.dit import BLOCK_LINEARS, DiTConfig, real_dit_config
 from snapref_ray.models.flops import dit_forward_flops
+from snapref_ray.models.geometry import token_count
 
 CONTEXT_ROWS = 512  # Anima pads every prompt's context to 512 rows
 
@@ -53,7 +54,7 @@ class Case:
 
     @property
     def tokens(self) -> int:
-        return (self.height // 16) * (self.width // 16)
+        return token_count(height=self.height, width=self.width)
 
 
 def step_flops(name: str, config: DiTConfig, case: Case, *, cfg: bool = True, ref_guidance_rows: float = 0.0) -> float:

@@ -35,6 +35,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from snapref_ray.models.geometry import token_grid
 from snapref_ray.serve.api import (
     ECHO_CHARS,
     FORM_OVERHEAD,
@@ -456,7 +457,7 @@ class Ingress(OpenAIImageRoutes):
         return UploadedReference(
             identity=identity,
             reference_ids=tuple(i.reference_id for i in infos),
-            key=RefKVKey(identity.hash, caption, megapixels, body.height // 16, body.width // 16),
+            key=RefKVKey(identity.hash, caption, megapixels, *token_grid(height=body.height, width=body.width)),
         )
 
     async def _describe(self, ids: list[str], fields: list[str]) -> list[ReferenceInfo]:
