@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from snapref_ray.models.conditioning import CONTEXT_ROWS
 from snapref_ray.models.dit import AnimaDiT, DiTConfig, load_dit
 from snapref_ray.models.geometry import VAE_SCALE, token_count
-from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict, tiny_dit_config
+from snapref_ray.models.tiny_dit import T5_VOCAB, make_tiny_dit_state_dict, tiny_dit_config
 from snapref_ray.platform_info import cpu_model
 
 
@@ -113,11 +114,11 @@ REAL = DiTGeometry(
     head_dim=128,
     num_blocks=28,
     context_dim=1024,
-    context_rows=512,
+    context_rows=CONTEXT_ROWS,
     adaln_lora_dim=256,
     adapter_heads=16,
     adapter_blocks=6,
-    t5_vocab=32128,
+    t5_vocab=T5_VOCAB,
     width_px=832,
     height_px=1216,
 )

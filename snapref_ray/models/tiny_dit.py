@@ -16,7 +16,8 @@ from snapref_ray.models.dit import AnimaDiT, DiTConfig
 from snapref_ray.models.llm_adapter import LLMAdapterConfig
 from snapref_ray.models.ops import RMSNorm
 
-T5_VOCAB = 32128  # real T5 vocabulary, so real tokenizer ids index the tiny embedding
+# The real T5 vocabulary, so real tokenizer ids index the tiny embedding.
+T5_VOCAB = LLMAdapterConfig.vocab_size
 
 
 def tiny_dit_config(
