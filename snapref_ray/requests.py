@@ -191,11 +191,6 @@ class RenderSettings(BaseModel):
         dump = self.model_dump(exclude={"negative_prompt"})
         return tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in dump.items()))
 
-    @classmethod
-    def from_simple(cls, strength: float = 1.0, fidelity: float = 1.0, **others) -> RenderSettings:
-        """The simple node's controls; their per-kind meaning is `snapref_ray.adapter.controls`."""
-        return cls(strength=strength, fidelity=fidelity, **others)
-
 
 class RenderRequest(BaseModel):
     """One image (or `n` with consecutive seeds): prompt + seed + settings."""

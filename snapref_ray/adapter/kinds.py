@@ -64,8 +64,6 @@ class ArcAnimaLayout:
     # Choice: where the v2 reference sits in RoPE, "past the target grid": shifted by the target's
     # size on h and w (`after_target`, as SnapRef files state it); t stays 0.
     rope_offset: tuple[int | str, int | str, int | str] = (0, "after_target", "after_target")
-    # Choice (pilot): the RoPE frame index of the appended reference frame.
-    reference_frame_index: int = 1
 
 
 @dataclass(frozen=True)
