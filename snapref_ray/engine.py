@@ -33,6 +33,7 @@ from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.conditioning import PromptEncoder
 from snapref_ray.models.dit import load_dit
 from snapref_ray.models.fp8 import quantize_dit
+from snapref_ray.models.geometry import latent_size
 from snapref_ray.models.latent_format import process_in, process_out
 from snapref_ray.models.lora import merge_loras, read_lora
 from snapref_ray.models.qwen3 import load_text_encoder
@@ -163,7 +164,7 @@ class Renderer:
 
     # -- references -----------------------------------------------------------------------
     def target_grid(self, width: int, height: int) -> tuple[int, int, int]:
-        return self.dit.token_grid(height // 8, width // 8)
+        return self.dit.token_grid(*latent_size(height=height, width=width))
 
     def _require_adapter(self) -> ReferenceAdapter:
         if self.adapter is None:
@@ -317,7 +318,7 @@ class Renderer:
         ctx_for = {Row.COND: contexts[:n], Row.UNCOND: contexts[n:], Row.COND_NOREF: contexts[:n]}
         text_s = time.perf_counter() - t0
 
-        latent_shape = (16, 1, s.height // 8, s.width // 8)
+        latent_shape = (16, 1, *latent_size(height=s.height, width=s.width))
         seeds = [r.seed for r in requests]
         sigmas = get_sigmas(s.scheduler, s.steps, denoise=s.denoise)
         noise = initial_noise(seeds, latent_shape, self.device)

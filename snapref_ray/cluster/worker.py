@@ -33,15 +33,6 @@ from snapref_ray.storage.metadata import image_key, reference_image_key, thumb_k
 
 log = logging.getLogger(__name__)
 
-# Errors that mean "the RefKV object is gone from the object store" (its node died): the worker
-# re-encodes the reference itself instead of failing the items.
-_LOST_OBJECT_ERRORS = (
-    "ObjectLostError",
-    "OwnerDiedError",
-    "ObjectFetchTimedOutError",
-    "ReferenceCountingAssertionError",
-)
-
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -124,9 +115,6 @@ class RenderWorker:
 
     def pid(self) -> int:
         return os.getpid()
-
-    def cached_references(self) -> list[tuple]:
-        return self.service.cache.keys()
 
     def batch_limits(self) -> list[dict]:
         """The batch this worker chose per resolution, and the memory figures behind it."""

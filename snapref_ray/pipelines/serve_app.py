@@ -28,6 +28,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
+from snapref_ray.models.geometry import PIXELS_PER_TOKEN
 from snapref_ray.serve.config import ServeConfig, is_loopback
 from snapref_ray.serve.direct_ingress import direct_ingress_env, environment, haproxy_binary
 from snapref_ray.serve.ingress import Ingress
@@ -122,7 +123,9 @@ def replica_memory_bytes(config: ServeConfig, *, on_gpu: bool) -> int:
         return 0
     from snapref_ray.service.memory_estimate import estimate_worker_memory
 
-    side = min(config.limits.max_side, int((config.limits.max_megapixels * 1e6) ** 0.5) // 16 * 16)
+    side = min(
+        config.limits.max_side, int((config.limits.max_megapixels * 1e6) ** 0.5) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
+    )
     try:
         files = config.model.local_files()
     except (FileNotFoundError, ValueError) as e:  # a path only the GPU nodes have: Serve places by GPUs alone

@@ -84,10 +84,10 @@ class TimingSpec(SpecFile):
         description="Scene prompt of the case; its content does not change the cost.",
     )
     negative_prompt: str = Field("", description="Negative prompt; empty as Anima's ComfyUI default.")
-    width: int = Field(832, description="Image width; 832x1216 is the seeds' comparison case.")
+    width: int = Field(832, description="Image width; 832x1216 is the size of the published GPU step times.")
     height: int = Field(1216, description="Image height.")
-    steps: int = Field(28, ge=1, le=1000, description="Steps; 28 as in the seeds' comparison table.")
-    sampler: Sampler = Field("euler", description="euler: deterministic, and the seeds' recommended sampler.")
+    steps: int = Field(28, ge=1, le=1000, description="Steps; 28, the step count of the published comparison.")
+    sampler: Sampler = Field("euler", description="euler: deterministic (no step noise) and one model call per step.")
     cfg: float = Field(4.5, ge=0.0, description="Text CFG; 4.5 as SnapRef recommends (so the uncond row runs).")
     seed: int = Field(0, ge=0, description="Noise seed; the same for every setting.")
     ref_guidance: float = Field(
@@ -246,7 +246,7 @@ def timing_plan(spec: TimingSpec, adapter_kind: str | None = "snapref") -> tuple
             True,
         ),
         # ArcAnima at its own defaults (ref_guidance 4.5 + APG, both CFG rows read), and at ref_guidance 1
-        # (no extra call), the setting the seed's per-step figures match.
+        # (no extra call), the setting of the published per-step GPU times.
         TimingSetting(
             "arcanima_v2",
             "ArcAnima v2 at its defaults (ref_guidance 4.5 + APG, both CFG rows read the cached reference)",

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from ray import serve
 
+from benchmarks.fake_cluster import FakeCluster
 from snapref_ray.client import ApiError, SnapRefClient
 from snapref_ray.serve.config import ServeConfig
 from tests.cluster.conftest import make_reference_png
-from tests.fake_cluster import FakeCluster
 from tests.serve.conftest import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
