@@ -14,7 +14,9 @@ Beyond successes, verdicts (docs/design.md, "The front-door contract"): for `rec
 an unreadable reference, two characters, several references of one character, `step_cache`, and a SnapRef-only
 setting on an ArcAnima v2 file, every door renders the same pixels with the same recorded settings, or refuses
 before any device work with an error naming the field; and `encode_s` means the same everywhere (0 when the
-render read a RefKV it did not encode). Each door runs once per adapter kind (one job with every row, one Ray
+render read a RefKV it did not encode). The endpoint takes several references of one character at
+POST /v1/images/edits (several `image[]` parts, sent with the official `openai` client), every other input
+at /v1/references + /v1/render. Each door runs once per adapter kind (one job with every row, one Ray
 Data pipeline with every row, one deployment), so the verdicts cost a few renders, not a few Ray starts.
 """
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import openai
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -267,14 +270,54 @@ def endpoint(case, server):
         yield SnapRefClient(url, timeout=300, retries=0)
 
 
-def _endpoint_render(client: SnapRefClient, case: Case, verdict: Verdict | None) -> dict:
+@dataclass(frozen=True)
+class Served:
+    """What the endpoint answered for one render, whichever route took it."""
+
+    png: bytes
+    settings: dict  # as rendered
+    encode_s: float
+    cache_hit: bool | None
+
+
+def _endpoint_render(client: SnapRefClient, case: Case, verdict: Verdict | None) -> Served:
+    """`verdict` (None: the plain row) at the endpoint: several references of one character through
+    POST /v1/images/edits (its only field for them: several `image[]` parts, reference_layout "multi" by
+    default), every other input uploaded to /v1/references and rendered by /v1/render."""
     files = case.files(verdict)
-    ids = [client.upload_reference(f.read_bytes()) for f in files]
     settings = {**SETTINGS, **(verdict.settings if verdict else {})}
     if "step_cache" in settings:
         settings["step_cache"] = {"threshold": settings["step_cache"]}
+    if verdict is not None and verdict.layout == "multi":
+        return _endpoint_edit(client, files, settings)
+    ids = [client.upload_reference(f.read_bytes()) for f in files]
     where = {"reference_id": ids[0]} if len(ids) == 1 else {"left_reference_id": ids[0], "right_reference_id": ids[1]}
-    return client.render(PROMPT, seed=SEED, response_format="json", **where, **settings)
+    answer = client.render(PROMPT, seed=SEED, response_format="json", **where, **settings)
+    (image,) = answer["images"]
+    return Served(
+        base64.b64decode(image["png_base64"]), answer["settings"], answer["timings"]["encode_s"], answer["cache_hit"]
+    )
+
+
+def _endpoint_edit(client: SnapRefClient, files: list[Path], settings: dict) -> Served:
+    """Several images of one character with the official `openai` client, in the OpenAI routes' names
+    (docs/serving.md): size, num_inference_steps, the adapter's settings under their own names."""
+    import openai
+
+    oai = openai.OpenAI(base_url=client.base_url + "/v1", api_key="no token here", max_retries=0, timeout=300)
+    fields = dict(settings)
+    size = f"{fields.pop('width')}x{fields.pop('height')}"
+    fields["num_inference_steps"] = fields.pop("steps")
+    answer = oai.images.edit(
+        image=[(f.name, f.read_bytes(), "image/png") for f in files],
+        prompt=PROMPT,
+        size=size,
+        extra_body={"seed": SEED, **fields},
+    )
+    (item,) = answer.data
+    assert item.seed == SEED
+    facts = answer.snapref
+    return Served(base64.b64decode(item.b64_json), item.settings, facts["timings"]["encode_s"], facts["cache_hit"])
 
 
 def test_txt2img_job_ray_data_and_the_endpoint_agree(case, job, ray_data, endpoint):
@@ -289,7 +332,7 @@ def test_txt2img_job_ray_data_and_the_endpoint_agree(case, job, ray_data, endpoi
     data_row = ray_data[""]
     assert data_row["error"] is None, data_row["error"]
     answer = _endpoint_render(endpoint, case, None)
-    served_png = base64.b64decode(answer["images"][0]["png_base64"])
+    served_png = answer.png
 
     # The same pixels, bitwise.
     images = {"txt2img": cli_png, "job": job_png, "ray data": data_row["image"], "endpoint": served_png}
@@ -304,7 +347,7 @@ def test_txt2img_job_ray_data_and_the_endpoint_agree(case, job, ray_data, endpoi
     # The same item id in the job and in Ray Data; the same settings, as rendered, in every output.
     assert job_row["item_id"] == data_row["item_id"]
     assert json.loads(job_row["settings_json"]) == json.loads(data_row["settings_json"]) == expected
-    assert answer["settings"] == expected
+    assert answer.settings == expected
     parameters = {path: read_image_parameters(png).splitlines()[-1] for path, png in images.items()}
     assert len(set(parameters.values())) == 1, parameters
     for path, png in images.items():
@@ -346,23 +389,30 @@ def test_every_door_gives_each_input_the_same_verdict(case, job, ray_data, endpo
                     f"field {v.refused!r}",
                 ), (v.name, door, message)
                 assert v.says in message, (v.name, door, message)
-            if v.layout == "multi":
-                continue  # the endpoint has no field for several references of one character
             encodes = endpoint.models()["refkv_cache"]["encodes"]
-            with pytest.raises(ClientError) as refused:
-                _endpoint_render(endpoint, case, v)
-            field = "file" if v.unreadable else v.refused  # an upload is checked when it arrives
-            assert (refused.value.status, refused.value.field) == (400, field), (v.name, refused.value.message)
-            assert v.says in refused.value.message, (v.name, refused.value.message)
+            if v.layout == "multi":  # /v1/images/edits, whose errors take OpenAI's shape; its field is `image`
+                with pytest.raises(openai.BadRequestError) as refused:
+                    _endpoint_render(endpoint, case, v)
+                error = refused.value
+                assert (error.status_code, error.type, error.param) == (400, "invalid_request_error", "image"), (
+                    v.name,
+                    error.message,
+                )
+            else:
+                with pytest.raises(ClientError) as refused:
+                    _endpoint_render(endpoint, case, v)
+                error = refused.value
+                field = "file" if v.unreadable else v.refused  # an upload is checked when it arrives
+                assert (error.status, error.field) == (400, field), (v.name, error.message)
+            assert v.says in error.message, (v.name, error.message)
             assert endpoint.models()["refkv_cache"]["encodes"] == encodes  # the device was left alone
             continue
 
         assert code == 0 and job_error is None and data_row["error"] is None, (v.name, printed, job_error, data_row)
         pngs = {"txt2img": (folder / f"{v.name}.png").read_bytes(), "job": job["images"][v.name]}
         pngs["ray data"] = data_row["image"]
-        answer = None if v.layout == "multi" else _endpoint_render(endpoint, case, v)  # no field for it there
-        if answer is not None:
-            pngs["endpoint"] = base64.b64decode(answer["images"][0]["png_base64"])
+        answer = _endpoint_render(endpoint, case, v)
+        pngs["endpoint"] = answer.png
         expected = resolve_settings(RenderSettings(**{**SETTINGS, **v.settings}), kind).model_dump(mode="json")
         pixels = _pixels(pngs["txt2img"])
         recomputes = v.settings.get("recompute_reference_every_step", False)
@@ -375,7 +425,7 @@ def test_every_door_gives_each_input_the_same_verdict(case, job, ray_data, endpo
             assert infos[door]["settings"] == expected, (v.name, door)
             assert infos[door]["reference_hash"] == job_row["reference_hash"], (v.name, door)
         assert json.loads(job_row["settings_json"]) == json.loads(data_row["settings_json"]) == expected
-        assert answer is None or answer["settings"] == expected
+        assert answer.settings == expected
         assert job_row["item_id"] == data_row["item_id"] == f"{v.name}-0"
         if "step_cache" in v.settings:
             skipped = {door: info.get("skipped_forwards") for door, info in infos.items()}
@@ -385,13 +435,12 @@ def test_every_door_gives_each_input_the_same_verdict(case, job, ray_data, endpo
         # encode_s: what this render spent encoding the reference; 0 when it read a RefKV it did not encode.
         assert _encode_seconds(printed) > 0  # a fresh process encodes (or prepares) every time
         if recomputes:  # the images are prepared inside every render that recomputes
-            assert job_row["encode_s"] > 0 and data_row["encode_s"] > 0 and answer["timings"]["encode_s"] > 0
-            assert data_row["refkv_cache_hit"] is False and answer["cache_hit"] is False
+            assert job_row["encode_s"] > 0 and data_row["encode_s"] > 0 and answer.encode_s > 0
+            assert data_row["refkv_cache_hit"] is False and answer.cache_hit is False
         else:
             assert job_row["encode_s"] == 0  # a job encodes each reference in its own call, before its renders
             assert (data_row["encode_s"] == 0) == data_row["refkv_cache_hit"], (v.name, data_row["encode_s"])
-            if answer is not None:
-                assert (answer["timings"]["encode_s"] == 0) == answer["cache_hit"], (v.name, answer["timings"])
+            assert (answer.encode_s == 0) == answer.cache_hit, (v.name, answer.encode_s)
 
 
 def test_a_ray_data_actor_fits_its_batches_into_the_memory_it_asked_ray_for(server, tiny_models):

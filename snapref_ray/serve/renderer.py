@@ -11,7 +11,8 @@ A request's path through a replica:
 1. Split topology only: `_advertise(key)` (`@serve.multiplexed`) tells Serve's router this replica
    holds the reference `key` (its `RefKVKey` as a string), so later requests for it come here first
    (soft affinity).
-2. The settings are resolved for the loaded adapter kind (a misfit is a 400 naming the field), and the
+2. The settings are resolved for the loaded adapter kind (a misfit is a 400 naming the field), so is the
+   reference's layout (`check_reference`, as at every door: ArcAnima kinds refuse `multi`), and the
    service reads the request's reference as it decides (`RenderService.read_reference`): the RefKV from
    its cache, or on a miss the files fetched from the ReferenceStore and encoded (concurrent misses on
    one key encode once; the others wait and count as hits); with `recompute_reference_every_step` the
@@ -44,7 +45,7 @@ from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
 from snapref_ray.serve.errors import ApiError
 from snapref_ray.service.batching import batch_key, take_batch
-from snapref_ray.service.references import Reference, ReferenceIdentity, RefKVKey
+from snapref_ray.service.references import Reference, ReferenceIdentity, RefKVKey, check_reference
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,8 @@ class ReplicaRenderer:
                 call.prompt, call.seeds, self.service.resolve(call.settings), call.reference, call.ref_megapixels_set
             )
             if call.reference is not None:
+                # The layout check every door runs (service/references.py), before the files are fetched.
+                check_reference((), call.reference.identity.layout, (), self.service.adapter_kind)
                 read = await self._read_reference(call.reference, call.settings)
             loop = asyncio.get_running_loop()
             waiting = await self._submit(_Waiting(call, read, loop.create_future()))
