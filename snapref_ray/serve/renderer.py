@@ -145,6 +145,8 @@ class ReplicaRenderer:
             model_cache_dir=config.model_cache_dir,
             refkv_cache_bytes=config.refkv_cache_bytes,
         )
+        if config.model.compile and config.warmup_sizes:  # ready (this constructor returns) only once warm
+            self.service.warmup(config.warmup_sizes, range(1, config.max_batch_size + 1))
         # Encodes and renders run in these threads so the event loop stays free for routing,
         # batching and health checks; the service keeps the device to one of them at a time.
         self._pool = ThreadPoolExecutor(
