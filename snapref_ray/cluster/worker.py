@@ -107,7 +107,7 @@ class RenderWorker:
             self.service.warmup(self.config.warmup_sizes, self.config.warmup_batch_sizes or (1,))
         else:
             settings = RenderSettings(width=256, height=256, steps=1, cfg=1.0)
-            with self.service.device("warm-up"):
+            with self.service.device("render"):  # an image: the cold start's first image
                 self.service.renderer.render([RenderRequest(prompt="warm-up", settings=settings)])
         log.info("worker %s warmed up in %.2f s", self.worker_id, time.perf_counter() - t0)
 
@@ -126,6 +126,11 @@ class RenderWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def cold_start(self) -> dict:
+        """The cold start so far (`WorkerInfo.cold_start` is the same at ready time): load, compile, warm-up,
+        first image seconds (service/cold_start.py)."""
+        return self.service.cold_start().as_dict()
 
     def cached_references(self) -> list[tuple]:
         return self.service.cache.keys()

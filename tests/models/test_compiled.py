@@ -169,6 +169,7 @@ def test_batch_sizes_one_to_four_share_the_plain_graph_and_add_none_after_warm_u
     assert static.frame_count == 2
 
 
+@pytest.mark.slow
 def test_fp8_and_pilot_frames_through_the_compiled_block_equal_eager():
     """fp8 block linears (bf16 compute) and the pilot's two-frame latents with a LoRA on every linear run
     through the one block graph exactly as the eager module runs them (the captured graph, run as is)."""
