@@ -1,4 +1,4 @@
-"""The one-shot GPU suite: everything issues 12, 24 and 41 ask of a GPU, in one command, one JSON + one Markdown.
+"""The one-shot GPU suite: everything issues 12 and 24 ask of a GPU, in one command, one JSON + one Markdown.
 
     python -m benchmarks.gpu_suite --out-dir gpu-suite            # one GPU: real size, bf16, < 8 min
     python -m benchmarks.gpu_suite --smoke --out-dir /tmp/suite   # CPU, tiny: checks the script (CI)
@@ -68,7 +68,7 @@ from benchmarks.suite_rows import EXTRA_ROWS, SuiteContext, register_rows
 from snapref_ray.models.attention import read_form
 from snapref_ray.models.compiled import compile_forward
 
-# The suite's end-to-end rows, in order of value (issue 41): SnapRef default compiled cold then from the compile
+# The suite's end-to-end rows, in order of value: SnapRef default compiled cold then from the compile
 # cache, bf16 then fp8, ArcAnima v2 at ref_guidance 1, then the eager rows of the same.
 SUITE_RUNS = (
     "snapref:bf16:compiled,snapref:bf16:compiled-warm,snapref:fp8:compiled,snapref:fp8:compiled-warm,"
