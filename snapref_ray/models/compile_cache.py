@@ -19,7 +19,9 @@ caches in one blob) where all workers see it:
 - **Kernels too**: torch's mega-cache holds the compiled graphs but not inductor's compiled CPU kernels
   (the C++ `.so` files a graph loads; a hit would run the C++ compiler again, most of the cost on the
   CPU), so the artifact also carries the files this process wrote into the local inductor cache
-  (`TORCHINDUCTOR_CACHE_DIR`), unpacked there before the graphs load.
+  (`TORCHINDUCTOR_CACHE_DIR`), unpacked there before the graphs load. Only files written since the cache
+  was opened are packed: a graph this process found in its node's own inductor cache goes out without its
+  CPU kernels, and a node that loads it compiles their C++ again (still no graph build).
 - **Never fatal**: an artifact that is corrupt, or written under another key (a file copied between
   folders by hand), is skipped with one warning and the graphs compile as if there were no cache.
 """
