@@ -46,6 +46,8 @@ class WorkerConfig:
     warmup: bool = True
     model_cache_dir: str | None = None
     warmup_sizes: tuple[tuple[int, int], ...] = ()  # (width, height) graphs compiled at start when compiling
+    # Images per forward the plan will run (max_batch and its tail batch): warmed with each size when compiling.
+    warmup_batch_sizes: tuple[int, ...] = ()
     output_threads: int = 4  # encode/upload threads (output_writer.py); 0 = store inline, the device waits
     memory_budget_bytes: int | None = None  # the memory= this worker asked Ray for (service/memory.py)
     # Longest wait for a RefKV from the object store before encoding the reference here instead: a lost RefKV
@@ -91,13 +93,13 @@ class RenderWorker:
         from snapref_ray.requests import RenderRequest, RenderSettings
 
         t0 = time.perf_counter()
-        # A compiling worker builds the graphs of its job's sizes now (CFG rows, one image each);
-        # other row layouts (batch sizes, reading rows) compile on their first batch.
-        compiling = self.config.model.compile
-        sizes = self.config.warmup_sizes if compiling and self.config.warmup_sizes else ((256, 256),)
-        for width, height in sizes:
-            settings = RenderSettings(width=width, height=height, steps=1, cfg=2.0 if compiling else 1.0)
-            with self.service.device("warm-up"):
+        if self.config.model.compile and self.config.warmup_sizes:
+            # A compiling worker builds (or loads from the compile cache) the graphs of its job's sizes and
+            # batch sizes now, with a reference read when an adapter is loaded (service/cold_start.py).
+            self.service.warmup(self.config.warmup_sizes, self.config.warmup_batch_sizes or (1,))
+        else:
+            settings = RenderSettings(width=256, height=256, steps=1, cfg=1.0)
+            with self.service.device("render"):  # an image: the cold start's first image
                 self.service.renderer.render([RenderRequest(prompt="warm-up", settings=settings)])
         log.info("worker %s warmed up in %.2f s", self.worker_id, time.perf_counter() - t0)
 
@@ -111,10 +113,16 @@ class RenderWorker:
             os.getpid(),
             float(getattr(r, "load_seconds", 0.0)),
             self.config.memory_budget_bytes,
+            cold_start=self.service.cold_start().as_dict(),
         )
 
     def pid(self) -> int:
         return os.getpid()
+
+    def cold_start(self) -> dict:
+        """The cold start so far (`WorkerInfo.cold_start` is the same at ready time): load, compile, warm-up,
+        first image seconds (service/cold_start.py)."""
+        return self.service.cold_start().as_dict()
 
     def batch_limits(self) -> list[dict]:
         """The batch this worker chose per resolution, and the memory figures behind it."""

@@ -284,6 +284,12 @@ class ServeConfig(BaseModel):
         " of memory; more gives little throughput for a lot of latency. Formerly `max_batch_size`"
         " (still read, with a DeprecationWarning).",
     )
+    warmup_sizes: tuple[tuple[int, int], ...] = Field(
+        (),
+        description="(width, height) sizes a compiled replica builds its graphs for, at batch sizes 1..max_batch_size,"
+        " before it reports ready (service/cold_start.py): the first request at these sizes then pays no compile."
+        " With a shared model.compile_cache a new replica loads them (seconds) instead of building them (minutes).",
+    )
     batch_wait_timeout_s: float = Field(
         0.0,
         ge=0,

@@ -148,6 +148,8 @@ class ReplicaRenderer:
             # What the replica asked Ray for (serve_app.build_app resolves it): the CPU batch fit stays inside it.
             memory_budget_bytes=config.memory_per_replica or None,
         )
+        if config.model.compile and config.warmup_sizes:  # ready (this constructor returns) only once warm
+            self.service.warmup(config.warmup_sizes, range(1, config.max_batch_size + 1))
         # Encodes and renders run in these threads so the event loop stays free for routing,
         # batching and health checks; the service keeps the device to one of them at a time.
         self._pool = ThreadPoolExecutor(

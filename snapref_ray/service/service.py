@@ -38,6 +38,7 @@ from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.engine import Renderer, RenderError
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.requests import RenderRequest, RenderSettings
+from snapref_ray.service.cold_start import ColdStart, ColdStartClock, warm_up
 from snapref_ray.service.loading import load_renderer
 from snapref_ray.service.memory import FitKey, MemoryFit, describe_device_memory
 from snapref_ray.service.references import Reference, RefKVKey
@@ -108,6 +109,7 @@ class RenderService:
         self.memory = MemoryFit.for_device(renderer.device, memory_budget_bytes)
         self._device = threading.Lock()
         self._health = _Health()
+        self._cold_start = ColdStartClock(float(getattr(renderer, "load_seconds", 0.0)))
 
     @classmethod
     def load(
@@ -166,7 +168,28 @@ class RenderService:
                 "max_bytes": self.cache.max_bytes,
             },
             "memory": self.memory.report(),
+            "cold_start": self.cold_start().as_dict(),
         }
+
+    # -- cold start ------------------------------------------------------------------------------
+    def warmup(
+        self,
+        sizes: Sequence[tuple[int, int]],
+        batch_sizes: Sequence[int] = (1,),
+        settings: RenderSettings | None = None,
+    ) -> ColdStart:
+        """Build (or load from the compile cache) the graphs of these sizes and batch sizes now, so the
+        first real request does not pay for them (service/cold_start.py); returns the cold start so far."""
+        t0 = time.monotonic()
+        warmed = warm_up(self, sizes, batch_sizes, settings)
+        self._cold_start.warmup_s = (self._cold_start.warmup_s or 0.0) + time.monotonic() - t0
+        self._cold_start.warmed += warmed
+        log.info("warmed %s in %.1f s", ", ".join(warmed), time.monotonic() - t0)
+        return self.cold_start()
+
+    def cold_start(self) -> ColdStart:
+        """Model load, compile (built vs loaded), warm-up and first-image seconds of this service."""
+        return self._cold_start.record(self.renderer)
 
     # -- references ------------------------------------------------------------------------------
     def refkv(
@@ -366,6 +389,8 @@ class RenderService:
             self._health.busy_since = self._health.last_progress = time.monotonic()
             try:
                 yield
+                if what == "render":
+                    self._cold_start.render_done(self.renderer)
             finally:
                 self._health.busy_since = None
                 self._health.last_progress = time.monotonic()
