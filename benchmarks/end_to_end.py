@@ -154,7 +154,7 @@ def run_one(
         "forward_batches": summary["forward_batches"],
         "model_load_seconds": max((w.load_seconds for w in workers), default=None),
         # The worker's cold start (service/cold_start.py): compile s, graphs built vs loaded, warm-up, first image.
-        "cold_start": next((w.cold_start for w in workers if getattr(w, "cold_start", None)), None),
+        "cold_start": summary.cold_start[0] if summary.cold_start else None,
     }
     errors = read_errors_table(storage).column("error").to_pylist()
     if errors or summary["images_this_run"] != recipe.images:

@@ -23,6 +23,7 @@ from snapref_ray.engine import Renderer
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.service.cold_start import WARMUP_STEPS
+from snapref_ray.service.references import Reference
 from snapref_ray.service.service import RenderService
 from snapref_ray.tiny import write_tiny_adapter
 
@@ -107,7 +108,8 @@ def test_warm_up_builds_the_jobs_graphs_and_reports_the_cold_start(counted, tiny
     warmed = counter.frame_count
     reference = (tiny_models / "reference.png").read_bytes()
     settings = RenderSettings(width=256, height=256, steps=WARMUP_STEPS + 1)
-    service.render([RenderRequest(prompt=p, settings=settings) for p in ("a", "b")], references=[reference])
+    read = Reference.of_images([reference], "single", settings, ["reference.png"])
+    service.render([RenderRequest(prompt=p, settings=settings) for p in ("a", "b")], reference=read)
     assert counter.frame_count == warmed, "a warmed batch size compiled a new graph"
     assert service.describe()["cold_start"]["warmed"] == ["256x256 x1+ref", "256x256 x2+ref"]
 
