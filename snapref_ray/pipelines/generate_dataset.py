@@ -33,6 +33,7 @@ from snapref_ray.cluster.pool import (
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, SchedulerEvent
 from snapref_ray.cluster.tasks import ItemOutcome
 from snapref_ray.cluster.worker import WorkerConfig
+from snapref_ray.pipelines.job_plan import check_something_to_render
 from snapref_ray.service.loading import adapter_kind
 from snapref_ray.service.work_items import JobValidationError, WorkItem, load_work_items
 from snapref_ray.storage.backends import open_storage
@@ -94,6 +95,7 @@ def run_job(
     validated = load_work_items(spec, s3, adapter_kind=kind)
     if validated.errors and spec.strict:
         raise JobValidationError(spec.manifest, validated.errors)
+    check_something_to_render(spec.manifest, validated)  # every row invalid: say why, and write nothing
     fingerprint = job_fingerprint(spec_fingerprint(spec))
     claim_output(storage, fingerprint, spec_fingerprint(spec), append=spec.output.append)
 
