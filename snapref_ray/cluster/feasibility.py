@@ -83,7 +83,7 @@ def explain(asked: Mapping[str, float], offers: Mapping[str, Mapping[str, float]
     advice.append("or give the cluster a node type that holds it (docs/clusters.md)")
     return (
         f"a render worker can never start: it asks Ray for {_resources(asked)} and {fault} "
-        f"(Ray's autoscaler: no available node type can fulfill it); {source}: {shown}. " + ", ".join(advice)
+        f"(Ray's autoscaler: no available node type can fulfill it); {source}: {shown}; " + ", ".join(advice)
     )
 
 
@@ -119,7 +119,7 @@ def cluster_offers() -> tuple[dict[str, dict[str, float]], str]:
         for n in ray.nodes()
         if n.get("Alive")
     }
-    return nodes, "the nodes up now offer (the node types' own figures were not readable here)"
+    return nodes, "the nodes up now offer"
 
 
 def _autoscaler_config() -> dict | None:
@@ -186,7 +186,7 @@ class InfeasibilityWatch:
             return
         self.stop()
         offers, source = cluster_offers()
-        log.error("Ray's autoscaler: %s", report)
+        log.info("Ray's autoscaler: %s", report)  # job.log; the exception is the terminal's line
         raise WorkerCannotBePlaced(explain(self.asked, offers, source=source))
 
     def stop(self) -> None:

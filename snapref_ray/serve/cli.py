@@ -67,6 +67,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from snapref_ray.pipelines.serve_app import deploy_local, http_front, local_topology, start_local_serve, stop_local
+    from snapref_ray.serve.direct_ingress import haproxy_binary
 
     config = config_from_args(args)
     config.check_security()
@@ -81,7 +82,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _stop_on_signals(stop)
         deploy_local(config)
         auth = "bearer token required" if config.resolved_token() else "no token (loopback only)"
-        front = "HAProxy -> ingress (direct ingress)" if http_front() == "haproxy" else "Serve's proxy -> ingress"
+        front = (
+            f"HAProxy -> ingress (direct ingress; {haproxy_binary()})"
+            if http_front() == "haproxy"
+            else "Serve's proxy -> ingress"
+        )
         front += " that renders" if local_topology() == "fused" else " -> renderers"
         print(f"serving on {url} ({auth}; {front}); API docs at {url}/docs; Ctrl-C stops", flush=True)
         stop.wait()
