@@ -3,7 +3,7 @@
 The terminal shows the progress bar, warnings and errors, and the few lines the command prints at the end;
 everything else goes to `job.log` in the job's output folder (appended to on every run, so a resumed job's
 log follows the first run's): this project's INFO lines, Ray's own driver lines (its start-up, its token-auth
-notice) and what Ray's workers and autoscaler print (cluster/ray_output.py), which otherwise arrive on the
+notice, explained) and what Ray's workers and autoscaler print (cluster/ray_output.py), which otherwise arrive on the
 terminal prefixed `(RenderWorker pid=...)`, tear the progress bar apart and keep coming after the last line.
 With `--no-progress` (logs only) this project's INFO lines go to the terminal too.
 
@@ -27,11 +27,31 @@ LOG_NAME = "job.log"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _RAY_OUTPUT_LOGGER = "snapref_ray.ray_output"  # Ray's processes' lines, to the file only
 
-_TOKEN_NOTE = (
-    "Ray 2.60's 'Token authentication is enabled' warning, when this job starts a local Ray, needs no action: that"
-    " Ray checks a token (~/.ray/auth_token) on its ports. Joining a cluster needs RAY_AUTH_MODE=token"
-    " (docs/clusters.md)."
+_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+_TOKEN_WARNING = "Token authentication is enabled for this Ray cluster"
+TOKEN_NOTE = (
+    "Ray's token authentication is on for the local Ray this command started (Ray 2.60's default; the token is in"
+    " ~/.ray/auth_token): it guards Ray's own ports, nothing needs doing. Joining a cluster needs"
+    " RAY_AUTH_MODE=token (docs/clusters.md)."
 )
+
+
+class _ExplainTokenWarning(logging.Filter):
+    """Ray's "Token authentication is enabled ... Set RAY_AUTH_MODE=disabled to opt out" warning, which every start
+    of a local Ray prints and which reads like something to act on, as the INFO line that says what it means."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(_TOKEN_WARNING):
+            record.msg, record.args = TOKEN_NOTE, ()
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def explain_ray_token_warning() -> None:
+    """Rewrite Ray's token-auth warning into TOKEN_NOTE from now on (idempotent)."""
+    logger = logging.getLogger(_TOKEN_LOGGER)
+    if not any(isinstance(f, _ExplainTokenWarning) for f in logger.filters):
+        logger.addFilter(_ExplainTokenWarning())
 
 
 @contextmanager
@@ -78,7 +98,8 @@ def job_console(output_uri: str, *, s3=None, progress: bool = True, verbose: boo
             ray_output_logger.addHandler(file_handler)
             ray_output_logger.setLevel(logging.INFO)
             ray_output.divert_to(ray_output_logger)
-            logging.getLogger(__name__).info("snapref-ray %s; %s", " ".join(sys.argv[1:]), _TOKEN_NOTE)
+            explain_ray_token_warning()
+            logging.getLogger(__name__).info("snapref-ray %s", " ".join(sys.argv[1:]))
             if progress:
                 from tqdm.contrib.logging import logging_redirect_tqdm
 

@@ -123,14 +123,18 @@ def cluster_offers() -> tuple[dict[str, dict[str, float]], str]:
 
 
 def _autoscaler_config() -> dict | None:
-    """The cluster config the autoscaler on this machine reads (its `--autoscaling-config` file), None if none."""
+    """The cluster config the autoscaler of the connected cluster reads (its `--autoscaling-config` file), when it
+    runs on this machine; None otherwise. Other Rays on the machine have monitors of their own: the one whose
+    `--gcs-address` is ours."""
     try:
         import psutil
+        import ray
     except ImportError:
         return None
+    ours = f"--gcs-address={ray.get_runtime_context().gcs_address}"
     for process in psutil.process_iter(["cmdline"]):
         args = process.info.get("cmdline") or []
-        if not any("monitor.py" in a for a in args[:3]):
+        if not any("monitor.py" in a for a in args[:3]) or ours not in args:
             continue
         for i, arg in enumerate(args):
             path = arg.split("=", 1)[1] if arg.startswith("--autoscaling-config=") else None

@@ -66,12 +66,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from snapref_ray.job_console import explain_ray_token_warning
     from snapref_ray.pipelines.serve_app import deploy_local, http_front, local_topology, start_local_serve, stop_local
     from snapref_ray.serve.direct_ingress import haproxy_binary
 
     config = config_from_args(args)
     config.check_security()
     check_port_free(config.host, config.port)  # else Serve fails deep inside Ray, with four tracebacks
+    explain_ray_token_warning()  # Ray's "Token authentication is enabled" warning: what it means, at INFO
     stop = threading.Event()
     _stop_on_signals(stop)
     try:
