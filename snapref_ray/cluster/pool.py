@@ -218,6 +218,9 @@ class WorkerPool:
         for handle in self.starting.values():
             kill(handle)
         self.starting.clear()
+        if self.feasibility is not None:  # nothing is waited for any more
+            self.feasibility.stop()
+            self.feasibility = None
         return count
 
 
