@@ -164,7 +164,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     spec = render_spec(args)
     if args.dry_run:
         return _dry_run(spec)
-    return _run_job_from_the_command_line(spec, progress=not args.no_progress, verbose=args.verbose)
+    return _run_job_from_the_command_line(spec, progress=_progress_bar(args), verbose=args.verbose)
 
 
 def _dry_run(spec) -> int:
@@ -231,6 +231,21 @@ def _memory_line(summary: dict) -> str | None:
     return "memory: " + "; ".join(parts)
 
 
+def _add_progress_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar, or (--no-progress) log lines on the terminal as in job.log (default: the bar when"
+        " stderr is a terminal; a log file or a CI log gets the lines)",
+    )
+
+
+def _progress_bar(args: argparse.Namespace) -> bool:
+    """The bar where a person watches it: redrawn with carriage returns, it only reads well on a terminal."""
+    return args.progress if args.progress is not None else sys.stderr.isatty()
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from snapref_ray.storage.jobspec import load_job_spec
     from snapref_ray.tiny import make_tiny
@@ -247,7 +262,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         }
     )
     status = _run_job_from_the_command_line(
-        spec, progress=not args.no_progress, verbose=args.verbose, gallery_note=False
+        spec, progress=_progress_bar(args), verbose=args.verbose, gallery_note=False
     )
     print(f"open {out / 'gallery.html'} to look at the results")
     return status
@@ -399,18 +414,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="validate the manifest, count items, invalid rows and what the output already holds; render nothing",
     )
-    p.add_argument(
-        "--no-progress", action="store_true", help="no progress bar: log lines on the terminal instead (as in job.log)"
-    )
+    _add_progress_flag(p)
     add_model_flags(p)
     add_settings_flags(p)
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser("demo", help="make the tiny models and render the bundled example on a local Ray")
     p.add_argument("--out", default="demo-output", help="output folder")
-    p.add_argument(
-        "--no-progress", action="store_true", help="no progress bar: log lines on the terminal instead (as in job.log)"
-    )
+    _add_progress_flag(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("report", help="regenerate gallery.html and the throughput plots of a job's output")
