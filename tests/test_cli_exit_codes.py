@@ -120,22 +120,35 @@ def ray_env(local_ray_job) -> dict[str, str]:
     return {**local_ray_job.driver_env(), "RAY_ADDRESS": local_ray_job.address}
 
 
+def write_manifest(path: Path, prompts: list[str]) -> Path:
+    """A manifest of `prompts`, one row each, alternating the example references."""
+    refs = ["silver_hair_girl.png", "brown_hair_boy.png"]
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["reference", "prompt", "seed"])
+        for seed, prompt in enumerate(prompts):
+            writer.writerow([str(EXAMPLES / "example_refs" / refs[seed % 2]), prompt, seed])
+    return path
+
+
 @pytest.fixture(scope="module")
-def first_job(ray_env, tiny_models, tmp_path_factory) -> tuple[Path, str]:
-    """The example manifest rendered into out/ (8 items): (the output, what the command printed)."""
-    out = tmp_path_factory.mktemp("jobs") / "out"
+def first_job(ray_env, tiny_models, tmp_path_factory) -> tuple[Path, Path, str]:
+    """A 2-row manifest rendered into out/ by one CPU worker: (the manifest, the output, what the command printed)."""
+    folder = tmp_path_factory.mktemp("jobs")
+    manifest = write_manifest(folder / "first.csv", ["1girl, cafe", "1boy, park"])
+    out = folder / "out"
     status, printed = snapref(
-        "render", str(EXAMPLES / "example_manifest.csv"), "--models", str(tiny_models), "--out", str(out),
-        "--device", "cpu", *SMALL, env=ray_env,
+        "render", str(manifest), "--models", str(tiny_models), "--out", str(out), "--device", "cpu",
+        "--workers", "1", *SMALL, env=ray_env,
     )  # fmt: skip
     assert status == 0, printed
-    return out, printed
+    return manifest, out, printed
 
 
 @pytest.mark.slow
 def test_render_says_where_the_gallery_and_the_log_are_and_keeps_rays_lines_in_the_log(first_job):
-    out, printed = first_job
-    assert f"8 images in {out} (8 this run" in printed
+    _, out, printed = first_job
+    assert f"2 images in {out} (2 this run" in printed
     assert f"gallery: {out / 'gallery.html'}; log: {out / 'job.log'}" in printed
     assert len([line for line in printed.splitlines() if line.startswith("memory: ")]) == 1
     assert "(RenderWorker" not in printed  # the workers' own lines: in job.log, not over the progress bar
@@ -145,14 +158,10 @@ def test_render_says_where_the_gallery_and_the_log_are_and_keeps_rays_lines_in_t
 
 @pytest.mark.slow
 def test_another_jobs_output_needs_append(first_job, ray_env, tiny_models, tmp_path):
-    out, _ = first_job
-    manifest = tmp_path / "two.csv"  # another job: two rows of its own
-    with manifest.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["reference", "prompt", "seed"])
-        for seed, prompt in enumerate(["1girl, library", "1girl, garden"]):
-            writer.writerow([str(EXAMPLES / "example_refs" / "silver_hair_girl.png"), prompt, seed])
+    _, out, _ = first_job
+    manifest = write_manifest(tmp_path / "other.csv", ["1girl, library"])  # another job: a row of its own
     other = ["render", str(manifest), "--models", str(tiny_models), "--out", str(out), "--device", "cpu", *SMALL]
+    other += ["--workers", "1"]
     status, printed = snapref(*other, "--dry-run", env=ray_env)
     assert status == 2 and "another job's: add --append" in printed, printed
     status, printed = snapref(*other, env=ray_env)
@@ -162,20 +171,20 @@ def test_another_jobs_output_needs_append(first_job, ray_env, tiny_models, tmp_p
     status, printed = snapref(*other, "--append", env=ray_env)
     assert status == 0, printed
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["images_this_run"], summary["failed_items"]) == (2, 0)
-    assert len(list((out / "images").iterdir())) == 10  # both jobs' images, side by side
+    assert (summary["images_this_run"], summary["failed_items"]) == (1, 0)
+    assert len(list((out / "images").iterdir())) == 3  # both jobs' images, side by side
 
 
 @pytest.mark.slow
 def test_dry_run_counts_what_is_committed_and_writes_nothing(first_job, ray_env, tiny_models):
-    out, _ = first_job
+    manifest, out, _ = first_job
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     status, printed = snapref(
-        "render", str(EXAMPLES / "example_manifest.csv"), "--models", str(tiny_models), "--out", str(out),
-        "--device", "cpu", *SMALL, "--dry-run", env=ray_env,
+        "render", str(manifest), "--models", str(tiny_models), "--out", str(out), "--device", "cpu",
+        "--workers", "1", *SMALL, "--dry-run", env=ray_env,
     )  # fmt: skip
     assert status == 0, printed
-    assert "dry run: 8 manifest row(s) -> 8 item(s) (0 invalid row(s)); 8 already committed, 0 to render" in printed
+    assert "dry run: 2 manifest row(s) -> 2 item(s) (0 invalid row(s)); 2 already committed, 0 to render" in printed
     assert f"dry run: output {out}: this job's: a run resumes it" in printed
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
