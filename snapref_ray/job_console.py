@@ -109,6 +109,8 @@ def job_console(output_uri: str, *, s3=None, progress: bool = True, verbose: boo
                         handler.setLevel(terminal_level)  # tqdm's stand-in for the terminal handler
             yield where
     finally:
+        if _ray_connected():
+            ray_output.settle()  # the workers' last lines, into the file rather than after the command's end
         if not ray_before and _ray_connected():
             # The local Ray the job started stops while its last lines (workers killed at the end) still go to the
             # file; a Ray the caller had connected to stays.

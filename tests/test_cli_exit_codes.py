@@ -153,7 +153,7 @@ def test_render_says_where_the_gallery_and_the_log_are_and_keeps_rays_lines_in_t
     assert len([line for line in printed.splitlines() if line.startswith("memory: ")]) == 1
     assert "(RenderWorker" not in printed  # the workers' own lines: in job.log, not over the progress bar
     log = (out / "job.log").read_text()
-    assert "(RenderWorker pid=" in log and "snapref_ray.service.memory" in log
+    assert "(RenderWorker pid=" in log and "snapref_ray.engine: loaded" in log
 
 
 @pytest.mark.slow

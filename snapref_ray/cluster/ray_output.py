@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 
 _HANDLER = "snapref_ray_output"
@@ -23,6 +24,7 @@ _RAY_PRINT_HANDLER = "ray_print_logs"  # the name Ray's connect() registers its 
 _target: logging.Logger | None = None
 _listeners: list[Callable[[str], None]] = []
 _removed_printer = False
+_last_output_at = 0.0  # time.monotonic() of the last lines Ray's processes sent
 
 
 def divert_to(logger: logging.Logger | None) -> None:
@@ -55,7 +57,21 @@ def install() -> None:
         _removed_printer = True
 
 
+def settle(quiet_s: float = 1.0, max_s: float = 3.0) -> None:
+    """Wait until Ray's processes have been quiet for `quiet_s` (at most `max_s`): their last lines reach the
+    driver a moment after they are written, and a driver that leaves at once never gets them."""
+    start = time.monotonic()
+    deadline = start + max_s
+    while time.monotonic() < deadline:
+        quiet = time.monotonic() - max(_last_output_at, start)  # lines still in flight arrive within quiet_s
+        if quiet >= quiet_s:
+            return
+        time.sleep(min(quiet_s - quiet, max(0.0, deadline - time.monotonic())))
+
+
 def _on_output(data: dict) -> None:
+    global _last_output_at
+    _last_output_at = time.monotonic()
     pid = data.get("pid")
     lines = data.get("lines") or []
     if pid == "autoscaler":
