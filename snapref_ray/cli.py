@@ -10,6 +10,7 @@ from pathlib import Path
 
 from snapref_ray.cli_flags import HelpFormatter, add_model_flags, add_settings_flags, model_spec_from, settings_from
 from snapref_ray.eval_cli import add_eval_parsers
+from snapref_ray.pipelines.job_summary import JobSummary
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.cli import add_serve_parser
 from snapref_ray.validation import run_reporting_usage_errors
@@ -42,36 +43,21 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 def cmd_txt2img(args: argparse.Namespace) -> int:
     from snapref_ray.requests import RenderRequest
-    from snapref_ray.service import RefKVKey, RenderService
+    from snapref_ray.service import RenderService
     from snapref_ray.service.records import encode_output
-    from snapref_ray.service.references import ReferenceIdentity
 
     service = RenderService.load(model_spec_from(args))
     settings = service.resolve(settings_from(args))
-    references, layout = _reference_images(args)
+    reference = _reference(args, settings, service.adapter_kind)
     init = None
     if args.init_image:
         from PIL import Image
 
         init = Image.open(args.init_image)
     requests = [RenderRequest(prompt=args.prompt, seed=args.seed + i, settings=settings) for i in range(args.n)]
-    reference_hash = ReferenceIdentity.of_images(layout, references).hash if references else None
-    refkv = None
-    if references and not settings.recompute_reference_every_step:
-        key = RefKVKey.for_settings(reference_hash, settings)
-        sources = [*args.reference, *([args.reference2] if args.reference2 else [])]
-        refkv, _ = service.refkv(key, layout, lambda: references, sources=sources)
     bar, update = _progress("sampling")
     with bar:
-        rendered = service.render(
-            requests,
-            refkv=refkv,
-            references=references if settings.recompute_reference_every_step else None,
-            layout=layout,
-            reference_hash=reference_hash,
-            init_image=init,
-            progress=update,
-        )
+        rendered = service.render(requests, reference=reference, init_image=init, progress=update)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fmt = _format_of(out)
@@ -79,12 +65,33 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
         path = out if len(rendered) == 1 else out.with_name(f"{out.stem}_{i:03d}{out.suffix}")
         path.write_bytes(encode_output(image, model=service.model_id, adapter=service.adapter_id, fmt=fmt))
         t = image.timings
-        encode_s = refkv.encode_seconds if refkv is not None else t.get("encode_s", 0.0)
         print(
             f"{path}  seed {image.request.seed}  sample {t['sample_s']:.2f} s  decode {t['decode_s']:.2f} s"
-            + (f"  reference encode {encode_s:.2f} s" if references else "")
+            + (f"  reference encode {t['encode_s']:.2f} s" if reference else "")
         )
     return 0
+
+
+def _reference(args: argparse.Namespace, settings: RenderSettings, adapter_kind: str | None):
+    """The typed `Reference` of --reference / --reference2, checked before any device work (None without one)."""
+    from snapref_ray.adapter.images import ReferenceImageError
+    from snapref_ray.requests import RenderError
+    from snapref_ray.service.references import Reference, check_reference
+
+    images, layout = _reference_images(args)
+    if images is None:
+        return None
+    sources = [*args.reference, *([args.reference2] if args.reference2 else [])]
+    flags = ["--reference"] * len(args.reference) + (["--reference2"] if args.reference2 else [])
+    try:
+        check_reference(images, layout, sources, adapter_kind)
+    except ReferenceImageError as e:
+        flag = next((f for f, src in zip(flags, sources) if str(e).startswith(src)), "--reference")
+        raise ReferenceImageError(f"{flag} {e}") from None
+    except RenderError as e:  # a layout the adapter does not read
+        flag = "--reference2" if layout == "pair" else f"--reference (given {len(args.reference)} times)"
+        raise RenderError(f"{flag}: {str(e).removeprefix('layout: ')}", field="reference") from None
+    return Reference.of_images(images, layout, settings, sources)
 
 
 def _reference_images(args: argparse.Namespace) -> tuple[list[bytes] | None, str]:
@@ -200,28 +207,28 @@ def _run_job_from_the_command_line(spec, *, progress: bool, verbose: bool, galle
         print(memory)
     if gallery_note:
         print(f"gallery: {_join(spec.output.uri, 'gallery.html')}; log: {log_file}")
-    return 1 if summary["failed_items"] else 0
+    return 1 if summary.failed_items else 0
 
 
 def _join(uri: str, name: str) -> str:
     return uri.rstrip("/") + "/" + name if uri.startswith("s3://") else str(Path(uri).resolve() / name)
 
 
-def _print_summary(summary: dict) -> None:
+def _print_summary(summary: JobSummary) -> None:
     print(
-        f"{summary['images_total']} images in {summary['output']} ({summary['images_this_run']} this run, "
-        f"{summary['skipped_already_done']} already there, {summary['failed_items']} failed, "
-        f"{summary['invalid_rows']} invalid rows); {summary['images_per_hour']:.0f} images/hour, "
-        f"{summary['encodes_per_reference']:.2f} encodes per reference"
+        f"{summary.images_total} images in {summary.output} ({summary.images_this_run} this run, "
+        f"{summary.skipped_already_done} already there, {summary.failed_items} failed, "
+        f"{summary.invalid_rows} invalid rows); {summary.images_per_hour:.0f} images/hour, "
+        f"{summary.encodes_per_reference:.2f} encodes per reference"
     )
 
 
-def _memory_line(summary: dict) -> str | None:
+def _memory_line(summary: JobSummary) -> str | None:
     """One line on memory: what each worker asked Ray for, and per image size the batch its workers measured fits
     (the smallest over the workers; each worker's figures are in summary.json and job.log)."""
-    request = (summary.get("memory_per_worker") or {}).get("bytes")
+    request = (summary.memory_per_worker or {}).get("bytes")
     fits: dict[tuple[int, int], int] = {}
-    for fit in summary.get("memory_fit") or []:
+    for fit in summary.memory_fit or []:
         size = (fit["width"], fit["height"])
         fits[size] = min(fits.get(size, fit["batch"]), fit["batch"])
     if not request and not fits:

@@ -25,6 +25,7 @@ from snapref_ray.cluster.output_writer import OutputWriter
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.service.records import describe_error, encode_output, image_extension, metadata_row
+from snapref_ray.service.references import Reference
 from snapref_ray.service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMemory, RenderService
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import make_thumbnail
@@ -151,26 +152,26 @@ class RenderWorker:
         """
         started = time.time()
         fetch_s, lost = [0.0], [""]
-        try:
-            kv, source = self.service.refkv(
-                task.reference.key,
-                task.reference.layout,
-                lambda: self._read_images(task.reference),
-                sources=task.reference.uris,
-                fetch=(lambda: self._fetch(task.reference, refkv_handle, fetch_s, lost)) if refkv_handle else None,
-            )
+        ref = task.reference
+        reference = Reference(
+            ref.key,
+            ref.layout,
+            ref.uris,
+            lambda: self._read_images(ref),
+            fetch=(lambda: self._fetch(ref, refkv_handle, fetch_s, lost)) if refkv_handle else None,
+        )
+        try:  # the service decides what the batch reads: the images (recompute_reference_every_step) or a RefKV
+            read = self.service.read_reference(reference, task.items[0].settings)
         except Exception as e:  # an unreadable reference fails its items, not the worker
             return self._failed(task, e, "encode")
-        source = {"fetched": "object_store"}.get(source, source)
+        source = {"fetched": "object_store"}.get(read.source, read.source)
         if source == "encoded":
             self.metrics.encodes.inc(1, self.tags)
-        (self.metrics.cache_hits if source == "cache" else self.metrics.cache_misses).inc(1, self.tags)
+        if source != "recomputed":
+            (self.metrics.cache_hits if source == "cache" else self.metrics.cache_misses).inc(1, self.tags)
         try:
             rendered = self.service.render(
-                [item.request() for item in task.items],
-                refkv=kv,
-                reference_hash=task.reference.reference_hash,
-                progress=self.service.tick,
+                [item.request() for item in task.items], reference=read, progress=self.service.tick
             )
         except RenderOutOfMemory as e:  # one image that does not fit: the service already split the batch
             return self._failed(task, e, "sample", source, out_of_memory=True)

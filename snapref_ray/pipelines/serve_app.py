@@ -72,6 +72,8 @@ def build_app(config: ServeConfig) -> Application:
         config.reference_store_bytes, config.references_uri, config.s3_options()
     )
     memory = replica_memory_bytes(config, on_gpu=gpus > 0)
+    # The replicas' render services fit batches into the memory they ask Ray for, as a job's workers do.
+    config = config.model_copy(update={"memory_per_replica": memory})
     rendering = {
         "ray_actor_options": {
             "num_cpus": config.cpus_per_replica,
@@ -113,7 +115,7 @@ def build_app(config: ServeConfig) -> Application:
 
 def replica_memory_bytes(config: ServeConfig, *, on_gpu: bool) -> int:
     """Host memory a rendering replica asks Ray for: `memory_per_replica`, else the estimate at the largest image
-    the limits allow and max_batch_size (service/memory_estimate.py); 0 where the files cannot be read here."""
+    the limits allow and max_batch (service/memory_estimate.py); 0 where the files cannot be read here."""
     if config.memory_per_replica is not None:
         return config.memory_per_replica
     if config.model.is_remote():
@@ -126,7 +128,7 @@ def replica_memory_bytes(config: ServeConfig, *, on_gpu: bool) -> int:
     except (FileNotFoundError, ValueError) as e:  # a path only the GPU nodes have: Serve places by GPUs alone
         log.info("no memory estimate for the replicas (%s): they ask Ray for none", e)
         return 0
-    return estimate_worker_memory(files, width=side, height=side, batch=config.max_batch_size, on_gpu=on_gpu).total
+    return estimate_worker_memory(files, width=side, height=side, batch=config.max_batch, on_gpu=on_gpu).total
 
 
 def rendering_deployment(config: ServeConfig) -> str:

@@ -141,6 +141,15 @@ class RenderResponse(BaseModel):
     )
 
 
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models' `data`: the shape OpenAI clients list models in (`models.list()`)."""
+
+    id: str = Field(..., description="The name a request's `model` field may give (the `model` above).")
+    object: Literal["model"] = "model"
+    created: int = Field(..., description="When this server process loaded it (Unix seconds).")
+    owned_by: str = "snapref-ray"
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok"]
 
@@ -163,7 +172,11 @@ class ModelsResponse(BaseModel):
         " the batch chosen (measured on the first renders at each size).",
     )
     limits: ServeLimits
-    max_batch_size: int
+    max_batch: int = Field(
+        description="Images one forward of a replica batches together (the same name as in jobs and Ray Data)."
+    )
+    object: Literal["list"] = Field("list", description="With `data`: the list shape OpenAI clients read.")
+    data: list[ModelCard] = Field(default_factory=list, description="The loaded model, as OpenAI clients list it.")
 
 
 # -- identity ---------------------------------------------------------------------------------
@@ -175,6 +188,12 @@ def reference_id_for(content_hash: str, options: ReferenceOptions) -> str:
 
 # -- parsing helpers --------------------------------------------------------------------------
 ECHO_CHARS = 64  # longest client-supplied text an error message repeats
+FORM_OVERHEAD = 64 * 1024  # multipart headers and the small text fields next to a file
+
+
+def json_body_limit(file_limit: int) -> int:
+    """Largest JSON body that carries a file of `file_limit` bytes base64-encoded, with its other fields."""
+    return 4 * math.ceil(file_limit / 3) + FORM_OVERHEAD  # base64 is 4 characters per 3 bytes
 
 
 def echo(text: str) -> str:
@@ -283,10 +302,6 @@ def check_limits(body: RenderBody, limits: ServeLimits) -> None:
     if body.ref_megapixels > limits.max_megapixels:
         raise ApiError(
             400, "ref_megapixels", f"{body.ref_megapixels} MP, more than the {limits.max_megapixels} allowed"
-        )
-    if body.recompute_reference_every_step:
-        raise ApiError(
-            400, "recompute_reference_every_step", "is a benchmark baseline and is not served; leave it false"
         )
     if body.denoise < 1.0:
         raise ApiError(400, "denoise", "img2img (denoise < 1) is not served over HTTP; use 1")

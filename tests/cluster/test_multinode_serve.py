@@ -54,7 +54,7 @@ def server(cluster: FakeCluster, tiny_models: Path) -> str:
         max_replicas=2,
         gpus_per_replica=1,
         cpus_per_replica=1,
-        max_batch_size=4,
+        max_batch=4,
         request_timeout_s=120,
     )
     # One proxy, on the head: every fake node shares this machine's ports.

@@ -137,7 +137,7 @@ def test_the_corrupt_reference_is_an_error_row_and_the_rest_render(rendered):
     table = rendered.to_pylist()
     failed = [r for r in table if r["error"] is not None]
     assert [r["character"] for r in failed] == ["corrupt"]
-    assert failed[0]["error_stage"] == "encode" and failed[0]["image"] is None
+    assert failed[0]["error_stage"] == "validate" and failed[0]["image"] is None  # before any device work
     assert "cannot decode the image" in failed[0]["error"] and "corrupt.png" in failed[0]["error"]
     good = [r for r in table if r["error"] is None]
     assert len(good) == 12 and all(r["image"] for r in good)
