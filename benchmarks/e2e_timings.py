@@ -4,7 +4,7 @@ What each record carries, and so where each figure comes from:
 
 - `summary.json` (`run_job`): wall, start-up (Ray worker start, model load, warm-up) and render seconds;
   reference encodes.
-- the metadata rows (one per image, `service/records.py`): `sample_s` and `decode_s` of the forward that
+- the metadata rows (one per image, `render_service/records.py`): `sample_s` and `decode_s` of the forward that
   rendered the image (the same value on each of its `forward_batch` images), `encode_s` of the reference
   stream it read (the same on each image of that reference), `upload_s` of its own PNG encoding,
   thumbnail and storage writes (an output thread: beside the sampling when `output_threads` > 0).

@@ -96,7 +96,7 @@ def run_one(
     that never gets its GPU fails the run instead of outliving the suite).
     """
     # Imported here: the suite imports this module whether or not the phase runs, and these bring in Ray.
-    from snapref_ray.pipelines.generate_dataset import run_job
+    from snapref_ray.jobs.generate_dataset import run_job
     from snapref_ray.storage.backends import open_storage
     from snapref_ray.storage.jobspec import JobSpec
     from snapref_ray.storage.metadata import read_errors_table, read_metadata_table
@@ -153,7 +153,8 @@ def run_one(
         "failed_items": summary["failed_items"],
         "forward_batches": summary["forward_batches"],
         "model_load_seconds": max((w.load_seconds for w in workers), default=None),
-        # The worker's cold start (service/cold_start.py): compile s, graphs built vs loaded, warm-up, first image.
+        # The worker's cold start (render_service/cold_start.py): compile s, graphs built vs loaded, warm-up,
+        # first image.
         "cold_start": summary.cold_start[0] if summary.cold_start else None,
     }
     errors = read_errors_table(storage).column("error").to_pylist()

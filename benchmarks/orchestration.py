@@ -163,7 +163,7 @@ class Sampler:
     """Peak RSS (every 20 ms) and object-store bytes (every 0.2 s) from a thread; its own CPU is kept apart."""
 
     def __init__(self) -> None:
-        from snapref_ray.service.memory import resident_bytes
+        from snapref_ray.render_service.memory import resident_bytes
 
         self._resident_bytes = resident_bytes
         self.peak_rss = resident_bytes()
@@ -219,8 +219,8 @@ def _write_job(folder: Path, references: int, prompts: int) -> Path:
 
 
 def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, overlap: bool = True, s3=None) -> dict:
-    from snapref_ray.pipelines.generate_dataset import run_job
-    from snapref_ray.service.memory import resident_bytes
+    from snapref_ray.jobs.generate_dataset import run_job
+    from snapref_ray.render_service.memory import resident_bytes
     from snapref_ray.storage.jobspec import JobSpec
 
     references = -(-workers * args.batches_per_worker * args.max_batch // prompts)

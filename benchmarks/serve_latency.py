@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     from ray import serve
 
     from snapref_ray.client import SnapRefClient
-    from snapref_ray.pipelines.serve_app import (
+    from snapref_ray.serve.app import (
         APP_NAME,
         build_app,
         deploy_local,

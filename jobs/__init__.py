@@ -1,2 +1,2 @@
 """Entry points for `ray job submit --working-dir . -- python -m jobs.NAME SPEC.yaml`; each runs a
-flow from snapref_ray.pipelines. Example specs live in snapref_ray/examples/."""
+flow from snapref_ray.jobs. Example specs live in snapref_ray/examples/."""

@@ -6,7 +6,7 @@ set by `ray job submit`); resubmitting the same spec resumes it.
 
 import sys
 
-from snapref_ray.pipelines.generate_dataset import main
+from snapref_ray.jobs.generate_dataset import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,7 @@ heldout_loss.parquet to the spec's output.
 
 import sys
 
-from snapref_ray.pipelines.identity_eval import main
+from snapref_ray.jobs.identity_eval import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,7 @@ submitted to; writes comparison_summary.json and comparison_summary.md to the sp
 
 import sys
 
-from snapref_ray.pipelines.timing_table import main
+from snapref_ray.jobs.timing_table import main
 
 if __name__ == "__main__":
     sys.exit(main())

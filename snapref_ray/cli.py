@@ -10,7 +10,7 @@ from pathlib import Path
 
 from snapref_ray.cli_flags import HelpFormatter, add_model_flags, add_settings_flags, model_spec_from, settings_from
 from snapref_ray.eval_cli import add_eval_parsers
-from snapref_ray.pipelines.job_summary import JobSummary
+from snapref_ray.jobs.job_summary import JobSummary
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.cli import add_serve_parser
 from snapref_ray.validation import run_reporting_usage_errors
@@ -42,9 +42,9 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_txt2img(args: argparse.Namespace) -> int:
+    from snapref_ray.render_service import RenderService
+    from snapref_ray.render_service.records import encode_output
     from snapref_ray.requests import RenderRequest
-    from snapref_ray.service import RenderService
-    from snapref_ray.service.records import encode_output
 
     service = RenderService.load(model_spec_from(args))
     settings = service.resolve(settings_from(args))
@@ -75,8 +75,8 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
 def _reference(args: argparse.Namespace, settings: RenderSettings, adapter_kind: str | None):
     """The typed `Reference` of --reference / --reference2, checked before any device work (None without one)."""
     from snapref_ray.adapter.images import ReferenceImageError
+    from snapref_ray.render_service.references import Reference, check_reference
     from snapref_ray.requests import RenderError
-    from snapref_ray.service.references import Reference, check_reference
 
     images, layout = _reference_images(args)
     if images is None:
@@ -176,7 +176,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def _dry_run(spec) -> int:
     """Validate, count and read the output's ledger; render nothing, write nothing."""
-    from snapref_ray.pipelines.job_plan import check_something_to_render, plan_job
+    from snapref_ray.jobs.job_plan import check_something_to_render, plan_job
 
     plan = plan_job(spec)
     for line in plan.lines():
@@ -191,7 +191,7 @@ def _run_job_from_the_command_line(spec, *, progress: bool, verbose: bool, galle
     """run_job with job.log in the output and Ray's output kept off the terminal; the summary lines; the exit
     status: 0 when every item is rendered, 1 when some failed (their errors are in errors/)."""
     from snapref_ray.job_console import job_console
-    from snapref_ray.pipelines.generate_dataset import run_job
+    from snapref_ray.jobs.generate_dataset import run_job
     from snapref_ray.storage.ledger import OutputConflictError
 
     with job_console(spec.output.uri, s3=spec.s3_options(), progress=progress, verbose=verbose) as log_file:

@@ -1,7 +1,7 @@
 """`snapref-ray eval SPEC.yaml` and `snapref-ray timing SPEC.yaml | --models DIR ...`.
 
-Registered on the main parser by `add_eval_parsers(sub)`; the work is in pipelines/identity_eval.py
-and pipelines/timing_table.py.
+Registered on the main parser by `add_eval_parsers(sub)`; the work is in snapref_ray/jobs/identity_eval.py
+and snapref_ray/jobs/timing_table.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from snapref_ray.model_spec import LoRASpec
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from snapref_ray.pipelines.identity_eval import RESULT_JSON, load_eval_spec, run_identity_eval
+    from snapref_ray.jobs.identity_eval import RESULT_JSON, load_eval_spec, run_identity_eval
 
     spec = load_eval_spec(args.spec)
     if args.out:
@@ -39,8 +39,8 @@ def _absolute(path: str | None) -> str | None:
 
 def timing_spec_from_args(args: argparse.Namespace):
     """The TimingSpec of a `snapref-ray timing` command line (a spec file, then flags on top)."""
+    from snapref_ray.jobs.timing_table import TimingSpec, load_timing_spec
     from snapref_ray.model_spec import ModelSpec
-    from snapref_ray.pipelines.timing_table import TimingSpec, load_timing_spec
 
     if args.spec:
         spec = load_timing_spec(args.spec)
@@ -82,7 +82,7 @@ def timing_spec_from_args(args: argparse.Namespace):
 
 
 def cmd_timing(args: argparse.Namespace) -> int:
-    from snapref_ray.pipelines.timing_table import RESULT_MD, format_markdown, run_timing
+    from snapref_ray.jobs.timing_table import RESULT_MD, format_markdown, run_timing
 
     spec = timing_spec_from_args(args)
     summary = run_timing(spec)

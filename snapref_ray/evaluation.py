@@ -1,6 +1,6 @@
 """The identity-gap evaluation: denoising loss of a target with the right and a wrong reference.
 
-Pure PyTorch on a `Renderer` (no Ray): `pipelines/identity_eval.py` runs it on the batch workers.
+Pure PyTorch on a `Renderer` (no Ray): `snapref_ray/jobs/identity_eval.py` runs it on the batch workers.
 
 The loss (one number per σ and noise seed):
 

@@ -1,6 +1,6 @@
 """A package's public names, imported from their submodules on first use (PEP 562) instead of with the package.
 
-`snapref_ray.models`, `snapref_ray.adapter` and `snapref_ray.service` export names from submodules that
+`snapref_ray.models`, `snapref_ray.adapter` and `snapref_ray.render_service` export names from submodules that
 import torch. Imported eagerly, any process that touched one torch-free submodule of theirs (a serve
 config, Serve's ingress and ReferenceStore replicas, which only parse requests and keep bytes) paid for
 torch too: about 3 CPU-seconds and 200 MB resident per process.

@@ -5,7 +5,7 @@ made: a job spec (`model:`), an evaluation or timing spec (`model:`), the serve 
 Ray Data's `SnapRefRenderer(model=...)` and the command line (`--models`, `--adapter`, `--lora`,
 `--device`, `--dtype`, `--compile`, `--quantize`; `snapref_ray.cli_flags`). A field means
 the same thing in all of them. Turning a spec into a loaded `Renderer` (s3:// files fetched once per
-node) is `snapref_ray.service.loading.load_renderer`.
+node) is `snapref_ray.render_service.loading.load_renderer`.
 
 Paths may be local or s3:// URIs. Relative local paths in a spec file resolve against that file's
 folder (`resolve_paths`).

@@ -98,7 +98,7 @@ class LocalServe:
         self.deployments = 0  # applications deployed on it (reported at the end of the session)
 
     def start(self) -> LocalServe:
-        from snapref_ray.pipelines import serve_app
+        from snapref_ray.serve import app as serve_app
         from snapref_ray.serve.direct_ingress import environment, grpc_message_limit
 
         # Without haproxy installed, Serve's own proxy answers (as for `snapref-ray serve`).
@@ -110,7 +110,7 @@ class LocalServe:
         return self
 
     def stop(self) -> None:
-        from snapref_ray.pipelines import serve_app
+        from snapref_ray.serve import app as serve_app
 
         serve_app.stop_local(drain=False)  # the local Ray goes with it; nothing is in flight
 
@@ -126,7 +126,7 @@ class LocalServe:
         Yields the base URL. `config.port` must be `self.port`."""
         from ray import serve
 
-        from snapref_ray.pipelines import serve_app
+        from snapref_ray.serve import app as serve_app
 
         name = name or serve_app.APP_NAME
         problems = []

@@ -21,10 +21,10 @@ from torch._dynamo.testing import CompileCounter
 import snapref_ray.engine as engine_module
 from snapref_ray.engine import Renderer
 from snapref_ray.models.compiled import compile_forward
+from snapref_ray.render_service.cold_start import WARMUP_STEPS
+from snapref_ray.render_service.references import Reference
+from snapref_ray.render_service.service import RenderService
 from snapref_ray.requests import RenderRequest, RenderSettings
-from snapref_ray.service.cold_start import WARMUP_STEPS
-from snapref_ray.service.references import Reference
-from snapref_ray.service.service import RenderService
 from snapref_ray.tiny import write_tiny_adapter
 
 SETTINGS = RenderSettings(width=256, height=256, steps=3, sampler="euler", cfg=4.0)
@@ -120,8 +120,8 @@ def test_cli_compile_flag_reaches_the_job_spec(monkeypatch, tmp_path: Path, caps
     The job itself is replaced (a compiled render costs minutes on a CPU): it records the spec the
     command built and answers an empty job's summary, which the command prints."""
     from snapref_ray import cli
-    from snapref_ray.pipelines import generate_dataset
-    from snapref_ray.pipelines.job_summary import JobSummary
+    from snapref_ray.jobs import generate_dataset
+    from snapref_ray.jobs.job_summary import JobSummary
 
     seen = []
 

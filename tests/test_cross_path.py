@@ -2,7 +2,7 @@
 HTTP endpoint draw the same pixels for the same (reference, prompt, seed, settings, model) and record the
 same facts about it.
 
-Every path renders through the one render service (snapref_ray/service/) on the CPU with one torch thread
+Every path renders through the one render service (snapref_ray/render_service/) on the CPU with one torch thread
 (a job worker and a Ray Data actor get one CPU from Ray, the endpoint's replica `cpus_per_replica: 1`,
 txt2img is run here with one thread), so the images are bitwise equal. The settings every output records
 (the PNG `parameters` and `snapref` chunks, the Parquet row, the endpoint's JSON `settings`) are the
@@ -204,7 +204,7 @@ def _rows(case: Case) -> list[dict]:
 def job(case, server) -> dict:
     """One job with the plain row and every verdict's row: {"summary", "rows" by id ("" for the plain row),
     "errors" by id, "images" by id}."""
-    from snapref_ray.pipelines.generate_dataset import run_job
+    from snapref_ray.jobs.generate_dataset import run_job
     from snapref_ray.storage.jobspec import JobSpec
 
     rows = _rows(case)

@@ -1,4 +1,4 @@
-"""The identity-gap evaluation job (pipelines/identity_eval.py, jobs/identity_eval.py) through Ray, tiny models."""
+"""The identity-gap evaluation job (snapref_ray/jobs/identity_eval.py, jobs/identity_eval.py) on Ray, tiny models."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import yaml
 from snapref_ray.adapter.file import load_adapter
 from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.evaluation import denoising_losses, prepare_target
+from snapref_ray.jobs.identity_eval import EvalError, EvalSpec, build_cases, load_eval_spec
 from snapref_ray.model_spec import ModelSpec
-from snapref_ray.pipelines.identity_eval import EvalError, EvalSpec, build_cases, load_eval_spec
 
 JOBS = Path(__file__).resolve().parents[1] / "snapref_ray" / "examples"
 SIGMAS, SEEDS = [0.3, 0.7], [0, 1]

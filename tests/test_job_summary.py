@@ -1,4 +1,4 @@
-"""The job's figures over its driver runs (pipelines/job_summary.py): a resume with nothing to do keeps them.
+"""The job's figures over its driver runs (snapref_ray/jobs/job_summary.py): a resume with nothing to do keeps them.
 
 tests/cluster/test_batch_job.py checks the same through a real resumed job; these check the arithmetic, worked out
 by hand, and an output whose summary.json was written before `runs` existed.
@@ -6,7 +6,7 @@ by hand, and an output whose summary.json was written before `runs` existed.
 
 from __future__ import annotations
 
-from snapref_ray.pipelines.job_summary import RunFigures, job_throughput
+from snapref_ray.jobs.job_summary import RunFigures, job_throughput
 
 
 def run(images: int, wall: float, render: float, *, to_render: int | None = None, startup: float = 1.0) -> RunFigures:
@@ -58,7 +58,7 @@ def test_a_summary_written_before_runs_existed_counts_as_one_run():
 
 
 def test_an_unreadable_earlier_summary_starts_the_figures_again(tmp_path):
-    from snapref_ray.pipelines.generate_dataset import _earlier_runs
+    from snapref_ray.jobs.generate_dataset import _earlier_runs
     from snapref_ray.storage.backends import open_storage
 
     storage = open_storage(str(tmp_path))
@@ -74,7 +74,7 @@ def test_workers_warm_the_forward_sizes_the_plan_will_send():
     are forwards of 4, 4 and 1; 2 items of another, one forward of 2; a third reference's 8 items, two of 4."""
     from types import SimpleNamespace
 
-    from snapref_ray.pipelines.generate_dataset import _planned_batch_sizes
+    from snapref_ray.jobs.generate_dataset import _planned_batch_sizes
     from snapref_ray.requests import RenderSettings
 
     small, large = RenderSettings(width=256, height=256), RenderSettings(width=512, height=256)

@@ -97,7 +97,7 @@ def test_a_model_spec_and_the_serve_reference_store_load_without_torch():
     code = (
         "import sys\n"
         "from snapref_ray.model_spec import ModelSpec\n"
-        "from snapref_ray.serve.references import ReferenceStore\n"
+        "from snapref_ray.serve.reference_store import ReferenceStore\n"
         "from snapref_ray.models import bundle\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
         "from snapref_ray.models import WanVAE, load_dit\n"  # the package's names still resolve, on first use

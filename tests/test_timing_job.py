@@ -1,4 +1,4 @@
-"""The timing-table job (pipelines/timing_table.py, jobs/timing_table.py) through Ray on the tiny models."""
+"""The timing-table job (snapref_ray/jobs/timing_table.py, jobs/timing_table.py) through Ray on the tiny models."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from safetensors.torch import save_file
 
 import snapref_ray
 from snapref_ray.eval_cli import add_eval_parsers, timing_spec_from_args
-from snapref_ray.model_spec import LoRASpec, ModelSpec
-from snapref_ray.pipelines.flop_model import Case, RowGroup, forward_flops, real_size_ratios
-from snapref_ray.pipelines.timing_table import (
+from snapref_ray.jobs.flop_model import Case, RowGroup, forward_flops, real_size_ratios
+from snapref_ray.jobs.timing_table import (
     ARCANIMA_ROWS,
     SETTING_NAMES,
     TimingSpec,
@@ -25,6 +24,7 @@ from snapref_ray.pipelines.timing_table import (
     timing_plan,
     timing_settings,
 )
+from snapref_ray.model_spec import LoRASpec, ModelSpec
 from snapref_ray.storage.jobspec import OutputSpec
 from snapref_ray.tiny import TinyConfig, write_tiny_adapter
 

@@ -1,6 +1,6 @@
 """The driver's calls in flight, each with a typed record, and the one `ray.wait` over them.
 
-The batch schedule (cluster/scheduler.py) and the identity evaluation (pipelines/identity_eval.py) both keep a
+The batch schedule (cluster/scheduler.py) and the identity evaluation (snapref_ray/jobs/identity_eval.py) both keep a
 bounded number of calls out per worker, wait for any to return and collect it: `InFlight` is that core. A call's
 record says what it was (`CallKind`), on which worker, for which reference and task, so the code that collects it
 never unpacks a tuple tag.

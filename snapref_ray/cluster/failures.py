@@ -28,7 +28,7 @@ import ray
 import torch
 
 from snapref_ray.cluster.schedule import REQUEUE_CAUSES, Cause
-from snapref_ray.service.memory import describe_device_memory
+from snapref_ray.render_service.memory import describe_device_memory
 
 LOST_REFKV_ERRORS: tuple[type[BaseException], ...] = (
     ray.exceptions.ObjectLostError,  # and OwnerDiedError, ObjectFetchTimedOutError, ObjectFreedError,
@@ -79,7 +79,7 @@ def dead_nodes(node_ids: set[str]) -> set[str]:
 
 
 def describe_out_of_memory(error: BaseException, device) -> str:
-    """`torch.OutOfMemoryError` on `device`, with the memory figures known there (service/memory.py)."""
+    """`torch.OutOfMemoryError` on `device`, with the memory figures known there (render_service/memory.py)."""
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
     figures = describe_device_memory(device)
     return f"{type(error).__name__} on {device}: {first_line[:400]}" + (f" [{figures}]" if figures else "")

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from snapref_ray.cluster.schedule import SchedulerConfig, SchedulerStats
 from snapref_ray.cluster.tasks import ReferenceTask, batch_shape
-from snapref_ray.service.batching import batch_key, take_batch
-from snapref_ray.service.work_items import WorkItem
+from snapref_ray.render_service.batching import batch_key, take_batch
+from snapref_ray.render_service.work_items import WorkItem
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from snapref_ray.cluster.schedule import SchedulerConfig, SchedulerStats
 from snapref_ray.cluster.tasks import WorkerInfo
 from snapref_ray.cluster.worker import RenderWorker, WorkerConfig
 from snapref_ray.model_spec import ModelSpec
-from snapref_ray.service.memory_estimate import estimate_worker_memory
+from snapref_ray.render_service.memory_estimate import estimate_worker_memory
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def worker_memory(
     """(bytes of host memory each worker asks Ray for, the estimate's figures or None).
 
     `override` (cluster.memory_per_worker) wins; else the estimate from the model files' headers
-    (service/memory_estimate.py) at the job's largest image and max_batch. Remote (s3://) model files are
+    (render_service/memory_estimate.py) at the job's largest image and max_batch. Remote (s3://) model files are
     not fetched by the driver for it: without an override such a job asks for no memory, and says so.
     """
     if override is not None:

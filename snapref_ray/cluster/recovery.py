@@ -34,7 +34,7 @@ from snapref_ray.cluster.placement import Placement, QueuedReference
 from snapref_ray.cluster.pool import PoolMembers
 from snapref_ray.cluster.schedule import Cause, SchedulerConfig, SchedulerStats
 from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo, batch_shape
-from snapref_ray.service.work_items import WorkItem
+from snapref_ray.render_service.work_items import WorkItem
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from snapref_ray.cluster.pool import Member, PoolMembers, WorkerPool
 from snapref_ray.cluster.recovery import Recovery, RequeueBudgetExceeded
 from snapref_ray.cluster.schedule import EVENT_KINDS, Cause, SchedulerConfig, SchedulerEvent, SchedulerStats
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, RenderTask, WorkerInfo
-from snapref_ray.service.work_items import WorkItem
+from snapref_ray.render_service.work_items import WorkItem
 
 log = logging.getLogger(__name__)
 

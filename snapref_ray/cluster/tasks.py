@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from snapref_ray.service.references import RefKVKey
-from snapref_ray.service.service import rows_per_image
-from snapref_ray.service.work_items import WorkItem
+from snapref_ray.render_service.references import RefKVKey
+from snapref_ray.render_service.service import rows_per_image
+from snapref_ray.render_service.work_items import WorkItem
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class ItemOutcome:
     # Seconds `ray.get` took for the RefKV when it came from the object store (the driver turns
     # the first cross-node one into a bandwidth for its fetch-or-encode decisions).
     fetch_seconds: float = 0.0
-    # The worker's memory fit after this batch (service/memory.py), on the first outcome of a batch.
+    # The worker's memory fit after this batch (render_service/memory.py), on the first outcome of a batch.
     memory: list[dict] | None = None
     # The error class when the driver's RefKV could not be fetched (lost, its creator dead, timed
     # out; cluster/failures.py) and this call encoded the reference instead; "" otherwise.
@@ -92,6 +92,6 @@ class WorkerInfo:
     pid: int
     load_seconds: float
     memory_budget_bytes: int | None = None  # the host memory this worker asked Ray for (None: none asked)
-    # ColdStart.as_dict() (service/cold_start.py): model load, compile built/loaded, warm-up, first image s.
+    # ColdStart.as_dict() (render_service/cold_start.py): model load, compile built/loaded, warm-up, first image s.
     # The driver puts it, per worker, into the job summary's "cold_start" list.
     cold_start: dict | None = None

@@ -1,7 +1,7 @@
 """The batch worker: a Ray actor per GPU that owns one `RenderService` and stores what it renders.
 
 What lies between a request and an image (the model, the RefKV cache, settings, the memory fit) is the
-render service's (snapref_ray/service/). What is the job's own lives here: the RefKV it encodes is
+render service's (snapref_ray/render_service/). What is the job's own lives here: the RefKV it encodes is
 returned to the driver (owned by the caller, so it outlives the worker) and other workers fetch it
 from the object store; the images go to the job's output (images/, thumbs/, references/) and each
 becomes a metadata row the driver commits. Storing overlaps the next batch's sampling: the actor runs
@@ -24,9 +24,9 @@ from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.output_writer import OutputWriter
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.model_spec import ModelSpec
-from snapref_ray.service.records import describe_error, encode_output, image_extension, metadata_row
-from snapref_ray.service.references import Reference
-from snapref_ray.service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMemory, RenderService
+from snapref_ray.render_service.records import describe_error, encode_output, image_extension, metadata_row
+from snapref_ray.render_service.references import Reference
+from snapref_ray.render_service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMemory, RenderService
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import make_thumbnail
 from snapref_ray.storage.metadata import image_key, reference_image_key, thumb_key
@@ -49,7 +49,7 @@ class WorkerConfig:
     # Images per forward the plan will run (max_batch and its tail batch): warmed with each size when compiling.
     warmup_batch_sizes: tuple[int, ...] = ()
     output_threads: int = 4  # encode/upload threads (output_writer.py); 0 = store inline, the device waits
-    memory_budget_bytes: int | None = None  # the memory= this worker asked Ray for (service/memory.py)
+    memory_budget_bytes: int | None = None  # the memory= this worker asked Ray for (render_service/memory.py)
     # Longest wait for a RefKV from the object store before encoding the reference here instead: a lost RefKV
     # is rebuilt through its creating actor (a node boot and a model load away), an encode is one forward.
     refkv_fetch_timeout_s: float = 30.0
@@ -57,7 +57,7 @@ class WorkerConfig:
 
 def load_worker_renderer(config: WorkerConfig):
     """The real model of a worker (`renderer_factory` replaces it in benchmarks and tests)."""
-    from snapref_ray.service.loading import load_renderer
+    from snapref_ray.render_service.loading import load_renderer
 
     return load_renderer(config.model, s3=config.s3, cache_dir=config.model_cache_dir)
 
@@ -95,7 +95,7 @@ class RenderWorker:
         t0 = time.perf_counter()
         if self.config.model.compile and self.config.warmup_sizes:
             # A compiling worker builds (or loads from the compile cache) the graphs of its job's sizes and
-            # batch sizes now, with a reference read when an adapter is loaded (service/cold_start.py).
+            # batch sizes now, with a reference read when an adapter is loaded (render_service/cold_start.py).
             self.service.warmup(self.config.warmup_sizes, self.config.warmup_batch_sizes or (1,))
         else:
             settings = RenderSettings(width=256, height=256, steps=1, cfg=1.0)
@@ -121,7 +121,7 @@ class RenderWorker:
 
     def cold_start(self) -> dict:
         """The cold start so far (`WorkerInfo.cold_start` is the same at ready time): load, compile, warm-up,
-        first image seconds (service/cold_start.py)."""
+        first image seconds (render_service/cold_start.py)."""
         return self.service.cold_start().as_dict()
 
     def batch_limits(self) -> list[dict]:
@@ -287,7 +287,7 @@ class RenderWorker:
         ]
 
     def evaluate(self, case: dict) -> dict:
-        """Identity-gap loss grids of one held-out case (`pipelines/identity_eval.py` builds `case`).
+        """Identity-gap loss grids of one held-out case (`snapref_ray/jobs/identity_eval.py` builds `case`).
 
         The right and the wrong reference go through this worker's RefKV cache, so each is
         encoded once per worker and target size however many cases and σ/seed draws use it; both
@@ -295,7 +295,7 @@ class RenderWorker:
         A failure is returned as {"case_id", "error"}: one bad image must not stop the evaluation.
         """
         from snapref_ray.evaluation import denoising_losses, prepare_target
-        from snapref_ray.service.references import RefKVKey
+        from snapref_ray.render_service.references import RefKVKey
 
         t0 = time.perf_counter()
         service = self.service

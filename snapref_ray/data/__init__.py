@@ -11,6 +11,6 @@ Importing this package does not import Ray; `read_results` does when called.
 from snapref_ray.data.outcome import check_renders
 from snapref_ray.data.renderer import OUTPUT_SCHEMA, SnapRefRenderer
 from snapref_ray.data.results import read_results
-from snapref_ray.service.rows import RowInputError
+from snapref_ray.render_service.rows import RowInputError
 
 __all__ = ["OUTPUT_SCHEMA", "RowInputError", "SnapRefRenderer", "check_renders", "read_results"]

@@ -1,6 +1,6 @@
 """Ray Data batches in and out: whatever `batch_format` the user chose, as rows in and Arrow columns out.
 
-The rows themselves are parsed by the one row parser (snapref_ray/service/rows.py) that job manifests
+The rows themselves are parsed by the one row parser (snapref_ray/render_service/rows.py) that job manifests
 go through too; this module only turns pyarrow, pandas and numpy-dict batches into plain rows and the
 batch's own columns back into Arrow, so they can pass through to the output untouched.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from snapref_ray.service.rows import plain
+from snapref_ray.render_service.rows import plain
 
 
 def batch_rows(batch: Any) -> tuple[list[dict[str, Any]], dict[str, pa.Array | pa.ChunkedArray]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from snapref_ray.service.rows import unknown_column_hints
+from snapref_ray.render_service.rows import unknown_column_hints
 
 
 def check_renders(path: str, *, out: TextIO | None = None) -> int:

@@ -1,9 +1,9 @@
 """`SnapRefRenderer`: the render service as a Ray Data callable class (``ds.map_batches(SnapRefRenderer, ...)``).
 
-Each actor of the pool holds one `RenderService` (snapref_ray/service/): the model loaded once, a RefKV
+Each actor of the pool holds one `RenderService` (snapref_ray/render_service/): the model loaded once, a RefKV
 LRU bounded in bytes keyed like every other front door's (`RefKVKey`), settings resolved for the loaded
 adapter kind, the memory fit. What is Ray Data's own lives here: a batch's rows are parsed by the one row
-parser (service/rows.py), rows with the same reference and settings become one batched forward (up to
+parser (render_service/rows.py), rows with the same reference and settings become one batched forward (up to
 `max_batch` images), and the output is one row per input row, in order. Across batches the LRU is what
 saves encodes, and it only hits when rows of one reference reach the same actor close together: sort or
 group the dataset by reference upstream. Ray Data routes batches to actors without looking at keys, so
@@ -31,13 +31,20 @@ import pyarrow as pa
 
 from snapref_ray.data.batches import batch_rows
 from snapref_ray.model_spec import ModelSpec
+from snapref_ray.render_service.batching import batch_key, group_batches
+from snapref_ray.render_service.records import describe_error, encode_output, metadata_row
+from snapref_ray.render_service.references import Reference, check_reference
+from snapref_ray.render_service.rows import (
+    ParsedRow,
+    RowInputError,
+    RowProblem,
+    RowRules,
+    parse_row,
+    unknown_column_hints,
+)
+from snapref_ray.render_service.service import DEFAULT_REFKV_CACHE_BYTES, RenderService
+from snapref_ray.render_service.work_items import item_id_for
 from snapref_ray.requests import RenderRequest, RenderSettings, RowDefaults
-from snapref_ray.service.batching import batch_key, group_batches
-from snapref_ray.service.records import describe_error, encode_output, metadata_row
-from snapref_ray.service.references import Reference, check_reference
-from snapref_ray.service.rows import ParsedRow, RowInputError, RowProblem, RowRules, parse_row, unknown_column_hints
-from snapref_ray.service.service import DEFAULT_REFKV_CACHE_BYTES, RenderService
-from snapref_ray.service.work_items import item_id_for
 from snapref_ray.storage.backends import read_uri
 from snapref_ray.storage.jobspec import S3Spec
 from snapref_ray.storage.metadata import METADATA_SCHEMA
@@ -97,7 +104,7 @@ class SnapRefRenderer:
         memory_budget_bytes: int | None = None,
         renderer_factory: Callable | None = None,
     ) -> None:
-        from snapref_ray.service.loading import load_renderer
+        from snapref_ray.render_service.loading import load_renderer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         spec = ModelSpec.model_validate(model)
@@ -140,8 +147,8 @@ class SnapRefRenderer:
     @staticmethod
     def memory_request(model: str | dict | ModelSpec, *, width: int, height: int, max_batch: int, gpu: bool) -> int:
         """Bytes of host memory to pass as `map_batches(..., memory=...)`: the estimate a job's worker asks for
-        (service/memory_estimate.py), for the pipeline's largest image and `max_batch`."""
-        from snapref_ray.service.memory_estimate import estimate_worker_memory
+        (render_service/memory_estimate.py), for the pipeline's largest image and `max_batch`."""
+        from snapref_ray.render_service.memory_estimate import estimate_worker_memory
 
         files = ModelSpec.model_validate(model).local_files()
         return estimate_worker_memory(files, width=width, height=height, batch=max_batch, on_gpu=gpu).total
@@ -179,7 +186,7 @@ class SnapRefRenderer:
     # -- steps ----------------------------------------------------------------------------------
     def _validate(self, rows: list[dict], out: list[dict]) -> list[_Row]:
         """Parse every row, resolve its settings, read its reference files (each path/URI once per batch) and
-        check them as every front door does (service/references.py `check_reference`): a row whose reference
+        check them as every front door does (render_service/references.py `check_reference`): a row whose reference
         cannot be rendered fails here, naming its column, before any device work."""
         files: dict[str, bytes | Exception] = {}
         checked: set[int] = set()  # ids of the file bytes already decoded (each path once per batch)

@@ -167,8 +167,8 @@ class ModelsResponse(BaseModel):
     compile: bool = False
     cold_start: dict | None = Field(
         None,
-        description="This replica's cold start (service/cold_start.py): model_load_s, compile_s with graphs_built"
-        " vs graphs_loaded from the compile cache, warmup_s and what was warmed, first_image_s.",
+        description="This replica's cold start (render_service/cold_start.py): model_load_s, compile_s with"
+        " graphs_built vs graphs_loaded from the compile cache, warmup_s and what was warmed, first_image_s.",
     )
     refkv_cache: dict = Field(default_factory=dict, description="The replica's RefKV cache: counters and bytes.")
     memory: list[dict] = Field(

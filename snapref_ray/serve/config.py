@@ -1,6 +1,6 @@
 """ServeConfig: everything the HTTP endpoint needs, one typed object.
 
-The CLI (`snapref-ray serve`), `pipelines/serve_app.py` (`serve run` / `serve deploy`) and the
+The CLI (`snapref-ray serve`), `snapref_ray/serve/app.py` (`serve run` / `serve deploy`) and the
 tests all build one of these; each field says why its default is what it is. Defaults are for a
 GPU replica rendering ~1 MP images in a few seconds; the tests shrink them for a CPU.
 """
@@ -286,8 +286,9 @@ class ServeConfig(BaseModel):
     )
     warmup_sizes: tuple[tuple[int, int], ...] = Field(
         (),
-        description="(width, height) sizes a compiled replica builds its graphs for, at batch sizes 1..max_batch_size,"
-        " before it reports ready (service/cold_start.py): the first request at these sizes then pays no compile."
+        description="(width, height) sizes a compiled replica builds its graphs for, at batch sizes 1..max_batch,"
+        " before it reports ready (render_service/cold_start.py): the first request at these sizes then pays no"
+        " compile."
         " With a shared model.compile_cache a new replica loads them (seconds) instead of building them (minutes).",
     )
     batch_wait_timeout_s: float = Field(

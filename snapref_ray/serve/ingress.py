@@ -36,6 +36,7 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from snapref_ray.models.geometry import token_grid
+from snapref_ray.render_service.references import ReferenceIdentity, RefKVKey
 from snapref_ray.serve.api import (
     ECHO_CHARS,
     FORM_OVERHEAD,
@@ -69,7 +70,6 @@ from snapref_ray.serve.openai_images import model_cards
 from snapref_ray.serve.openai_routes import OpenAIImageRoutes
 from snapref_ray.serve.openai_routes import router as openai_router
 from snapref_ray.serve.renderer import RenderCall, RenderReply, ReplicaRenderer, UploadedReference
-from snapref_ray.service.references import ReferenceIdentity, RefKVKey
 from snapref_ray.validation import error_message, field_path
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 compatible requests.
 
 What lies between a request and an image (the model, the RefKV cache, settings, the memory fit) is the
-render service's (snapref_ray/service/). What is Serve's own lives here: `ReplicaRenderer` is what a
+render service's (snapref_ray/render_service/). What is Serve's own lives here: `ReplicaRenderer` is what a
 rendering replica holds. In the split topology it lives in a `RendererDeployment` replica, which the
 ingress calls through a handle; in the fused topology the ingress replica holds one itself and renders
 in-process (snapref_ray/serve/ingress.py).
@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 
 from ray import serve
 
+from snapref_ray.render_service.batching import batch_key, take_batch
+from snapref_ray.render_service.references import Reference, ReferenceIdentity, RefKVKey, check_reference
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
 from snapref_ray.serve.errors import ApiError
-from snapref_ray.service.batching import batch_key, take_batch
-from snapref_ray.service.references import Reference, ReferenceIdentity, RefKVKey, check_reference
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def _as_api_error(e: ValueError, call: RenderCall) -> ApiError | None:
     fit) as the answer they deserve; None for others."""
     from snapref_ray.adapter.images import ReferenceImageError
     from snapref_ray.engine import RenderError
-    from snapref_ray.service import RenderOutOfMemory
+    from snapref_ray.render_service import RenderOutOfMemory
 
     if isinstance(e, ReferenceImageError):
         # The upload was checked at its own ref_megapixels, so a reference that fails now fails at the
@@ -133,7 +133,7 @@ class ReplicaRenderer:
     def __init__(self, config: ServeConfig, store) -> None:
         import torch
 
-        from snapref_ray.service import RenderService
+        from snapref_ray.render_service import RenderService
 
         self._config = config
         self._store = over_this_replicas_transport(store)
@@ -183,7 +183,7 @@ class ReplicaRenderer:
                 call.prompt, call.seeds, self.service.resolve(call.settings), call.reference, call.ref_megapixels_set
             )
             if call.reference is not None:
-                # The layout check every door runs (service/references.py), before the files are fetched.
+                # The layout check every door runs (render_service/references.py), before the files are fetched.
                 check_reference((), call.reference.identity.layout, (), self.service.adapter_kind)
                 read = await self._read_reference(call.reference, call.settings)
             loop = asyncio.get_running_loop()
@@ -274,8 +274,8 @@ class ReplicaRenderer:
                     w.future.set_result(reply)
 
     def _render_group(self, group: list[_Waiting]) -> list[RenderReply]:
+        from snapref_ray.render_service.records import encode_output
         from snapref_ray.requests import RenderRequest
-        from snapref_ray.service.records import encode_output
 
         requests = [
             RenderRequest(prompt=w.call.prompt, seed=seed, settings=w.call.settings)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from snapref_ray.pipelines.generate_dataset import run_job
+from snapref_ray.jobs.generate_dataset import run_job
 from snapref_ray.tiny import TinyConfig, write_tiny_adapter
 from tests.cluster.conftest import job_spec, write_manifest
 

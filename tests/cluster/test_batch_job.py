@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from snapref_ray.pipelines.generate_dataset import run_job
+from snapref_ray.jobs.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.ledger import OutputConflictError, read_job
 from snapref_ray.storage.metadata import read_errors_table, read_item_ids
@@ -244,7 +244,7 @@ def test_workers_ask_ray_for_the_estimated_memory_and_report_their_fit(local_job
     """The job's workers ask Ray for memory= (the estimate from the model files at its largest image and
     max_batch), and summary.json reports that request and each worker's measured fit."""
     from snapref_ray.cluster.pool import worker_memory
-    from snapref_ray.service.memory_estimate import estimate_worker_memory
+    from snapref_ray.render_service.memory_estimate import estimate_worker_memory
 
     spec, summary, _ = local_job
     request = summary["memory_per_worker"]

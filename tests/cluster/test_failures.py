@@ -23,7 +23,7 @@ import ray
 import yaml
 from PIL import Image
 
-from snapref_ray.pipelines.generate_dataset import run_job
+from snapref_ray.jobs.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_errors_table, read_item_ids, read_summary
 from tests.cluster.conftest import REPO, expected_item_ids, job_spec, make_reference_png, write_manifest
@@ -331,7 +331,7 @@ def test_poison_item_is_recorded_with_its_last_exception(tmp_path, tiny_models):
 
 
 def _poison_id(spec) -> str:
-    from snapref_ray.service.work_items import load_work_items
+    from snapref_ray.render_service.work_items import load_work_items
 
     (item,) = [i for i in load_work_items(spec).items if i.prompt == "1girl, poison"]
     return item.item_id
@@ -398,6 +398,6 @@ def test_torch_out_of_memory_halves_batches_and_an_image_that_never_fits_fails_w
 
 
 def _items_by_prompt(spec) -> dict[str, str]:
-    from snapref_ray.service.work_items import load_work_items
+    from snapref_ray.render_service.work_items import load_work_items
 
     return {item.item_id: item.prompt for item in load_work_items(spec).items}

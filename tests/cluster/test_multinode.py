@@ -23,7 +23,7 @@ import ray
 from PIL import Image
 
 from benchmarks.fake_cluster import FakeCluster
-from snapref_ray.pipelines.generate_dataset import run_job
+from snapref_ray.jobs.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_item_ids, read_metadata_table
 from tests.cluster.conftest import expected_item_ids, job_spec, make_reference_png, write_manifest

@@ -51,7 +51,7 @@ def haproxy_dir() -> Iterator[Path]:
 def server(
     haproxy_dir: Path, shared_fake_cluster, tiny_models: Path, tmp_path_factory
 ) -> Iterator[tuple[FakeCluster, str]]:
-    from snapref_ray.pipelines.serve_app import APP_NAME, build_app
+    from snapref_ray.serve.app import APP_NAME, build_app
 
     # Durable references (a folder every fake node sees): the store may live on the node that dies.
     config = ServeConfig(

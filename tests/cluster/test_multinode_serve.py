@@ -1,4 +1,4 @@
-"""The Serve endpoint (snapref_ray.pipelines.serve_app, as shipped) with two renderer replicas on two
+"""The Serve endpoint (snapref_ray.serve.app, as shipped) with two renderer replicas on two
 autoscaled GPU nodes of a real multi-node cluster (the session's fake cluster, tests/conftest.py, at
 most 2 GPU nodes for this module), Serve's own proxy on the head, real HTTP on 127.0.0.1.
 
@@ -43,7 +43,7 @@ def cluster(shared_fake_cluster) -> FakeCluster:
 
 @pytest.fixture(scope="module")
 def server(cluster: FakeCluster, tiny_models: Path) -> str:
-    from snapref_ray.pipelines.serve_app import APP_NAME, build_app
+    from snapref_ray.serve.app import APP_NAME, build_app
 
     config = ServeConfig(
         model=str(tiny_models),

@@ -13,9 +13,9 @@ import pytest
 
 from snapref_ray.cluster.placement import Placement, fetch_is_cheaper
 from snapref_ray.cluster.schedule import SchedulerConfig, SchedulerStats
+from snapref_ray.render_service.references import ReferenceInput
+from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.requests import RenderSettings
-from snapref_ray.service.references import ReferenceInput
-from snapref_ray.service.work_items import WorkItem
 
 SETTINGS = RenderSettings(width=256, height=256, steps=2)
 

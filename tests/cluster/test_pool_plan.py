@@ -40,8 +40,8 @@ def test_worker_counts_are_checked_in_the_spec(tmp_path):
 
 
 def test_quick_form_flags_reach_the_cluster_section(tmp_path, monkeypatch):
-    import snapref_ray.pipelines.generate_dataset as job
-    from snapref_ray.pipelines.job_summary import JobSummary
+    import snapref_ray.jobs.generate_dataset as job
+    from snapref_ray.jobs.job_summary import JobSummary
 
     seen = {}
     monkeypatch.setattr(

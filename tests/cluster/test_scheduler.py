@@ -30,10 +30,10 @@ from snapref_ray.cluster.pool import PoolPlan
 from snapref_ray.cluster.scheduler import BatchScheduler, RequeueBudgetExceeded, SchedulerConfig, SchedulerEvent
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.model_spec import ModelSpec
+from snapref_ray.render_service.references import ReferenceInput
+from snapref_ray.render_service.refkv_cache import RefKVCache
+from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.requests import RenderSettings
-from snapref_ray.service.references import ReferenceInput
-from snapref_ray.service.refkv_cache import RefKVCache
-from snapref_ray.service.work_items import WorkItem
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(180)]
 

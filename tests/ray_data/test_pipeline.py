@@ -24,8 +24,8 @@ import pytest
 from PIL import Image
 
 from snapref_ray.adapter.images import content_hash
+from snapref_ray.render_service.work_items import load_work_items
 from snapref_ray.requests import RenderRequest, RenderSettings
-from snapref_ray.service.work_items import load_work_items
 from snapref_ray.storage.image_files import read_image_info, read_image_parameters
 from snapref_ray.storage.jobspec import JobSpec
 from tests.cluster.conftest import make_reference_png, write_manifest
@@ -236,7 +236,7 @@ def test_docs_block_is_the_one_that_ran():
 def job_output(ray_s3_env, s3_server, inputs, tiny_models, tmp_path_factory):
     """A batch job (2 references x 2 prompts) rendered to S3, then a later duplicate commit of its first
     metadata part, as a job that crashed after committing and was resumed may leave. (spec, output URI)."""
-    from snapref_ray.pipelines.generate_dataset import run_job
+    from snapref_ray.jobs.generate_dataset import run_job
     from snapref_ray.storage.backends import open_storage
     from tests.cluster.conftest import job_spec
 

@@ -16,8 +16,8 @@ from PIL import Image
 
 from snapref_ray.adapter.images import content_hash
 from snapref_ray.data import OUTPUT_SCHEMA, SnapRefRenderer
+from snapref_ray.render_service.references import reference_hash as combined_reference_hash
 from snapref_ray.requests import RenderRequest, RenderSettings
-from snapref_ray.service.references import reference_hash as combined_reference_hash
 from snapref_ray.storage.image_files import read_image_info
 from tests.cluster.conftest import make_reference_png
 from tests.ray_data.conftest import FAST_SETTINGS

@@ -380,7 +380,7 @@ def test_header_shows_one_labelled_throughput_the_charts_mean_line(small_job):
 def test_runs_of_summary_json_are_a_table_and_odd_entries_do_not_fail_the_page(tmp_path):
     storage, _, table = write_job(tmp_path / "job", n_refs=1, per_ref=2, images=False)
     runs = [
-        # As the job's typed summary writes a run (pipelines' RunFigures).
+        # As the job's typed summary writes a run (snapref_ray.jobs.job_summary's RunFigures).
         {
             "started_at": T0,
             "finished_at": T0 + 30,

@@ -37,7 +37,7 @@ from snapref_ray.serve.api import (
 )
 from snapref_ray.serve.config import ServeConfig, ServeLimits
 from snapref_ray.serve.forms import MultipartForm
-from snapref_ray.serve.references import ReferenceLRU
+from snapref_ray.serve.reference_store import ReferenceLRU
 from snapref_ray.storage.image_files import read_image_info
 
 TOKEN = "test-token-5f2c"

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from snapref_ray.pipelines.serve_app import app_builder, build_app
 from snapref_ray.serve.api import ApiError
+from snapref_ray.serve.app import app_builder, build_app
 from snapref_ray.serve.auth import BearerAuth
 from snapref_ray.serve.config import TOKEN_ENV, ServeConfig, ServeLimits, is_loopback
 
@@ -188,7 +188,7 @@ def test_fused_app_is_ingress_replicas_that_render() -> None:
 def test_renderers_that_fit_counts_the_local_gpus(monkeypatch) -> None:
     import ray
 
-    from snapref_ray.pipelines import serve_app
+    from snapref_ray.serve import app as serve_app
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
     monkeypatch.setattr(serve_app, "_cluster_has_gpus", lambda: True)
@@ -217,7 +217,7 @@ def test_serve_yaml_is_valid_and_agrees_with_its_args(monkeypatch) -> None:
     schema = ServeDeploySchema.model_validate(doc)
     assert schema.http_options.host == "0.0.0.0"
     (app_doc,) = doc["applications"]
-    assert app_doc["import_path"] == "snapref_ray.pipelines.serve_app:app_builder"
+    assert app_doc["import_path"] == "snapref_ray.serve.app:app_builder"
     config = ServeConfig.model_validate(app_doc["args"])
     assert doc["http_options"]["request_timeout_s"] == config.proxy_timeout_s()
 
@@ -234,7 +234,7 @@ def test_serve_yaml_is_valid_and_agrees_with_its_args(monkeypatch) -> None:
 
 
 def test_module_level_app_builds_from_the_environment(monkeypatch) -> None:
-    import snapref_ray.pipelines.serve_app as serve_app
+    import snapref_ray.serve.app as serve_app
 
     monkeypatch.setenv("SNAPREF_MODELS_DIR", "/some/models")
     deployments = _deployments(serve_app.app)
@@ -245,7 +245,7 @@ def test_module_level_app_builds_from_the_environment(monkeypatch) -> None:
 def test_rendering_replicas_ask_ray_for_memory(tiny_models) -> None:
     """The replicas' memory= is the estimate from the model files at the largest image the limits allow (or the
     config's figure); model files the deploying process cannot read ask for none."""
-    from snapref_ray.service.memory_estimate import estimate_worker_memory
+    from snapref_ray.render_service.memory_estimate import estimate_worker_memory
 
     config = ServeConfig(model=str(tiny_models), gpus_per_replica=0)
     side = min(config.limits.max_side, int((config.limits.max_megapixels * 1e6) ** 0.5) // 16 * 16)

@@ -85,7 +85,7 @@ def test_each_server_gets_its_own_haproxy_files_and_ports(tmp_path: Path) -> Non
 
 
 def test_without_haproxy_the_server_keeps_serves_proxy_and_says_so(monkeypatch, caplog) -> None:
-    from snapref_ray.pipelines import serve_app
+    from snapref_ray.serve import app as serve_app
 
     monkeypatch.setattr(serve_app, "_haproxy_dir", None)  # the session's server (if running) keeps its own
     monkeypatch.setattr(serve_app, "haproxy_binary", lambda: None)
@@ -95,7 +95,7 @@ def test_without_haproxy_the_server_keeps_serves_proxy_and_says_so(monkeypatch, 
 
 
 def test_the_operators_own_serve_settings_win(monkeypatch) -> None:
-    from snapref_ray.pipelines import serve_app
+    from snapref_ray.serve import app as serve_app
 
     monkeypatch.setattr(serve_app, "_haproxy_dir", None)  # the session's server (if running) keeps its own
     monkeypatch.setattr(serve_app, "haproxy_binary", lambda: "/opt/haproxy/bin/haproxy")
@@ -163,7 +163,7 @@ def _health(base: str) -> int:
 
 @needs_haproxy
 def test_haproxy_answers_the_port_and_forwards_to_each_replica_itself(server) -> None:
-    from snapref_ray.pipelines.serve_app import http_front
+    from snapref_ray.serve.app import http_front
 
     url, config, workdir = server
     assert http_front() == "haproxy"

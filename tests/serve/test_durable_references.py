@@ -20,7 +20,7 @@ from snapref_ray.client import ApiError as ClientError
 from snapref_ray.client import SnapRefClient
 from snapref_ray.serve.api import ReferenceInfo
 from snapref_ray.serve.config import ServeConfig, ServeLimits
-from snapref_ray.serve.references import DurableReferences
+from snapref_ray.serve.reference_store import DurableReferences
 
 SMALL = {"width": 256, "height": 256, "steps": 1}
 
@@ -98,7 +98,7 @@ def s3_serve(local_serve, tiny_models: Path, s3_server, tmp_path_factory):
 def test_models_from_s3_and_references_survive_a_redeploy(s3_serve, s3_server, tiny_models: Path) -> None:
     from ray import serve
 
-    from snapref_ray.pipelines.serve_app import APP_NAME, build_app
+    from snapref_ray.serve.app import APP_NAME, build_app
 
     client, config, prefix = s3_serve
     png = (tiny_models / "reference.png").read_bytes()

@@ -608,7 +608,7 @@ def test_disconnect_mid_body_is_an_info_line_and_replica_400s_are_not_crashes(se
     )
     assert answer.status == 400 and answer.error()["field"] == "ref_megapixels"
     time.sleep(1.0)  # log lines are flushed asynchronously
-    from snapref_ray.pipelines.serve_app import rendering_deployment
+    from snapref_ray.serve.app import rendering_deployment
 
     renderer_log = _replica_logs(rendering_deployment(ServeConfig(model="m", **CONFIG)))
     assert "Traceback" not in renderer_log and " ERROR " not in renderer_log, renderer_log[-3000:]

@@ -113,7 +113,7 @@ def test_only_the_replicas_that_render_load_torch(server: str, reference_id: str
     the replicas that render have it. Same machine: the replicas' /proc is readable here."""
     from ray._private import state  # the GCS's actor table: this Serve's Ray runs no dashboard for the state API
 
-    from snapref_ray.pipelines.serve_app import APP_NAME
+    from snapref_ray.serve.app import APP_NAME
 
     loads = {}
     for actor in state.actors().values():
@@ -127,8 +127,8 @@ def test_only_the_replicas_that_render_load_torch(server: str, reference_id: str
 
 
 def test_check_health_fails_only_when_the_device_is_stuck(tiny_renderer) -> None:
+    from snapref_ray.render_service.service import RenderService
     from snapref_ray.serve.renderer import ReplicaRenderer
-    from snapref_ray.service.service import RenderService
 
     replica = object.__new__(ReplicaRenderer)  # the health logic on a real render service, no Serve
     replica._config = ServeConfig(model="m", stall_timeout_s=60)

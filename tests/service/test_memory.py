@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 
 from snapref_ray.engine import RenderResult
+from snapref_ray.render_service.memory import FitKey, HostMemory, MemoryFit, largest_batch
+from snapref_ray.render_service.service import RenderOutOfMemory, RenderService
 from snapref_ray.requests import RenderRequest, RenderSettings
-from snapref_ray.service.memory import FitKey, HostMemory, MemoryFit, largest_batch
-from snapref_ray.service.service import RenderOutOfMemory, RenderService
 
 GiB = 2**30
 KEY = FitKey(832, 1216, 2, True)
@@ -73,7 +73,7 @@ def test_a_cap_after_an_out_of_memory_holds():
 
 _HOST_PROBE = """
 import json, numpy as np
-from snapref_ray.service.memory import HostMemory
+from snapref_ray.render_service.memory import HostMemory
 memory = HostMemory()
 
 def allocate():
@@ -99,7 +99,7 @@ def test_host_memory_measures_the_real_peak_rss_of_a_call():
 
 def test_a_memory_budget_bounds_what_is_available():
     budget = HostMemory(budget_bytes=None).available_bytes()
-    from snapref_ray.service.memory import resident_bytes
+    from snapref_ray.render_service.memory import resident_bytes
 
     tight = HostMemory(budget_bytes=resident_bytes() + 100 * 2**20)
     assert 50 * 2**20 < tight.available_bytes() <= 100 * 2**20 < budget
@@ -173,7 +173,7 @@ def test_a_cpu_workers_estimate_holds_its_vae_in_float32_whatever_the_model_dtyp
     from safetensors import safe_open
 
     from snapref_ray.models.bundle import resolve_model_files
-    from snapref_ray.service.memory_estimate import estimate_worker_memory
+    from snapref_ray.render_service.memory_estimate import estimate_worker_memory
 
     files = resolve_model_files(tiny_models)
 

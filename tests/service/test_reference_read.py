@@ -1,5 +1,5 @@
-"""The render service decides what a render reads of its reference (service/service.py `read_reference`), and
-every front door checks a reference the same way before any device work (service/references.py)."""
+"""The render service decides what a render reads of its reference (render_service/service.py `read_reference`), and
+every front door checks a reference the same way before any device work (render_service/references.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from snapref_ray.adapter.images import ReferenceImageError
+from snapref_ray.render_service.references import Reference, ReferenceIdentity, RefKVKey, check_reference
+from snapref_ray.render_service.service import RenderService
 from snapref_ray.requests import RenderError, RenderRequest, RenderSettings
-from snapref_ray.service.references import Reference, ReferenceIdentity, RefKVKey, check_reference
-from snapref_ray.service.service import RenderService
 
 SMALL = RenderSettings(width=256, height=256, steps=1, cfg=1.0, sampler="euler")
 RECOMPUTE = SMALL.model_copy(update={"recompute_reference_every_step": True})

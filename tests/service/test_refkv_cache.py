@@ -4,7 +4,7 @@ import time
 import torch
 
 from snapref_ray.adapter.refkv import RefKV
-from snapref_ray.service.refkv_cache import RefKVCache
+from snapref_ray.render_service.refkv_cache import RefKVCache
 
 
 def kv_of(nbytes_blocks: int, ref_id: str) -> RefKV:

@@ -15,10 +15,9 @@ import pytest
 from PIL import Image
 
 from snapref_ray.adapter.controls import resolve_settings
-from snapref_ray.requests import RenderSettings
-from snapref_ray.service.references import ReferenceInput
-from snapref_ray.service.references import reference_hash as combined_reference_hash
-from snapref_ray.service.work_items import (
+from snapref_ray.render_service.references import ReferenceInput
+from snapref_ray.render_service.references import reference_hash as combined_reference_hash
+from snapref_ray.render_service.work_items import (
     JobValidationError,
     RowError,
     WorkItem,
@@ -26,6 +25,7 @@ from snapref_ray.service.work_items import (
     item_id_for,
     load_work_items,
 )
+from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.jobspec import JobSpec, load_job_spec
 from snapref_ray.storage.manifest import ROW_KEY, read_manifest
 

@@ -11,7 +11,7 @@ the CLI's flags). The service owns, once:
 - the memory fit: how many images one forward may hold at a resolution (memory.py), and splitting a
   forward that ran out of device memory,
 - the device: one render or encode at a time, and the progress a health check reads,
-- the reference: a door hands it a `Reference` (service/references.py) and the service decides what the
+- the reference: a door hands it a `Reference` (render_service/references.py) and the service decides what the
   render reads: the images themselves with `recompute_reference_every_step` (that baseline runs the
   reference stream at every step), else a RefKV from the cache, from `Reference.fetch` or encoded here.
 
@@ -37,12 +37,12 @@ from PIL import Image
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.engine import Renderer, RenderError
 from snapref_ray.model_spec import ModelSpec
+from snapref_ray.render_service.cold_start import ColdStart, ColdStartClock, warm_up
+from snapref_ray.render_service.loading import load_renderer
+from snapref_ray.render_service.memory import FitKey, MemoryFit, describe_device_memory
+from snapref_ray.render_service.references import Reference, RefKVKey
+from snapref_ray.render_service.refkv_cache import RefKVCache
 from snapref_ray.requests import RenderRequest, RenderSettings
-from snapref_ray.service.cold_start import ColdStart, ColdStartClock, warm_up
-from snapref_ray.service.loading import load_renderer
-from snapref_ray.service.memory import FitKey, MemoryFit, describe_device_memory
-from snapref_ray.service.references import Reference, RefKVKey
-from snapref_ray.service.refkv_cache import RefKVCache
 from snapref_ray.storage.backends import S3Options
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class RenderService:
         settings: RenderSettings | None = None,
     ) -> ColdStart:
         """Build (or load from the compile cache) the graphs of these sizes and batch sizes now, so the
-        first real request does not pay for them (service/cold_start.py); returns the cold start so far."""
+        first real request does not pay for them (render_service/cold_start.py); returns the cold start so far."""
         t0 = time.monotonic()
         warmed = warm_up(self, sizes, batch_sizes, settings)
         self._cold_start.warmup_s = (self._cold_start.warmup_s or 0.0) + time.monotonic() - t0

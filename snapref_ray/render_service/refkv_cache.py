@@ -1,7 +1,7 @@
 """An LRU of RefKVs bounded in bytes, safe for threads, that encodes each key once.
 
 Each render service (a job worker, a Serve replica, a Ray Data actor) keeps one on its device, keyed by
-`RefKVKey` (service/references.py). `get_or_create` makes concurrent callers asking for the same
+`RefKVKey` (render_service/references.py). `get_or_create` makes concurrent callers asking for the same
 missing reference wait for a single encode instead of running the reference stream twice; `stats`
 are the one set of hit/encode counters every front door reports.
 """

@@ -3,10 +3,10 @@
 
 - `build_app(config)`: the Application, for `serve.run` in Python (the CLI and the tests).
 - `app_builder`: an application builder for Serve's own tools, taking the ServeConfig fields as
-  arguments: `serve run snapref_ray.pipelines.serve_app:app_builder models_dir=/models` or, in serve.yaml,
-  `import_path: snapref_ray.pipelines.serve_app:app_builder` with `args:`.
+  arguments: `serve run snapref_ray.serve.app:app_builder models_dir=/models` or, in serve.yaml,
+  `import_path: snapref_ray.serve.app:app_builder` with `args:`.
 - `app`: an Application built from the environment ($SNAPREF_MODELS_DIR, $SNAPREF_ADAPTER), for
-  `serve run snapref_ray.pipelines.serve_app:app` and `serve build snapref_ray.pipelines.serve_app:app` (which needs a
+  `serve run snapref_ray.serve.app:app` and `serve build snapref_ray.serve.app:app` (which needs a
   built Application, not a builder). Built on first access, so importing the module is cheap.
 - `start_local_serve(config)` + `deploy_local(config)` / `stop_local()`: a local Ray + Serve on
   `config.host:config.port` and the application on it (`snapref-ray serve`); callers that deploy several
@@ -32,7 +32,7 @@ from snapref_ray.models.geometry import PIXELS_PER_TOKEN
 from snapref_ray.serve.config import ServeConfig, is_loopback
 from snapref_ray.serve.direct_ingress import direct_ingress_env, environment, haproxy_binary
 from snapref_ray.serve.ingress import Ingress
-from snapref_ray.serve.references import ReferenceStore
+from snapref_ray.serve.reference_store import ReferenceStore
 from snapref_ray.serve.renderer import RendererDeployment
 
 log = logging.getLogger(__name__)
@@ -116,12 +116,12 @@ def build_app(config: ServeConfig) -> Application:
 
 def replica_memory_bytes(config: ServeConfig, *, on_gpu: bool) -> int:
     """Host memory a rendering replica asks Ray for: `memory_per_replica`, else the estimate at the largest image
-    the limits allow and max_batch (service/memory_estimate.py); 0 where the files cannot be read here."""
+    the limits allow and max_batch (render_service/memory_estimate.py); 0 where the files cannot be read here."""
     if config.memory_per_replica is not None:
         return config.memory_per_replica
     if config.model.is_remote():
         return 0
-    from snapref_ray.service.memory_estimate import estimate_worker_memory
+    from snapref_ray.render_service.memory_estimate import estimate_worker_memory
 
     side = min(
         config.limits.max_side, int((config.limits.max_megapixels * 1e6) ** 0.5) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN

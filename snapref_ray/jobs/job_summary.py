@@ -1,6 +1,6 @@
 """`JobSummary`: what a dataset-generation job reports at the end of each run, and what summary.json holds.
 
-`run_job` (pipelines/generate_dataset.py) returns it, the CLI prints it, and summary.json is its JSON form (the
+`run_job` (snapref_ray/jobs/generate_dataset.py) returns it, the CLI prints it, and summary.json is its JSON form (the
 gallery in snapref_ray/report/ reads the file). One output can take several driver runs (an interrupted job run
 again, an appended manifest): `runs` keeps each run's figures, and the throughput at the top is the job's, over the
 runs that had work, so a resume that finds nothing to render never writes the job's throughput down to 0.
@@ -116,7 +116,7 @@ class JobSummary(BaseModel):
     peak_workers: int
     forward_batches: dict[str, int] = Field(
         description="Images by the size of the forward that rendered them: the batch the workers chose (on a GPU, "
-        "the largest that fits the resolution, capped by max_batch; see service/memory.py)."
+        "the largest that fits the resolution, capped by max_batch; see render_service/memory.py)."
     )
     step_cache: StepCacheFigures | None = Field(description="None when no image ran with the step cache on.")
     memory_per_worker: dict[str, Any] | None = Field(
@@ -132,7 +132,7 @@ class JobSummary(BaseModel):
     cold_start: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Per worker of this run, as it reported when ready: model load, compile (graphs built or loaded "
-        "from the compile cache), warm-up and first-image seconds (service/cold_start.py).",
+        "from the compile cache), warm-up and first-image seconds (render_service/cold_start.py).",
     )
     refkv_decisions: RefKVDecisions
     scheduler: dict[str, Any] | None = Field(description="This run's SchedulerStats (cluster/schedule.py).")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
+from snapref_ray.render_service.references import RefKVKey
 from snapref_ray.requests import RenderSettings
-from snapref_ray.service.references import RefKVKey
 
 T = TypeVar("T")
 

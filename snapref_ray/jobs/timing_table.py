@@ -309,7 +309,7 @@ def _steps(n: int) -> str:
 
 
 class PeakMemory:
-    """Peak memory of a block: CUDA max_memory_allocated, else the process's peak RSS (service/memory.py).
+    """Peak memory of a block: CUDA max_memory_allocated, else the process's peak RSS (render_service/memory.py).
 
     `peak` is what the table shows: on CUDA the absolute peak (weights included), on CPU the peak
     RSS above the RSS at the start of the block (weights are already resident there).
@@ -318,7 +318,7 @@ class PeakMemory:
     def __init__(self, device) -> None:
         import torch
 
-        from snapref_ray.service.memory import CudaMemory, HostMemory
+        from snapref_ray.render_service.memory import CudaMemory, HostMemory
 
         self.cuda = torch.device(device).type == "cuda"
         self.device = device
@@ -355,8 +355,8 @@ class TimingWorker:
         arcanima_adapters: dict[str, str] | None = None,
         s3: S3Options | None = None,
     ) -> None:
-        from snapref_ray.service.loading import load_renderer
-        from snapref_ray.service.service import RenderService
+        from snapref_ray.render_service.loading import load_renderer
+        from snapref_ray.render_service.service import RenderService
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         base = load_renderer(model, s3=s3)
@@ -415,8 +415,8 @@ class TimingWorker:
         """One image under `setting`: wall times, per-step time, encode time, RefKV bytes, peak memory."""
         import torch
 
+        from snapref_ray.render_service.references import Reference
         from snapref_ray.requests import RenderRequest
-        from snapref_ray.service.references import Reference
 
         service = self.turbo if setting.turbo and self.turbo is not None else self.base
         if setting.adapter_kind is not None:
@@ -476,7 +476,7 @@ def run_timing(spec: TimingSpec) -> dict:
     import ray
 
     from snapref_ray.cluster.pool import connect
-    from snapref_ray.service.loading import adapter_file, adapter_kind
+    from snapref_ray.render_service.loading import adapter_file, adapter_kind
 
     t_start = time.time()
     s3 = spec.s3_options()
@@ -608,7 +608,7 @@ def _rows(settings: list[TimingSetting], runs: dict[str, list[dict]]) -> list[di
 def _add_flop_ratios(rows: list[dict], settings: list[TimingSetting], spec: TimingSpec) -> None:
     """Each row's FLOP-model step ratio at 832x1216 (real Anima, 1 MP reference) beside the measured one."""
     from snapref_ray.adapter.controls import resolve_settings
-    from snapref_ray.pipelines.flop_model import real_size_ratios
+    from snapref_ray.jobs.flop_model import real_size_ratios
     from snapref_ray.sampling.ref_guidance import plan_step
     from snapref_ray.sampling.schedules import get_sigmas
 
@@ -700,7 +700,7 @@ def format_markdown(summary: dict) -> str:
         "includes preparing the reference, and its reference stream runs inside every step. "
         "s/step: the sampling loop only, divided by the steps. x no ref: the medians divided by the no-reference "
         "row's (the turbo row against the full-step no-reference row). FLOP model: matmul FLOPs of one step "
-        "of real Anima at 832x1216 with a 1 MP reference (`snapref_ray/pipelines/flop_model.py`), against the "
+        "of real Anima at 832x1216 with a 1 MP reference (`snapref_ray/jobs/flop_model.py`), against the "
         "no-reference step; a floor that leaves out memory traffic. ArcAnima rows run their own adapter file "
         "(the pilot's RefKV column is its reference latent: nothing else is cached). "
         "forwards skipped: of the image's sampling steps, how many DiT forwards the step cache let it skip "

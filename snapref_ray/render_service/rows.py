@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from snapref_ray.render_service.references import ReferenceInput
 from snapref_ray.requests import RenderSettings, RowDefaults
-from snapref_ray.service.references import ReferenceInput
 from snapref_ray.uris import is_remote, resolve_relative
 from snapref_ray.validation import error_message, short
 

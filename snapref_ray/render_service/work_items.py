@@ -1,6 +1,6 @@
 """A job's manifest rows -> validated work items with stable ids, and row errors.
 
-Everything is checked here, before any GPU work: each row's columns (`service/rows.py`, the one row
+Everything is checked here, before any GPU work: each row's columns (`render_service/rows.py`, the one row
 parser), its settings (through the request model, resolved for the job's adapter kind: the item id
 and every output record hold the settings as rendered), its seeds, its reference files (each unique
 URI read once, decoded and hashed) and its layout against what the adapter kind reads. A bad row
@@ -21,9 +21,9 @@ from typing import Any
 
 from snapref_ray.adapter.controls import SettingsError, resolve_settings
 from snapref_ray.adapter.images import ReferenceImageError, content_hash, open_reference
+from snapref_ray.render_service.references import ReferenceInput, layout_refusal, reference_hash
+from snapref_ray.render_service.rows import RowInputError, RowRules, parse_row
 from snapref_ray.requests import RenderRequest, RenderSettings
-from snapref_ray.service.references import ReferenceInput, layout_refusal, reference_hash
-from snapref_ray.service.rows import RowInputError, RowRules, parse_row
 from snapref_ray.storage.backends import S3Options, read_uri
 from snapref_ray.storage.jobspec import JobSpec
 from snapref_ray.storage.manifest import ROW_KEY, read_manifest
@@ -39,7 +39,7 @@ class WorkItem:
     item_id: str
     manifest_row: int
     reference: ReferenceInput  # paths / URIs (a job's references are files)
-    reference_hash: str  # service/references.py: the content hash, or the pair's / several images' hash
+    reference_hash: str  # render_service/references.py: the content hash, or the pair's / several images' hash
     prompt: str
     seed: int
     settings: RenderSettings  # resolved for the job's adapter kind
@@ -160,7 +160,7 @@ def build_work_items(
             errors.append(RowError(number, None, exc.field, str(exc).removeprefix(f"{exc.field}: ")))
             continue
         refused = layout_refusal(parsed_row.reference.layout, adapter_kind)
-        if refused:  # the check every front door runs (service/references.py `check_reference`)
+        if refused:  # the check every front door runs (render_service/references.py `check_reference`)
             errors.append(RowError(number, None, parsed_row.reference.columns[0], refused))
             continue
         parsed.append((number, parsed_row, settings))

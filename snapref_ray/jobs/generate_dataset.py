@@ -31,8 +31,8 @@ from snapref_ray.cluster.pool import (
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, SchedulerEvent, SchedulerStats
 from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
-from snapref_ray.pipelines.job_plan import check_something_to_render
-from snapref_ray.pipelines.job_summary import (
+from snapref_ray.jobs.job_plan import check_something_to_render
+from snapref_ray.jobs.job_summary import (
     AttemptFigures,
     JobSummary,
     RefKVDecisions,
@@ -41,8 +41,8 @@ from snapref_ray.pipelines.job_summary import (
     TransferRate,
     job_throughput,
 )
-from snapref_ray.service.loading import adapter_kind
-from snapref_ray.service.work_items import JobValidationError, ValidatedJob, WorkItem, load_work_items
+from snapref_ray.render_service.loading import adapter_kind
+from snapref_ray.render_service.work_items import JobValidationError, ValidatedJob, WorkItem, load_work_items
 from snapref_ray.storage.backends import Storage, open_storage
 from snapref_ray.storage.jobspec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
 from snapref_ray.storage.ledger import claim_output, committed_item_ids, job_fingerprint

@@ -1,7 +1,7 @@
 """What a job would do, found without doing it: `snapref-ray render --dry-run`, and the reason a job that can
 render nothing gives before it starts Ray.
 
-The same steps as the start of `run_job` (pipelines/generate_dataset.py), each read-only: the adapter kind,
+The same steps as the start of `run_job` (snapref_ray/jobs/generate_dataset.py), each read-only: the adapter kind,
 the manifest validated row by row (references read and hashed), whether the output is new, this job's
 (a resume) or another job's (which needs `--append`), and which items are already committed there. Nothing
 is written: a local output folder that does not exist is not created.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from snapref_ray.service.loading import adapter_kind
-from snapref_ray.service.work_items import RowError, ValidatedJob, load_work_items
+from snapref_ray.render_service.loading import adapter_kind
+from snapref_ray.render_service.work_items import RowError, ValidatedJob, load_work_items
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.jobspec import JobSpec, JobSpecError, spec_fingerprint
 from snapref_ray.storage.ledger import committed_item_ids, job_fingerprint, read_job
