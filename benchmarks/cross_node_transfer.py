@@ -33,7 +33,7 @@ import ray
 
 from benchmarks.common import REAL, SMOKE, emit, environment, log, summarize
 from snapref_ray.cluster.placement import fetch_is_cheaper
-from snapref_ray.models.geometry import token_count
+from snapref_ray.geometry import token_count
 
 # The DiT's K/V layout (snapref_ray/adapter/refkv.py: [blocks, K/V, heads, ref_tokens, head_dim]).
 REAL_BLOCKS, REAL_HEADS, REAL_HEAD_DIM = REAL.num_blocks, REAL.model_channels // REAL.head_dim, REAL.head_dim

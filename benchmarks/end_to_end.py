@@ -96,9 +96,9 @@ def run_one(
     that never gets its GPU fails the run instead of outliving the suite).
     """
     # Imported here: the suite imports this module whether or not the phase runs, and these bring in Ray.
+    from snapref_ray.job_spec import JobSpec
     from snapref_ray.jobs.generate_dataset import run_job
     from snapref_ray.storage.backends import open_storage
-    from snapref_ray.storage.jobspec import JobSpec
     from snapref_ray.storage.metadata import read_errors_table, read_metadata_table
 
     out = manifest.parent / "runs" / run.name.replace(":", "-")

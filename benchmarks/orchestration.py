@@ -103,7 +103,7 @@ class SimulatedRenderer:
         import torch
 
         from snapref_ray.adapter.refkv import RefKV
-        from snapref_ray.models.geometry import token_grid
+        from snapref_ray.geometry import token_grid
 
         time.sleep(self.encode_s)
         digest = hashlib.sha256(b"".join(images)).hexdigest()[:32]
@@ -219,9 +219,9 @@ def _write_job(folder: Path, references: int, prompts: int) -> Path:
 
 
 def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, overlap: bool = True, s3=None) -> dict:
+    from snapref_ray.job_spec import JobSpec
     from snapref_ray.jobs.generate_dataset import run_job
     from snapref_ray.render_service.memory import resident_bytes
-    from snapref_ray.storage.jobspec import JobSpec
 
     references = -(-workers * args.batches_per_worker * args.max_batch // prompts)
     images = references * prompts

@@ -131,8 +131,8 @@ def _span(table) -> dict:
 def run_job_runner(manifest: Path, models_dir: Path, out: Path, args) -> dict:
     import pyarrow.parquet as pq
 
+    from snapref_ray.job_spec import JobSpec
     from snapref_ray.jobs.generate_dataset import run_job
-    from snapref_ray.storage.jobspec import JobSpec
 
     spec = JobSpec.model_validate(
         {

@@ -62,9 +62,9 @@ from snapref_ray.adapter.reference_adapter import PreparedReference
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.adapter.snapref import BoundSnapRef
 from snapref_ray.engine import Renderer
+from snapref_ray.geometry import latent_size
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.flops import block_linear_dims, dit_forward_flops
-from snapref_ray.models.geometry import latent_size
 from snapref_ray.requests import RenderSettings
 from snapref_ray.sampling.ref_guidance import Combiner, Row, plan_step
 

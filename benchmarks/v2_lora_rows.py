@@ -54,8 +54,8 @@ from benchmarks.common import (
 from snapref_ray.adapter.arcanima import make_arcanima
 from snapref_ray.adapter.arcanima_v2 import ArcAnimaV2
 from snapref_ray.adapter.reference_adapter import PreparedReference
+from snapref_ray.geometry import latent_size
 from snapref_ray.models.attention import row_runs, take_rows
-from snapref_ray.models.geometry import latent_size
 from snapref_ray.models.ops import LoRAPair
 from snapref_ray.requests import RenderSettings
 

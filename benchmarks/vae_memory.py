@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import emit, environment, log
-from snapref_ray.models.geometry import latent_size
+from snapref_ray.geometry import latent_size
 from snapref_ray.render_service.memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 
 TARGET_RATIO = 1.35

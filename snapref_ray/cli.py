@@ -144,7 +144,7 @@ class OutputOfAnotherJob(ValueError):
 
 def render_spec(args: argparse.Namespace):
     """The JobSpec of `render`'s arguments: a spec file with the flags over it, or the quick form."""
-    from snapref_ray.storage.jobspec import load_job_spec, quick_spec
+    from snapref_ray.job_spec import load_job_spec, quick_spec
 
     target = args.spec_or_manifest
     if target.endswith((".yaml", ".yml")):
@@ -254,7 +254,7 @@ def _progress_bar(args: argparse.Namespace) -> bool:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from snapref_ray.storage.jobspec import load_job_spec
+    from snapref_ray.job_spec import load_job_spec
     from snapref_ray.tiny import make_tiny
 
     out = Path(args.out).resolve()

@@ -28,13 +28,13 @@ from snapref_ray.adapter.reference_adapter import (
     load_bound_adapter,
 )
 from snapref_ray.adapter.refkv import RefKV
+from snapref_ray.geometry import latent_size
 from snapref_ray.models.bundle import ModelFiles, resolve_model_files
 from snapref_ray.models.compile_cache import CompileCache, CompileKey
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.conditioning import PromptEncoder
 from snapref_ray.models.dit import load_dit
 from snapref_ray.models.fp8 import quantize_dit
-from snapref_ray.models.geometry import latent_size
 from snapref_ray.models.latent_format import process_in, process_out
 from snapref_ray.models.lora import merge_loras, read_lora
 from snapref_ray.models.qwen3 import load_text_encoder

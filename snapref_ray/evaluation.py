@@ -38,7 +38,7 @@ import torch
 from PIL import Image
 
 from snapref_ray.adapter.images import fit_megapixels, image_to_pixels, open_reference
-from snapref_ray.models.geometry import PIXELS_PER_TOKEN
+from snapref_ray.geometry import PIXELS_PER_TOKEN
 from snapref_ray.models.latent_format import process_in
 from snapref_ray.models.vae_memory import encode_in_budget
 from snapref_ray.requests import RenderSettings

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from snapref_ray.models.geometry import PIXELS_PER_TOKEN
+from snapref_ray.geometry import PIXELS_PER_TOKEN
 
 Sampler = Literal["euler", "er_sde"]
 Scheduler = Literal["simple"]

@@ -204,8 +204,8 @@ def _rows(case: Case) -> list[dict]:
 def job(case, server) -> dict:
     """One job with the plain row and every verdict's row: {"summary", "rows" by id ("" for the plain row),
     "errors" by id, "images" by id}."""
+    from snapref_ray.job_spec import JobSpec
     from snapref_ray.jobs.generate_dataset import run_job
-    from snapref_ray.storage.jobspec import JobSpec
 
     rows = _rows(case)
     manifest = case.folder / "manifest.csv"

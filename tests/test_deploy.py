@@ -99,7 +99,7 @@ def test_rayservice_gpu_group_autoscales_to_the_renderers_replicas():
 
 
 def test_rayjob_runs_the_job_entry_point_on_a_valid_spec():
-    from snapref_ray.storage.jobspec import JobSpec
+    from snapref_ray.job_spec import JobSpec
 
     job = _kind(RAYJOB, "RayJob")
     entry = job["spec"]["entrypoint"].split()

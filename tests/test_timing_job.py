@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 import snapref_ray
 from snapref_ray.eval_cli import add_eval_parsers, timing_spec_from_args
+from snapref_ray.job_spec import OutputSpec
 from snapref_ray.jobs.flop_model import Case, RowGroup, forward_flops, real_size_ratios
 from snapref_ray.jobs.timing_table import (
     ARCANIMA_ROWS,
@@ -25,7 +26,6 @@ from snapref_ray.jobs.timing_table import (
     timing_settings,
 )
 from snapref_ray.model_spec import LoRASpec, ModelSpec
-from snapref_ray.storage.jobspec import OutputSpec
 from snapref_ray.tiny import TinyConfig, write_tiny_adapter
 
 CASE = dict(width=256, height=256, steps=2, turbo_steps=2, sampler="euler", cfg=4.0)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from snapref_ray.models.geometry import PIXELS_PER_TOKEN
+from snapref_ray.geometry import PIXELS_PER_TOKEN
 
 if TYPE_CHECKING:  # imported where pixels are made: Serve's ingress checks images without torch
     import torch

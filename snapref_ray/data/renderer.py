@@ -30,6 +30,7 @@ from typing import Any
 import pyarrow as pa
 
 from snapref_ray.data.batches import batch_rows
+from snapref_ray.job_spec import S3Spec
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.batching import batch_key, group_batches
 from snapref_ray.render_service.records import describe_error, encode_output, metadata_row
@@ -46,7 +47,6 @@ from snapref_ray.render_service.service import DEFAULT_REFKV_CACHE_BYTES, Render
 from snapref_ray.render_service.work_items import item_id_for
 from snapref_ray.requests import RenderRequest, RenderSettings, RowDefaults
 from snapref_ray.storage.backends import read_uri
-from snapref_ray.storage.jobspec import S3Spec
 from snapref_ray.storage.metadata import METADATA_SCHEMA
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from snapref_ray.job_spec import S3Spec
 from snapref_ray.storage.backends import S3Options, open_storage
-from snapref_ray.storage.jobspec import S3Spec
 from snapref_ray.storage.metadata import IMAGE_COLUMN, read_metadata_table
 
 if TYPE_CHECKING:

@@ -31,6 +31,7 @@ from snapref_ray.cluster.pool import (
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, SchedulerEvent, SchedulerStats
 from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
+from snapref_ray.job_spec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
 from snapref_ray.jobs.job_plan import check_something_to_render
 from snapref_ray.jobs.job_summary import (
     AttemptFigures,
@@ -44,7 +45,6 @@ from snapref_ray.jobs.job_summary import (
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.work_items import JobValidationError, ValidatedJob, WorkItem, load_work_items
 from snapref_ray.storage.backends import Storage, open_storage
-from snapref_ray.storage.jobspec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
 from snapref_ray.storage.ledger import claim_output, committed_item_ids, job_fingerprint
 from snapref_ray.storage.metadata import ErrorWriter, MetadataWriter, read_errors_table, read_summary, write_summary
 from snapref_ray.validation import run_reporting_usage_errors

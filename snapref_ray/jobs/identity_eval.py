@@ -22,10 +22,10 @@ from pydantic import Field, field_validator
 
 from snapref_ray.adapter.images import content_hash
 from snapref_ray.evaluation import LOSS_DEFINITION, derangement, summarise
+from snapref_ray.job_spec import ClusterSpec, OutputSpec, SpecFile, load_spec_file
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.requests import Mode
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
-from snapref_ray.storage.jobspec import ClusterSpec, OutputSpec, SpecFile, load_spec_file
 from snapref_ray.storage.manifest import read_manifest
 from snapref_ray.uris import base_of, resolve_relative
 from snapref_ray.validation import run_reporting_usage_errors

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from snapref_ray.job_spec import JobSpec, JobSpecError, spec_fingerprint
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.work_items import RowError, ValidatedJob, load_work_items
 from snapref_ray.storage.backends import open_storage
-from snapref_ray.storage.jobspec import JobSpec, JobSpecError, spec_fingerprint
 from snapref_ray.storage.ledger import committed_item_ids, job_fingerprint, read_job
 
 

@@ -24,11 +24,11 @@ from typing import ClassVar
 from PIL import Image
 from pydantic import Field, field_validator
 
+from snapref_ray.job_spec import ClusterSpec, OutputSpec, SpecFile, load_spec_file
 from snapref_ray.model_spec import LoRASpec, ModelSpec
 from snapref_ray.platform_info import cpu_model
 from snapref_ray.requests import RenderSettings, Sampler, StepCache
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
-from snapref_ray.storage.jobspec import ClusterSpec, OutputSpec, SpecFile, load_spec_file
 from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)

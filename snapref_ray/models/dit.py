@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from snapref_ray.geometry import PATCH
 from snapref_ray.models.attention import RefRead, attention
 from snapref_ray.models.checkpoint import CheckpointError, load_into_module, load_state_dict, strip_prefix
-from snapref_ray.models.geometry import PATCH
 from snapref_ray.models.llm_adapter import LLMAdapter, LLMAdapterConfig
 from snapref_ray.models.ops import FLOAT8_DTYPES, BlockLoRA, Linear, RMSNorm
 from snapref_ray.models.rope import apply_rope, dit_rope

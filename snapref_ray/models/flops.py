@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from snapref_ray.geometry import PATCH
 from snapref_ray.models.dit import BLOCK_LINEARS, DiTConfig
-from snapref_ray.models.geometry import PATCH
 
 
 def _linear_flops(tokens: int, fan_in: int, fan_out: int) -> float:

@@ -21,11 +21,11 @@ from typing import Any
 
 from snapref_ray.adapter.controls import SettingsError, resolve_settings
 from snapref_ray.adapter.images import ReferenceImageError, content_hash, open_reference
+from snapref_ray.job_spec import JobSpec
 from snapref_ray.render_service.references import ReferenceInput, layout_refusal, reference_hash
 from snapref_ray.render_service.rows import RowInputError, RowRules, parse_row
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.storage.backends import S3Options, read_uri
-from snapref_ray.storage.jobspec import JobSpec
 from snapref_ray.storage.manifest import ROW_KEY, read_manifest
 from snapref_ray.uris import base_of
 

@@ -28,7 +28,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
-from snapref_ray.models.geometry import PIXELS_PER_TOKEN
+from snapref_ray.geometry import PIXELS_PER_TOKEN
 from snapref_ray.serve.config import ServeConfig, is_loopback
 from snapref_ray.serve.direct_ingress import direct_ingress_env, environment, haproxy_binary
 from snapref_ray.serve.ingress import Ingress

@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from snapref_ray.job_spec import S3Spec
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.serve.errors import TOKEN_ENV
-from snapref_ray.storage.jobspec import S3Spec
 
 # Names this config used to have, kept readable for one deprecation cycle: old name -> where it went.
 DEPRECATED_FIELDS = {

@@ -35,7 +35,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from snapref_ray.models.geometry import token_grid
+from snapref_ray.geometry import token_grid
 from snapref_ray.render_service.references import ReferenceIdentity, RefKVKey
 from snapref_ray.serve.api import (
     ECHO_CHARS,

@@ -6,7 +6,7 @@ more than cores, so that two render workers, the fake actors and their probes ne
 slot); its actors go with it at the module's end, also when a test fails. `ray_cluster_s3`
 additionally puts the SeaweedFS credentials in the environment of the driver and of the job's
 workers: job specs carry no credentials by design (they come from the standard AWS environment,
-storage/jobspec.py).
+job_spec.py).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def job_spec(
 ):
     """A JobSpec for the tiny models on the CPU with fast settings; `model`/`cluster`/`output`/`defaults`
     entries override."""
-    from snapref_ray.storage.jobspec import JobSpec
+    from snapref_ray.job_spec import JobSpec
 
     return JobSpec.model_validate(
         {

@@ -7,8 +7,8 @@ import pytest
 
 from snapref_ray.cli import build_parser
 from snapref_ray.cluster.pool import PoolPlan, PoolShape, plan_pool
+from snapref_ray.job_spec import JobSpecError, quick_spec
 from snapref_ray.model_spec import ModelSpec
-from snapref_ray.storage.jobspec import JobSpecError, quick_spec
 
 
 @pytest.mark.parametrize(

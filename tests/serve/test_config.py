@@ -264,8 +264,8 @@ def test_rendering_replicas_ask_ray_for_memory(tiny_models) -> None:
 def test_the_batch_size_and_s3_have_the_jobs_names_and_the_old_ones_still_read() -> None:
     """One name for a forward's batch (`max_batch`, as jobs and Ray Data) and one S3 section with retries (the
     jobs' S3Spec); the old flat names are read with a DeprecationWarning, never silently together with the new."""
+    from snapref_ray.job_spec import S3Spec
     from snapref_ray.storage.backends import S3Options
-    from snapref_ray.storage.jobspec import S3Spec
 
     assert "max_batch_size" not in ServeConfig.model_fields and "s3_endpoint_url" not in ServeConfig.model_fields
     assert ServeConfig.model_fields["s3"].annotation is S3Spec

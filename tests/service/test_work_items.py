@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from snapref_ray.adapter.controls import resolve_settings
+from snapref_ray.job_spec import JobSpec, load_job_spec
 from snapref_ray.render_service.references import ReferenceInput
 from snapref_ray.render_service.references import reference_hash as combined_reference_hash
 from snapref_ray.render_service.work_items import (
@@ -26,7 +27,6 @@ from snapref_ray.render_service.work_items import (
     load_work_items,
 )
 from snapref_ray.requests import RenderSettings
-from snapref_ray.storage.jobspec import JobSpec, load_job_spec
 from snapref_ray.storage.manifest import ROW_KEY, read_manifest
 
 REPO = Path(__file__).resolve().parents[2]

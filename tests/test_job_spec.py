@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from snapref_ray.job_spec import JobSpec, JobSpecError, load_job_spec, quick_spec, spec_fingerprint
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.models.bundle import ModelFilesError
 from snapref_ray.requests import RenderSettings, RowDefaults
 from snapref_ray.storage.backends import S3Options
-from snapref_ray.storage.jobspec import JobSpec, JobSpecError, load_job_spec, quick_spec, spec_fingerprint
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_spec(tmp_path: Path, text: str) -> Path:

@@ -1,11 +1,11 @@
-"""models/geometry.py: the pixel -> latent -> token sizes agree with what the VAE and the DiT produce."""
+"""geometry.py: the pixel -> latent -> token sizes agree with what the VAE and the DiT produce."""
 
 from __future__ import annotations
 
 import torch
 
+from snapref_ray.geometry import PIXELS_PER_TOKEN, latent_size, token_count, token_grid
 from snapref_ray.models.dit import patchify
-from snapref_ray.models.geometry import PIXELS_PER_TOKEN, latent_size, token_count, token_grid
 from snapref_ray.models.tiny_vae import make_tiny_vae
 
 
