@@ -278,33 +278,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from snapref_ray.report import write_report
 
-    _check_job_output(args.output)
-    result = write_report(args.output)
+    result = write_report(args.output)  # refuses, in one line, a place that holds no job output (report/report.py)
     print(json.dumps(result, indent=2, default=str))
     return 0
-
-
-def _check_job_output(uri: str) -> None:
-    """ValueError unless `uri` holds a job's output (summary.json or metadata/); a local path that does not exist is
-    never created, and a misspelt one gets the sibling folders that hold an output as a did-you-mean."""
-    import difflib
-
-    if uri.startswith("s3://"):
-        from snapref_ray.storage.backends import open_storage
-
-        storage = open_storage(uri)
-        if storage.exists("summary.json") or storage.list("metadata/"):
-            return
-        raise ValueError(f"{uri} holds no job output (no summary.json, no metadata/): is the prefix right?")
-    folder = Path(uri).expanduser()
-    if (folder / "summary.json").is_file() or (folder / "metadata").is_dir():
-        return
-    parent = folder.parent if folder.parent.is_dir() else None
-    outputs = [p.name for p in parent.iterdir() if (p / "summary.json").is_file()] if parent else []
-    close = difflib.get_close_matches(folder.name, outputs, n=1)
-    hint = f" (did you mean {str(folder.parent / close[0])!r}?)" if close else ""
-    what = "does not exist" if not folder.exists() else "holds no job output (no summary.json, no metadata/)"
-    raise ValueError(f"{uri} {what}{hint}")
 
 
 RENDER_EXAMPLES = """examples:

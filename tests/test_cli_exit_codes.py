@@ -84,7 +84,9 @@ def test_report_on_a_misspelt_folder_exits_2_and_creates_nothing(tmp_path):
     (tmp_path / "run1" / "summary.json").write_text("{}")
     status, out = snapref("report", str(tmp_path / "rnu1"))
     assert status == 2, out
-    assert error_lines(out) == [f"error: {tmp_path / 'rnu1'} does not exist (did you mean {str(tmp_path / 'run1')!r}?)"]
+    typo, job = tmp_path / "rnu1", tmp_path / "run1"
+    expected = f"error: no job output at {typo}: the folder does not exist (did you mean {str(job)!r}?)"
+    assert error_lines(out) == [expected]
     assert not (tmp_path / "rnu1").exists()
 
 

@@ -128,6 +128,8 @@ def test_cli_compile_flag_reaches_the_job_spec(monkeypatch, tmp_path: Path, caps
     def run_job(spec, progress=True):
         seen.append((spec, progress))
         return JobSummary.model_construct(
+            memory_per_worker=None,
+            memory_fit=[],
             images_total=0,
             output=spec.output.uri,
             images_this_run=0,

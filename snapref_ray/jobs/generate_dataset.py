@@ -369,7 +369,7 @@ def _summarise(spec: JobSpec, validated: ValidatedJob, output: _Output, todo: li
         output=spec.output.uri,
         config_hash=output.fingerprint,
         manifest_rows=validated.rows,
-        invalid_rows=len(validated.errors),
+        invalid_rows=len({e.manifest_row for e in validated.errors}),  # a row with two errors is one invalid row
         items=len(validated.items),
         images_total=len(output.done_before & {i.item_id for i in validated.items}) + stats.done_items,
         images_this_run=stats.done_items,

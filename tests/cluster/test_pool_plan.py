@@ -50,6 +50,8 @@ def test_quick_form_flags_reach_the_cluster_section(tmp_path, monkeypatch):
         lambda spec, **kw: (
             seen.setdefault("spec", spec)
             and JobSummary.model_construct(
+                memory_per_worker=None,
+                memory_fit=[],
                 failed_items=0,
                 images_total=0,
                 output="",
