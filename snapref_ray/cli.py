@@ -151,6 +151,10 @@ def cmd_render(args: argparse.Namespace) -> int:
             if getattr(args, name, None) is not None
         }
         spec = quick_spec(target, args.out, model=model_spec_from(args), workers=args.workers, **overrides)
+    if args.wait_for_lease is not None:
+        spec = spec.model_copy(
+            update={"output": spec.output.model_copy(update={"lease_wait_seconds": args.wait_for_lease})}
+        )
     summary = run_job(spec, progress=not args.no_progress)
     _print_summary(summary)
     return 1 if summary["failed_items"] else 0
@@ -259,6 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
         "at start, or 2 CPU workers on a machine without GPUs)",
     )
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--wait-for-lease",
+        type=float,
+        nargs="?",
+        const=600.0,
+        metavar="SECONDS",
+        help="if another driver is rendering to the same output, wait up to SECONDS (default 600) for it "
+        "instead of refusing",
+    )
     add_model_flags(p)
     add_settings_flags(p)
     p.set_defaults(func=cmd_render)

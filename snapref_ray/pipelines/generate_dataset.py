@@ -37,6 +37,7 @@ from snapref_ray.service.loading import adapter_kind
 from snapref_ray.service.work_items import JobValidationError, WorkItem, load_work_items
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.jobspec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
+from snapref_ray.storage.lease import OutputLease
 from snapref_ray.storage.ledger import claim_output, committed_item_ids, job_fingerprint
 from snapref_ray.storage.metadata import ErrorWriter, MetadataWriter, read_errors_table, write_summary
 from snapref_ray.validation import run_reporting_usage_errors
@@ -96,6 +97,8 @@ def run_job(
         raise JobValidationError(spec.manifest, validated.errors)
     fingerprint = job_fingerprint(spec_fingerprint(spec))
     claim_output(storage, fingerprint, spec_fingerprint(spec), append=spec.output.append)
+    # One driver per output (storage/lease.py): held from before the committed set is read to the summary.
+    lease = OutputLease.acquire(storage, duration_s=spec.output.lease_seconds, wait_s=spec.output.lease_wait_seconds)
 
     done_before = committed_item_ids(storage)
     todo = [item for item in validated.items if item.item_id not in done_before]
@@ -109,7 +112,10 @@ def run_job(
     )
 
     metadata = MetadataWriter(
-        storage, embed_images=spec.output.embed_images, flush_seconds=spec.output.metadata_flush_seconds
+        storage,
+        embed_images=spec.output.embed_images,
+        flush_seconds=spec.output.metadata_flush_seconds,
+        guard=lease.check,
     )
     errors = ErrorWriter(storage)
     # A resumed job validates the same manifest again: record each invalid row once per output.
@@ -236,6 +242,7 @@ def run_job(
             step_cache,
         )
         write_summary(storage, summary)
+        lease.release()
     if write_gallery:
         from snapref_ray.report import write_report
 

@@ -126,6 +126,19 @@ class OutputSpec(_Section):
         "a driver killed outright loses at most this long of commits (those items are rendered again on "
         "resume). Shorter means more, smaller parts.",
     )
+    lease_seconds: float = Field(
+        60.0,
+        ge=3.0,
+        le=3600.0,
+        description="How long the driver's lease on the output lasts without renewal (storage/lease.py); it is "
+        "renewed every third of this while the job runs, so a killed driver blocks the next run at most this long.",
+    )
+    lease_wait_seconds: float = Field(
+        0.0,
+        ge=0.0,
+        description="When another driver holds the output: 0 refuses at once with a line naming it; more waits up "
+        "to this long for it to finish (an orchestrator's retry that may overlap the first run).",
+    )
 
 
 class ClusterSpec(_Section):

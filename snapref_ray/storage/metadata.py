@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
@@ -151,10 +151,21 @@ class _PartWriter:
     """Buffer rows; write them as a Parquet part every `flush_rows` rows, every `flush_seconds`, and on close.
 
     Thread-safe: a background uploader calls add() while a timer flushes. A failed write keeps its
-    rows buffered (and re-raises), so the next flush retries them.
+    rows buffered (and re-raises), so the next flush retries them. `guard`, when given, is called before
+    each part is written and raises to refuse the commit (lease.OutputLease.check: a driver that lost the
+    output to another one must not commit to it).
     """
 
-    def __init__(self, storage: Storage, *, prefix: str, schema: pa.Schema, flush_rows: int, flush_seconds: float):
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prefix: str,
+        schema: pa.Schema,
+        flush_rows: int,
+        flush_seconds: float,
+        guard: Callable[[], None] | None = None,
+    ):
         if flush_rows < 1:
             raise ValueError(f"flush_rows must be >= 1, got {flush_rows}")
         self.storage = storage
@@ -162,6 +173,7 @@ class _PartWriter:
         self.schema = schema
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
+        self.guard = guard
         self.parts_written: list[str] = []
         self.rows_written = 0
         self._rows: list[pa.Table] = []  # one single-row table per added row
@@ -222,6 +234,8 @@ class _PartWriter:
             pq.write_table(pa.concat_tables(rows).combine_chunks(), buf, compression="zstd")
             key = _part_key(self.prefix)
             try:
+                if self.guard is not None:
+                    self.guard()
                 self.storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
             except Exception:
                 with self._lock:
@@ -268,6 +282,7 @@ class MetadataWriter(_PartWriter):
         flush_rows: int = 256,
         flush_seconds: float = 30.0,
         embed_images: bool = False,
+        guard: Callable[[], None] | None = None,
     ):
         self.embed_images = embed_images
         super().__init__(
@@ -276,6 +291,7 @@ class MetadataWriter(_PartWriter):
             schema=with_image_column(schema) if embed_images else schema,
             flush_rows=flush_rows,
             flush_seconds=flush_seconds,
+            guard=guard,
         )
         self._seen: set[str] = set()
 

@@ -100,6 +100,8 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
         "append": False,
         "s3": {"endpoint_url": None, "region": None, "retry_mode": "adaptive", "max_attempts": 10},
         "metadata_flush_seconds": 30.0,
+        "lease_seconds": 60.0,
+        "lease_wait_seconds": 0.0,
     }
     assert (spec.strict, spec.allow_empty_prompt) == (False, False)
 

@@ -1,0 +1,108 @@
+"""Two real drivers (run_job, tiny models, the session's local Ray) started together on one output, a local
+folder and S3: the output's lease lets one render while the other waits, then finds everything committed;
+a driver that does not wait refuses with one line naming the holder. Every item is rendered and listed once.
+"""
+
+from __future__ import annotations
+
+import csv
+import threading
+import uuid
+
+import pytest
+
+from snapref_ray.pipelines.generate_dataset import run_job
+from snapref_ray.storage.backends import open_storage
+from snapref_ray.storage.lease import LeaseHeldError, current_lease
+from snapref_ray.storage.metadata import read_item_ids
+from tests.cluster.conftest import expected_item_ids, job_spec
+
+pytestmark = [pytest.mark.usefixtures("ray_cluster_s3"), pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def six_items(job_inputs, tmp_path_factory):
+    """A manifest of 6 items: the first two references of the job inputs, 3 prompts each."""
+    with open(job_inputs.good_manifest, newline="") as f:
+        rows = list(csv.DictReader(f))[:6]
+    path = job_inputs.folder / "six.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def _output(kind: str, s3_server, tmp_path) -> tuple[str, dict]:
+    if kind == "local":
+        return str(tmp_path / "out"), {}
+    uri = f"s3://{s3_server.bucket}/two-drivers-{uuid.uuid4().hex[:8]}"
+    return uri, {"s3": {"endpoint_url": s3_server.endpoint_url}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_two_drivers_started_together_render_every_item_once(kind, six_items, tiny_models, s3_server, tmp_path):
+    uri, s3 = _output(kind, s3_server, tmp_path)
+    one = {"num_workers": 1}
+    waiting = job_spec(six_items, tiny_models, uri, cluster=one, output={"lease_wait_seconds": 240, **s3})
+    impatient = job_spec(six_items, tiny_models, uri, cluster={"num_workers": 1}, output=s3)
+    barrier = threading.Barrier(2)
+    summaries: list[dict] = []
+    refusals: list[str] = []
+    failures: list[BaseException] = []
+
+    def third_driver_once(_n: int) -> None:
+        # While one driver renders, a third one that does not wait is refused.
+        if not refusals:
+            try:
+                run_job(impatient, progress=False, write_gallery=False)
+                refusals.append("not refused")
+            except LeaseHeldError as e:
+                refusals.append(str(e))
+
+    def driver() -> None:
+        barrier.wait()
+        try:
+            summaries.append(run_job(waiting, progress=False, write_gallery=False, on_progress=third_driver_once))
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=driver) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    storage = open_storage(uri, waiting.s3_options())
+    ids = read_item_ids(storage)  # every committed row, duplicates included
+    assert len(ids) == 6
+    assert set(ids) == expected_item_ids(waiting)
+    assert sorted(s["images_this_run"] for s in summaries) == [0, 6]
+    assert sorted(s["skipped_already_done"] for s in summaries) == [0, 6]
+    assert len(refusals) == 1 and "\n" not in refusals[0]
+    assert refusals[0].startswith(f"output {storage.uri} is in use by job ")
+    assert "its lease expires at " in refusals[0]
+    assert current_lease(storage).released  # the last driver let go of it
+
+
+def test_the_cli_refuses_a_held_output_with_one_line(six_items, tiny_models, tmp_path, capsys):
+    import yaml
+
+    from snapref_ray import cli
+    from snapref_ray.storage.lease import OutputLease
+
+    out = tmp_path / "out"
+    spec = job_spec(six_items, tiny_models, str(out), cluster={"num_workers": 1})
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
+    holder = OutputLease.acquire(open_storage(str(out)), job_id="raysubmit_first", duration_s=60)
+    try:
+        status = cli.main(["render", str(spec_path), "--no-progress"])
+    finally:
+        holder.release()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith(f"error: output {out} is in use by job raysubmit_first (host ")
+    assert "--wait-for-lease" in err[0]
+    assert read_item_ids(open_storage(str(out))) == []
