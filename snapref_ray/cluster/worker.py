@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -29,6 +30,7 @@ from snapref_ray.service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMe
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import make_thumbnail
 from snapref_ray.storage.metadata import image_key, reference_image_key, thumb_key
+from snapref_ray.storage.shards import ShardWriter, wants_thumbnail
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,11 @@ class WorkerConfig:
     # Longest wait for a RefKV from the object store before encoding the reference here instead: a lost RefKV
     # is rebuilt through its creating actor (a node boot and a model load away), an encode is one forward.
     refkv_fetch_timeout_s: float = 30.0
+    # output.format: "files" (an object per image) or "webdataset" (tar shards per worker, storage/shards.py).
+    output_format: str = "files"
+    shard_max_bytes: int = 1_000_000_000
+    shard_max_items: int = 10_000
+    thumbnail_every: int = 100  # webdataset: a thumbnail for about one item in this many
 
 
 def load_worker_renderer(config: WorkerConfig):
@@ -88,6 +95,18 @@ class RenderWorker:
         )
         self.storage = open_storage(config.output_uri, config.s3)
         self.writer = OutputWriter(config.output_threads)
+        self.shards = (
+            ShardWriter(
+                self.storage,
+                name=self.worker_id,
+                max_bytes=config.shard_max_bytes,
+                max_items=config.shard_max_items,
+            )
+            if config.output_format == "webdataset"
+            else None
+        )
+        self._render_calls = 0  # render() calls running now: the last one to end commits the open shard
+        self._render_calls_lock = threading.Lock()
         self._stored_references: set[str] = set()
         self.metrics = job_metrics()
         self.tags = {"worker": self.worker_id}
@@ -144,6 +163,20 @@ class RenderWorker:
         return kv, EncodeInfo(task.reference_hash, kv.nbytes, kv.encode_seconds, self.worker_id, source == "encoded")
 
     def render(self, task: RenderTask, refkv_handle: list | None = None) -> list[ItemOutcome]:
+        """`_render`; with shards, the call that leaves the worker idle commits the open shard before it
+        returns, so a worker the driver finds idle (and may release) has committed everything it rendered."""
+        with self._render_calls_lock:
+            self._render_calls += 1
+        try:
+            return self._render(task, refkv_handle)
+        finally:
+            with self._render_calls_lock:
+                self._render_calls -= 1
+                idle = self._render_calls == 0
+            if idle and self.shards is not None:
+                self.shards.commit()
+
+    def _render(self, task: RenderTask, refkv_handle: list | None = None) -> list[ItemOutcome]:
         """Render a batch and store its images; returns one outcome per item.
 
         `refkv_handle` is `[ObjectRef]` (wrapped so Ray does not fetch it eagerly): it is only
@@ -234,8 +267,13 @@ class RenderWorker:
             rendered, model=service.model_id, adapter=service.adapter_id, item_id=item.item_id, fmt=fmt
         )
         key, thumb = image_key(item.item_id, image_extension(fmt)), thumb_key(item.item_id)
-        self.storage.put_bytes(key, image)
-        self.storage.put_bytes(thumb, make_thumbnail(rendered.image))
+        if self.shards is not None:  # the image goes into the shard (below); a thumbnail only for a sample
+            key = None
+            thumb = thumb if wants_thumbnail(item.item_id, self.config.thumbnail_every) else None
+        else:
+            self.storage.put_bytes(key, image)
+        if thumb is not None:
+            self.storage.put_bytes(thumb, make_thumbnail(rendered.image))
         reference_key = self._store_reference(task.reference)
         row = metadata_row(
             rendered,
@@ -250,11 +288,13 @@ class RenderWorker:
             manifest_row=item.manifest_row,
             reference_image_key=reference_key,
             image_key=key,
-            image_uri=self.storage.uri_for(key),
+            image_uri=self.storage.uri_for(key) if key else None,
             thumb_key=thumb,
             upload_s=time.perf_counter() - t0,
             attempt=task.attempts.get(item.item_id, 1),
         )
+        if self.shards is not None:  # committed with its shard, not by the driver
+            row = self.shards.add(row, image, image_extension(fmt), item.prompt)
         return ItemOutcome(item.item_id, row=row)
 
     def _store_reference(self, ref: ReferenceTask) -> str:

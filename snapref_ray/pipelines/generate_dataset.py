@@ -40,6 +40,7 @@ from snapref_ray.storage.jobspec import JobSpec, JobSpecError, load_job_spec, sp
 from snapref_ray.storage.lease import OutputLease
 from snapref_ray.storage.ledger import claim_output, committed_item_ids, job_fingerprint
 from snapref_ray.storage.metadata import ErrorWriter, MetadataWriter, read_errors_table, write_summary
+from snapref_ray.storage.shards import remove_orphan_shards
 from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,10 @@ def worker_config(spec: JobSpec, *, warmup: bool = True, memory_budget_bytes: in
         warmup_sizes=((spec.defaults.width, spec.defaults.height),),
         refkv_fetch_timeout_s=c.refkv_fetch_timeout_s,
         memory_budget_bytes=memory_budget_bytes or None,
+        output_format=spec.output.format,
+        shard_max_bytes=spec.output.shard_max_bytes,
+        shard_max_items=spec.output.shard_max_items,
+        thumbnail_every=spec.output.thumbnail_every,
     )
 
 
@@ -99,6 +104,8 @@ def run_job(
     claim_output(storage, fingerprint, spec_fingerprint(spec), append=spec.output.append)
     # One driver per output (storage/lease.py): held from before the committed set is read to the summary.
     lease = OutputLease.acquire(storage, duration_s=spec.output.lease_seconds, wait_s=spec.output.lease_wait_seconds)
+    if spec.output.format == "webdataset":
+        remove_orphan_shards(storage)  # shards a killed worker published but never committed
 
     done_before = committed_item_ids(storage)
     todo = [item for item in validated.items if item.item_id not in done_before]
@@ -275,6 +282,8 @@ def _release(scheduler: BatchScheduler | None, pool: WorkerPool | None) -> None:
 
 
 def _commit(metadata: MetadataWriter, storage, spec: JobSpec, outcome: ItemOutcome) -> None:
+    if outcome.row.get("shard_key"):
+        return  # committed by its worker, with its shard (storage/shards.py)
     image_bytes = storage.get_bytes(outcome.row["image_key"]) if spec.output.embed_images else None
     metadata.add(outcome.row, image_bytes)
 

@@ -140,11 +140,17 @@ def with_image_column(schema: pa.Schema) -> pa.Schema:
     return schema.with_metadata(meta)
 
 
-def _part_key(prefix: str) -> str:
-    # UTC time first: names sort in commit order (what "keep the first committed row" relies on);
-    # the uuid keeps concurrent writers (several drivers, append mode) from colliding.
+def part_key(prefix: str, suffix: str | None = None) -> str:
+    """A new part's key under `prefix`: ``part-<UTC time>-<suffix or uuid>.parquet``.
+
+    UTC time first: names sort in commit order (what "keep the first committed row" relies on); the
+    suffix (a uuid unless the caller's name is unique, like a shard's) keeps concurrent writers apart.
+    """
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
-    return f"{prefix}/part-{stamp}-{uuid.uuid4().hex}.parquet"
+    return f"{prefix}/part-{stamp}-{suffix or uuid.uuid4().hex}.parquet"
+
+
+_part_key = part_key
 
 
 class _PartWriter:
@@ -381,6 +387,27 @@ def _read_parts(storage: Storage, prefix: str, columns: list[str] | None = None)
     # Parts are small and many on S3: fetch them in parallel, keep them in name (= commit) order.
     with ThreadPoolExecutor(max_workers=8) as pool:
         return list(pool.map(read, keys))
+
+
+def read_table_columns(storage: Storage, columns: list[str], prefix: str = METADATA_PREFIX) -> pa.Table:
+    """`columns` of every part under `prefix`, duplicates included; a column a part lacks (an older part,
+    a part of the other output format) is null in its rows."""
+    keys = [k for k in storage.list(prefix + "/") if k.endswith(".parquet")]
+
+    def read(key: str) -> pa.Table:
+        f = pq.ParquetFile(io.BytesIO(storage.get_bytes(key)))
+        present = [c for c in columns if c in f.schema_arrow.names]
+        table = f.read(columns=present)
+        for c in columns:
+            if c not in present:
+                table = table.append_column(c, pa.nulls(table.num_rows, pa.string()))
+        return table.select(columns)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        tables = [t for t in pool.map(read, keys) if t.num_rows]
+    if not tables:
+        return pa.table({c: pa.array([], pa.string()) for c in columns})
+    return pa.concat_tables(tables, promote_options="permissive")
 
 
 def _concat(tables: Iterable[pa.Table], empty: pa.Schema) -> pa.Table:

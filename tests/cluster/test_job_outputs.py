@@ -1,14 +1,19 @@
-"""Two real drivers (run_job, tiny models, the session's local Ray) started together on one output, a local
-folder and S3: the output's lease lets one render while the other waits, then finds everything committed;
-a driver that does not wait refuses with one line naming the holder. Every item is rendered and listed once.
+"""Jobs on one output (run_job, tiny models, the session's local Ray), 6 items each.
+
+Two real drivers started together on one output, a local folder and S3: the output's lease lets one render
+while the other waits, then finds everything committed; a driver that does not wait refuses with one line
+naming the holder. Every item is rendered and listed once. And a job with ``output.format: webdataset``:
+every item in exactly one committed shard, read back by the `webdataset` library.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import threading
 import uuid
 
+import pyarrow.parquet as pq
 import pytest
 
 from snapref_ray.pipelines.generate_dataset import run_job
@@ -106,3 +111,35 @@ def test_the_cli_refuses_a_held_output_with_one_line(six_items, tiny_models, tmp
     assert len(err) == 1 and err[0].startswith(f"error: output {out} is in use by job raysubmit_first (host ")
     assert "--wait-for-lease" in err[0]
     assert read_item_ids(open_storage(str(out))) == []
+
+
+@pytest.mark.slow
+def test_a_webdataset_job_puts_every_item_in_one_committed_shard(six_items, tiny_models, tmp_path):
+    webdataset = pytest.importorskip("webdataset")
+    import zlib
+
+    out = tmp_path / "out"
+    output = {"format": "webdataset", "shard_max_items": 2, "thumbnail_every": 3}
+    spec = job_spec(six_items, tiny_models, str(out), cluster={"num_workers": 1}, output=output)
+    summary = run_job(spec, progress=False, write_gallery=False)
+    ids = expected_item_ids(spec)
+    assert summary["images_this_run"] == 6
+    storage = open_storage(str(out))
+    assert sorted(read_item_ids(storage)) == sorted(ids)  # committed once, by the worker with its shard
+    shards = sorted(k for k in storage.list("shards/") if k.endswith(".tar"))
+    # Closed at 2 items (or earlier, when the worker ran out of work: it commits before it goes idle).
+    per_shard = [pq.read_table(out / k.replace(".tar", ".parquet")).num_rows for k in shards]
+    assert sum(per_shard) == 6 and max(per_shard) == 2
+    samples = list(webdataset.WebDataset([str(out / k) for k in shards], shardshuffle=False))
+    assert sorted(s["__key__"] for s in samples) == sorted(ids)
+    for s in samples:
+        assert s["png"][:8] == b"\x89PNG\r\n\x1a\n"
+        assert json.loads(s["json"])["prompt"] == s["txt"].decode()
+    assert not storage.list("images/")  # no object per image
+    # Thumbnails for a sample only: about one id in three, by a hash of the id.
+    sampled = {i for i in ids if zlib.crc32(i.encode()) % 3 == 0}
+    assert storage.list("thumbs/") == sorted(f"thumbs/{i}.jpg" for i in sampled)
+    # Rerunning the same spec renders nothing and keeps one shard per item.
+    again = run_job(spec, progress=False, write_gallery=False)
+    assert (again["images_this_run"], again["skipped_already_done"]) == (0, 6)
+    assert sorted(k for k in storage.list("shards/") if k.endswith(".tar")) == shards
