@@ -39,7 +39,13 @@ from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.jobspec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
 from snapref_ray.storage.lease import OutputLease
 from snapref_ray.storage.ledger import claim_output, committed_item_ids, job_fingerprint
-from snapref_ray.storage.metadata import ErrorWriter, MetadataWriter, read_errors_table, write_summary
+from snapref_ray.storage.metadata import (
+    ErrorWriter,
+    MetadataWriter,
+    compact_parts,
+    read_errors_table,
+    write_summary,
+)
 from snapref_ray.storage.shards import remove_orphan_shards
 from snapref_ray.validation import run_reporting_usage_errors
 
@@ -106,6 +112,7 @@ def run_job(
     lease = OutputLease.acquire(storage, duration_s=spec.output.lease_seconds, wait_s=spec.output.lease_wait_seconds)
     if spec.output.format == "webdataset":
         remove_orphan_shards(storage)  # shards a killed worker published but never committed
+    compact_parts(storage)  # metadata parts stay few and large as the job grows (storage/metadata.py)
 
     done_before = committed_item_ids(storage)
     todo = [item for item in validated.items if item.item_id not in done_before]

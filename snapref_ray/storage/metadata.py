@@ -459,6 +459,56 @@ def read_errors_table(storage: Storage, exclude_ids: set[str] | None = None) -> 
     return table.filter(pa.array(keep))
 
 
+def compact_parts(
+    storage: Storage, prefix: str = METADATA_PREFIX, *, target_rows: int = 1_000_000, min_parts: int = 8
+) -> list[str]:
+    """Merge runs of small parts under `prefix` into parts of up to `target_rows` rows; the new keys.
+
+    A long job writes a part every `flush_rows` rows or `metadata_flush_seconds` (thousands of parts at a
+    million items), and every resume and report lists and reads them all. Only the holder of the output's
+    lease may call this (the driver, before rendering). Each merged part takes the time stamp of the first
+    part it replaces, so part names keep commit order and "the first committed row wins" still holds;
+    duplicate rows of an item inside a run are dropped. A merged part is written before the parts it
+    replaces are deleted: a crash in between leaves the same rows twice, which readers de-duplicate.
+    Parts holding image bytes (embed_images) are left alone: they are large already.
+    """
+    keys = [k for k in storage.list(prefix.strip("/") + "/") if k.endswith(".parquet")]
+    if len(keys) < min_parts:
+        return []
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        tables = list(pool.map(lambda k: pq.read_table(io.BytesIO(storage.get_bytes(k))), keys))
+    small = [t.num_rows < target_rows // 2 and IMAGE_COLUMN not in t.column_names for t in tables]
+    if sum(small) < min_parts:
+        return []
+    runs: list[list[int]] = [[]]
+    rows = 0
+    for i, is_small in enumerate(small):
+        if not is_small or rows + tables[i].num_rows > target_rows:
+            runs.append([])
+            rows = 0
+        if is_small:
+            runs[-1].append(i)
+            rows += tables[i].num_rows
+    written, replaced = [], 0
+    for run in runs:
+        if len(run) < 2:
+            continue
+        merged = _first_per_id(pa.concat_tables([tables[i] for i in run], promote_options="default"))
+        stamp = keys[run[0]].rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
+        key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
+        buf = io.BytesIO()
+        pq.write_table(merged.combine_chunks(), buf, compression="zstd")
+        storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
+        for i in run:
+            storage.delete(keys[i])
+        written.append(key)
+        replaced += len(run)
+    if written:
+        after = len(keys) - replaced + len(written)
+        log.info("compacted %s: %d parts -> %d", storage.uri_for(prefix), len(keys), after)
+    return written
+
+
 def write_summary(storage: Storage, summary: dict) -> None:
     """Write ``summary.json`` (replacing any earlier one: a resumed job rewrites it at its end)."""
     storage.put_bytes(
