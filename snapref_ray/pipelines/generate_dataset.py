@@ -115,7 +115,8 @@ def run_job(
     compact_parts(storage)  # metadata parts stay few and large as the job grows (storage/metadata.py)
 
     done_before = committed_item_ids(storage)
-    todo = [item for item in validated.items if item.item_id not in done_before]
+    done_mask = done_before.contains([item.item_id for item in validated.items])  # vectorised (storage/ledger.py)
+    todo = [item for item, done in zip(validated.items, done_mask) if not done]
     log.info(
         "%d manifest rows -> %d items (%d invalid rows); %d already committed, %d to render",
         validated.rows,

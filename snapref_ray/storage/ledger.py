@@ -8,6 +8,7 @@ the same output would mix two datasets, so `claim_output` refuses it unless aske
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import time
@@ -157,7 +158,9 @@ class CommittedIds:
         key = item_id.encode()
         if len(key) > self._ids.dtype.itemsize:
             return False
-        at = int(np.searchsorted(self._ids, key))
+        # bisect over the array: a few microseconds, several times less than a numpy call per id; for many
+        # ids at once use `contains`.
+        at = bisect.bisect_left(self._ids, key)
         return at < len(self._ids) and self._ids[at] == key
 
     def __iter__(self):
