@@ -29,6 +29,7 @@ from snapref_ray.service.records import describe_error, encode_output, image_ext
 from snapref_ray.service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMemory, RenderService
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import make_thumbnail
+from snapref_ray.storage.lease import check_holder
 from snapref_ray.storage.metadata import image_key, reference_image_key, thumb_key
 from snapref_ray.storage.shards import ShardWriter, wants_thumbnail
 
@@ -66,6 +67,7 @@ class WorkerConfig:
     shard_max_bytes: int = 1_000_000_000
     shard_max_items: int = 10_000
     thumbnail_every: int = 100  # webdataset: a thumbnail for about one item in this many
+    lease_holder_id: str | None = None  # the driver's output lease: shards are committed only while it holds it
 
 
 def load_worker_renderer(config: WorkerConfig):
@@ -101,6 +103,11 @@ class RenderWorker:
                 name=self.worker_id,
                 max_bytes=config.shard_max_bytes,
                 max_items=config.shard_max_items,
+                guard=(
+                    functools.partial(check_holder, self.storage, config.lease_holder_id)
+                    if config.lease_holder_id
+                    else None
+                ),
             )
             if config.output_format == "webdataset"
             else None

@@ -186,6 +186,7 @@ def run_job(
             memory_request.update(bytes=memory_bytes, estimate=memory_estimate)
             check_memory_fits(plan, on_cluster=on_a_cluster(c.address))
             config = worker_config(spec, warmup=warmup, memory_budget_bytes=None if plan.use_gpu else memory_bytes)
+            config = dataclasses.replace(config, lease_holder_id=lease.record.holder_id)
             pool = WorkerPool(config, plan, renderer_factory)
             bar = _progress_bar(len(validated.items), len(validated.items) - len(todo)) if progress else None
             callbacks = [f for f in (bar.update if bar else None, on_progress) if f is not None]

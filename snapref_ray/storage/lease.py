@@ -111,6 +111,19 @@ def default_job_id() -> str:
     return env.get("RAY_JOB_ID") or env.get("RAY_JOB_SUBMISSION_ID") or f"{socket.gethostname()}:{os.getpid()}"
 
 
+def check_holder(storage: Storage, holder_id: str) -> None:
+    """Raise LeaseLostError unless `holder_id`'s lease is still the output's newest: the check a job's
+    workers make before they commit a shard, so that the workers of a driver that lost the output to
+    another one (it stalled past its expiry) do not commit items the new driver renders again."""
+    newest = current_lease(storage)
+    if newest is None or newest.holder_id != holder_id:
+        raise LeaseLostError(
+            f"the lease on {storage.uri} is no longer this job's"
+            + (f": taken over by {newest.describe()}" if newest else "")
+            + "; not committing"
+        )
+
+
 class OutputLease:
     """A held lease: renewed by a background thread until `release` (also a context manager).
 
@@ -300,5 +313,6 @@ __all__ = [
     "LeaseLostError",
     "LeaseRecord",
     "OutputLease",
+    "check_holder",
     "current_lease",
 ]

@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -116,7 +117,8 @@ class ShardWriter:
     """One worker's open shard: `add` items (thread-safe), `commit` publishes it; closed at a size or count.
 
     `name` keeps shards of different workers apart (a worker id); every shard also gets a random suffix,
-    so a restarted worker never reuses a name.
+    so a restarted worker never reuses a name. `guard` is called before each shard is published and
+    raises to refuse it (the shard is then dropped and its items render again).
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class ShardWriter:
         name: str,
         max_bytes: int = DEFAULT_SHARD_BYTES,
         max_items: int = DEFAULT_SHARD_ITEMS,
+        guard: Callable[[], None] | None = None,
     ):
         if max_bytes < 1 or max_items < 1:
             raise ValueError(f"shard limits must be >= 1, got max_bytes={max_bytes}, max_items={max_items}")
@@ -133,6 +136,7 @@ class ShardWriter:
         self.name = name
         self.max_bytes = max_bytes
         self.max_items = max_items
+        self.guard = guard  # called before a shard is published; raises to refuse (lease.check_holder)
         self.shards_committed: list[str] = []
         self._open: _OpenShard | None = None
         self._seq = 0
@@ -200,6 +204,8 @@ class ShardWriter:
         with self._commit_lock:
             try:
                 shard.tar.close()
+                if self.guard is not None:
+                    self.guard()
                 self.storage.put_file(shard.key, shard.path)
                 index = pa.Table.from_pylist(shard.index, schema=SHARD_INDEX_SCHEMA)
                 self.storage.put_bytes(_index_key(shard.key), _parquet(index), "application/vnd.apache.parquet")

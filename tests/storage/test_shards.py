@@ -176,3 +176,24 @@ def test_a_shard_published_without_its_commit_is_removed_before_a_rerun(storage)
     assert remove_orphan_shards(storage) == [second]
     assert [k for k in storage.list("shards/")] == sorted([first, first.removesuffix(".tar") + ".parquet"])
     assert sorted(committed_item_ids(storage)) == ["a", "b"]
+
+
+def test_a_worker_whose_driver_lost_the_lease_commits_no_shard(tmp_path):
+    import functools
+
+    from snapref_ray.storage.lease import LeaseLostError, OutputLease, check_holder
+
+    storage = open_storage(str(tmp_path / "out"))
+    stalled = OutputLease.acquire(storage, job_id="stalled", duration_s=30)
+    writer = ShardWriter(storage, name="w1", guard=functools.partial(check_holder, storage, stalled.record.holder_id))
+    writer.add(_row("a"), _image("a"), "png", "a")
+    assert writer.commit() is not None  # its driver holds the output: committed
+    writer.add(_row("b"), _image("b"), "png", "b")
+    stalled.release()  # (as good as) taken over: another driver holds the output now
+    successor = OutputLease.acquire(storage, job_id="successor", duration_s=30)
+    with pytest.raises(LeaseLostError, match="taken over by job successor"):
+        writer.commit()
+    successor.release()
+    assert sorted(committed_item_ids(storage)) == ["a"]
+    assert len([k for k in storage.list("shards/") if k.endswith(".tar")]) == 1
+    assert not [p for p in (tmp_path / "out" / "shards").iterdir() if ".tmp-" in p.name]  # no leftover spool
