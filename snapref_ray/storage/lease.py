@@ -11,7 +11,9 @@ is needed (no ETag compare-and-swap).
 The newest generation is the current lease. It may be taken over when it is released (the driver
 finished) or expired (the driver was killed: it stopped renewing). The holder rewrites its own
 generation with a later expiry every third of the duration from a background thread, so a killed
-driver blocks the next run for at most one duration (60 s by default). Expiry is compared on the wall
+driver blocks the next run for at most one duration (60 s by default); a driver on the same machine
+(same kernel and PID namespace) whose process is gone blocks nothing: the next one sees that and takes
+over at once. Expiry is compared on the wall
 clock, so the drivers' hosts must agree on the time to within a few seconds (NTP).
 
 A driver that stalled past its expiry can lose the lease to another one; `check` tells it so, and the
@@ -32,6 +34,7 @@ import uuid
 import weakref
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 from .backends import Storage, StorageError
 
@@ -64,15 +67,40 @@ class LeaseRecord:
     started_at: float
     expires_at: float
     released: bool = False
+    # Which kernel and PID namespace `pid` belongs to: only there can another driver see that it is gone.
+    process_scope: str = ""
     format: str = LEASE_FORMAT
 
     def free_at(self, now: float) -> bool:
-        """Whether another driver may take the output over at `now`."""
-        return self.released or now >= self.expires_at
+        """Whether another driver may take the output over at `now`: released, expired, or its driver is
+        a process of this machine (same kernel, same PID namespace) that no longer exists."""
+        return self.released or now >= self.expires_at or self.holder_gone()
+
+    def holder_gone(self) -> bool:
+        """True only when the holder ran here and its pid is gone (a reused pid reads as alive: the safe way)."""
+        if not self.process_scope or self.process_scope != process_scope() or self.pid == os.getpid():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
     def describe(self) -> str:
         """`job J (host H, pid P, since T)`, for messages."""
         return f"job {self.job_id} (host {self.host}, pid {self.pid}, since {_clock(self.started_at)})"
+
+
+def process_scope() -> str:
+    """This process's kernel boot and PID namespace: two records with the same scope name pids of one table."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""  # not Linux: never judge another process by its pid
+    return f"{socket.gethostname()}/{boot}/{namespace}"
 
 
 def _clock(t: float) -> str:
@@ -182,10 +210,12 @@ class OutputLease:
                     job_id=job_id,
                     started_at=started,
                     expires_at=started + duration_s,
+                    process_scope=process_scope(),
                 )
                 if storage.put_if_absent(_key(generation), _encode(record)):
                     if current is not None and not current.released:
-                        log.warning("took over the lease of %s on %s: it expired", current.describe(), storage.uri)
+                        why = "its process is gone" if current.holder_gone() else "it expired"
+                        log.warning("took over the lease of %s on %s: %s", current.describe(), storage.uri, why)
                     _forget_older(storage, generation)
                     return cls(storage, record, duration_s)
                 continue  # another driver took this generation first: read who, and decide again

@@ -165,9 +165,13 @@ def test_a_waiting_driver_gets_the_lease_when_the_holder_releases(tmp_path):
 _HOLDER = textwrap.dedent(
     """
     import sys, time
+    from snapref_ray.storage import lease as lease_module
     from snapref_ray.storage.backends import open_storage
     from snapref_ray.storage.lease import OutputLease
     from snapref_ray.storage.metadata import METADATA_SCHEMA, MetadataWriter
+
+    if sys.argv[3] == "elsewhere":  # a driver on another machine: its pid means nothing here
+        lease_module.process_scope = lambda: "another-machine"
 
     lease = OutputLease.acquire(open_storage(sys.argv[1]), job_id="doomed", duration_s=float(sys.argv[2]))
     print("held", flush=True)
@@ -183,9 +187,9 @@ _HOLDER = textwrap.dedent(
 )
 
 
-def _start_holder(uri: str, env: dict[str, str], duration_s: float) -> subprocess.Popen:
+def _start_holder(uri: str, env: dict[str, str], duration_s: float, where: str = "here") -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, uri, str(duration_s)],
+        [sys.executable, "-c", _HOLDER, uri, str(duration_s), where],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -196,11 +200,11 @@ def _start_holder(uri: str, env: dict[str, str], duration_s: float) -> subproces
     return proc
 
 
-def test_a_killed_driver_blocks_the_next_one_no_longer_than_its_lease(where):
+def test_a_driver_killed_on_another_machine_blocks_the_next_one_no_longer_than_its_lease(where):
     uri, env = where
     storage = _open(uri, env)
     duration = 2.0
-    proc = _start_holder(uri, env, duration)
+    proc = _start_holder(uri, env, duration, "elsewhere")
     time.sleep(0.8)  # it renewed at least once
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -237,3 +241,21 @@ def test_a_stalled_driver_that_lost_its_lease_does_not_commit(tmp_path):
     lease.release()
     with pytest.raises(LeaseLostError, match="was released"):
         lease.check()
+
+
+def test_a_driver_killed_on_this_machine_blocks_nothing(tmp_path):
+    uri = str(tmp_path / "out")
+    storage = open_storage(uri)
+    proc = _start_holder(uri, {}, 60.0)
+    proc.send_signal(signal.SIGKILL)  # kill -9: no handler runs, the lease is not released
+    proc.wait()
+    dead = current_lease(storage)
+    assert (dead.released, dead.pid) == (False, proc.pid) and dead.holder_gone()
+    # The same command run again at once takes the output over without waiting (wait_s=0).
+    lease = OutputLease.acquire(storage, job_id="again", duration_s=60)
+    assert lease.record.started_at < dead.expires_at and lease.record.generation == dead.generation + 1
+    lease.release()
+    # A live holder of this machine is not taken for gone.
+    held = OutputLease.acquire(storage, job_id="live", duration_s=60)
+    assert not current_lease(storage).holder_gone()
+    held.release()
