@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
@@ -389,9 +389,13 @@ def _read_parts(storage: Storage, prefix: str, columns: list[str] | None = None)
         return list(pool.map(read, keys))
 
 
-def read_table_columns(storage: Storage, columns: list[str], prefix: str = METADATA_PREFIX) -> pa.Table:
-    """`columns` of every part under `prefix`, duplicates included; a column a part lacks (an older part,
-    a part of the other output format) is null in its rows."""
+def iter_part_columns(
+    storage: Storage, columns: list[str], prefix: str = METADATA_PREFIX, *, parallel: int = 8
+) -> Iterator[pa.Table]:
+    """`columns` of each part under `prefix`, part by part in commit order; a column a part lacks is null.
+
+    At most `parallel` parts are fetched (in parallel) and held at a time, so a caller that reduces each
+    part as it comes (the committed set) never holds the whole column twice."""
     keys = [k for k in storage.list(prefix + "/") if k.endswith(".parquet")]
 
     def read(key: str) -> pa.Table:
@@ -403,8 +407,15 @@ def read_table_columns(storage: Storage, columns: list[str], prefix: str = METAD
                 table = table.append_column(c, pa.nulls(table.num_rows, pa.string()))
         return table.select(columns)
 
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        tables = [t for t in pool.map(read, keys) if t.num_rows]
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        for start in range(0, len(keys), parallel):
+            yield from pool.map(read, keys[start : start + parallel])
+
+
+def read_table_columns(storage: Storage, columns: list[str], prefix: str = METADATA_PREFIX) -> pa.Table:
+    """`columns` of every part under `prefix`, duplicates included; a column a part lacks (an older part,
+    a part of the other output format) is null in its rows."""
+    tables = [t for t in iter_part_columns(storage, columns, prefix) if t.num_rows]
     if not tables:
         return pa.table({c: pa.array([], pa.string()) for c in columns})
     return pa.concat_tables(tables, promote_options="permissive")

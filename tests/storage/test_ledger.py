@@ -152,5 +152,11 @@ def test_the_compact_committed_set_answers_as_a_python_set():
     assert committed & probe == oracle & probe == probe & committed
     # The ids' own bytes, padded to the longest: no Python object per id.
     assert committed.nbytes == len(oracle) * max(len(i.encode()) for i in oracle)
+    # Built part by part (as from metadata parts): parts of one id length and of several, nulls dropped.
+    import pyarrow as pa
+
+    parts = [pa.array(hashes[:100]), pa.array(named + [None]), pa.array(hashes[50:150]), pa.array([], pa.string())]
+    assert CommittedIds.from_arrow_parts(parts) == set(hashes[:150]) | set(named)
+    assert list(CommittedIds.from_arrow_parts(parts)) == sorted(set(hashes[:150]) | set(named))
     empty = CommittedIds.from_strings([])
     assert len(empty) == 0 and "x" not in empty and empty == set() and empty.contains(["x"]).tolist() == [False]
