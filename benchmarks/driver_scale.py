@@ -96,10 +96,13 @@ def _spec(manifest: Path, out: Path, models_dir: Path, fmt: str, workers: int):
 
 
 def one_job(items: int, fmt: str, workers: int) -> dict:
+    from benchmarks.local_ray import start_local_ray
     from benchmarks.orchestration import SimulatedRenderer
     from snapref_ray.pipelines.generate_dataset import run_job
     from snapref_ray.tiny import make_tiny
 
+    # Logical CPUs for every worker (a 2-core machine stands in for N GPUs), as benchmarks/orchestration.py.
+    stop_ray = start_local_ray(num_cpus=workers + 2)
     with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
         root = Path(tmp)
         models = make_tiny(root / "tiny")
@@ -115,6 +118,7 @@ def one_job(items: int, fmt: str, workers: int) -> dict:
         resumed = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
         resume_s = _cpu_s() - cpu1
         assert resumed["images_this_run"] == 0
+    stop_ray()
     return {
         "items": items,
         "format": fmt,

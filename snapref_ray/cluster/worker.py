@@ -66,7 +66,7 @@ class WorkerConfig:
     output_format: str = "files"
     shard_max_bytes: int = 1_000_000_000
     shard_max_items: int = 10_000
-    thumbnail_every: int = 100  # webdataset: a thumbnail for about one item in this many
+    thumbnail_every: int = 1000  # webdataset: a thumbnail for about one item in this many
     lease_holder_id: str | None = None  # the driver's output lease: shards are committed only while it holds it
 
 

@@ -103,7 +103,7 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
         "format": "files",
         "shard_max_bytes": 1_000_000_000,
         "shard_max_items": 10_000,
-        "thumbnail_every": 100,
+        "thumbnail_every": 1000,
         "lease_seconds": 60.0,
         "lease_wait_seconds": 0.0,
     }
