@@ -16,7 +16,7 @@ tests/fake_cluster.py, started here; or `--address` of a running one), side by s
 Printed as one JSON record: the RefKV's shape and bytes, fetch and encode medians, the measured
 bandwidth, and for 10 / 25 / 100 Gbit/s the transfer time of this RefKV (= the break-even encode
 time: re-encoding wins when it encodes faster than that) with the decision the job scheduler
-(`snapref_ray.cluster.scheduler.fetch_is_cheaper`) takes against the encode time measured here.
+(`snapref_ray.cluster.placement.fetch_is_cheaper`) takes against the encode time measured here.
 
     python -m benchmarks.cross_node_transfer            # real size (0.94 GB RefKV), ~5 min on 2 cores
     python -m benchmarks.cross_node_transfer --smoke    # tiny, every code path
@@ -32,7 +32,7 @@ from typing import Any
 import ray
 
 from benchmarks.common import REAL, SMOKE, emit, environment, log, summarize
-from snapref_ray.cluster.scheduler import fetch_is_cheaper
+from snapref_ray.cluster.placement import fetch_is_cheaper
 
 # The DiT's K/V layout (snapref_ray/adapter/refkv.py: [blocks, K/V, heads, ref_tokens, head_dim]).
 REAL_BLOCKS, REAL_HEADS, REAL_HEAD_DIM = REAL.num_blocks, REAL.model_channels // REAL.head_dim, REAL.head_dim

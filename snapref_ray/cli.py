@@ -10,6 +10,7 @@ from pathlib import Path
 
 from snapref_ray.cli_flags import add_model_flags, add_settings_flags, model_spec_from, settings_from
 from snapref_ray.eval_cli import add_eval_parsers
+from snapref_ray.pipelines.job_summary import JobSummary
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.cli import add_serve_parser
 from snapref_ray.validation import run_reporting_usage_errors
@@ -157,15 +158,15 @@ def cmd_render(args: argparse.Namespace) -> int:
         )
     summary = run_job(spec, progress=not args.no_progress)
     _print_summary(summary)
-    return 1 if summary["failed_items"] else 0
+    return 1 if summary.failed_items else 0
 
 
-def _print_summary(summary: dict) -> None:
+def _print_summary(summary: JobSummary) -> None:
     print(
-        f"{summary['images_total']} images in {summary['output']} ({summary['images_this_run']} this run, "
-        f"{summary['skipped_already_done']} already there, {summary['failed_items']} failed, "
-        f"{summary['invalid_rows']} invalid rows); {summary['images_per_hour']:.0f} images/hour, "
-        f"{summary['encodes_per_reference']:.2f} encodes per reference"
+        f"{summary.images_total} images in {summary.output} ({summary.images_this_run} this run, "
+        f"{summary.skipped_already_done} already there, {summary.failed_items} failed, "
+        f"{summary.invalid_rows} invalid rows); {summary.images_per_hour:.0f} images/hour, "
+        f"{summary.encodes_per_reference:.2f} encodes per reference"
     )
 
 
@@ -188,7 +189,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     summary = run_job(spec, progress=not args.no_progress)
     _print_summary(summary)
     print(f"open {out / 'gallery.html'} to look at the results")
-    return 1 if summary["failed_items"] else 0
+    return 1 if summary.failed_items else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -74,21 +74,22 @@ def test_cli_compile_flag_reaches_the_job_spec(monkeypatch, tmp_path: Path, caps
     command built and answers an empty job's summary, which the command prints."""
     from snapref_ray import cli
     from snapref_ray.pipelines import generate_dataset
+    from snapref_ray.pipelines.job_summary import JobSummary
 
     seen = []
 
     def run_job(spec, progress=True):
         seen.append((spec, progress))
-        return {
-            "images_total": 0,
-            "output": spec.output.uri,
-            "images_this_run": 0,
-            "skipped_already_done": 0,
-            "failed_items": 0,
-            "invalid_rows": 0,
-            "images_per_hour": 0.0,
-            "encodes_per_reference": 0.0,
-        }
+        return JobSummary.model_construct(
+            images_total=0,
+            output=spec.output.uri,
+            images_this_run=0,
+            skipped_already_done=0,
+            failed_items=0,
+            invalid_rows=0,
+            images_per_hour=0.0,
+            encodes_per_reference=0.0,
+        )
 
     monkeypatch.setattr(generate_dataset, "run_job", run_job)
     manifest = tmp_path / "m.csv"

@@ -8,7 +8,7 @@ Ray's messages change between releases, its class hierarchy is its API.
   fetch timed out. The worker encodes the reference itself instead (cluster/worker.py).
 - `infrastructure_cause`: why a render call raised at the driver. A worker process or node that died, Ray's memory
   monitor killing the worker, or a call the scheduler cancelled are the cluster's failures and requeue the batch
-  for free (a job-wide budget bounds them, cluster/scheduler.py); anything else (`RayTaskError`: the call's own
+  for free (a job-wide budget bounds them, cluster/recovery.py); anything else (`RayTaskError`: the call's own
   code raised) is charged to the items.
 - `describe_out_of_memory`: the worker's report of a `torch.OutOfMemoryError`, with the device's memory figures,
   so that the driver can split the batch and, for a single image, fail it with numbers a person can act on.
@@ -16,34 +16,19 @@ Ray's messages change between releases, its class hierarchy is its API.
 Telling a dead node from a dead worker process: at the moment a call fails, Ray's error does not say. A raylet
 that is SIGKILLed (a machine lost) shows up as `ActorUnavailableError` ("failed to connect") on in-flight calls
 within seconds, while the GCS still lists the node alive until its health checks give up (~15 s with Ray 2.60's
-defaults), and the actor is restarted elsewhere only after that. So the scheduler classifies a lost worker later,
-from `ray.nodes()` (`dead_nodes`): when the worker answers its probe again or Ray declares it dead for good
-(either comes after Ray declared its node dead, had the node died), or at the end of the job. An `ActorDiedError`
-with `preempted` set (the autoscaler drained the node) is a node loss at once.
+defaults), and the actor is restarted elsewhere only after that. So recovery (cluster/recovery.py) classifies a lost
+worker later, from `ray.nodes()` (`dead_nodes`): when the worker answers its probe again or Ray declares it dead for
+good (either comes after Ray declared its node dead, had the node died), or at the end of the job. An
+`ActorDiedError` with `preempted` set (the autoscaler drained the node) is a node loss at once.
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import ray
 import torch
 
+from snapref_ray.cluster.schedule import REQUEUE_CAUSES, Cause
 from snapref_ray.service.memory import describe_device_memory
-
-
-class Cause(StrEnum):
-    """Why items were requeued without counting an attempt (summary.json `requeues`)."""
-
-    WORKER_LOST = "worker_lost"  # the worker's process died (its node is alive)
-    NODE_LOST = "node_lost"  # the worker's whole node died
-    OOM_KILLED = "oom_killed"  # Ray's memory monitor killed the worker (ray.exceptions.OutOfMemoryError)
-    DEVICE_OOM = "device_oom"  # torch.OutOfMemoryError in the worker's render: the batch was split
-    REFKV_LOST = "refkv_lost"  # the batch's RefKV could not be fetched; the worker re-encoded it
-    RELEASED = "released"  # the scheduler itself killed the worker (no work left, or given up for dead)
-
-
-REQUEUE_CAUSES = tuple(c.value for c in Cause)
 
 LOST_REFKV_ERRORS: tuple[type[BaseException], ...] = (
     ray.exceptions.ObjectLostError,  # and OwnerDiedError, ObjectFetchTimedOutError, ObjectFreedError,

@@ -16,7 +16,7 @@ import logging
 import platform
 import time
 from collections import OrderedDict
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import Field, field_validator
 
@@ -217,57 +217,56 @@ def _dispatch(workers: list, cases: list[dict], per_worker: int, max_attempts: i
 
     Cases are queued per right reference and a worker keeps drawing from the reference it last
     had, so each reference's RefKV is encoded on as few workers as possible. A call lost to a
-    dead worker is requeued up to `max_attempts` times.
+    dead worker is requeued up to `max_attempts` times. The calls go out and come back through the
+    batch schedule's core (cluster/calls.py), one typed record each.
     """
     import ray
+
+    from snapref_ray.cluster.calls import Call, CallKind, InFlight
 
     queues: OrderedDict[str, list[int]] = OrderedDict()
     for i, case in enumerate(cases):
         queues.setdefault(case["right_hash"], []).append(i)
     current: list[str | None] = [None] * len(workers)
-    load = [0] * len(workers)
-    in_flight: dict[Any, tuple[int, int]] = {}
+    calls = InFlight()
     attempts = [0] * len(cases)
     results: dict[int, dict] = {}
     errors: dict[int, str] = {}
 
-    def next_case(w: int) -> int | None:
+    def send_one(w: int) -> bool:
+        """Send worker `w` a case of the reference it last had (else of one no other worker has)."""
+        if not queues:
+            return False
         key = current[w]
         if key not in queues:
             busy = {k for k in current if k is not None}
-            key = next((k for k in queues if k not in busy), next(iter(queues), None))
+            key = next((k for k in queues if k not in busy), next(iter(queues)))
             current[w] = key
-        if key is None:
-            return None
         i = queues[key].pop(0)
         if not queues[key]:
             del queues[key]
-        return i
+        attempts[i] += 1
+        calls.send(workers[w].evaluate.remote(cases[i]), Call(CallKind.EVALUATE, w, key, i))
+        return True
 
-    while queues or in_flight:
-        for w, worker in enumerate(workers):
-            while load[w] < per_worker and queues:
-                i = next_case(w)
-                attempts[i] += 1
-                in_flight[worker.evaluate.remote(cases[i])] = (w, i)
-                load[w] += 1
-        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=60.0)
-        for ref in ready:
-            w, i = in_flight.pop(ref)
-            load[w] -= 1
-            try:
-                out = ray.get(ref, timeout=60.0)
-            except ray.exceptions.RayError as e:  # the worker died (Ray already retried once)
+    while queues or calls:
+        calls.fill(range(len(workers)), per_worker, CallKind.EVALUATE, send_one)
+        for future in calls.wait(timeout=60.0):
+            returned = calls.collect(future)
+            i = returned.call.task
+            if returned.error is not None:
+                if not isinstance(returned.error, ray.exceptions.RayError):
+                    raise returned.error
+                # The worker died (Ray already retried once).
                 if attempts[i] < max_attempts:
-                    log.warning("case %s: %s; retrying", cases[i]["case_id"], type(e).__name__)
+                    log.warning("case %s: %s; retrying", cases[i]["case_id"], type(returned.error).__name__)
                     queues.setdefault(cases[i]["right_hash"], []).insert(0, i)
                 else:
-                    errors[i] = f"{type(e).__name__}: {e}"
-                continue
-            if "error" in out:
-                errors[i] = out["error"]
+                    errors[i] = f"{type(returned.error).__name__}: {returned.error}"
+            elif "error" in returned.value:
+                errors[i] = returned.value["error"]
             else:
-                results[i] = out
+                results[i] = returned.value
     return results, errors
 
 

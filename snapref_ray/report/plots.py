@@ -1,4 +1,4 @@
-"""Throughput plots of a batch job as standalone SVG files (no plotting library).
+"""Throughput plots of a batch job as standalone SVG files, drawn with matplotlib.
 
 Three charts are drawn from the metadata table's timing columns:
 
@@ -9,28 +9,39 @@ Three charts are drawn from the metadata table's timing columns:
   of the sampling time (``sample_s``).
 
 The numbers behind each chart are computed by small public functions
-(:func:`images_per_minute`, :func:`worker_utilisation`, :func:`histogram`) so they can be
-checked on their own; the ``*_svg`` functions only draw. Every SVG carries its own
-stylesheet (light and dark colour schemes) and works opened directly or through ``<img>``.
+(:func:`images_per_minute`, :func:`mean_images_per_minute`, :func:`worker_utilisation`,
+:func:`histogram`) so they can be checked on their own; the ``*_svg`` functions only draw.
+The drawn elements carry ids (``throughput-bar-3``, ``throughput-mean``, ``workers-bar-0``,
+``latency-bar-7``...) so the charts can be read back and checked as drawn.
+
+matplotlib is imported on the first chart, not with this module: a job imports the report
+package at its end, and a job that writes no gallery should not pay for it. Figures are built
+as plain :class:`~matplotlib.figure.Figure` objects (no pyplot): no GUI backend is selected,
+no global figure state is kept, and nothing needs a display. Text stays text in the SVG
+(``svg.fonttype: none``), which keeps the files small and searchable; the hash salt and the
+date are fixed so the same table gives the same bytes.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from html import escape
 
 __all__ = [
     "PLOT_KEYS",
+    "bin_edges",
     "format_duration",
+    "format_rate",
     "histogram",
     "images_per_minute",
+    "job_start",
     "latency_svg",
-    "nice_ticks",
+    "mean_images_per_minute",
     "throughput_svg",
-    "time_ticks",
     "worker_utilisation",
     "workers_svg",
     "write_plots",
@@ -44,36 +55,25 @@ PLOT_KEYS: dict[str, str] = {
 }
 
 # Bin widths a reader can count in: the throughput chart uses the first that needs at most
-# `max_bins` bars, so a 20 s CPU test and a 10 h cluster job both get a readable chart.
+# `max_bins` bars, so a 20 s CPU test and a 10 h cluster job both get a readable chart. The
+# same steps space the ticks of elapsed-time axes (15 s, 5 min, 1 h...).
 _BIN_WIDTHS_S = (1, 2, 5, 10, 15, 20, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 28800, 86400)
 
-_STYLE = """
-svg { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; font-size: 12px; }
-.bg { fill: #ffffff; }
-text { fill: #1f2328; }
-.title { font-size: 15px; font-weight: 600; }
-.subtitle, .tick text, .note { fill: #59636e; }
-.axis line, .axis path { stroke: #59636e; }
-.grid line { stroke: #d1d9e0; stroke-dasharray: 2 3; }
-.bar { fill: #3b82c4; }
-.bar.sample { fill: #c8793b; }
-.track { fill: #eef1f4; }
-.busy { fill: #3b82c4; }
-.mean { stroke: #c8453b; stroke-width: 1.5; stroke-dasharray: 6 4; }
-.mean-label { fill: #c8453b; }
-@media (prefers-color-scheme: dark) {
-  .bg { fill: #16191d; }
-  text { fill: #e6e8eb; }
-  .subtitle, .tick text, .note { fill: #9aa4ae; }
-  .axis line, .axis path { stroke: #9aa4ae; }
-  .grid line { stroke: #343a42; }
-  .bar, .busy { fill: #5aa2e0; }
-  .bar.sample { fill: #e09a5a; }
-  .track { fill: #262b31; }
-  .mean { stroke: #f07a70; }
-  .mean-label { fill: #f07a70; }
+_RC = {
+    "svg.fonttype": "none",
+    "svg.hashsalt": "snapref-ray",
+    "font.family": "sans-serif",
+    "font.size": 9,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.titlesize": 8.5,
+    "axes.titlelocation": "left",
 }
-"""
+_BAR = "#3b82c4"
+_BAR_SAMPLE = "#c8793b"
+_TRACK = "#eef1f4"
+_MEAN = "#c8453b"
+_MUTED = "#59636e"
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -82,25 +82,63 @@ text { fill: #1f2328; }
 def images_per_minute(
     finished_at: Sequence[float], start: float | None = None, max_bins: int = 60
 ) -> tuple[float, list[float]]:
-    """Bin completion times into equal bins and return ``(bin_width_s, images_per_minute)``.
+    """Bin completion times and return ``(bin_width_s, images_per_minute)``, one rate per bin.
 
     Bins start at ``start`` (default: the first completion) and the width is the smallest of
-    1 s, 2 s, 5 s, ... 1 day that needs at most ``max_bins`` bins. A completion exactly at the
-    end of the span counts in the last bin. Rates are ``count * 60 / bin_width_s``.
+    1 s, 2 s, 5 s, ... 1 day that needs at most ``max_bins`` bins. The last bin ends at the
+    last completion: a remainder of at least half a bin is a bin of its own, a shorter one
+    widens the bin before it, so the last bin is between half and one and a half bins wide
+    (see :func:`bin_edges`). Each rate is the bin's count per minute of *its own* width, so
+    the bars' time-weighted mean is :func:`mean_images_per_minute`.
     """
-    times = [float(t) for t in finished_at if _finite(t)]
+    times, t0 = _completions(finished_at, start)
     if not times:
         return 1.0, []
-    t0 = min(times) if start is None else float(start)
     span = max(max(times) - t0, 0.0)
-    bin_s = next((float(w) for w in _BIN_WIDTHS_S if math.ceil(span / w) <= max_bins), None)
-    if bin_s is None:  # longer than max_bins days: fall back to whole days per bin
-        bin_s = 86400.0 * math.ceil(span / (86400.0 * max_bins))
-    n_bins = max(1, math.ceil(span / bin_s))
-    counts = [0] * n_bins
+    bin_s = _bin_width(span, max_bins)
+    edges = bin_edges(span, bin_s)
+    counts = [0] * (len(edges) - 1)
     for t in times:
-        counts[min(max(int((t - t0) // bin_s), 0), n_bins - 1)] += 1
-    return bin_s, [c * 60.0 / bin_s for c in counts]
+        counts[min(max(int((t - t0) // bin_s), 0), len(counts) - 1)] += 1
+    widths = [b - a for a, b in zip(edges, edges[1:])]
+    return bin_s, [c * 60.0 / (w if w > 0 else bin_s) for c, w in zip(counts, widths)]
+
+
+def bin_edges(span_s: float, bin_s: float) -> list[float]:
+    """Edges ``[0, bin_s, 2 bin_s, ..., span_s]`` of the throughput bins over ``[0, span_s]``.
+
+    Drawing the last, partial bin as a whole one would understate its rate and push the mean
+    above every bar; so the last edge is the span itself (a zero span is one bin of ``bin_s``).
+    """
+    if span_s <= 0:
+        return [0.0, bin_s]
+    full = math.floor(span_s / bin_s + 1e-9)
+    rest = span_s - full * bin_s
+    n = full + 1 if full == 0 or rest >= bin_s / 2 else full
+    return [i * bin_s for i in range(n)] + [span_s]
+
+
+def mean_images_per_minute(finished_at: Sequence[float], start: float | None = None) -> float:
+    """Images per minute from ``start`` (default: the first completion) to the last completion.
+
+    This is the job's one throughput figure: the gallery's header shows it and the throughput
+    chart draws it as its mean line. 0.0 when there is no time span to divide by.
+    """
+    times, t0 = _completions(finished_at, start)
+    elapsed = max(times) - t0 if times else 0.0
+    return len(times) / elapsed * 60 if elapsed > 0 else 0.0
+
+
+def _completions(finished_at: Sequence[float], start: float | None) -> tuple[list[float], float]:
+    times = [float(t) for t in finished_at if _finite(t)]
+    return times, (min(times, default=0.0) if start is None else float(start))
+
+
+def _bin_width(span_s: float, max_bins: int) -> float:
+    bin_s = next((float(w) for w in _BIN_WIDTHS_S if math.ceil(span_s / w) <= max_bins), None)
+    if bin_s is None:  # longer than max_bins days: fall back to whole days per bin
+        bin_s = 86400.0 * math.ceil(span_s / (86400.0 * max_bins))
+    return bin_s
 
 
 @dataclass(frozen=True)
@@ -172,42 +210,6 @@ def histogram(values: Iterable[float | None], bins: int, lo: float, hi: float) -
     return counts
 
 
-def nice_ticks(lo: float, hi: float, target: int = 6, cover: bool = False) -> list[float]:
-    """Round tick values (1, 2, 2.5 or 5 times a power of ten) inside ``[lo, hi]``.
-
-    With ``cover`` the last tick is the first round value at or above ``hi``, so an axis
-    that ends at it holds all the data (used for count and rate axes).
-    """
-    if not (_finite(lo) and _finite(hi)) or hi <= lo:
-        return [lo]
-    raw = (hi - lo) / max(target - 1, 1)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * 0.999)
-    return _ticks(lo, hi, step, cover)
-
-
-def time_ticks(span_s: float, target: int = 6) -> list[float]:
-    """Ticks on an elapsed-time axis ``[0, span_s]`` at clock-friendly steps (15 s, 5 min, 1 h...)."""
-    if not _finite(span_s) or span_s <= 0:
-        return [0.0]
-    step = next((float(w) for w in _BIN_WIDTHS_S if span_s / w <= target), None)
-    if step is None:
-        step = 86400.0 * math.ceil(span_s / (86400.0 * target))
-    return _ticks(0.0, span_s, step, cover=False)
-
-
-def _ticks(lo: float, hi: float, step: float, cover: bool) -> list[float]:
-    first = math.floor(lo / step + 1e-9) * step
-    ticks = []
-    k = 0
-    while first + k * step <= hi + step * 1e-9:
-        ticks.append(round(first + k * step, 10))
-        k += 1
-    if cover and ticks[-1] < hi - step * 1e-9:
-        ticks.append(round(first + k * step, 10))
-    return [t for t in ticks if t >= lo - step * 1e-9]
-
-
 def format_duration(seconds: float) -> str:
     """``5.2 s``, ``3 min 20 s``, ``2 h 05 min``: a duration for labels and headers."""
     if not _finite(seconds):
@@ -221,109 +223,65 @@ def format_duration(seconds: float) -> str:
     return f"{h} h {rem // 60:02d} min"
 
 
-# ----------------------------------------------------------------------------- drawing
+def format_rate(per_minute: float) -> str:
+    """``0.5``, ``90``, ``21,540``: a rate with three significant digits below 100, whole above."""
+    return f"{per_minute:,.0f}" if per_minute >= 100 else f"{per_minute:.3g}"
 
 
-@dataclass(frozen=True)
-class _Frame:
-    """A plot area in pixels mapped onto a data rectangle."""
-
-    left: float
-    top: float
-    width: float
-    height: float
-    x0: float
-    x1: float
-    y0: float
-    y1: float
-
-    def sx(self, x: float) -> float:
-        return self.left + (x - self.x0) / (self.x1 - self.x0 or 1.0) * self.width
-
-    def sy(self, y: float) -> float:
-        return self.top + self.height - (y - self.y0) / (self.y1 - self.y0 or 1.0) * self.height
-
-    @property
-    def bottom(self) -> float:
-        return self.top + self.height
+# ----------------------------------------------------------------------------- matplotlib
 
 
-def _document(width: int, height: int, title: str, subtitle: str, body: list[str]) -> str:
-    return "\n".join(
-        [
-            '<?xml version="1.0" encoding="UTF-8"?>',
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">',
-            f"<title>{escape(title)}</title>",
-            f"<style>{_STYLE}</style>",
-            f'<rect class="bg" x="0" y="0" width="{width}" height="{height}"/>',
-            f'<text class="title" x="16" y="24">{escape(title)}</text>',
-            f'<text class="subtitle" x="16" y="42">{escape(subtitle)}</text>',
-            *body,
-            "</svg>",
-            "",
-        ]
-    )
+def _matplotlib_style(draw):
+    """Run a chart function inside the charts' rc settings (fonts and spines apply as artists are made)."""
+
+    @functools.wraps(draw)
+    def styled(*args, **kwargs):
+        import matplotlib
+
+        with matplotlib.rc_context(_RC):
+            return draw(*args, **kwargs)
+
+    return styled
 
 
-def _x_axis(frame: _Frame, ticks: Sequence[float], fmt, label: str) -> list[str]:
-    out = [
-        f'<g class="axis x-axis"><line x1="{frame.left:.1f}" y1="{frame.bottom:.1f}" '
-        f'x2="{frame.left + frame.width:.1f}" y2="{frame.bottom:.1f}"/>'
-    ]
-    for t in ticks:
-        x = frame.sx(t)
-        out.append(
-            f'<g class="tick"><line x1="{x:.1f}" y1="{frame.bottom:.1f}" x2="{x:.1f}" '
-            f'y2="{frame.bottom + 5:.1f}"/><text x="{x:.1f}" y="{frame.bottom + 18:.1f}" '
-            f'text-anchor="middle">{escape(fmt(t))}</text></g>'
-        )
-    out.append(
-        f'<text class="label" x="{frame.left + frame.width / 2:.1f}" y="{frame.bottom + 36:.1f}" '
-        f'text-anchor="middle">{escape(label)}</text></g>'
-    )
-    return out
+def _new_figure(width_in: float, height_in: float, title: str, subtitle: str):
+    """A figure with its title and a muted subtitle in a band above the plots (0.55 in high)."""
+    from matplotlib.figure import Figure
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+
+    band = 0.55 / height_in
+    fig = Figure(figsize=(width_in, height_in), layout=ConstrainedLayoutEngine(rect=(0, 0, 1, 1 - band)))
+    fig.text(0.1 / width_in, 1 - 0.08 / height_in, title, va="top", fontsize=11, fontweight="bold")
+    fig.text(0.1 / width_in, 1 - 0.32 / height_in, subtitle, va="top", fontsize=8.5, color=_MUTED)
+    return fig
 
 
-def _y_axis(frame: _Frame, ticks: Sequence[float], fmt, label: str) -> list[str]:
-    out = ['<g class="grid">']
-    out += [
-        f'<line x1="{frame.left:.1f}" y1="{frame.sy(t):.1f}" x2="{frame.left + frame.width:.1f}" '
-        f'y2="{frame.sy(t):.1f}"/>'
-        for t in ticks
-    ]
-    out.append("</g>")
-    out.append(
-        f'<g class="axis y-axis"><line x1="{frame.left:.1f}" y1="{frame.top:.1f}" '
-        f'x2="{frame.left:.1f}" y2="{frame.bottom:.1f}"/>'
-    )
-    for t in ticks:
-        y = frame.sy(t)
-        out.append(
-            f'<g class="tick"><line x1="{frame.left - 5:.1f}" y1="{y:.1f}" x2="{frame.left:.1f}" '
-            f'y2="{y:.1f}"/><text x="{frame.left - 8:.1f}" y="{y + 4:.1f}" '
-            f'text-anchor="end">{escape(fmt(t))}</text></g>'
-        )
-    cy = frame.top + frame.height / 2
-    out.append(
-        f'<text class="label" x="{frame.left - 48:.1f}" y="{cy:.1f}" text-anchor="middle" '
-        f'transform="rotate(-90 {frame.left - 48:.1f} {cy:.1f})">{escape(label)}</text></g>'
-    )
-    return out
+def _figure(width_in: float, height_in: float, title: str, subtitle: str):
+    fig = _new_figure(width_in, height_in, title, subtitle)
+    return fig, fig.subplots()
+
+
+def _clock_axis(axis, span_s: float, label: str) -> None:
+    """Ticks at clock-friendly steps (the first of 1 s, 2 s, 5 s... 1 day giving at most 6), as m:ss."""
+    from matplotlib.ticker import FuncFormatter, MultipleLocator
+
+    step = next((float(w) for w in _BIN_WIDTHS_S if span_s / w <= 6), 86400.0 * math.ceil(span_s / (86400.0 * 6)))
+    axis.set_major_locator(MultipleLocator(step))
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: _fmt_clock(v)))
+    axis.set_label_text(label)
 
 
 def _no_data(title: str, why: str) -> str:
-    return _document(640, 120, title, why, ['<text class="note" x="16" y="80">No data to plot.</text>'])
+    fig, ax = _figure(6.4, 1.4, title, why)
+    ax.set_axis_off()
+    ax.text(0, 0.3, "No data to plot.", transform=ax.transAxes, color=_MUTED)
+    return _svg(fig)
 
 
-def _fmt_number(v: float) -> str:
-    if v == 0:
-        return "0"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    if abs(v) >= 10 or float(v).is_integer():
-        return f"{v:.0f}"
-    return f"{v:.2g}" if abs(v) < 1 else f"{v:.1f}"
+def _svg(fig) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None}, facecolor="white")
+    return buf.getvalue()
 
 
 def _fmt_clock(seconds: float) -> str:
@@ -334,150 +292,137 @@ def _fmt_clock(seconds: float) -> str:
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
-def _fmt_seconds(v: float) -> str:
-    return f"{_fmt_number(v)} s"
+# ----------------------------------------------------------------------------- drawing
 
 
+@_matplotlib_style
 def throughput_svg(finished_at: Sequence[float], start: float | None = None, max_bins: int = 60) -> str:
-    """Bar chart of images per minute over elapsed time, one ``rect.bar`` per bin."""
+    """Bar chart of images per minute over elapsed time (``throughput-bar-{i}``) and its mean line."""
     title = "Images per minute over time"
     bin_s, rates = images_per_minute(finished_at, start, max_bins)
     if not rates:
         return _no_data(title, "no finished items")
-    span = len(rates) * bin_s
-    times = [float(t) for t in finished_at if _finite(t)]
-    n = len(times)
-    t0 = min(times) if start is None else float(start)
+    times, t0 = _completions(finished_at, start)
     elapsed = max(times) - t0
-    mean = n / elapsed * 60 if elapsed > 0 else 0.0
-    y_ticks = nice_ticks(0, max(max(rates), mean) or 1.0, cover=True)
-    frame = _Frame(left=72, top=64, width=780, height=300, x0=0, x1=span, y0=0, y1=y_ticks[-1])
-    body = _y_axis(frame, y_ticks, _fmt_number, "images / minute")
-    bar_w = frame.width / len(rates)
-    gap = min(2.0, bar_w * 0.15)
-    body.append('<g class="bars">')
-    for i, r in enumerate(rates):
-        y = frame.sy(r)
-        body.append(
-            f'<rect class="bar" x="{frame.left + i * bar_w + gap / 2:.2f}" y="{y:.2f}" '
-            f'width="{max(bar_w - gap, 0.5):.2f}" height="{frame.bottom - y:.2f}" data-value="{r:.6g}">'
-            f"<title>{escape(_fmt_clock(i * bin_s))}–{escape(_fmt_clock((i + 1) * bin_s))}: "
-            f"{r:.3g} images/min</title></rect>"
-        )
-    body.append("</g>")
+    edges = bin_edges(max(elapsed, 0.0), bin_s)
+    mean = mean_images_per_minute(finished_at, start)
+    fig, ax = _figure(
+        8.8,
+        4.0,
+        title,
+        f"{len(times)} images in {format_duration(elapsed)}; bins of "
+        f"{format_duration(bin_s)} (the last runs to the last image)",
+    )
+    widths = [b - a for a, b in zip(edges, edges[1:])]
+    bars = ax.bar(edges[:-1], rates, width=widths, align="edge", color=_BAR, edgecolor="white", linewidth=0.6)
+    for i, bar in enumerate(bars):
+        bar.set_gid(f"throughput-bar-{i}")
     if mean > 0:
-        ym = frame.sy(mean)
-        body.append(
-            f'<line class="mean" x1="{frame.left:.1f}" y1="{ym:.1f}" '
-            f'x2="{frame.left + frame.width:.1f}" y2="{ym:.1f}"/>'
+        ax.axhline(
+            mean,
+            color=_MEAN,
+            linewidth=1.4,
+            linestyle=(0, (6, 4)),
+            gid="throughput-mean",
+            label=f"mean {format_rate(mean)} images / min",
         )
         # The legend sits above the plot so it never hides a bar.
-        lx = frame.left + frame.width
-        body.append(
-            f'<line class="mean" x1="{lx - 170:.1f}" y1="{frame.top - 14:.1f}" '
-            f'x2="{lx - 144:.1f}" y2="{frame.top - 14:.1f}"/>'
-        )
-        body.append(
-            f'<text class="mean-label" x="{lx - 138:.1f}" y="{frame.top - 10:.1f}">mean {mean:.3g} images / min</text>'
-        )
-    body += _x_axis(frame, time_ticks(span), _fmt_clock, "elapsed time (m:ss or h:mm:ss)")
-    subtitle = f"{n} images in {format_duration(elapsed)}; bins of {format_duration(bin_s)}"
-    return _document(880, 430, title, subtitle, body)
+        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, labelcolor=_MEAN)
+    ax.set_xlim(0, edges[-1])
+    ax.set_ylim(0, None)
+    ax.set_ylabel("images / minute")
+    _clock_axis(ax.xaxis, edges[-1], "elapsed time (m:ss or h:mm:ss)")
+    ax.grid(axis="y", linestyle=":", color="#d1d9e0")
+    ax.set_axisbelow(True)
+    return _svg(fig)
 
 
+@_matplotlib_style
 def workers_svg(
     worker_ids: Sequence[str | None],
     started_at: Sequence[float | None],
     finished_at: Sequence[float | None],
 ) -> str:
-    """Per-worker utilisation bars (``rect.bar``, one per worker) and busy timelines."""
+    """Per-worker utilisation bars (``workers-bar-{i}`` over a ``workers-track-{i}``) and busy timelines."""
     title = "Worker utilisation"
-    label_w, util_w, timeline_w, row_h = 140.0, 200.0, 460.0, 22.0
-    timeline_left = 16 + label_w + util_w + 40
     span, uses = worker_utilisation(worker_ids, started_at, finished_at)
     if not uses:
         return _no_data(title, "no items with worker_id, started_at and finished_at")
-    # Re-merge at pixel resolution so a 60,000-item job draws a few hundred rects per row.
-    px_s = span / timeline_w if span > 0 else 0.0
-    span, uses = worker_utilisation(worker_ids, started_at, finished_at, merge_gap_s=px_s)
-    top = 84.0
-    height = int(top + row_h * len(uses) + 56)
-    util = _Frame(16 + label_w, top, util_w, row_h * len(uses), 0, 1, 0, 1)
-    line = _Frame(timeline_left, top, timeline_w, row_h * len(uses), 0, span or 1.0, 0, 1)
+    # Re-merge at the timeline's resolution (~400 pt wide) so a 60,000-item job draws a few hundred boxes a row.
+    span, uses = worker_utilisation(worker_ids, started_at, finished_at, merge_gap_s=span / 400)
     mean_util = sum(u.utilisation for u in uses) / len(uses)
-    body = [
-        f'<text class="label" x="{util.left:.1f}" y="{top - 10:.1f}">busy / job span</text>',
-        f'<text class="label" x="{line.left:.1f}" y="{top - 10:.1f}">busy intervals</text>',
-    ]
-    for i, u in enumerate(uses):
-        y = top + i * row_h
-        shown = u.worker_id if len(u.worker_id) <= 20 else u.worker_id[:9] + "…" + u.worker_id[-9:]
-        body.append(
-            f'<g class="worker" data-worker-id="{escape(u.worker_id)}"><title>{escape(u.worker_id)}: '
-            f"{u.items} items, busy {format_duration(u.busy_s)} of {format_duration(span)}</title>"
-            f'<text x="{util.left - 8:.1f}" y="{y + row_h / 2 + 4:.1f}" text-anchor="end">{escape(shown)}</text>'
-            f'<rect class="track" x="{util.left:.1f}" y="{y + 3:.1f}" width="{util_w:.1f}" height="{row_h - 6:.1f}"/>'
-            f'<rect class="bar" x="{util.left:.1f}" y="{y + 3:.1f}" width="{util_w * u.utilisation:.2f}" '
-            f'height="{row_h - 6:.1f}" data-value="{u.utilisation:.6g}"/>'
-            f'<text x="{util.left + util_w + 6:.1f}" y="{y + row_h / 2 + 4:.1f}">{u.utilisation:.0%}</text>'
-            f'<rect class="track" x="{line.left:.1f}" y="{y + 3:.1f}" width="{timeline_w:.1f}" '
-            f'height="{row_h - 6:.1f}"/>'
-        )
-        body += [
-            f'<rect class="busy" x="{line.sx(s):.2f}" y="{y + 3:.1f}" '
-            f'width="{max(line.sx(e) - line.sx(s), 0.5):.2f}" height="{row_h - 6:.1f}"/>'
-            for s, e in u.intervals
-        ]
-        body.append("</g>")
-    body += _x_axis(line, time_ticks(span, 5), _fmt_clock, "elapsed time")
-    body += _x_axis(util, [0, 0.25, 0.5, 0.75, 1.0], lambda v: f"{v:.0%}", "utilisation")
     subtitle = (
         f"{len(uses)} workers over {format_duration(span)}; "
         f"mean utilisation {mean_util:.0%} (union of each worker's started_at–finished_at)"
     )
-    return _document(int(timeline_left + timeline_w + 30), height, title, subtitle, body)
+    fig = _new_figure(8.8, 1.4 + 0.28 * len(uses), title, subtitle)
+    util_ax, line_ax = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [1, 2.3]})
+    rows = range(len(uses))
+    tracks = util_ax.barh(rows, [1.0] * len(uses), height=0.7, color=_TRACK)
+    bars = util_ax.barh(rows, [u.utilisation for u in uses], height=0.7, color=_BAR)
+    for i, (track, bar, u) in enumerate(zip(tracks, bars, uses)):
+        track.set_gid(f"workers-track-{i}")
+        bar.set_gid(f"workers-bar-{i}")
+        util_ax.text(1.02, i, f"{u.utilisation:.0%}", va="center", fontsize=8)
+    shown = [u.worker_id if len(u.worker_id) <= 20 else u.worker_id[:9] + "…" + u.worker_id[-9:] for u in uses]
+    util_ax.set_yticks(list(rows), shown)
+    util_ax.invert_yaxis()  # the first worker on top
+    util_ax.set_xlim(0, 1)
+    util_ax.set_xticks([0, 0.5, 1.0], ["0%", "50%", "100%"])
+    util_ax.set_xlabel("busy / job span")
+    for i, u in enumerate(uses):
+        line_ax.broken_barh(
+            [(s, max(e - s, span / 1200)) for s, e in u.intervals], (i - 0.35, 0.7), color=_BAR, gid=f"workers-busy-{i}"
+        )
+    line_ax.set_xlim(0, span or 1.0)
+    line_ax.tick_params(axis="y", left=False)
+    _clock_axis(line_ax.xaxis, span, "elapsed time (busy intervals)")
+    return _svg(fig)
 
 
+@_matplotlib_style
 def latency_svg(latency_s: Sequence[float | None], sample_s: Sequence[float | None], bins: int = 30) -> str:
-    """Two histograms on one time axis: item latency and sampling time (``rect.bar``)."""
+    """Two histograms on one time axis: item latency and sampling time (``{series}-bar-{i}``)."""
+    from matplotlib.ticker import MaxNLocator
+
     title = "Latency per image"
     series = [
-        ("latency", "end to end (finished_at − started_at)", [float(v) for v in latency_s if _finite(v)]),
-        ("sample", "sampling (sample_s)", [float(v) for v in sample_s if _finite(v)]),
+        ("latency", "end to end (finished_at − started_at)", [float(v) for v in latency_s if _finite(v)], _BAR),
+        ("sample", "sampling (sample_s)", [float(v) for v in sample_s if _finite(v)], _BAR_SAMPLE),
     ]
     series = [s for s in series if s[2]]
     if not series:
         return _no_data(title, "no timings")
-    hi = max(max(vals) for _, _, vals in series)
-    x_ticks = nice_ticks(0, hi if hi > 0 else 1.0, cover=True)
-    x_hi = x_ticks[-1]
-    panel_h, top = 180.0, 64.0
-    body: list[str] = []
-    for k, (name, label, vals) in enumerate(series):
+    hi = max(max(vals) for _, _, vals, _ in series)
+    # A round upper end (the locator's last tick at or above the slowest item) so bins have round edges.
+    x_hi = float(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(0, hi if hi > 0 else 1.0)[-1])
+    width = x_hi / bins
+    fig = _new_figure(8.8, 1.0 + 2.3 * len(series), title, f"{bins} bins of {width:.3g} s")
+    axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (name, label, vals, colour) in zip(axes, series):
         counts = histogram(vals, bins, 0.0, x_hi)
-        y_ticks = nice_ticks(0, max(max(counts), 1), 4, cover=True)
-        frame = _Frame(72, top + k * (panel_h + 80) + 22, 780, panel_h, 0, x_hi, 0, y_ticks[-1])
         p50, p90, p99 = (_quantile(vals, q) for q in (0.5, 0.9, 0.99))
-        body.append(
-            f'<text class="label" x="{frame.left:.1f}" y="{frame.top - 10:.1f}">{escape(label)}: '
-            f"n={len(vals)}, p50 {_fmt_number(p50)} s, p90 {_fmt_number(p90)} s, "
-            f"p99 {_fmt_number(p99)} s, max {_fmt_number(max(vals))} s</text>"
+        bars = ax.bar(
+            [i * width for i in range(bins)],
+            counts,
+            width=width,
+            align="edge",
+            color=colour,
+            edgecolor="white",
+            linewidth=0.5,
         )
-        body += _y_axis(frame, y_ticks, _fmt_number, "images")
-        bar_w = frame.width / bins
-        body.append(f'<g class="bars" data-series="{name}">')
-        for i, c in enumerate(counts):
-            y = frame.sy(c)
-            body.append(
-                f'<rect class="bar {name}" data-series="{name}" data-value="{c}" '
-                f'x="{frame.left + i * bar_w + 0.5:.2f}" y="{y:.2f}" width="{max(bar_w - 1, 0.5):.2f}" '
-                f'height="{frame.bottom - y:.2f}"><title>{_fmt_number(i * x_hi / bins)}–'
-                f"{_fmt_number((i + 1) * x_hi / bins)} s: {c}</title></rect>"
-            )
-        body.append("</g>")
-        body += _x_axis(frame, x_ticks, _fmt_seconds, "seconds")
-    height = int(top + len(series) * (panel_h + 80) + 20)
-    return _document(880, height, title, f"{bins} bins of {_fmt_number(x_hi / bins)} s", body)
+        for i, bar in enumerate(bars):
+            bar.set_gid(f"{name}-bar-{i}")
+        ax.set_title(
+            f"{label}: n={len(vals)}, p50 {p50:.3g} s, p90 {p90:.3g} s, p99 {p99:.3g} s, max {max(vals):.3g} s"
+        )
+        ax.set_ylabel("images")
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))
+        ax.set_xlim(0, x_hi)
+        ax.grid(axis="y", linestyle=":", color="#d1d9e0")
+        ax.set_axisbelow(True)
+    axes[-1].set_xlabel("seconds")
+    return _svg(fig)
 
 
 def write_plots(storage, table) -> dict[str, str]:
@@ -493,15 +438,20 @@ def write_plots(storage, table) -> dict[str, str]:
 
     started, finished = col("started_at"), col("finished_at")
     latency = [f - s if _finite(s) and _finite(f) else None for s, f in zip(started, finished, strict=True)]
-    starts = [s for s in started if _finite(s)]
     svgs = {
-        "throughput": throughput_svg(finished, start=min(starts) if starts else None),
+        "throughput": throughput_svg(finished, start=job_start(started)),
         "workers": workers_svg(col("worker_id"), started, finished),
         "latency": latency_svg(latency, col("sample_s")),
     }
     for name, svg in svgs.items():
         storage.put_bytes(PLOT_KEYS[name], svg.encode("utf-8"), content_type="image/svg+xml")
     return dict(PLOT_KEYS)
+
+
+def job_start(started_at: Iterable[float | None]) -> float | None:
+    """The first ``started_at`` (None when no item has one): where throughput is counted from."""
+    starts = [float(s) for s in started_at if _finite(s)]
+    return min(starts) if starts else None
 
 
 # ----------------------------------------------------------------------------- helpers

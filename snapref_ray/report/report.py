@@ -2,17 +2,37 @@
 
 This is what ``snapref-ray report OUTPUT`` runs. It reads only what the job wrote (metadata
 and errors parts, ``summary.json``), so it works on a finished job, on one still running,
-and on a job whose gallery was never written, local or on S3 alike.
+and on a job whose gallery was never written, local or on S3 alike. A place that holds no
+job output (a misspelt folder, most often) is refused before anything is written: the
+report neither creates the folder nor leaves an empty gallery in it.
 """
 
 from __future__ import annotations
 
+import difflib
+from pathlib import Path
+
 from snapref_ray.report.gallery import DEFAULT_TITLE, errors_page_key, failed_items, page_key, write_gallery
 from snapref_ray.report.plots import write_plots
 from snapref_ray.storage.backends import open_storage
-from snapref_ray.storage.metadata import read_errors_table, read_metadata_table, read_summary
+from snapref_ray.storage.ledger import JOB_KEY
+from snapref_ray.storage.metadata import (
+    METADATA_PREFIX,
+    SUMMARY_KEY,
+    read_errors_table,
+    read_metadata_table,
+    read_summary,
+)
 
-__all__ = ["write_report"]
+__all__ = ["NoJobOutputError", "write_report"]
+
+
+class NoJobOutputError(FileNotFoundError):
+    """The report was pointed at a place that holds no job output.
+
+    A FileNotFoundError, so the command line tells it in one line (exit status 2) like any
+    other missing file (snapref_ray/validation.py).
+    """
 
 
 def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str = DEFAULT_TITLE) -> dict:
@@ -22,9 +42,17 @@ def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str =
     credentials for an S3-compatible store). The result holds ``gallery`` (URI of page 1),
     ``pages`` (number of gallery pages), ``errors_page`` (URI of the first page of failed
     items, None when nothing failed), ``plots`` (plot name -> URI) and the counts
-    ``images``, ``references`` and ``failed``.
+    ``images``, ``references`` and ``failed``. Raises :class:`NoJobOutputError` when
+    ``output_uri`` is missing or holds none of ``job.json``, ``summary.json``, ``metadata/``.
     """
+    if not output_uri.startswith("s3://"):
+        _require_local_folder(Path(output_uri.removeprefix("file://")).expanduser())
     storage = open_storage(output_uri, s3=s3)
+    if not (storage.exists(JOB_KEY) or storage.exists(SUMMARY_KEY) or storage.list(f"{METADATA_PREFIX}/")):
+        raise NoJobOutputError(
+            f"no job output at {storage.uri}: it holds no {JOB_KEY}, {SUMMARY_KEY} or {METADATA_PREFIX}/"
+            " (give the folder a job wrote: its --out, or output.uri of its spec)"
+        )
     table = read_metadata_table(storage)
     done = {str(i) for i in table.column("item_id").to_pylist()}
     errors = read_errors_table(storage, exclude_ids=done)
@@ -44,3 +72,15 @@ def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str =
         ),
         "failed": len(failed_items(errors, done)),
     }
+
+
+def _require_local_folder(path: Path) -> None:
+    """Refuse a local output that is not a folder, naming a close sibling folder where one exists."""
+    if path.is_dir():
+        return
+    if path.exists():
+        raise NoJobOutputError(f"no job output at {path}: it is a file, not the folder a job wrote")
+    siblings = [p.name for p in path.parent.iterdir() if p.is_dir()] if path.parent.is_dir() else []
+    close = difflib.get_close_matches(path.name, siblings, n=1)
+    hint = f" (did you mean {str(path.parent / close[0])!r}?)" if close else ""
+    raise NoJobOutputError(f"no job output at {path}: the folder does not exist{hint}")

@@ -141,6 +141,15 @@ class RenderResponse(BaseModel):
     )
 
 
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models' `data`: the shape OpenAI clients list models in (`models.list()`)."""
+
+    id: str = Field(..., description="The name a request's `model` field may give (the `model` above).")
+    object: Literal["model"] = "model"
+    created: int = Field(..., description="When this server process loaded it (Unix seconds).")
+    owned_by: str = "snapref-ray"
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok"]
 
@@ -164,6 +173,8 @@ class ModelsResponse(BaseModel):
     )
     limits: ServeLimits
     max_batch_size: int
+    object: Literal["list"] = Field("list", description="With `data`: the list shape OpenAI clients read.")
+    data: list[ModelCard] = Field(default_factory=list, description="The loaded model, as OpenAI clients list it.")
 
 
 # -- identity ---------------------------------------------------------------------------------
@@ -175,6 +186,12 @@ def reference_id_for(content_hash: str, options: ReferenceOptions) -> str:
 
 # -- parsing helpers --------------------------------------------------------------------------
 ECHO_CHARS = 64  # longest client-supplied text an error message repeats
+FORM_OVERHEAD = 64 * 1024  # multipart headers and the small text fields next to a file
+
+
+def json_body_limit(file_limit: int) -> int:
+    """Largest JSON body that carries a file of `file_limit` bytes base64-encoded, with its other fields."""
+    return 4 * math.ceil(file_limit / 3) + FORM_OVERHEAD  # base64 is 4 characters per 3 bytes
 
 
 def echo(text: str) -> str:

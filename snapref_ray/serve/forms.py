@@ -35,7 +35,9 @@ class MultipartForm:
     """One multipart body: `await form.feed(chunks)`, then `form.parts` ({name: FormPart}).
 
     `limits` maps each accepted part name to its largest size in bytes, and `too_large_status`
-    the status a part over it gets (413 for the file, 400 for text fields).
+    the status a part over it gets (413 for the file, 400 for text fields). A name in `repeatable`
+    may come up to that many times (`image[]`, as the OpenAI SDK sends a list of files); all of its
+    parts are in `form.repeated[name]`, in order, and the first also in `form.parts`.
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class MultipartForm:
         max_parts: int,
         max_header_bytes: int,
         too_large_status: dict[str, int] | None = None,
+        repeatable: dict[str, int] | None = None,
     ) -> None:
         _, params = parse_options_header(content_type)
         boundary = params.get(b"boundary")
@@ -56,7 +59,9 @@ class MultipartForm:
         self._limits = limits
         self._status = too_large_status or {}
         self._max_parts, self._max_header_bytes = max_parts, max_header_bytes
+        self._repeatable = repeatable or {}
         self.parts: dict[str, FormPart] = {}
+        self.repeated: dict[str, list[FormPart]] = {}
         self.count = 0
         self._part: FormPart | None = None
         self._header_name, self._header_value = bytearray(), bytearray()
@@ -129,12 +134,23 @@ class MultipartForm:
                 name[:ECHO_CHARS],
                 f"part {self.count} is named {echo(name)}; an upload takes only {', '.join(self._limits)}",
             )
-        if name in self.parts:
+        filename = params.get(b"filename")
+        part = FormPart(name, self.count, filename.decode("latin-1") if filename else None)
+        if name in self._repeatable:
+            parts = self.repeated.setdefault(name, [])
+            if len(parts) == self._repeatable[name]:
+                raise ApiError(
+                    400, name, f"part {self.count} is {name!r} number {len(parts) + 1}; at most {len(parts)} accepted"
+                )
+            parts.append(part)
+            self.parts.setdefault(name, part)
+        elif name in self.parts:
             raise ApiError(
                 400, name, f"part {self.count} repeats {name!r} (first sent as part {self.parts[name].index})"
             )
-        filename = params.get(b"filename")
-        self._part = self.parts[name] = FormPart(name, self.count, filename.decode("latin-1") if filename else None)
+        else:
+            self.parts[name] = part
+        self._part = part
 
     def _on_part_data(self, data: bytes, start: int, end: int) -> None:
         part = self._part

@@ -1,6 +1,9 @@
 """The HTTP ingress: FastAPI on Ray Serve. Auth, body limits, validation, references, rendering.
 
-Every answer that is not a success is `{"error": {"field": ..., "message": ...}}`: 400 bad input,
+The OpenAI-compatible routes (`/v1/images/generations`, `/v1/images/edits`) are openai_routes.py's,
+included here and rendered down the same path; their errors take OpenAI's shape (openai_errors.py).
+
+Every other answer that is not a success is `{"error": {"field": ..., "message": ...}}`: 400 bad input,
 401 no valid token, 404 unknown reference, 413 body or file too large, 503 (+ Retry-After) when
 the renderers' queue is full, 504 when a render outlives `request_timeout_s`.
 
@@ -34,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from snapref_ray.serve.api import (
     ECHO_CHARS,
+    FORM_OVERHEAD,
     ErrorResponse,
     HealthResponse,
     ImageOut,
@@ -48,6 +52,7 @@ from snapref_ray.serve.api import (
     check_reference_fields,
     decode_base64,
     echo,
+    json_body_limit,
     reference_id_for,
     validate_strict,
     validation_error,
@@ -58,13 +63,16 @@ from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
 from snapref_ray.serve.errors import ApiError
 from snapref_ray.serve.forms import MultipartForm
+from snapref_ray.serve.openai_errors import error_response
+from snapref_ray.serve.openai_images import model_cards
+from snapref_ray.serve.openai_routes import OpenAIImageRoutes
+from snapref_ray.serve.openai_routes import router as openai_router
 from snapref_ray.serve.renderer import RenderCall, RenderReply, ReplicaRenderer, UploadedReference
 from snapref_ray.service.references import ReferenceIdentity, RefKVKey
 from snapref_ray.validation import error_message, field_path
 
 log = logging.getLogger(__name__)
 
-_FORM_OVERHEAD = 64 * 1024  # multipart headers and the small text fields next to the file
 _INFO_CACHE_SIZE = 100_000  # reference infos kept by an ingress (~1 kB each)
 _SETTINGS_FIELDS = set(RenderBody.model_fields)
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 503, 504)}
@@ -87,33 +95,30 @@ app = FastAPI(
     # auth): unknown paths, with or without a trailing slash, are a JSON 404 instead.
     redirect_slashes=False,
 )
+app.include_router(openai_router)
 
 
 @app.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return error_response(request, exc)
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": "value_error"}
     field = field_path(tuple(p for p in first["loc"] if p != "body")) or None
-    return JSONResponse(ApiError(400, field, error_message(first, echo_limit=ECHO_CHARS)).body(), status_code=400)
+    return error_response(request, ApiError(400, field, error_message(first, echo_limit=ECHO_CHARS)))
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return JSONResponse(
-        ApiError(exc.status_code, None, str(exc.detail)).body(),
-        status_code=exc.status_code,
-        headers=getattr(exc, "headers", None),
-    )
+    return error_response(request, ApiError(exc.status_code, None, str(exc.detail), getattr(exc, "headers", None)))
 
 
 @app.exception_handler(Exception)
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:  # a bug: log it whole
     log.exception("unexpected error in %s %s", request.method, request.url.path)
-    return JSONResponse(ApiError(500, None, f"internal error: {type(exc).__name__}").body(), status_code=500)
+    return error_response(request, ApiError(500, None, f"internal error: {type(exc).__name__}"))
 
 
 def _proxy_host() -> str | None:
@@ -139,10 +144,6 @@ def _form_number(text: str, field: str) -> float:
             f"{'NaN' if math.isnan(value) else 'Infinity'} is not a number this API accepts; send a finite number",
         )
     return value
-
-
-def _json_limit(file_limit: int) -> int:
-    return 4 * math.ceil(file_limit / 3) + _FORM_OVERHEAD  # base64 is 4 characters per 3 bytes
 
 
 def _upload_openapi() -> dict:
@@ -185,9 +186,10 @@ def _inspect_image(data: bytes, megapixels: float, field: str) -> tuple[int, int
 
 @serve.deployment(name="SnapRefIngress")
 @serve.ingress(app)
-class Ingress:
+class Ingress(OpenAIImageRoutes):
     """One ingress replica; the renderer and store handles come from `build_app`. `renderer` None:
-    the fused topology, in which this replica renders itself."""
+    the fused topology, in which this replica renders itself. Its OpenAI-compatible routes are
+    `OpenAIImageRoutes`'."""
 
     def __init__(self, config: ServeConfig, renderer, store) -> None:
         config.check_security(_proxy_host() or config.host)  # refuse to start exposed without a token
@@ -203,6 +205,7 @@ class Ingress:
         self._auth = BearerAuth(config.resolved_token())
         self._bodies = BodyReceiver(config)
         self._openapi: dict | None = None
+        self._started = int(time.time())  # when this replica loaded the model (GET /v1/models' `created`)
         # Reference infos by id. An id is a content hash, so its info never changes: caching it saves
         # a store round trip per render. If the store has evicted the file meanwhile, the replica
         # that needs to encode it answers 404.
@@ -226,7 +229,14 @@ class Ingress:
         self._auth.check(request.headers.get("authorization"))
         # Asked each time (one replica's figures: the memory fit and cache counters change as it works).
         info = await self._call(self._local.info() if self._local else self._renderer.info.remote())
-        return {**info, "limits": self._limits, "max_batch_size": self._config.max_batch_size}
+        # `object` and `data`: the list shape OpenAI clients read (`models.list()`), next to today's fields.
+        return {
+            **info,
+            "limits": self._limits,
+            "max_batch_size": self._config.max_batch_size,
+            "object": "list",
+            "data": model_cards(info, self._started),
+        }
 
     @app.api_route("/openapi.json", methods=_READ, include_in_schema=False)
     async def openapi(self, request: Request) -> JSONResponse:
@@ -260,7 +270,7 @@ class Ingress:
             data, options = await self._read_form(request, content_type)
         elif media == "application/json":
             field = "image"
-            raw = await self._bodies.read(request, _json_limit(self._limits.max_upload_bytes), field)
+            raw = await self._bodies.read(request, json_body_limit(self._limits.max_upload_bytes), field)
             upload = validate_strict(UploadJSON, raw)
             data = decode_base64(upload.image, field)
             options = ReferenceOptions(ref_caption=upload.ref_caption, ref_megapixels=upload.ref_megapixels)
@@ -283,16 +293,30 @@ class Ingress:
         content_type = request.headers.get("content-type", "")
         if content_type.partition(";")[0].strip().lower() != "application/json":
             raise ApiError(415, "Content-Type", f"/v1/render takes application/json, got {echo(content_type)}")
-        raw = await self._bodies.read(request, _json_limit(self._limits.max_upload_bytes), "body")
+        raw = await self._bodies.read(request, json_body_limit(self._limits.max_upload_bytes), "body")
         body = validate_strict(RenderBody, raw)
+        self._check_body(body)
+        fmt = self._response_format(body, request.headers.get("accept", ""))
+        reference = await self._uploaded_reference(body)
+        reply = await self._render_with(body, reference, started)
+        if fmt == "png":
+            return Response(reply.pngs[0], media_type="image/png", headers=self._metadata_headers(reply, reference))
+        # pydantic's own serializer: ~5x faster than JSONResponse's json.dumps on the base64 images
+        # (0.24 ms against 1.1 ms for one 160 kB PNG), the same JSON.
+        return Response(self._json_reply(body, reference, reply).model_dump_json(), media_type="application/json")
+
+    # -- the render path (every route that renders) -----------------------------------------
+    def _check_body(self, body: RenderBody) -> None:
+        """What a render body must satisfy beyond its model: one way of naming the reference, the limits."""
         check_reference_fields(body)
         check_limits(body, self._limits)
         if body.seed + body.n > 2**63:
             raise ApiError(
                 400, "seed", f"seed + n must stay below 2**63 (consecutive seeds), got {body.seed} + {body.n}"
             )
-        fmt = self._response_format(body, request.headers.get("accept", ""))
-        reference = await self._uploaded_reference(body)
+
+    async def _render_with(self, body: RenderBody, reference: UploadedReference | None, started: float) -> RenderReply:
+        """`body` rendered with `reference`; `started` is when the request arrived (for total_s)."""
         settings = (
             body.settings(ref_caption=reference.key.ref_caption, ref_megapixels=reference.key.ref_megapixels)
             if reference
@@ -310,11 +334,7 @@ class Ingress:
         finished = time.perf_counter()
         # call_s - replica_s is the hop to the renderer and back; total_s - call_s the ingress's own work.
         reply.timings.update(call_s=finished - called, total_s=finished - started)
-        if fmt == "png":
-            return Response(reply.pngs[0], media_type="image/png", headers=self._metadata_headers(reply, reference))
-        # pydantic's own serializer: ~5x faster than JSONResponse's json.dumps on the base64 images
-        # (0.24 ms against 1.1 ms for one 160 kB PNG), the same JSON.
-        return Response(self._json_reply(body, reference, reply).model_dump_json(), media_type="application/json")
+        return reply
 
     # -- docs -------------------------------------------------------------------------------
     def _docs_auth(self, request: Request) -> None:
@@ -355,7 +375,7 @@ class Ingress:
             max_header_bytes=limits.max_part_header_bytes,
             too_large_status={"file": 413},
         )
-        async with aclosing(self._bodies.chunks(request, limits.max_upload_bytes + _FORM_OVERHEAD, "file")) as chunks:
+        async with aclosing(self._bodies.chunks(request, limits.max_upload_bytes + FORM_OVERHEAD, "file")) as chunks:
             await form.feed(chunks)
         if "file" not in form.parts:
             raise ApiError(400, "file", f"the multipart body has no 'file' part ({form.count} parts)")
@@ -424,11 +444,16 @@ class Ingress:
             infos = await self._describe([body.reference_id], fields)
         else:
             return None
+        return self._reference_of(infos, "pair" if len(infos) == 2 else "single", body)
+
+    @staticmethod
+    def _reference_of(infos: list[ReferenceInfo], layout: str, body: RenderBody) -> UploadedReference:
+        """The reference of stored uploads `infos`, read as `layout`, for rendering `body`."""
         first = infos[0]
         # The upload's caption and size apply unless this request sets them (the pair takes the left's).
         caption = body.ref_caption if "ref_caption" in body.model_fields_set else first.ref_caption
         megapixels = body.ref_megapixels if "ref_megapixels" in body.model_fields_set else first.ref_megapixels
-        identity = ReferenceIdentity("pair" if len(infos) == 2 else "single", tuple(i.content_hash for i in infos))
+        identity = ReferenceIdentity(layout, tuple(i.content_hash for i in infos))
         return UploadedReference(
             identity=identity,
             reference_ids=tuple(i.reference_id for i in infos),

@@ -59,7 +59,7 @@ def test_local_job_renders_every_good_row(local_job):
         "skipped_already_done": 0,
         "interrupted": False,
     }
-    assert json.loads((out / "summary.json").read_text()) == summary
+    assert json.loads((out / "summary.json").read_text()) == summary.to_json()
 
 
 @pytest.mark.slow
@@ -138,6 +138,9 @@ def test_rerunning_the_same_spec_renders_nothing_new(local_job):
     # The invalid rows are not recorded a second time.
     assert len(read_errors_table(open_storage(str(out)), exclude_ids=set())) == errors_before == 5
     assert json.loads((out / "summary.json").read_text())["images_this_run"] == 0
+    # The resume keeps the job's throughput and each run's figures: the first run's, and its own (nothing to do).
+    assert again["images_per_hour"] == first["images_per_hour"] > 0
+    assert again["runs"][0] == first["runs"][-1] and again["runs"][-1]["items_to_render"] == 0
 
 
 @pytest.mark.slow

@@ -41,6 +41,7 @@ def test_worker_counts_are_checked_in_the_spec(tmp_path):
 
 def test_quick_form_flags_reach_the_cluster_section(tmp_path, monkeypatch):
     import snapref_ray.pipelines.generate_dataset as job
+    from snapref_ray.pipelines.job_summary import JobSummary
 
     seen = {}
     monkeypatch.setattr(
@@ -48,16 +49,16 @@ def test_quick_form_flags_reach_the_cluster_section(tmp_path, monkeypatch):
         "run_job",
         lambda spec, **kw: (
             seen.setdefault("spec", spec)
-            and {
-                "failed_items": 0,
-                "images_total": 0,
-                "output": "",
-                "images_this_run": 0,
-                "skipped_already_done": 0,
-                "invalid_rows": 0,
-                "images_per_hour": 0.0,
-                "encodes_per_reference": 0.0,
-            }
+            and JobSummary.model_construct(
+                failed_items=0,
+                images_total=0,
+                output="",
+                images_this_run=0,
+                skipped_already_done=0,
+                invalid_rows=0,
+                images_per_hour=0.0,
+                encodes_per_reference=0.0,
+            )
         ),
     )
     args = build_parser().parse_args(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from html.parser import HTMLParser
 from io import BytesIO
 
@@ -24,6 +25,7 @@ from snapref_ray.storage.metadata import (
     write_summary,
 )
 from tests.report import browser
+from tests.report.test_plots import mean_line_value
 
 T0 = 1_700_000_000.0
 # A prompt that breaks out of an element, an attribute and a script if anything is left unescaped.
@@ -260,7 +262,8 @@ def test_gallery_in_chromium_shows_every_reference_and_loads_every_thumbnail(sma
 def test_gallery_source_escapes_user_strings(small_job):
     root, _, _ = small_job
     html = (root / "gallery.html").read_text()
-    assert "&lt;/figcaption&gt;&lt;script&gt;document.title=&quot;pwned&quot;&lt;/script&gt; &amp; " in html
+    # Jinja2's autoescaping (markupsafe) writes a double quote as &#34; where html.escape wrote &quot;.
+    assert "&lt;/figcaption&gt;&lt;script&gt;document.title=&#34;pwned&#34;&lt;/script&gt; &amp; " in html
     assert "<script>document.title" not in html
     assert "ValueError: still &lt;bad&gt;" in html and "RayActorError" not in html
 
@@ -355,3 +358,79 @@ def test_report_on_s3_serves_as_a_static_site(s3_server):
     # pager above and below (page 2, next).
     assert len(urls) == 4 * 2 + 2 * 2 + 3 * 3 + 2 * 2
     assert all(u and "://" not in u and not u.startswith("/") for u in urls)
+
+
+def header_facts(html: str) -> list[tuple[str, str]]:
+    """(label, value) of the header's fact lists, without the "all of summary.json" dump."""
+    header = html.split('<details class="summary">', 1)[0].split("</header>", 1)[0]
+    return re.findall(r"<dt>(.*?)</dt><dd>(.*?)</dd>", header)
+
+
+def test_header_shows_one_labelled_throughput_the_charts_mean_line(small_job):
+    root, _, _ = small_job
+    facts = header_facts((root / "gallery.html").read_text())
+    rates = [(label, value) for label, value in facts if re.search(r"throughput|/ ?(min|hour)|per_", label + value)]
+    # 12 images, the first started at T0 and the last finished at T0 + 8 s: 90 images per minute. The
+    # summary's own figure (images_per_hour 2160, wall time) is no second throughput beside it.
+    assert rates == [("throughput", "90 images / min")]
+    assert ("rendering time", "8.0 s") in facts
+    assert mean_line_value((root / "report/throughput.svg").read_text()) == pytest.approx(90, rel=1e-3)
+
+
+def test_runs_of_summary_json_are_a_table_and_odd_entries_do_not_fail_the_page(tmp_path):
+    storage, _, table = write_job(tmp_path / "job", n_refs=1, per_ref=2, images=False)
+    runs = [
+        # As the job's typed summary writes a run (pipelines' RunFigures).
+        {
+            "started_at": T0,
+            "finished_at": T0 + 30,
+            "items_to_render": 9,
+            "images": 8,
+            "failed_items": 1,
+            "interrupted": False,
+            "wall_seconds": 30.0,
+            "startup_seconds": 12.0,
+            "render_seconds": 16.0,
+        },
+        {"images": 4, "interrupted": True},  # no timings
+        "not a run",  # skipped
+        {"images": EVIL, "render_seconds": "fast"},  # odd values show as "–"
+    ]
+    write_gallery(storage, table, summary={"runs": runs, "manifest": EVIL, "wall_seconds": 46.0})
+    html = storage.get_bytes("gallery.html").decode()
+    body = html.split('<details class="runs" open>', 1)[1].split("</details>", 1)[0]
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", body)[1:]]
+    assert cells == [
+        ["1", "2023-11-14 22:13:20", "8", "1", "30 s", "12 s", "16 s", "30", "no"],  # 8 images in 16 s
+        ["2", "–", "4", "–", "–", "–", "–", "–", "yes"],
+        ["3", "–", "–", "–", "–", "–", "–", "–", "–"],
+    ]
+    # The top-level wall time is the job's when runs exist: no "last run" wall time beside the table.
+    assert ("wall time", "46 s") not in header_facts(html)
+    # The summary's strings reach the page as text only (the "all of summary.json" facts).
+    dom = Dom(html)
+    assert dom.find("b") == [] and len(dom.find("script")) == 1
+    assert "manifest</dt><dd>&lt;/figcaption&gt;&lt;script&gt;" in html
+    # Without runs (an older summary.json, or none), no table and no failure.
+    write_gallery(storage, table, summary={"images_per_hour": 0.0})
+    assert 'class="runs"' not in storage.get_bytes("gallery.html").decode()
+
+
+def test_hostile_file_names_and_ids_stay_inert(tmp_path):
+    storage = open_storage(str(tmp_path / "job"))
+    row = metadata_row(0, 0, 1)
+    row.update(
+        item_id='"><script>alert(1)</script>',
+        reference_uris=["refs/<img src=x onerror=alert(2)>.png"],
+        image_key="javascript:alert(3)//.png",
+        thumb_key='thumbs/" onerror="alert(4).jpg',
+    )
+    write_gallery(storage, pa.Table.from_pylist([row], schema=METADATA_SCHEMA))
+    html = storage.get_bytes("gallery.html").decode()
+    dom = Dom(html)
+    assert len(dom.find("script")) == 1 and all("onerror" not in attrs for _, attrs in dom.elements)
+    urls = [a.get("href") or a.get("src") for t, a in dom.elements if t in ("a", "img")]
+    assert "javascript%3Aalert%283%29//.png" in urls and "thumbs/%22%20onerror%3D%22alert%284%29.jpg" in urls
+    assert all(":" not in u for u in urls)  # relative, no scheme
+    assert [f["data-item-id"] for f in dom.find("figure", "scene")] == ['"><script>alert(1)</script>']
+    assert "&lt;img src=x onerror=alert(2)&gt;.png</p>" in html

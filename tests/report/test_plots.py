@@ -1,7 +1,12 @@
-"""Report plots: the numbers behind each chart and the SVG they draw."""
+"""Report plots: the numbers behind each chart, and the charts read back from the SVG matplotlib drew.
+
+The charts' bars and lines carry ids (``throughput-bar-3``, ``throughput-mean``...); a value is read
+back through the drawn axis: the y tick labels and their positions give the pixel-to-value scale.
+"""
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 
 import pyarrow as pa
@@ -13,7 +18,6 @@ from snapref_ray.report.plots import (
     histogram,
     images_per_minute,
     latency_svg,
-    nice_ticks,
     throughput_svg,
     worker_utilisation,
     workers_svg,
@@ -25,20 +29,70 @@ SVG = "{http://www.w3.org/2000/svg}"
 T0 = 1_700_000_000.0
 
 
-def bars(svg: str, series: str | None = None) -> list[ET.Element]:
-    """The ``rect.bar`` elements of an SVG document (parsing it as XML on the way)."""
+def parse(svg: str) -> ET.Element:
+    """The SVG document as XML (which fails on anything left unescaped)."""
     root = ET.fromstring(svg.encode("utf-8"))
     assert root.tag == f"{SVG}svg"
-    return [
-        r
-        for r in root.iter(f"{SVG}rect")
-        if "bar" in r.get("class", "").split() and (series is None or r.get("data-series") == series)
-    ]
+    return root
+
+
+def bars(svg: str, series: str | None = None) -> list[ET.Element]:
+    """The groups of the drawn bars (``{series}-bar-{i}``), in index order."""
+    found = []
+    for g in parse(svg).iter(f"{SVG}g"):
+        m = re.fullmatch(r"(\w+)-bar-(\d+)", g.get("id", ""))
+        if m and (series is None or m.group(1) == series):
+            found.append((m.group(1), int(m.group(2)), g))
+    return [g for _, _, g in sorted(found, key=lambda t: (t[0], t[1]))]
+
+
+def box(element: ET.Element) -> tuple[float, float, float, float]:
+    """(x0, y0, x1, y1) in pixels of the first path under ``element`` (y grows downwards)."""
+    path = next(element.iter(f"{SVG}path"))
+    nums = [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", path.get("d"))]
+    xs, ys = nums[0::2], nums[1::2]
+    return min(xs), min(ys), max(xs), max(ys)
+
+
+def y_scale(svg: str, element_id: str):
+    """pixel y -> data value on the y axis of the axes that hold ``element_id``, from its tick labels."""
+    root = parse(svg)
+    axes = next(
+        g for g in root.iter(f"{SVG}g") if g.get("id", "").startswith("axes_") and g.find(f".//*[@id='{element_id}']")
+    )
+    ticks = []
+    for g in axes.iter(f"{SVG}g"):
+        if g.get("id", "").startswith("ytick_"):
+            y = float(next(g.iter(f"{SVG}use")).get("y"))
+            ticks.append((y, float(next(g.iter(f"{SVG}text")).text.replace("\u2212", "-"))))
+    (ya, va), (yb, vb) = ticks[0], ticks[-1]
+    return lambda y: va + (y - ya) * (vb - va) / (yb - ya)
+
+
+def bar_values(svg: str, series: str) -> list[float]:
+    """The value of each vertical bar of ``series``, read through its axis."""
+    found = bars(svg, series)
+    value = y_scale(svg, found[0].get("id"))
+    return [value(box(g)[1]) for g in found]
+
+
+def mean_line_value(svg: str) -> float:
+    value = y_scale(svg, "throughput-mean")
+    mean = next(g for g in parse(svg).iter(f"{SVG}g") if g.get("id") == "throughput-mean")
+    x0, y0, x1, y1 = box(mean)
+    assert y0 == y1  # horizontal
+    return value(y0)
 
 
 def test_images_per_minute_bins_and_rates():
     finished = [T0 + t for t in (1, 2, 3, 61, 62, 130)]
-    assert images_per_minute(finished, start=T0, max_bins=3) == (60.0, [3.0, 2.0, 1.0])
+    # 130 s in bins of 60 s: the 10 s left over widen the last bin to 60-130 s, which holds 3 images.
+    # (Drawn as a whole minute, that remainder was the bug that put the mean line above every bar.)
+    bin_s, rates = images_per_minute(finished, start=T0, max_bins=3)
+    assert bin_s == 60.0 and rates == pytest.approx([3.0, 3 * 60 / 70])
+    # 100 s: the 40 s left over are at least half a bin, so they are a bin of their own (3 images in 40 s).
+    bin_s, rates = images_per_minute([T0 + t for t in (1, 2, 3, 61, 62, 100)], start=T0, max_bins=3)
+    assert bin_s == 60.0 and rates == pytest.approx([3.0, 3 * 60 / 40])
     # 130 s needs 26 bins of 5 s to stay within 60 bars; each image in a 5 s bin is 12 / min.
     bin_s, rates = images_per_minute(finished, start=T0)
     assert bin_s == 5.0 and len(rates) == 26
@@ -50,10 +104,33 @@ def test_throughput_svg_has_one_bar_per_bin():
     finished = [T0 + 0.5 * i for i in range(240)]  # 2 images per second for 2 minutes
     bin_s, rates = images_per_minute(finished)
     assert bin_s == 2.0 and len(rates) == 60
-    rects = bars(throughput_svg(finished))
-    assert len(rects) == 60
-    assert [float(r.get("data-value")) for r in rects] == pytest.approx(rates)
+    svg = throughput_svg(finished)
+    assert len(bars(svg)) == 60
+    assert bar_values(svg, "throughput") == pytest.approx(rates, rel=1e-3)
     assert rates[:-1] == [120.0] * 59  # the last bin also holds the image at exactly 119.5 s
+    assert rates[-1] == pytest.approx(4 * 60 / 1.5)  # 118-119.5 s: 4 images in 1.5 s
+    # The last bar is drawn 1.5 s wide, three quarters of the others.
+    widths = [box(g)[2] - box(g)[0] for g in bars(svg)]
+    assert widths[-1] / widths[0] == pytest.approx(0.75, rel=1e-3)
+
+
+def test_throughput_mean_line_is_the_time_weighted_mean_of_the_bars():
+    """The chart's mean line lies inside its bars: the bars' mean over the drawn time is the mean line.
+
+    206 images, one every 0.1 s from the first start, span 20.5 s in bins of 1 s: the last half
+    second (6 images) drawn as a whole second showed 360 / min under a mean of 603 / min, with
+    every bar (600 / min) below the mean line.
+    """
+    finished = [T0 + i / 10 for i in range(206)]
+    svg = throughput_svg(finished, start=T0)
+    mean = mean_line_value(svg)
+    assert mean == pytest.approx(206 / 20.5 * 60, rel=1e-3)  # images over the time from start to the last
+    values = bar_values(svg, "throughput")
+    widths = [box(g)[2] - box(g)[0] for g in bars(svg, "throughput")]
+    weighted = sum(v * w for v, w in zip(values, widths)) / sum(widths)
+    assert weighted == pytest.approx(mean, rel=2e-3)
+    assert min(values) <= mean <= max(values)
+    assert "mean 603 images / min" in svg
 
 
 def test_worker_utilisation_is_union_of_busy_intervals_over_job_span():
@@ -72,11 +149,22 @@ def test_workers_svg_one_bar_per_worker_in_natural_order_with_escaped_ids():
     started = [T0, T0, T0 + 10, T0 + 5]
     finished = [T0 + 20, T0 + 5, T0 + 20, T0 + 10]
     svg = workers_svg(workers, started, finished)
+    root = parse(svg)  # well-formed XML: the id's <&> is escaped
     rects = bars(svg)
     assert len(rects) == 3
-    # Ordered w1<&>, w9, w10: numbers in ids compare as numbers.
-    assert [float(r.get("data-value")) for r in rects] == pytest.approx([1.0, 0.25, 0.75])
-    assert 'data-worker-id="w1&lt;&amp;&gt;"' in svg
+    # Ordered w1<&>, w9, w10 from the top: numbers in ids compare as numbers. A bar's share of its track
+    # is the utilisation.
+    tracks = {g.get("id"): g for g in root.iter(f"{SVG}g") if g.get("id", "").startswith("workers-track-")}
+    shares = [
+        (box(r)[2] - box(r)[0]) / (box(tracks[f"workers-track-{i}"])[2] - box(tracks[f"workers-track-{i}"])[0])
+        for i, r in enumerate(rects)
+    ]
+    assert shares == pytest.approx([1.0, 0.25, 0.75], rel=1e-3)
+    assert [box(r)[1] for r in rects] == sorted(box(r)[1] for r in rects)  # first worker on top
+    labels = [t for g in root.iter(f"{SVG}g") if g.get("id", "").startswith("ytick_") for t in g.iter(f"{SVG}text")]
+    labels.sort(key=lambda t: float(t.get("y")))
+    assert [t.text for t in labels] == ["w1<&>", "w9", "w10"]
+    assert "w1&lt;&amp;&gt;" in svg
 
 
 def test_histogram_counts_and_clipping():
@@ -89,15 +177,13 @@ def test_latency_svg_two_series_of_bars():
     svg = latency_svg(latency, sample, bins=10)
     lat, smp = bars(svg, "latency"), bars(svg, "sample")
     assert len(lat) == 10 and len(smp) == 10
-    assert [int(r.get("data-value")) for r in lat] == [0, 1, 1, 1, 0, 1, 0, 0, 0, 1]  # 8 s spans [0, 8]
-    assert sum(int(r.get("data-value")) for r in smp) == 4
+    # 8 s spans [0, 8]: bins of 0.8 s.
+    assert [round(v, 3) for v in bar_values(svg, "latency")] == [0, 1, 1, 1, 0, 1, 0, 0, 0, 1]
+    assert [round(v, 3) for v in bar_values(svg, "sample")] == [0, 2, 1, 0, 1, 0, 0, 0, 0, 0]
+    assert box(lat[-1])[2] == pytest.approx(box(smp[-1])[2])  # one time axis
 
 
-def test_nice_ticks_and_durations():
-    assert nice_ticks(0, 7.3) == [0, 2, 4, 6]
-    assert nice_ticks(0, 1.0) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
-    assert nice_ticks(0, 12.0, 4) == [0, 5, 10]
-    assert nice_ticks(0, 3600) == [0, 1000, 2000, 3000]
+def test_durations():
     assert [format_duration(s) for s in (4.25, 42.0, 200.0, 7500.0)] == ["4.2 s", "42 s", "3 min 20 s", "2 h 05 min"]
 
 

@@ -539,7 +539,14 @@ def test_openapi_declares_bearer_and_docs_need_the_token(server: int) -> None:
         for method, operation in operations.items():
             expected = [] if path == "/v1/health" else [{"bearerAuth": []}]
             assert operation.get("security", []) == expected, (path, method)
-    assert {"/v1/render", "/v1/references", "/v1/health", "/v1/models"} == set(spec["paths"])
+    assert {
+        "/v1/render",
+        "/v1/references",
+        "/v1/health",
+        "/v1/models",
+        "/v1/images/generations",
+        "/v1/images/edits",
+    } == set(spec["paths"])
     docs = _get(server, "/docs")
     assert docs.status == 200 and docs.headers["content-type"].startswith("text/html")
     assert b'"bearerAuth"' in docs.body and b"SwaggerUIBundle" in docs.body  # the spec is inlined

@@ -1,0 +1,184 @@
+"""The header of the gallery's first page: counts, the job's one throughput, and the runs of summary.json.
+
+One throughput: images per minute while rendering, from the first image's start to the last
+image's finish, computed from the metadata exactly as the throughput chart computes its mean
+line. The last run's counts and, when ``summary.json`` has a ``runs`` list (one entry per run,
+a resume adds one), a table of every run's figures follow; a summary written by another
+version shows what it has and never fails the page.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from snapref_ray.report.items import FailedItem, GalleryItem, clip, timestamp
+from snapref_ray.report.plots import format_duration, format_rate, job_start, mean_images_per_minute
+
+__all__ = ["Fact", "Header", "RunRow", "page_header"]
+
+
+@dataclass(frozen=True)
+class Fact:
+    """A labelled figure of the header."""
+
+    label: str
+    value: str
+    hint: str = ""  # hover text saying what the figure means
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One run of the job (a row of the runs table), every figure formatted."""
+
+    number: int
+    started: str
+    images: str
+    failed: str
+    wall: str
+    startup: str
+    rendering: str
+    rate: str
+    interrupted: str
+
+
+@dataclass(frozen=True)
+class Header:
+    """What the first page's header shows."""
+
+    facts: list[Fact]
+    throughput_note: str
+    run_facts: list[Fact]
+    runs: list[RunRow]
+    scalars: list[Fact]
+    plots: list[tuple[str, str]]
+    failed: int
+
+
+_THROUGHPUT_HINT = "images per minute while rendering, from the first image's start to the last image's finish"
+
+
+def page_header(
+    items: Sequence[GalleryItem],
+    failed: Sequence[FailedItem],
+    summary: Mapping,
+    plot_keys: Mapping[str, str],
+    n_pages: int,
+) -> Header:
+    """The first page's header from the job's items, failed items, ``summary.json`` and plot keys."""
+    refs = len({it.reference_hash for it in items})
+    workers = len({it.worker_id for it in items if it.worker_id is not None})
+    facts = [Fact("images", f"{len(items):,}"), Fact("references", f"{refs:,}"), Fact("failed", f"{len(failed):,}")]
+    if workers:
+        facts.append(Fact("workers", f"{workers:,}"))
+    # The one throughput of the page, computed as the chart computes its mean line.
+    finished = [it.finished_at for it in items]
+    start = job_start(it.started_at for it in items)
+    ends = [float(t) for t in finished if isinstance(t, (int, float)) and math.isfinite(t)]
+    rate = mean_images_per_minute(finished, start)
+    note = "throughput: no images with start and finish times yet"
+    if rate > 0 and start is not None:
+        span = max(ends) - start
+        facts.append(Fact("rendering time", format_duration(span), "from the first image's start to the last's finish"))
+        facts.append(Fact("throughput", f"{format_rate(rate)} images / min", _THROUGHPUT_HINT))
+        note = (
+            f"throughput = {_THROUGHPUT_HINT} ({len(ends):,} images in {format_duration(span)});"
+            " the throughput plot draws it as its mean line"
+        )
+    facts.append(Fact("pages", f"{n_pages:,}"))
+    runs = _runs(summary.get("runs"))
+    # With a runs list, the top-level wall time is the job's (over its runs), and each run's is in the table.
+    shown = [fact for fact in _SUMMARY_FACTS if not (runs and fact[0] == "wall_seconds")]
+    run_facts = [
+        Fact(label, _format_or_str(fmt, summary[key])) for key, label, fmt in shown if summary.get(key) is not None
+    ]
+    return Header(
+        facts=facts,
+        throughput_note=note,
+        run_facts=run_facts,
+        runs=runs,
+        scalars=_summary_scalars(summary),
+        plots=list(plot_keys.items()),
+        failed=len(failed),
+    )
+
+
+# Counts of the last run, shown in the header when summary.json has them. Its throughput is not
+# among them: the header shows one throughput, and each run's is in the runs table.
+_SUMMARY_FACTS = (
+    ("images_this_run", "images this run", lambda v: f"{v:,}"),
+    ("wall_seconds", "wall time", lambda v: format_duration(float(v))),
+    ("encodes_per_reference", "encodes / reference", lambda v: f"{v:.2f}"),
+    ("invalid_rows", "invalid manifest rows", lambda v: f"{v:,}"),
+    ("interrupted", "interrupted", lambda v: "yes" if v else "no"),
+)
+
+
+def _runs(runs) -> list[RunRow]:
+    """The rows of the runs table from ``summary.json``'s ``runs`` list (a resume adds one).
+
+    Each run as the job's summary records it (``started_at``, ``images``, ``failed_items``,
+    ``wall_seconds``, ``startup_seconds``, ``render_seconds``, ``interrupted``); a run's rate is
+    its images over its rendering time. A missing or odd figure shows as "–", never fails the page.
+    """
+    if not isinstance(runs, list):
+        return []
+
+    def number(run: Mapping, key: str) -> float | None:
+        v = run.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+    def duration(v: float | None) -> str:
+        return format_duration(v) if v is not None else "–"
+
+    rows = []
+    for i, run in enumerate(r for r in runs if isinstance(r, Mapping)):
+        images = number(run, "images")
+        render_s = number(run, "render_seconds")
+        rate = images / render_s * 60 if images is not None and render_s else None
+        started = number(run, "started_at")
+        interrupted = run.get("interrupted")
+        rows.append(
+            RunRow(
+                number=i + 1,
+                started=timestamp(started) if started is not None else "–",
+                images=f"{images:,.0f}" if images is not None else "–",
+                failed=f"{failed:,.0f}" if (failed := number(run, "failed_items")) is not None else "–",
+                wall=duration(number(run, "wall_seconds")),
+                startup=duration(number(run, "startup_seconds")),
+                rendering=duration(render_s),
+                rate=format_rate(rate) if rate else "–",
+                interrupted="–" if interrupted is None else ("yes" if interrupted else "no"),
+            )
+        )
+    return rows
+
+
+def _format_or_str(fmt, v) -> str:
+    try:
+        return fmt(v)
+    except (TypeError, ValueError):  # summary.json written by another version: show it as it is
+        return clip(str(v), 80)
+
+
+def _summary_scalars(summary: Mapping, limit: int = 24) -> list[Fact]:
+    """Scalar entries of ``summary.json`` (nested one level as ``a.b``), at most ``limit``."""
+    out: list[tuple[str, object]] = []
+    for k, v in summary.items():
+        if isinstance(v, Mapping):
+            out += [(f"{k}.{k2}", v2) for k2, v2 in v.items() if not isinstance(v2, (Mapping, list))]
+        elif not isinstance(v, list):
+            out.append((str(k), v))
+
+    def fmt(k: str, v) -> str:
+        if k.endswith("_at") and isinstance(v, (int, float)) and not isinstance(v, bool):
+            return timestamp(v) + " UTC"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
+        return clip(json.dumps(v) if v is None or isinstance(v, bool) else str(v), 80)
+
+    return [Fact(clip(k, 80), fmt(k, v)) for k, v in out[:limit]]
