@@ -95,7 +95,7 @@ def _spec(manifest: Path, out: Path, models_dir: Path, fmt: str, workers: int):
 # --- one measurement (in its own process) ----------------------------------------------------------
 
 
-def one_job(items: int, fmt: str, workers: int) -> dict:
+def one_job(items: int, fmt: str, workers: int, step_s: float) -> dict:
     from benchmarks.local_ray import start_local_ray
     from benchmarks.orchestration import SimulatedRenderer
     from snapref_ray.pipelines.generate_dataset import run_job
@@ -108,7 +108,9 @@ def one_job(items: int, fmt: str, workers: int) -> dict:
         models = make_tiny(root / "tiny")
         manifest = _write_manifest(root / "in", items, 25, items)
         spec = _spec(manifest, root / "out", models, fmt, workers)
-        factory = functools.partial(SimulatedRenderer, encode_s=0.0, step_s=0.0, refkv_bytes=64 * 1024, image_side=64)
+        factory = functools.partial(
+            SimulatedRenderer, encode_s=0.0, step_s=step_s, refkv_bytes=64 * 1024, image_side=64
+        )
         cpu0, t0 = _cpu_s(), time.time()
         summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
         cpu, wall = _cpu_s() - cpu0, time.time() - t0
@@ -123,6 +125,7 @@ def one_job(items: int, fmt: str, workers: int) -> dict:
         "items": items,
         "format": fmt,
         "workers": workers,
+        "gpu_ms_per_batch_of_8": 1000 * step_s,
         "driver_peak_rss_mib": round(_peak_rss_mib(), 1),
         "driver_cpu_ms_per_item": round(1000 * cpu / items, 3),
         "wall_ms_per_item": round(1000 * wall / items, 3),
@@ -258,13 +261,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--items", type=int, nargs="*", default=None)
     parser.add_argument("--format", nargs="*", default=["files", "webdataset"])
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument(
+        "--step-s",
+        type=float,
+        default=0.05,
+        help="simulated GPU seconds per batch (1 step): 0 measures the driver flat out, but then workers "
+        "idle between calls and close their shards early",
+    )
     parser.add_argument("--out")
     parser.add_argument("rest", nargs="*")
     args = parser.parse_args(argv)
     if args.what == "_one":
         kind, *params = args.rest
         fn = {
-            "job": lambda n, f: one_job(int(n), f, args.workers),
+            "job": lambda n, f: one_job(int(n), f, args.workers, args.step_s),
             "plan": lambda n: one_plan(int(n)),
             "resume": lambda n, how: one_resume(int(n), how),
             "manifest": lambda n, how: one_manifest(int(n), how),
@@ -277,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     for what in todo:
         if what == "job":
             for n in args.items or [20_000]:
-                runs += [_in_process("job", str(n), f, "--workers", str(args.workers)) for f in args.format]
+                runs += [
+                    _in_process("job", str(n), f, "--workers", str(args.workers), "--step-s", str(args.step_s))
+                    for f in args.format
+                ]
         elif what == "plan":
             runs += [_in_process("plan", str(n)) for n in args.items or [100_000, 300_000]]
         elif what == "resume":
