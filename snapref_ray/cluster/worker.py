@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -112,8 +111,6 @@ class RenderWorker:
             if config.output_format == "webdataset"
             else None
         )
-        self._render_calls = 0  # render() calls running now: the last one to end commits the open shard
-        self._render_calls_lock = threading.Lock()
         self._stored_references: set[str] = set()
         self.metrics = job_metrics()
         self.tags = {"worker": self.worker_id}
@@ -169,21 +166,11 @@ class RenderWorker:
             self.metrics.encodes.inc(1, self.tags)
         return kv, EncodeInfo(task.reference_hash, kv.nbytes, kv.encode_seconds, self.worker_id, source == "encoded")
 
-    def render(self, task: RenderTask, refkv_handle: list | None = None) -> list[ItemOutcome]:
-        """`_render`; with shards, the call that leaves the worker idle commits the open shard before it
-        returns, so a worker the driver finds idle (and may release) has committed everything it rendered."""
-        with self._render_calls_lock:
-            self._render_calls += 1
-        try:
-            return self._render(task, refkv_handle)
-        finally:
-            with self._render_calls_lock:
-                self._render_calls -= 1
-                idle = self._render_calls == 0
-            if idle and self.shards is not None:
-                self.shards.commit()
+    def commit_outputs(self) -> str | None:
+        """Commit the open webdataset shard (the driver calls this before it releases the worker); its key."""
+        return self.shards.commit() if self.shards is not None else None
 
-    def _render(self, task: RenderTask, refkv_handle: list | None = None) -> list[ItemOutcome]:
+    def render(self, task: RenderTask, refkv_handle: list | None = None) -> list[ItemOutcome]:
         """Render a batch and store its images; returns one outcome per item.
 
         `refkv_handle` is `[ObjectRef]` (wrapped so Ray does not fetch it eagerly): it is only

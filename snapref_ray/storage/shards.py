@@ -9,6 +9,9 @@ thousand images, in the layout the `webdataset` library and Hugging Face `datase
     shards/<shard>.parquet    the shard's index: item_id, member names, byte offset and size in the tar
     metadata/part-*.parquet   one part per shard, the rows with `shard_key` and `shard_member`
 
+A worker closes its shard at `max_bytes` or `max_items`, and commits the open one when the driver releases
+it (cluster/pool.py `release`: no work left for it, or the job ended).
+
 Exactly once, as for single files: a shard is written to a temporary file and published whole (a rename
 on a local folder, a multipart upload on S3), then its index, then its metadata part, which is the commit
 (resume skips the ids in metadata/). A worker that dies with a shard open leaves nothing visible: the
