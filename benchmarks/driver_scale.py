@@ -114,7 +114,11 @@ def one_job(items: int, fmt: str, workers: int, step_s: float) -> dict:
         cpu0, t0 = _cpu_s(), time.time()
         summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
         cpu, wall = _cpu_s() - cpu0, time.time() - t0
-        objects = sum(len(files) for _, _, files in os.walk(root / "out"))
+        by_folder: dict[str, int] = {}
+        for dirpath, _, files in os.walk(root / "out"):
+            top = Path(dirpath).relative_to(root / "out").parts[:1] or (".",)
+            by_folder[top[0]] = by_folder.get(top[0], 0) + len(files)
+        objects = sum(by_folder.values())
         assert summary["images_this_run"] == items and summary["failed_items"] == 0, summary
         cpu1 = _cpu_s()
         resumed = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
@@ -131,6 +135,7 @@ def one_job(items: int, fmt: str, workers: int, step_s: float) -> dict:
         "wall_ms_per_item": round(1000 * wall / items, 3),
         "objects_written": objects,
         "objects_per_1000_images": round(1000 * objects / items, 2),
+        "objects_by_folder": dict(sorted(by_folder.items())),
         "resume_driver_cpu_s": round(resume_s, 2),
     }
 
