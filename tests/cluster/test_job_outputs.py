@@ -19,7 +19,7 @@ import pytest
 from snapref_ray.pipelines.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.lease import LeaseHeldError, current_lease
-from snapref_ray.storage.metadata import read_item_ids
+from snapref_ray.storage.metadata import read_item_ids, read_metadata_table
 from tests.cluster.conftest import expected_item_ids, job_spec
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster_s3"), pytest.mark.timeout(300)]
@@ -143,3 +143,52 @@ def test_a_webdataset_job_puts_every_item_in_one_committed_shard(six_items, tiny
     again = run_job(spec, progress=False, write_gallery=False)
     assert (again["images_this_run"], again["skipped_already_done"]) == (0, 6)
     assert sorted(k for k in storage.list("shards/") if k.endswith(".tar")) == shards
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_shard_leaves_no_partial_shard_and_the_rerun_renders_only_its_items(
+    six_items, tiny_models, tmp_path
+):
+    import os
+    import signal
+
+    import ray
+
+    from snapref_ray.storage.shards import committed_shards
+
+    webdataset = pytest.importorskip("webdataset")
+    out = tmp_path / "out"
+    output = {"format": "webdataset", "shard_max_items": 100}  # nothing closes a shard but the release
+    spec = job_spec(six_items, tiny_models, str(out), cluster={"num_workers": 1}, output=output)
+    handles: list = []
+    killed: list[int] = []
+
+    def kill_the_worker_once(_n: int) -> None:
+        if not killed:  # an item was rendered, so the worker's open shard holds it
+            pid = ray.get(handles[0].pid.remote(), timeout=60)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    run_job(
+        spec,
+        progress=False,
+        write_gallery=False,
+        on_workers=lambda h, i: handles.extend(h),
+        on_progress=kill_the_worker_once,
+    )
+    storage = open_storage(str(out))
+    first = read_item_ids(storage)
+    assert killed and len(first) == len(set(first)) and set(first) < expected_item_ids(spec)
+    tars = sorted(k for k in storage.list("shards/") if k.endswith(".tar"))
+    assert tars == committed_shards(storage)  # the dead worker's shard is not there, not even in part
+    before = {r["item_id"]: r["shard_key"] for r in read_metadata_table(storage).to_pylist()}
+
+    again = run_job(spec, progress=False, write_gallery=False)
+    assert again["images_this_run"] == 6 - len(first)  # only what the lost shard held
+    ids = read_item_ids(storage)
+    assert len(ids) == len(set(ids)) and set(ids) == expected_item_ids(spec)
+    after = {r["item_id"]: r["shard_key"] for r in read_metadata_table(storage).to_pylist()}
+    assert {i: after[i] for i in before} == before  # committed items were not rendered again
+    tars = sorted(str(out / k) for k in storage.list("shards/") if k.endswith(".tar"))
+    keys = [s["__key__"] for s in webdataset.WebDataset(tars, shardshuffle=False)]
+    assert sorted(keys) == sorted(expected_item_ids(spec))  # every item in exactly one committed shard
