@@ -200,6 +200,7 @@ def _start_holder(uri: str, env: dict[str, str], duration_s: float, where: str =
     return proc
 
 
+@pytest.mark.slow  # waits out a 2 s lease
 def test_a_driver_killed_on_another_machine_blocks_the_next_one_no_longer_than_its_lease(where):
     uri, env = where
     storage = _open(uri, env)
