@@ -1,4 +1,4 @@
-"""Shared helpers of the benchmarks: timing, FLOP counting, machine info, JSON output.
+"""Shared helpers of the benchmarks: geometries, timing, machine info, JSON output.
 
 Timing rules (every benchmark here follows them):
 - warm-up calls first (first calls allocate, pick kernels, fault in memory-mapped weights);
@@ -7,10 +7,7 @@ Timing rules (every benchmark here follows them):
   round runs every setting once, in an order rotated every round, so drift and load from other
   processes land on all settings alike.
 
-FLOP counts are matrix-multiply FLOPs only (2 per multiply-add) of one DiT forward, counted from
-the config and the token counts (`dit_forward_flops`): every linear (the block linears, adaLN
-bottlenecks, embedders, final layer, runtime LoRA branches) and the two matmuls of every
-attention (QK^T and AV). Norms, RoPE, softmax and elementwise work are not counted, so
+FLOP counts come from the package's FLOP model (`snapref_ray/models/flops.py`, matmuls only), so
 "achieved GFLOP/s" is a slight under-estimate of the machine's work rate.
 """
 
@@ -29,17 +26,16 @@ from typing import Any
 
 import torch
 
-from snapref_ray.models.dit import PATCH, AnimaDiT, DiTConfig, load_dit
-from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict, tiny_dit_config
+from snapref_ray.models.conditioning import CONTEXT_ROWS
+from snapref_ray.models.dit import AnimaDiT, DiTConfig, load_dit
+from snapref_ray.models.geometry import VAE_SCALE, token_count
+from snapref_ray.models.tiny_dit import T5_VOCAB, make_tiny_dit_state_dict, tiny_dit_config
 from snapref_ray.platform_info import cpu_model
-
-# Token counts of the geometries the benchmarks use (one token = one 2x2 patch of the 8x latent).
-PIXELS_PER_TOKEN_SIDE = 8 * PATCH
 
 
 def tokens_for(width_px: int, height_px: int) -> int:
-    """Target tokens of a width x height image: (h/16) * (w/16) for sides that are multiples of 16."""
-    return -(-height_px // PIXELS_PER_TOKEN_SIDE) * -(-width_px // PIXELS_PER_TOKEN_SIDE)
+    """Target tokens of a width x height image (sides multiples of geometry.PIXELS_PER_TOKEN)."""
+    return token_count(height=height_px, width=width_px)
 
 
 # --- geometries and models ------------------------------------------------------------------
@@ -72,7 +68,7 @@ class DiTGeometry:
 
     @property
     def latent_hw(self) -> tuple[int, int]:
-        return self.height_px // 8, self.width_px // 8
+        return self.height_px // VAE_SCALE, self.width_px // VAE_SCALE
 
     @property
     def config(self) -> DiTConfig:
@@ -118,11 +114,11 @@ REAL = DiTGeometry(
     head_dim=128,
     num_blocks=28,
     context_dim=1024,
-    context_rows=512,
+    context_rows=CONTEXT_ROWS,
     adaln_lora_dim=256,
     adapter_heads=16,
     adapter_blocks=6,
-    t5_vocab=32128,
+    t5_vocab=T5_VOCAB,
     width_px=832,
     height_px=1216,
 )
@@ -191,86 +187,6 @@ def dit_parameter_bytes(geometry: DiTGeometry, dtype: torch.dtype) -> tuple[int,
     return block, total - block
 
 
-# --- FLOP model ------------------------------------------------------------------------------
-
-
-def _linear_flops(tokens: int, fan_in: int, fan_out: int) -> float:
-    return 2.0 * tokens * fan_in * fan_out
-
-
-def _lora_flops(tokens: int, fan_in: int, fan_out: int, rank: int) -> float:
-    # down (in -> r) then up (r -> out), unmerged, as ops.LoRAPair.delta computes it.
-    return 2.0 * tokens * rank * (fan_in + fan_out)
-
-
-def block_linear_dims(config: DiTConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of the ten adaptable linears of a block (module path -> dims)."""
-    D, C, M = config.model_channels, config.context_dim, config.mlp_hidden
-    inner = config.num_heads * config.head_dim
-    return {
-        "self_attn.q_proj": (D, inner),
-        "self_attn.k_proj": (D, inner),
-        "self_attn.v_proj": (D, inner),
-        "self_attn.output_proj": (inner, D),
-        "cross_attn.q_proj": (D, inner),
-        "cross_attn.k_proj": (C, inner),
-        "cross_attn.v_proj": (C, inner),
-        "cross_attn.output_proj": (inner, D),
-        "mlp.layer1": (D, M),
-        "mlp.layer2": (M, D),
-    }
-
-
-def dit_forward_flop_breakdown(
-    config: DiTConfig,
-    *,
-    rows: int,
-    tokens: int,
-    context_rows: int,
-    reading_rows: int = 0,
-    ref_tokens: int = 0,
-    lora_ranks: Mapping[str, int] | None = None,
-    final_layer: bool = True,
-) -> dict[str, float]:
-    """Matmul FLOPs of one DiT forward over `rows` batch rows, as {"linear": ..., "attention": ...}.
-
-    tokens: target tokens per row; context_rows: cross-attention context rows per row;
-    reading_rows of the rows also attend to `ref_tokens` cached reference keys in every block;
-    lora_ranks: runtime LoRA rank per block linear (module path -> rank), on every row and block;
-    final_layer: False for the reference stream, which stops after the last block.
-    "linear" covers every linear layer and LoRA branch, "attention" the QK^T and AV matmuls.
-    """
-    D, H, hd = config.model_channels, config.num_heads, config.head_dim
-    r_ad, C_in = config.adaln_lora_dim, config.in_channels
-    inner = H * hd
-    L, S, R = tokens, context_rows, rows
-    linear = 0.0
-    for path, (fan_in, fan_out) in block_linear_dims(config).items():
-        n = S if path in ("cross_attn.k_proj", "cross_attn.v_proj") else L
-        linear += R * _linear_flops(n, fan_in, fan_out)
-        rank = (lora_ranks or {}).get(path, 0)
-        if rank:
-            linear += R * _lora_flops(n, fan_in, fan_out, rank)
-    # Three adaLN bottlenecks (D -> r -> 3D), once per row (the modulation broadcasts over tokens).
-    linear += 3 * R * (_linear_flops(1, D, r_ad) + _linear_flops(1, r_ad, 3 * D))
-    # Attention: QK^T and AV, 2 * queries * keys * inner each; reading rows have ref_tokens more keys.
-    self_keys = R * L + reading_rows * ref_tokens  # summed over rows
-    attention = 2 * 2.0 * L * self_keys * inner + 2 * 2.0 * L * S * inner * R
-    linear *= config.num_blocks
-    attention *= config.num_blocks
-    linear += R * _linear_flops(L, (C_in + 1) * PATCH * PATCH, D)  # patch embed
-    linear += R * (_linear_flops(1, D, D) + _linear_flops(1, D, 3 * D))  # t_embedder
-    if final_layer:
-        linear += R * (_linear_flops(1, D, r_ad) + _linear_flops(1, r_ad, 2 * D))
-        linear += R * _linear_flops(L, D, PATCH * PATCH * C_in)
-    return {"linear": linear, "attention": attention}
-
-
-def dit_forward_flops(config: DiTConfig, **shape: Any) -> float:
-    """Total matmul FLOPs of one DiT forward; arguments as `dit_forward_flop_breakdown`."""
-    return sum(dit_forward_flop_breakdown(config, **shape).values())
-
-
 # --- timing ----------------------------------------------------------------------------------
 
 
@@ -295,13 +211,6 @@ def time_once(fn: Callable[[], Any], device: torch.device, cpu_seconds: list[flo
     if cpu_seconds is not None:
         cpu_seconds.append(c1 - c0)
     return t1 - t0
-
-
-def time_repeats(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup: int = 1) -> list[float]:
-    """`warmup` untimed calls, then the seconds of each of `repeats` calls."""
-    for _ in range(warmup):
-        time_once(fn, device)
-    return [time_once(fn, device) for _ in range(repeats)]
 
 
 def interleaved(
@@ -343,18 +252,6 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
 
 
 # --- machine ---------------------------------------------------------------------------------
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Benchmark: fetch a RefKV from another node, or encode the reference again?
 
 On two nodes of a real multi-node Ray cluster (by default the fake multi-node cluster of
-tests/fake_cluster.py, started here; or `--address` of a running one), side by side in one run:
+benchmarks/fake_cluster.py, started here; or `--address` of a running one), side by side in one run:
 
 - fetch: an actor on node A returns a RefKV of the real shape with random bf16 values (so the
   driver owns it, as in a job); an actor on node B `ray.get`s it, which pulls every byte from A's
@@ -33,6 +33,7 @@ import ray
 
 from benchmarks.common import REAL, SMOKE, emit, environment, log, summarize
 from snapref_ray.cluster.placement import fetch_is_cheaper
+from snapref_ray.models.geometry import token_count
 
 # The DiT's K/V layout (snapref_ray/adapter/refkv.py: [blocks, K/V, heads, ref_tokens, head_dim]).
 REAL_BLOCKS, REAL_HEADS, REAL_HEAD_DIM = REAL.num_blocks, REAL.model_channels // REAL.head_dim, REAL.head_dim
@@ -121,7 +122,7 @@ def refkv_shape(smoke: bool) -> tuple[int, int, int, int, int]:
         g = SMOKE
         # 1,024 tokens: 512 KB, above Ray's 100 KB inline limit, so it travels between object stores too.
         return (g.num_blocks, 2, g.model_channels // g.head_dim, 1024, g.head_dim)
-    tokens = (REAL_REF_PX[0] // 16) * (REAL_REF_PX[1] // 16)
+    tokens = token_count(height=REAL_REF_PX[1], width=REAL_REF_PX[0])
     return (REAL_BLOCKS, 2, REAL_HEADS, tokens, REAL_HEAD_DIM)
 
 
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return emit(measure(args), indent=2)
         finally:
             ray.shutdown()
-    from tests.fake_cluster import fake_cluster
+    from benchmarks.fake_cluster import fake_cluster
 
     # Object stores big enough for one real-size RefKV on each of the two nodes.
     store = 300_000_000 if args.smoke else 2_200_000_000

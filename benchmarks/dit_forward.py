@@ -29,10 +29,7 @@ from benchmarks.common import (
     SCALED,
     SMOKE,
     DiTGeometry,
-    available_memory_bytes,
     build_dit,
-    dit_forward_flop_breakdown,
-    dit_forward_flops,
     dit_parameter_bytes,
     emit,
     environment,
@@ -42,7 +39,9 @@ from benchmarks.common import (
     resolve_device,
     summarize,
 )
+from snapref_ray.models.device_memory import available_memory_bytes
 from snapref_ray.models.dit import AnimaDiT, real_dit_config
+from snapref_ray.models.flops import dit_forward_flop_breakdown, dit_forward_flops
 from snapref_ray.sampling.guidance import cfg as cfg_combine
 
 H100_H200_BF16_DENSE_TFLOPS = 989.0
@@ -80,24 +79,20 @@ CUDA_FIELDS = ("peak_tflops", "percent_of_peak")
 
 
 def blocks_that_fit(geometry: DiTGeometry, dtype: torch.dtype, requested: int | None) -> int:
-    """Blocks to measure: `requested`, or as many of the geometry's as free memory holds."""
+    """Blocks to measure on the CPU: `requested`, or as many of the geometry's as free memory holds."""
     block_bytes, other_bytes = dit_parameter_bytes(geometry, dtype)
-    available = available_memory_bytes()
-    fit = (
-        geometry.num_blocks
-        if available is None
-        else int((available - MEMORY_MARGIN_BYTES - other_bytes) // block_bytes)
-    )
+    available = available_memory_bytes("cpu")
+    fit = int((available - MEMORY_MARGIN_BYTES - other_bytes) // block_bytes)
     blocks = min(geometry.num_blocks, fit) if requested is None else requested
     if blocks < 1:
         raise SystemExit(
             f"not enough free memory for even one block at width {geometry.model_channels}"
-            f" ({block_bytes / 1e9:.2f} GB per block, {(available or 0) / 1e9:.1f} GB available)"
+            f" ({block_bytes / 1e9:.2f} GB per block, {available / 1e9:.1f} GB available)"
         )
     if requested is not None and requested > fit:
         log(
             f"warning: --blocks {requested} needs ~{(other_bytes + requested * block_bytes) / 1e9:.1f} GB,"
-            f" {(available or 0) / 1e9:.1f} GB available"
+            f" {available / 1e9:.1f} GB available"
         )
     return blocks
 

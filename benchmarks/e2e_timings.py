@@ -91,8 +91,12 @@ class TimedRendererFactory:
     log_path: str
     compile_backend: str = "inductor"
     compile_mode: str | None = None
+    # The worker's local inductor cache (an empty folder: the run starts as on a new node); None: the machine's.
+    inductor_cache_dir: str | None = None
 
     def __call__(self, config: WorkerConfig):
+        if self.inductor_cache_dir is not None:  # read by inductor when it first looks for a graph
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.inductor_cache_dir
         custom = config.model.compile and (self.compile_backend != "inductor" or self.compile_mode is not None)
         if custom:
             renderer = load_worker_renderer(replace(config, model=config.model.model_copy(update={"compile": False})))

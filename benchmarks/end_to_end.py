@@ -103,6 +103,9 @@ def run_one(
 
     out = manifest.parent / "runs" / run.name.replace(":", "-")
     out.mkdir(parents=True)
+    # A compiled run shares its compile cache with its compiled-warm twin only; each starts with an empty
+    # local inductor cache, so `compiled` builds every graph and `compiled-warm` loads them as a new node would.
+    compile_cache = manifest.parent / "compile-cache" / run.cache_name
     call_log = out / "calls.jsonl"
     spec = JobSpec.model_validate(
         {
@@ -112,6 +115,7 @@ def run_one(
                 "device": device,
                 "dtype": "bfloat16",
                 "compile": run.compiled,
+                "compile_cache": str(compile_cache) if run.compiled else None,
                 "quantize": "fp8" if run.weights == "fp8" else "none",
             },
             "manifest": str(manifest),
@@ -127,7 +131,9 @@ def run_one(
             "cluster": {"num_workers": 1, "start_timeout_s": start_timeout_s},
         }
     )
-    factory = TimedRendererFactory(str(call_log), compile_backend, compile_mode)
+    factory = TimedRendererFactory(
+        str(call_log), compile_backend, compile_mode, str(out / "inductor-cache") if run.compiled else None
+    )
     workers: list = []
     ready_at: dict[int, float] = {}  # worker pid -> when it was ready (its warm-up done)
 
@@ -147,6 +153,8 @@ def run_one(
         "failed_items": summary["failed_items"],
         "forward_batches": summary["forward_batches"],
         "model_load_seconds": max((w.load_seconds for w in workers), default=None),
+        # The worker's cold start (service/cold_start.py): compile s, graphs built vs loaded, warm-up, first image.
+        "cold_start": summary.cold_start[0] if summary.cold_start else None,
     }
     errors = read_errors_table(storage).column("error").to_pylist()
     if errors or summary["images_this_run"] != recipe.images:

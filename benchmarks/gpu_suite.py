@@ -5,6 +5,13 @@
     python -m benchmarks.gpu_suite --device cpu --geometry scaled --blocks 4 --out-dir cpu-suite
     python -m benchmarks.gpu_suite --end-to-end-only --budget-s 560 --out-dir e2e   # only phase 6
 
+The rows run in order of value, each only when its estimate fits what is left of the budget (`--budget-s`,
+default 440 s: the suite, its start-up and exit in under 8 minutes on one H100 or H200): first the end-to-end
+`run_job` rows (phase 6 below: SnapRef default bf16 compiled from empty caches, then again from the compile
+cache it published with an empty local inductor cache, as a new node starts; the same in fp8; ArcAnima v2 at
+ref_guidance 1; then the eager rows), then the step microbenchmarks (phases 1-5), then the registered rows.
+A row that does not fit is listed under `skipped` with its estimate.
+
 Random weights at real size (Anima 2B: width 2048, 28 blocks, 832x1216 target = 3,952 tokens,
 1 MP reference = 4,096 tokens, bf16) through the engine's own step (`benchmarks/snapref_steps.py`'s
 `StepBench`: `plan_step`, `Renderer.denoise_rows`, the `Combiner`). Measured:
@@ -30,10 +37,9 @@ Random weights at real size (Anima 2B: width 2048, 28 blocks, 832x1216 target = 
 Rows from other features plug in through `benchmarks.suite_rows.register_rows(name, fn)`: fn(context)
 returns a dict of figures that lands under `extra_rows` and in the Markdown. Registered by default:
 ArcAnima's step ratios (`arcanima_steps.py`) and the step cache's bookkeeping and skipped-step cost
-(`step_cache_steps.py`). The time budget (`--budget-s`,
-default 440 s for the whole suite) skips the compiled step phase when the eager one took more than
-half of it, and starts an end-to-end run only when its estimate (`e2e_runs.RunEstimator`) ends within
-it; what was skipped, and why, is listed under `skipped`.
+(`step_cache_steps.py`). Estimates: an end-to-end run's from `e2e_runs.RunEstimator`; a step phase's from
+the row-step seconds the end-to-end runs measured (`step_phase_estimates`); none before anything was
+measured (the phase runs).
 """
 
 from __future__ import annotations
@@ -62,6 +68,15 @@ from benchmarks.suite_rows import EXTRA_ROWS, SuiteContext, register_rows
 from snapref_ray.models.attention import read_form
 from snapref_ray.models.compiled import compile_forward
 
+# The suite's end-to-end rows, in order of value: SnapRef default compiled cold then from the compile
+# cache, bf16 then fp8, ArcAnima v2 at ref_guidance 1, then the eager rows of the same.
+SUITE_RUNS = (
+    "snapref:bf16:compiled,snapref:bf16:compiled-warm,snapref:fp8:compiled,snapref:fp8:compiled-warm,"
+    "v2-rg1:bf16:compiled,v2-rg1:bf16:compiled-warm,snapref:bf16:eager,snapref:fp8:eager,v2-rg1:bf16:eager"
+)
+SUITE_E2E_IMAGES = "2x8"  # 16 images a run: the rows above in one device call
+STEP_BENCH_PRIOR_S = 20.0  # building the step bench's models at real size
+EXTRA_ROWS_PRIOR_S = 30.0  # one registered section, before anything tells more
 RECIPE_STEPS = 30
 RECIPE_CFG = 4.5  # the same rows as any CFG != 1: the step's cost does not depend on the scale
 PFLOP_PER_IMAGE_NOTE = "about 1.16 PFLOP of DiT work per image at real size (30 CFG steps with a reference)"
@@ -129,8 +144,8 @@ def _median(values: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The suite: the step phases, then the end-to-end runs that fit the budget (the model folder they load is
-    written from the start, beside the step phases)."""
+    """The suite: the end-to-end runs that fit the budget, then the step phases that still fit (see the module
+    docstring)."""
     t_start = time.perf_counter()
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype)
@@ -141,26 +156,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     runs = e2e_runs.parse_runs(args.e2e_runs)
     e2e_root = Path(tempfile.mkdtemp(prefix="snapref-e2e-", dir=args.e2e_dir)) if runs else None
+    e2e_skipped: list[str] = []
+    result: dict[str, Any] = {}
     try:
-        writer = (
-            ModelFolderWriter(e2e_root / "models", e2e_model_set(args), background=device.type == "cuda")
-            if e2e_root
-            else None
-        )
-        result = {} if args.end_to_end_only else step_phases(args, device, dtype, geo, t_start)
-        skipped = result.setdefault("skipped", [])
-        if args.end_to_end_only:
-            skipped.append("step phases (--end-to-end-only)")
-        if writer is None:
-            skipped.append("end-to-end runs (--e2e-runs none)")
+        if e2e_root is None:
+            e2e_skipped.append("end-to-end runs (--e2e-runs none)")
         else:
-            end_to_end.free_device_memory(device)  # the step phases' models are gone; their cached blocks too
-            e2e = end_to_end.run_phase(e2e_config(args, runs, result, t_start), writer, e2e_root)
-            skipped += [f"end-to-end {s['run']} ({s['why']})" for s in e2e["skipped"]]
+            writer = ModelFolderWriter(e2e_root / "models", e2e_model_set(args), background=False)
+            e2e = end_to_end.run_phase(e2e_config(args, runs, t_start), writer, e2e_root)
+            e2e_skipped += [f"end-to-end {s['run']} ({s['why']})" for s in e2e["skipped"]]
             result["end_to_end"] = e2e
+            end_to_end.free_device_memory(device)  # the jobs' workers are gone; their cached blocks too
     finally:
         if e2e_root is not None:
             shutil.rmtree(e2e_root, ignore_errors=True)
+    if args.end_to_end_only:
+        step_skipped = ["step phases (--end-to-end-only)"]
+    else:
+        steps = step_phases(args, device, dtype, geo, t_start, step_phase_estimates(args, result.get("end_to_end")))
+        step_skipped = steps.pop("skipped")
+        result.update(steps)
     return {
         "benchmark": "gpu_suite",
         "compile_backend": None if args.no_compile else args.compile_backend,
@@ -172,9 +187,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "peak_tflops": args.peak_tflops,
         **result,
+        "skipped": step_skipped + e2e_skipped,
         "seconds_total": time.perf_counter() - t_start,
         "environment": environment(device, dtype),
     }
+
+
+def step_phase_estimates(args: argparse.Namespace, e2e: dict[str, Any] | None) -> dict[str, float | None]:
+    """Seconds each step phase will take, from the seconds per DiT row and step the end-to-end runs measured
+    (the slowest of them: eager when one ran); None for every phase when none finished.
+
+    The eager phase runs every SnapRef setting (up to 3 rows x batch, twice for recompute-every-step) for
+    `rounds` + 1 warm-up rounds, then one more for the sync count; the compiled one builds two graphs and
+    runs two settings as many rounds.
+    """
+    done = [r for r in (e2e or {}).get("runs", []) if "error" not in r and r.get("weighted_rows_per_step")]
+    if not done:
+        return {"eager": None, "compiled": None, "extra_rows": None}
+    steps = e2e_runs.recipe_for(e2e_runs.RECIPES[args.geometry], images=args.e2e_images, steps=args.e2e_steps).steps
+    unit = max(r["seconds"]["dit_sampling"] / (r["images"] * steps * r["weighted_rows_per_step"]) for r in done)
+    row_steps = 3 * args.batch * (len(SETTINGS) + 1)
+    eager = STEP_BENCH_PRIOR_S + (args.rounds + 2) * row_steps * unit
+    compiled_runs = [r for r in done if r.get("compiled") and r.get("cold_start")]
+    built = [r["cold_start"] for r in compiled_runs if r["cold_start"].get("graphs_built")]
+    per_graph = (
+        max(c["compile_s"] / c["graphs_built"] for c in built) if built else e2e_runs.COMPILE_SECONDS_PER_GRAPH_PRIOR
+    )
+    compiled = 2 * per_graph + (args.rounds + 1) * 2 * 3 * args.batch * unit
+    return {"eager": eager, "compiled": compiled, "extra_rows": EXTRA_ROWS_PRIOR_S * len(EXTRA_ROWS)}
 
 
 def e2e_model_set(args: argparse.Namespace) -> ModelSet:
@@ -183,15 +223,11 @@ def e2e_model_set(args: argparse.Namespace) -> ModelSet:
     return replace(ms, dit=ms.dit.with_blocks(args.blocks)) if args.blocks else ms
 
 
-def e2e_config(
-    args: argparse.Namespace, runs: list[e2e_runs.RunSpec], steps: dict[str, Any], t_start: float
-) -> end_to_end.PhaseConfig:
-    """The end-to-end phase's settings: the recipe for the geometry, the deadline, the step phases' figures."""
+def e2e_config(args: argparse.Namespace, runs: list[e2e_runs.RunSpec], t_start: float) -> end_to_end.PhaseConfig:
+    """The end-to-end phase's settings: the recipe for the geometry, the deadline (the runs go first: their
+    estimates rest on the priors and the runs already finished)."""
     base = e2e_runs.RECIPES[args.geometry]
     recipe = e2e_runs.recipe_for(base, images=args.e2e_images, steps=args.e2e_steps)
-    default = steps.get("snapref", {}).get("snapref_default", {})
-    step_seconds = {k: default[f] for k, f in (("eager", "seconds"), ("compiled", "compiled_seconds")) if f in default}
-    compiled = steps.get("step", {}).get("compiled")
     return end_to_end.PhaseConfig(
         runs=tuple(runs),
         recipe=recipe,
@@ -200,17 +236,37 @@ def e2e_config(
         compile_backend=args.compile_backend,
         compile_mode=args.compile_mode,
         no_compile=args.no_compile,
-        step_seconds=step_seconds,
+        step_seconds={},
         step_batch=args.batch,
-        compile_seconds_per_graph=compiled["compile_seconds"] / 2 if compiled else None,
+        compile_seconds_per_graph=None,
         startup_prior_s=args.e2e_startup_s,
     )
 
 
+def _fits(estimate: float | None, deadline: float) -> tuple[bool, str]:
+    """(whether a phase of this estimate ends before the deadline, why not)."""
+    left = deadline - time.perf_counter()
+    if estimate is None or estimate <= left:
+        return True, ""
+    return False, f"estimated {estimate:.0f} s, {max(0.0, left):.0f} s left of the budget"
+
+
 def step_phases(
-    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, geo: StepsGeometry, t_start: float
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    geo: StepsGeometry,
+    t_start: float,
+    estimates: dict[str, float | None] | None = None,
 ) -> dict[str, Any]:
-    """The DiT step phases (1-5 of the module docstring) and the registered rows."""
+    """The DiT step phases (1-5 of the module docstring) and the registered rows, each only when its estimate
+    (`step_phase_estimates`) fits the budget left."""
+    estimates = estimates or {}
+    deadline = t_start + args.budget_s
+    fits, why = _fits(estimates.get("eager"), deadline)
+    if not fits:
+        log(f"gpu_suite: skip the step phases: {why}")
+        return {"skipped": [f"step phases ({why})"]}
     log(
         f"gpu_suite: {geo.dit.name}, {geo.dit.num_blocks} blocks, {geo.dit.tokens} + {geo.ref_tokens} tokens, "
         f"{dtype} on {device}, batch {args.batch}, read form {read_form()}"
@@ -252,11 +308,8 @@ def step_phases(
     best_default = snapref["snapref_default"]["seconds"]
     if args.no_compile:
         skipped.append("compiled steps (--no-compile)")
-    elif time.perf_counter() - t_start > args.budget_s / 2:
-        skipped.append(
-            f"compiled steps (eager phase took {time.perf_counter() - t_start:.0f} s of the "
-            f"{args.budget_s:.0f} s budget)"
-        )
+    elif not _fits(estimates.get("compiled"), deadline)[0]:
+        skipped.append(f"compiled steps ({_fits(estimates.get('compiled'), deadline)[1]})")
     else:
         eager_forward = bench.renderer.forward
         bench.renderer.forward = compile_forward(
@@ -297,7 +350,12 @@ def step_phases(
     }
 
     extra = {}
+    per_section = (estimates.get("extra_rows") or 0.0) / max(1, len(EXTRA_ROWS)) or None
     for name, fn in EXTRA_ROWS.items():
+        fits, why = _fits(per_section, deadline)
+        if not fits:
+            skipped.append(f"{name} rows ({why})")
+            continue
         extra[name] = fn(SuiteContext(bench, args, device))
     memory["peak"] = max(memory.values())
     return {
@@ -424,12 +482,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--e2e-runs",
         default=None,
-        help="end-to-end runs in order, ADAPTER[-rgG]:bf16|fp8:eager|compiled, comma-separated (ADAPTER: snapref, v2,"
-        f" pilot; 'none' for no end-to-end phase); default {e2e_runs.DEFAULT_RUNS} ({e2e_runs.SMOKE_RUNS} with"
-        " --smoke)",
+        help="end-to-end runs in order, ADAPTER[-rgG]:bf16|fp8:eager|compiled|compiled-warm, comma-separated"
+        f" (ADAPTER: snapref, v2, pilot; 'none' for no end-to-end phase); default {SUITE_RUNS} ({e2e_runs.SMOKE_RUNS}"
+        " with --smoke)",
     )
     p.add_argument(
-        "--e2e-images", default=None, help="REFERENCESxPROMPTS of the end-to-end job (default 2x16; 1x2 with --smoke)"
+        "--e2e-images",
+        default=None,
+        help=f"REFERENCESxPROMPTS of the end-to-end job (default {SUITE_E2E_IMAGES}; 1x2 with --smoke)",
     )
     p.add_argument("--e2e-steps", type=int, default=None, help="sampling steps of the end-to-end job (default 30)")
     p.add_argument(
@@ -453,7 +513,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.device, args.geometry, args.rounds, args.batch = args.device or "cpu", "smoke", 1, args.batch or 1
         args.compile_backend = "eager"  # an inductor compile costs minutes on a small CPU
         args.e2e_runs = args.e2e_runs if args.e2e_runs is not None else e2e_runs.SMOKE_RUNS
-    args.e2e_runs = args.e2e_runs if args.e2e_runs is not None else e2e_runs.DEFAULT_RUNS
+    args.e2e_runs = args.e2e_runs if args.e2e_runs is not None else SUITE_RUNS
+    if not args.smoke and args.e2e_images is None and args.geometry in (None, "real"):
+        args.e2e_images = SUITE_E2E_IMAGES
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     args.device = args.device or ("cuda" if cuda else "cpu")
     args.geometry = args.geometry or ("real" if cuda else "scaled")

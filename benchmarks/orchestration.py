@@ -29,7 +29,7 @@ scheduling resource.)
 Output overlap (`--overlap on|off|both`): `on` is the worker's default, images encoded and
 uploaded on its output threads (`snapref_ray/cluster/output_writer.py`, `cluster.output_threads`)
 while the next batch samples; `off` (`output_threads: 0`) stores them inline while the device
-waits. `--output s3` writes to a SeaweedFS S3 server started for the run (tests/s3_server.py),
+waits. `--output s3` writes to a SeaweedFS S3 server started for the run (benchmarks/s3_server.py),
 `--noise-images` returns images with noise in them so PNG encoding costs what a real render's
 does (a flat image compresses to nothing). Each run reports `output_overlap` and `workers_busy`.
 
@@ -103,13 +103,20 @@ class SimulatedRenderer:
         import torch
 
         from snapref_ray.adapter.refkv import RefKV
+        from snapref_ray.models.geometry import token_grid
 
         time.sleep(self.encode_s)
         digest = hashlib.sha256(b"".join(images)).hexdigest()[:32]
         tokens = max(1, self.refkv_bytes // (2 * 2 * 64 * 2))  # [blocks=2, K/V, heads=1, tokens, 64] bf16
         kv = torch.zeros((2, 2, 1, tokens, 64), dtype=torch.bfloat16)
         return RefKV(
-            kv, ((1, 1, 1),), ((0, 0, 0),), (1, height // 16, width // 16), "simulated-adapter", digest, self.encode_s
+            kv,
+            ((1, 1, 1),),
+            ((0, 0, 0),),
+            (1, *token_grid(height=height, width=width)),
+            "simulated-adapter",
+            digest,
+            self.encode_s,
         )
 
     def resolve(self, settings):
@@ -147,11 +154,6 @@ def _store_bytes_used() -> int:
     return int(reply.store_stats.object_store_bytes_used)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -161,7 +163,10 @@ class Sampler:
     """Peak RSS (every 20 ms) and object-store bytes (every 0.2 s) from a thread; its own CPU is kept apart."""
 
     def __init__(self) -> None:
-        self.peak_rss = _rss_bytes()
+        from snapref_ray.service.memory import resident_bytes
+
+        self._resident_bytes = resident_bytes
+        self.peak_rss = resident_bytes()
         self.peak_store = 0
         self.own_cpu = 0.0
         self._stop = threading.Event()
@@ -171,7 +176,7 @@ class Sampler:
         t0 = time.thread_time()
         last_store = 0.0
         while not self._stop.is_set():
-            self.peak_rss = max(self.peak_rss, _rss_bytes())
+            self.peak_rss = max(self.peak_rss, self._resident_bytes())
             if time.monotonic() - last_store >= 0.2:
                 try:
                     self.peak_store = max(self.peak_store, _store_bytes_used())
@@ -215,6 +220,7 @@ def _write_job(folder: Path, references: int, prompts: int) -> Path:
 
 def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, overlap: bool = True, s3=None) -> dict:
     from snapref_ray.pipelines.generate_dataset import run_job
+    from snapref_ray.service.memory import resident_bytes
     from snapref_ray.storage.jobspec import JobSpec
 
     references = -(-workers * args.batches_per_worker * args.max_batch // prompts)
@@ -262,7 +268,7 @@ def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, o
     deadline = time.monotonic() + 10
     while _store_bytes_used() > MiB // 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    rss_before = _rss_bytes()
+    rss_before = resident_bytes()
     with Sampler() as sampler:
         summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False, on_workers=workers_ready)
         cpu = _cpu_seconds() - marks["cpu0"]
@@ -423,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
     s3_context = contextlib.nullcontext()
     if args.output == "s3":
         sys.path.insert(0, str(REPO))
-        from tests.s3_server import run_seaweedfs
+        from benchmarks.s3_server import run_seaweedfs
 
         s3_context = run_seaweedfs(root / "seaweedfs")
     try:

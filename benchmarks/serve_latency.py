@@ -155,7 +155,7 @@ def concurrent(client, ref: str, requests: int, clients: int = 4) -> dict:
         "clients": clients,
         "requests_per_s": requests / (time.perf_counter() - t0),
         "mean_batch_size": statistics.fmean(batch_sizes),
-        "max_batch_size": max(batch_sizes),
+        "max_batch": max(batch_sizes),
     }
 
 
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
             update={
                 "max_ongoing_requests": 1,
                 "max_queued_requests": 1,
-                "max_batch_size": 1,
+                "max_batch": 1,
                 "batch_wait_timeout_s": 0.0,
                 "limits": ServeLimits(max_n=1, max_side=512),
             }

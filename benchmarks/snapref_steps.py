@@ -1,6 +1,6 @@
 """Benchmark: seconds per sampling step with and without a SnapRef reference.
 
-Prints ONE JSON table (in the spirit of the seeds' comparison_summary.json): for each setting the
+Prints ONE JSON table (laid out like the timing table's comparison_summary.json): for each setting the
 median seconds per step and its ratio to the no-reference step, the one-off reference encode
 time, the RefKV size, and the three step targets (docs/design.md#performance-targets) with
 met/missed. All settings are measured side by side in one run: every round times each setting
@@ -45,9 +45,7 @@ from benchmarks.common import (
     SCALED,
     SMOKE,
     DiTGeometry,
-    block_linear_dims,
     build_dit,
-    dit_forward_flops,
     emit,
     environment,
     interleaved,
@@ -65,6 +63,8 @@ from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.adapter.snapref import BoundSnapRef
 from snapref_ray.engine import Renderer
 from snapref_ray.models.compiled import compile_forward
+from snapref_ray.models.flops import block_linear_dims, dit_forward_flops
+from snapref_ray.models.geometry import latent_size
 from snapref_ray.requests import RenderSettings
 from snapref_ray.sampling.ref_guidance import Combiner, Row, plan_step
 
@@ -167,7 +167,9 @@ class StepBench:
         ctx = torch.randn(2, g.context_rows, g.context_dim, generator=gen).to(device, dtype)
         # Per row kind, one [1, S, C] context per request (one request here), as _render_batch builds it.
         self.ctx_for = {Row.COND: [ctx[:1]] * batch, Row.UNCOND: [ctx[1:]] * batch, Row.COND_NOREF: [ctx[:1]] * batch}
-        ref_latent = torch.randn(1, 16, geo.ref_height_px // 8, geo.ref_width_px // 8, generator=gen).to(device)
+        ref_latent = torch.randn(
+            1, 16, *latent_size(height=geo.ref_height_px, width=geo.ref_width_px), generator=gen
+        ).to(device)
         ref_context = torch.randn(1, g.context_rows, g.context_dim, generator=gen).to(device)
         self.prepared = PreparedReference((ref_latent,), ref_context, "benchmark-reference")
         self.refkv: RefKV = self.encode()

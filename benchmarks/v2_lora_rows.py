@@ -55,6 +55,7 @@ from snapref_ray.adapter.arcanima import make_arcanima
 from snapref_ray.adapter.arcanima_v2 import ArcAnimaV2
 from snapref_ray.adapter.reference_adapter import PreparedReference
 from snapref_ray.models.attention import row_runs, take_rows
+from snapref_ray.models.geometry import latent_size
 from snapref_ray.models.ops import LoRAPair
 from snapref_ray.requests import RenderSettings
 
@@ -121,7 +122,7 @@ class V2Forms:
         gen = torch.Generator().manual_seed(7)
         h, w = geo.latent_hw
         self.grid = self.dit.token_grid(h, w)
-        ref_latent = torch.randn(1, 16, ref_side // 8, ref_side // 8, generator=gen).to(device)
+        ref_latent = torch.randn(1, 16, *latent_size(height=ref_side, width=ref_side), generator=gen).to(device)
         self.refkv = self.bound.reference_stream(
             self.dit, PreparedReference((ref_latent,), None, "benchmark"), self.grid, dtype
         )

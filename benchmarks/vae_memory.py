@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import emit, environment, log
+from snapref_ray.models.geometry import latent_size
 from snapref_ray.service.memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 
 TARGET_RATIO = 1.35
@@ -93,7 +94,9 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         from snapref_ray.models.vae import VAEConfig, load_vae
 
         renderer.vae = load_vae(random_vae_state_dict(VAEConfig(base_dim=spec["vae_base_dim"])))
-        latent = torch.randn(batch, 16, 1, height // 8, width // 8, generator=torch.Generator().manual_seed(0))
+        latent = torch.randn(
+            batch, 16, 1, *latent_size(height=height, width=width), generator=torch.Generator().manual_seed(0)
+        )
         reset = reset_peak_resident()
         rss_before = resident_bytes()
         t0 = time.perf_counter()

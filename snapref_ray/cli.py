@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from snapref_ray.cli_flags import add_model_flags, add_settings_flags, model_spec_from, settings_from
+from snapref_ray.cli_flags import HelpFormatter, add_model_flags, add_settings_flags, model_spec_from, settings_from
 from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.pipelines.job_summary import JobSummary
 from snapref_ray.requests import RenderSettings
@@ -43,36 +43,21 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 def cmd_txt2img(args: argparse.Namespace) -> int:
     from snapref_ray.requests import RenderRequest
-    from snapref_ray.service import RefKVKey, RenderService
+    from snapref_ray.service import RenderService
     from snapref_ray.service.records import encode_output
-    from snapref_ray.service.references import ReferenceIdentity
 
     service = RenderService.load(model_spec_from(args))
     settings = service.resolve(settings_from(args))
-    references, layout = _reference_images(args)
+    reference = _reference(args, settings, service.adapter_kind)
     init = None
     if args.init_image:
         from PIL import Image
 
         init = Image.open(args.init_image)
     requests = [RenderRequest(prompt=args.prompt, seed=args.seed + i, settings=settings) for i in range(args.n)]
-    reference_hash = ReferenceIdentity.of_images(layout, references).hash if references else None
-    refkv = None
-    if references and not settings.recompute_reference_every_step:
-        key = RefKVKey.for_settings(reference_hash, settings)
-        sources = [*args.reference, *([args.reference2] if args.reference2 else [])]
-        refkv, _ = service.refkv(key, layout, lambda: references, sources=sources)
     bar, update = _progress("sampling")
     with bar:
-        rendered = service.render(
-            requests,
-            refkv=refkv,
-            references=references if settings.recompute_reference_every_step else None,
-            layout=layout,
-            reference_hash=reference_hash,
-            init_image=init,
-            progress=update,
-        )
+        rendered = service.render(requests, reference=reference, init_image=init, progress=update)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fmt = _format_of(out)
@@ -80,12 +65,33 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
         path = out if len(rendered) == 1 else out.with_name(f"{out.stem}_{i:03d}{out.suffix}")
         path.write_bytes(encode_output(image, model=service.model_id, adapter=service.adapter_id, fmt=fmt))
         t = image.timings
-        encode_s = refkv.encode_seconds if refkv is not None else t.get("encode_s", 0.0)
         print(
             f"{path}  seed {image.request.seed}  sample {t['sample_s']:.2f} s  decode {t['decode_s']:.2f} s"
-            + (f"  reference encode {encode_s:.2f} s" if references else "")
+            + (f"  reference encode {t['encode_s']:.2f} s" if reference else "")
         )
     return 0
+
+
+def _reference(args: argparse.Namespace, settings: RenderSettings, adapter_kind: str | None):
+    """The typed `Reference` of --reference / --reference2, checked before any device work (None without one)."""
+    from snapref_ray.adapter.images import ReferenceImageError
+    from snapref_ray.requests import RenderError
+    from snapref_ray.service.references import Reference, check_reference
+
+    images, layout = _reference_images(args)
+    if images is None:
+        return None
+    sources = [*args.reference, *([args.reference2] if args.reference2 else [])]
+    flags = ["--reference"] * len(args.reference) + (["--reference2"] if args.reference2 else [])
+    try:
+        check_reference(images, layout, sources, adapter_kind)
+    except ReferenceImageError as e:
+        flag = next((f for f, src in zip(flags, sources) if str(e).startswith(src)), "--reference")
+        raise ReferenceImageError(f"{flag} {e}") from None
+    except RenderError as e:  # a layout the adapter does not read
+        flag = "--reference2" if layout == "pair" else f"--reference (given {len(args.reference)} times)"
+        raise RenderError(f"{flag}: {str(e).removeprefix('layout: ')}", field="reference") from None
+    return Reference.of_images(images, layout, settings, sources)
 
 
 def _reference_images(args: argparse.Namespace) -> tuple[list[bytes] | None, str]:
@@ -132,8 +138,12 @@ def cmd_adapter_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_render(args: argparse.Namespace) -> int:
-    from snapref_ray.pipelines.generate_dataset import run_job
+class OutputOfAnotherJob(ValueError):
+    """The output folder holds another job's images, and --append was not given (a usage error: exit status 2)."""
+
+
+def render_spec(args: argparse.Namespace):
+    """The JobSpec of `render`'s arguments: a spec file with the flags over it, or the quick form."""
     from snapref_ray.storage.jobspec import load_job_spec, quick_spec
 
     target = args.spec_or_manifest
@@ -145,20 +155,67 @@ def cmd_render(args: argparse.Namespace) -> int:
         spec = spec.model_copy(update=update)
     else:
         if not args.model_models_dir or not args.out:
-            raise ValueError("the quick form needs --models DIR and --out DIR_OR_S3_URI")
+            raise ValueError("the quick form needs --models DIR and --out DIR_OR_S3_URI (snapref-ray render --help)")
         overrides = {
             name: getattr(args, name)
             for name in (*RenderSettings.model_fields, "min_workers", "max_workers")
             if getattr(args, name, None) is not None
         }
         spec = quick_spec(target, args.out, model=model_spec_from(args), workers=args.workers, **overrides)
+    if args.append:
+        spec = spec.model_copy(update={"output": spec.output.model_copy(update={"append": True})})
     if args.wait_for_lease is not None:
         spec = spec.model_copy(
             update={"output": spec.output.model_copy(update={"lease_wait_seconds": args.wait_for_lease})}
         )
-    summary = run_job(spec, progress=not args.no_progress)
+    return spec
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    spec = render_spec(args)
+    if args.dry_run:
+        return _dry_run(spec)
+    return _run_job_from_the_command_line(spec, progress=_progress_bar(args), verbose=args.verbose)
+
+
+def _dry_run(spec) -> int:
+    """Validate, count and read the output's ledger; render nothing, write nothing."""
+    from snapref_ray.pipelines.job_plan import check_something_to_render, plan_job
+
+    plan = plan_job(spec)
+    for line in plan.lines():
+        print(f"dry run: {line}")
+    check_something_to_render(spec.manifest, plan)
+    if plan.owner == "another job":
+        raise OutputOfAnotherJob(f"output {plan.output} belongs to another job: add --append, or choose another --out")
+    return 0
+
+
+def _run_job_from_the_command_line(spec, *, progress: bool, verbose: bool, gallery_note: bool = True) -> int:
+    """run_job with job.log in the output and Ray's output kept off the terminal; the summary lines; the exit
+    status: 0 when every item is rendered, 1 when some failed (their errors are in errors/)."""
+    from snapref_ray.job_console import job_console
+    from snapref_ray.pipelines.generate_dataset import run_job
+    from snapref_ray.storage.ledger import OutputConflictError
+
+    with job_console(spec.output.uri, s3=spec.s3_options(), progress=progress, verbose=verbose) as log_file:
+        try:
+            summary = run_job(spec, progress=progress)
+        except OutputConflictError as e:  # a usage error: one line that names the flag
+            raise OutputOfAnotherJob(
+                str(e).replace("pass append=True", "add --append (output.append: true in a spec)")
+            ) from None
     _print_summary(summary)
+    memory = _memory_line(summary)
+    if memory:
+        print(memory)
+    if gallery_note:
+        print(f"gallery: {_join(spec.output.uri, 'gallery.html')}; log: {log_file}")
     return 1 if summary.failed_items else 0
+
+
+def _join(uri: str, name: str) -> str:
+    return uri.rstrip("/") + "/" + name if uri.startswith("s3://") else str(Path(uri).resolve() / name)
 
 
 def _print_summary(summary: JobSummary) -> None:
@@ -170,8 +227,37 @@ def _print_summary(summary: JobSummary) -> None:
     )
 
 
+def _memory_line(summary: JobSummary) -> str | None:
+    """One line on memory: what each worker asked Ray for, and per image size the batch its workers measured fits
+    (the smallest over the workers; each worker's figures are in summary.json and job.log)."""
+    request = (summary.memory_per_worker or {}).get("bytes")
+    fits: dict[tuple[int, int], int] = {}
+    for fit in summary.memory_fit or []:
+        size = (fit["width"], fit["height"])
+        fits[size] = min(fits.get(size, fit["batch"]), fit["batch"])
+    if not request and not fits:
+        return None
+    parts = [f"each worker asked Ray for {request / 2**30:.2f} GiB"] if request else []
+    parts += [f"at {w}x{h} {n} image(s) fit in one batch" for (w, h), n in sorted(fits.items())]
+    return "memory: " + "; ".join(parts)
+
+
+def _add_progress_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar, or (--no-progress) log lines on the terminal as in job.log (default: the bar when"
+        " stderr is a terminal; a log file or a CI log gets the lines)",
+    )
+
+
+def _progress_bar(args: argparse.Namespace) -> bool:
+    """The bar where a person watches it: redrawn with carriage returns, it only reads well on a terminal."""
+    return args.progress if args.progress is not None else sys.stderr.isatty()
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    from snapref_ray.pipelines.generate_dataset import run_job
     from snapref_ray.storage.jobspec import load_job_spec
     from snapref_ray.tiny import make_tiny
 
@@ -186,44 +272,104 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "output": spec.output.model_copy(update={"uri": str(out)}),
         }
     )
-    summary = run_job(spec, progress=not args.no_progress)
-    _print_summary(summary)
+    status = _run_job_from_the_command_line(
+        spec, progress=_progress_bar(args), verbose=args.verbose, gallery_note=False
+    )
     print(f"open {out / 'gallery.html'} to look at the results")
-    return 1 if summary.failed_items else 0
+    return status
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from snapref_ray.report import write_report
 
+    _check_job_output(args.output)
     result = write_report(args.output)
     print(json.dumps(result, indent=2, default=str))
     return 0
 
 
+def _check_job_output(uri: str) -> None:
+    """ValueError unless `uri` holds a job's output (summary.json or metadata/); a local path that does not exist is
+    never created, and a misspelt one gets the sibling folders that hold an output as a did-you-mean."""
+    import difflib
+
+    if uri.startswith("s3://"):
+        from snapref_ray.storage.backends import open_storage
+
+        storage = open_storage(uri)
+        if storage.exists("summary.json") or storage.list("metadata/"):
+            return
+        raise ValueError(f"{uri} holds no job output (no summary.json, no metadata/): is the prefix right?")
+    folder = Path(uri).expanduser()
+    if (folder / "summary.json").is_file() or (folder / "metadata").is_dir():
+        return
+    parent = folder.parent if folder.parent.is_dir() else None
+    outputs = [p.name for p in parent.iterdir() if (p / "summary.json").is_file()] if parent else []
+    close = difflib.get_close_matches(folder.name, outputs, n=1)
+    hint = f" (did you mean {str(folder.parent / close[0])!r}?)" if close else ""
+    what = "does not exist" if not folder.exists() else "holds no job output (no summary.json, no metadata/)"
+    raise ValueError(f"{uri} {what}{hint}")
+
+
+RENDER_EXAMPLES = """examples:
+  snapref-ray make-tiny tiny
+  snapref-ray render snapref_ray/examples/example_manifest.csv --models tiny --out out/run1 --width 256 --height 256
+  snapref-ray render manifest.csv --models tiny --out out/run1 --dry-run    # validate and count, render nothing
+  snapref-ray render more.csv --models tiny --out out/run1 --append         # add another job's images to run1
+  snapref-ray render job.yaml                                               # a job spec (docs/jobs.md)
+
+exit status: 0 every item rendered (or already there); 1 some items failed (errors/ says why); 2 a usage error
+or input that renders nothing (every row invalid, an output of another job, a worker no node can hold);
+130 interrupted (Ctrl-C: what was committed stays, run the same command again to resume)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's help shows the flags' defaults and keeps the examples' line breaks."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from snapref_ray import __version__
+
+    found = []
+    for name in ("ray", "torch"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            continue
+    return f"snapref-ray {__version__} ({', '.join(found)}; Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snapref-ray", description=__doc__)
+    parser = _Parser(prog="snapref-ray", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version(), help="print the versions and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of a usage error too (also: SNAPREF_DEBUG=1)"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("make-tiny", help="write a tiny random-weight model set (real file layouts) for tests and demos")
-    p.add_argument("dir")
-    p.add_argument("--blocks", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("dir", help="the folder to write (created)")
+    p.add_argument("--blocks", type=int, default=2, help="transformer blocks of the tiny DiT")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument(
         "--adapter-kind",
         choices=("snapref", "arcanima-v2", "arcanima-pilot"),
         default="snapref",
-        help="which kind of reference adapter adapter.safetensors is (default snapref)",
+        help="which kind of reference adapter adapter.safetensors is",
     )
     p.set_defaults(func=cmd_make_tiny)
 
     p = sub.add_parser("txt2img", help="render images from a prompt (optionally with a reference)")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the scene prompt")
     p.add_argument("--out", required=True, help="output PNG path (numbered when --n > 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the first image")
     p.add_argument("--n", type=int, default=1, help="images, consecutive seeds, one batch")
     p.add_argument(
         "--reference", action="append", default=[], help="reference image; repeat for several of one character"
@@ -235,26 +381,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_txt2img)
 
     p = sub.add_parser("adapter", help="reference adapter files (SnapRef, ArcAnima v2 and pilot)")
-    adapter_sub = p.add_subparsers(dest="adapter_command", required=True)
+    adapter_sub = p.add_subparsers(dest="adapter_command", required=True, metavar="COMMAND")
     q = adapter_sub.add_parser(
         "inspect",
         help="what a file is and why: kind, rank, blocks, linears, dtype,"
         " parameters, the method it implies (also for files it cannot use)",
     )
-    q.add_argument("file")
+    q.add_argument("file", help="the .safetensors file")
     q.add_argument("--json", action="store_true", help="print the result as JSON")
     q.set_defaults(func=cmd_adapter_inspect)
     q = adapter_sub.add_parser("convert", help="rename the tensors of a file (and set its kind) with a YAML map")
-    q.add_argument("input")
-    q.add_argument("output")
+    q.add_argument("input", help="the .safetensors file to read")
+    q.add_argument("output", help="the .safetensors file to write")
     q.add_argument("--map", required=True, help="YAML: rename [[PATTERN, REPLACEMENT], ...], drop, kind, metadata")
     q.set_defaults(func=cmd_adapter_convert)
 
-    p = sub.add_parser("render", help="run a batch job: SPEC.yaml, or MANIFEST --models DIR --adapter FILE --out DIR")
+    p = sub.add_parser(
+        "render",
+        help="run a batch job: a job spec (SPEC.yaml), or a manifest with --models DIR --out DIR",
+        description="Run (or resume) a batch job: every row of the manifest rendered once into the output, with"
+        " Parquet metadata, errors/, summary.json, gallery.html and job.log. Running it again resumes it.",
+        epilog=RENDER_EXAMPLES,
+    )
     p.add_argument(
         "spec_or_manifest", help="job spec (.yaml) or manifest (.csv/.jsonl/.parquet; columns reference, prompt)"
     )
-    p.add_argument("--out", help="output folder or s3://bucket/prefix")
+    p.add_argument("--out", help="output folder or s3://bucket/prefix (default: the spec's output.uri)")
     p.add_argument("--workers", type=int, help="exactly N render workers (default: --min-workers/--max-workers)")
     p.add_argument("--min-workers", type=int, help="start rendering once N workers are ready (default 1)")
     p.add_argument(
@@ -263,7 +415,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="grow the pool up to N workers as the autoscaler adds GPU nodes (default: the GPUs present "
         "at start, or 2 CPU workers on a machine without GPUs)",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add this job's images to an output that holds another job's (else that is refused)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the manifest, count items, invalid rows and what the output already holds; render nothing",
+    )
     p.add_argument(
         "--wait-for-lease",
         type=float,
@@ -273,13 +434,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="if another driver is rendering to the same output, wait up to SECONDS (default 600) for it "
         "instead of refusing",
     )
+    _add_progress_flag(p)
     add_model_flags(p)
     add_settings_flags(p)
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser("demo", help="make the tiny models and render the bundled example on a local Ray")
-    p.add_argument("--out", default="demo-output", help="output folder (default ./demo-output)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default="demo-output", help="output folder")
+    _add_progress_flag(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("report", help="regenerate gallery.html and the throughput plots of a job's output")
@@ -291,14 +453,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED = 130  # what a shell reports for a command ended by SIGINT (128 + 2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand. A usage error (a setting, file or model that does not fit) is one line on stderr
-    and exit status 2; `--debug` (or SNAPREF_DEBUG=1) shows its traceback instead."""
+    """Run one subcommand. A usage error (a setting, file or model that does not fit, input that renders nothing)
+    is one line on stderr and exit status 2; `--debug` (or SNAPREF_DEBUG=1) shows its traceback instead. Ctrl-C is
+    one line and exit status 130."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return run_reporting_usage_errors(lambda: args.func(args), debug=args.debug)
+    ray_before = _ray_connected()
+    try:
+        try:
+            return run_reporting_usage_errors(lambda: args.func(args), debug=args.debug)
+        finally:
+            if not ray_before and _ray_connected():
+                # The local Ray this command started stops here, where a Ctrl-C during its shutdown is still ours
+                # (Ray's own atexit shutdown would print a KeyboardInterrupt traceback instead).
+                sys.modules["ray"].shutdown()
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("interrupted: what was committed stays; run the same command again to resume", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _ray_connected() -> bool:
+    """Whether this process is connected to a Ray (without importing Ray for the commands that never use it)."""
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized())
 
 
 if __name__ == "__main__":

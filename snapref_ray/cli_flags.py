@@ -18,6 +18,31 @@ from snapref_ray.requests import RenderSettings
 _MODEL_FLAG_NAMES = {"models_dir": "--models", "loras": "--lora"}
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help` that shows a flag's default after its text (unless the text says it already, or there is none)
+    and keeps the line breaks of descriptions and examples."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        none = default is None or default is False or default is argparse.SUPPRESS or default == []
+        if not action.option_strings or "default" in text or none:
+            return text
+        return f"{text} (default: {str(default).replace('%', '%%')})"
+
+
+def _with_default(description: str | None, info) -> str:
+    """A field's description, and its default where it has one (the flags themselves default to "not given", so
+    that a spec file's value is kept)."""
+    text = description or ""
+    default = info.get_default(call_default_factory=True)
+    if default is None or "default" in text.lower():
+        return text
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    return f"{text} (default: {str(default).replace('%', '%%')})"
+
+
 def _field_type(annotation) -> type:
     """int, float, bool or str for a field annotation; `X | None` counts as X."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -37,12 +62,11 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for name, info in RenderSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         kind = _field_type(info.annotation)
+        text = _with_default(info.description, info)
         if kind is bool:
-            parser.add_argument(
-                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=info.description
-            )
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            parser.add_argument(flag, dest=name, type=kind, default=None, help=info.description)
+            parser.add_argument(flag, dest=name, type=kind, default=None, help=text)
 
 
 def settings_from(args: argparse.Namespace) -> RenderSettings:
@@ -72,17 +96,23 @@ def add_model_flags(parser: argparse.ArgumentParser, *, models_required: bool = 
             )
         elif _field_type(info.annotation) is bool:
             group.add_argument(
-                flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=info.description
+                flag,
+                dest=dest,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=_with_default(info.description, info),
             )
         else:
+            choices = _choices(info.annotation)
             group.add_argument(
                 flag,
                 dest=dest,
                 default=None,
-                choices=_choices(info.annotation),
+                choices=choices,
                 required=models_required and name == "models_dir",
-                metavar="DIR" if name == "models_dir" else None,
-                help=info.description,
+                # The field's name, not the internal dest (`model_dit`): `--dit DIT`, `--models DIR`.
+                metavar=None if choices else "DIR" if name == "models_dir" else name.upper(),
+                help=_with_default(info.description, info),
             )
 
 

@@ -29,10 +29,12 @@ from snapref_ray.adapter.reference_adapter import (
 )
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.models.bundle import ModelFiles, resolve_model_files
+from snapref_ray.models.compile_cache import CompileCache, CompileKey
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.conditioning import PromptEncoder
 from snapref_ray.models.dit import load_dit
 from snapref_ray.models.fp8 import quantize_dit
+from snapref_ray.models.geometry import latent_size
 from snapref_ray.models.latent_format import process_in, process_out
 from snapref_ray.models.lora import merge_loras, read_lora
 from snapref_ray.models.qwen3 import load_text_encoder
@@ -45,6 +47,7 @@ from snapref_ray.sampling.ref_guidance import Combiner, Row, StepPlan, plan_step
 from snapref_ray.sampling.samplers import sample
 from snapref_ray.sampling.schedules import get_sigmas
 from snapref_ray.sampling.step_cache import StepCacheState
+from snapref_ray.storage.backends import S3Options
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,8 @@ class Renderer:
         dtype: torch.dtype | None = None,
         compile: bool = False,
         quantize: str | None = None,
+        compile_cache: str | None = None,
+        s3: S3Options | None = None,
     ) -> None:
         auto_device, auto_dtype = default_device_and_dtype()
         self.device = torch.device(device) if device is not None else auto_device
@@ -121,13 +126,18 @@ class Renderer:
         # The DiT forward every sampling step calls: the module itself, or its compiled graphs
         # (models/compiled.py: one per resolution / row layout, built at warm-up or first use).
         self.compiled = compile
-        self.forward: Callable[..., torch.Tensor] = compile_forward(self.dit) if compile else self.dit
+        # compile_cache: where compiled graphs are shared between workers (models/compile_cache.py).
+        cache = None
+        if compile and compile_cache is not None:
+            cache = CompileCache(compile_cache, CompileKey.for_dit(self.dit, quantize or "none"), s3=s3)
+        self.forward: Callable[..., torch.Tensor] = compile_forward(self.dit, cache=cache) if compile else self.dit
         self.model_id = (
             f"{Path(files.dit).name}"
             + (f"+{len(loras)} LoRA" if loras else "")
             + (f"+{quantize}" if quantize is not None else "")
         )
         self.load_seconds = time.perf_counter() - t0
+        self.images_rendered = 0
         log.info(
             "loaded %s on %s (%s) in %.1f s%s%s",
             files.dit,
@@ -163,7 +173,7 @@ class Renderer:
 
     # -- references -----------------------------------------------------------------------
     def target_grid(self, width: int, height: int) -> tuple[int, int, int]:
-        return self.dit.token_grid(height // 8, width // 8)
+        return self.dit.token_grid(*latent_size(height=height, width=width))
 
     def _require_adapter(self) -> ReferenceAdapter:
         if self.adapter is None:
@@ -278,6 +288,7 @@ class Renderer:
             prepared = None
         for r in results:
             r.timings["encode_s"] = encode_s
+        self.images_rendered += len(results)  # the service's cold start reads when the first image came
         return results
 
     @torch.inference_mode()
@@ -317,7 +328,7 @@ class Renderer:
         ctx_for = {Row.COND: contexts[:n], Row.UNCOND: contexts[n:], Row.COND_NOREF: contexts[:n]}
         text_s = time.perf_counter() - t0
 
-        latent_shape = (16, 1, s.height // 8, s.width // 8)
+        latent_shape = (16, 1, *latent_size(height=s.height, width=s.width))
         seeds = [r.seed for r in requests]
         sigmas = get_sigmas(s.scheduler, s.steps, denoise=s.denoise)
         noise = initial_noise(seeds, latent_shape, self.device)

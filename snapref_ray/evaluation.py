@@ -38,6 +38,7 @@ import torch
 from PIL import Image
 
 from snapref_ray.adapter.images import fit_megapixels, image_to_pixels, open_reference
+from snapref_ray.models.geometry import PIXELS_PER_TOKEN
 from snapref_ray.models.latent_format import process_in
 from snapref_ray.models.vae_memory import encode_in_budget
 from snapref_ray.requests import RenderSettings
@@ -64,7 +65,7 @@ def prepare_target(data: bytes, megapixels: float = 1.0, source: str = "<target>
 @torch.inference_mode()
 def encode_target(renderer, target_image: Image.Image) -> torch.Tensor:
     """The target's clean latent x0 in model space, [1, 16, 1, h, w] fp32."""
-    if target_image.width % 16 or target_image.height % 16:
+    if target_image.width % PIXELS_PER_TOKEN or target_image.height % PIXELS_PER_TOKEN:
         raise ValueError(
             f"target image is {target_image.width}x{target_image.height}: both sides must be multiples"
             " of 16 (fit it with prepare_target)"

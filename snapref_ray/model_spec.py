@@ -1,4 +1,4 @@
-"""What a render runs on: the model files, the reference adapter, LoRAs, dtype, device, compile, quantize.
+"""What a render runs on: model files, reference adapter, LoRAs, dtype, device, compile (and its cache), quantize.
 
 `ModelSpec` is the one description of a loaded model, embedded unchanged wherever a renderer is
 made: a job spec (`model:`), an evaluation or timing spec (`model:`), the serve config (`model:`),
@@ -79,8 +79,16 @@ class ModelSpec(BaseModel):
     dtype: Dtype = Field("auto", description="'auto' = bfloat16 on a GPU (as ComfyUI runs Anima), float32 on the CPU.")
     compile: bool = Field(
         False,
-        description="Run the DiT forward through torch.compile: one graph per resolution and row layout"
-        " (minutes to build on a GPU; pays off on long jobs and busy endpoints).",
+        description="Run the DiT forward through torch.compile: its block compiled once for every block, one graph"
+        " per resolution and reading-row layout, batch sizes sharing one (seconds to a minute per graph on a GPU;"
+        " pays off on long jobs and busy endpoints).",
+    )
+    compile_cache: str | None = Field(
+        None,
+        description="Where compiled DiT graphs are shared with the cluster's other workers: a local folder or an"
+        " s3:// prefix (models/compile_cache.py). A worker loads the graphs found there instead of building them"
+        " (seconds instead of minutes) and publishes the ones it builds. None = compile/ beside the node's model"
+        " cache, shared by the node's workers only; point it at s3:// to share across nodes. Used with compile.",
     )
     quantize: Quantize = Field(
         "none",
@@ -147,10 +155,10 @@ class ModelSpec(BaseModel):
     def fingerprint(self) -> dict[str, Any]:
         """What changes the pixels: the files (by path), adapter, LoRAs, dtype and quantisation.
 
-        Device and compile are left out: the same job on another GPU, or compiled, draws the same images
-        (within the float rounding any two devices differ by).
+        Device, compile and the compile cache are left out: the same job on another GPU, or compiled,
+        draws the same images (within the float rounding any two devices differ by).
         """
-        return self.model_dump(mode="json", exclude={"device", "compile"})
+        return self.model_dump(mode="json", exclude={"device", "compile", "compile_cache"})
 
 
 def _is_number(text: str) -> bool:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from snapref_ray.models.geometry import PIXELS_PER_TOKEN
+
 Sampler = Literal["euler", "er_sde"]
 Scheduler = Literal["simple"]
 Correction = Literal["apg", "rescale", "none"]
@@ -168,8 +170,10 @@ class RenderSettings(BaseModel):
     @field_validator("width", "height")
     @classmethod
     def _side(cls, v: int, info) -> int:
-        if v % 16 or not MIN_SIDE <= v <= MAX_SIDE:
-            raise ValueError(f"{info.field_name} must be a multiple of 16 between {MIN_SIDE} and {MAX_SIDE}, got {v}")
+        if v % PIXELS_PER_TOKEN or not MIN_SIDE <= v <= MAX_SIDE:
+            raise ValueError(
+                f"{info.field_name} must be a multiple of {PIXELS_PER_TOKEN} between {MIN_SIDE} and {MAX_SIDE}, got {v}"
+            )
         return v
 
     @model_validator(mode="after")
@@ -186,11 +190,6 @@ class RenderSettings(BaseModel):
         """
         dump = self.model_dump(exclude={"negative_prompt"})
         return tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in dump.items()))
-
-    @classmethod
-    def from_simple(cls, strength: float = 1.0, fidelity: float = 1.0, **others) -> RenderSettings:
-        """The simple node's controls; their per-kind meaning is `snapref_ray.adapter.controls`."""
-        return cls(strength=strength, fidelity=fidelity, **others)
 
 
 class RenderRequest(BaseModel):

@@ -255,7 +255,7 @@ def local_ray_environment(s3_server, tmp_path_factory) -> dict[str, str]:
     session's own (s3:// model folders are mirrored there, not in the user's ~/.cache).
 
     In the head's environment rather than in each module's job: a job with a runtime environment
-    starts every worker through Ray's `setup_worker.py`, a second Python start (tests/fake_cluster.py
+    starts every worker through Ray's `setup_worker.py`, a second Python start (benchmarks/fake_cluster.py
     `RayHead.job_runtime_env`)."""
     return {**s3_server.aws_environment(), "SNAPREF_RAY_CACHE": str(tmp_path_factory.mktemp("model-cache"))}
 

@@ -32,7 +32,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.fake_cluster import FakeCluster, RayHead
+from benchmarks.fake_cluster import FakeCluster, RayHead
 
 LOCAL_RAY, LOCAL_SERVE, FAKE_CLUSTER = "local_ray", "local_serve", "fake_cluster"
 # The order the environments run in; modules that need none run before all of them.

@@ -269,3 +269,50 @@ def test_serve_flags_build_the_served_model_spec(models, tmp_path, monkeypatch):
         (str(models / "style-lora.safetensors"), 0.7)
     ]
     assert config.model.dtype == "float32"
+
+
+# -- the help: every flag explained, defaults shown, examples -----------------------------------------
+
+
+def _subparsers(parser) -> dict[str, object]:
+    """Every (sub)command's parser by its path ("render", "adapter inspect", ...)."""
+    import argparse
+
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found[name] = sub
+                found.update({f"{name} {k}": v for k, v in _subparsers(sub).items()})
+    return found
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    import argparse
+
+    parsers = {"": snapref_cli.build_parser(), **_subparsers(snapref_cli.build_parser())}
+    assert {"render", "serve", "make-tiny", "adapter inspect", "timing"} <= set(parsers)
+    for name, parser in parsers.items():
+        text = parser.format_help()
+        assert "MODEL_" not in text, f"snapref-ray {name} --help shows an internal metavar:\n{text}"
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            flag = "/".join(action.option_strings) or action.dest
+            assert action.help, f"snapref-ray {name}: {flag} has no help text"
+            default = action.default
+            none = default is None or default is False or default is argparse.SUPPRESS or default == []
+            if none or not action.option_strings:
+                continue
+            shown = parser._get_formatter()._get_help_string(action)  # the text --help prints
+            assert "default" in shown, f"snapref-ray {name}: {flag} does not show its default {default!r}"
+
+
+def test_render_help_has_examples_and_the_usage_asks_for_no_adapter():
+    parsers = _subparsers(snapref_cli.build_parser())
+    render = parsers["render"].format_help()
+    assert "examples:\n  snapref-ray make-tiny tiny\n  snapref-ray render " in render
+    assert "--dry-run" in render and "--append" in render and "exit status: 0" in render
+    top = snapref_cli.build_parser().format_help()
+    assert "--adapter" not in top  # an adapter file is optional: the models folder's adapter.safetensors is used
+    assert "--version" in top

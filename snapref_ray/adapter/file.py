@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from snapref_ray.adapter.kinds import SNAPREF_FORMAT, not_a_snapref_file
 from snapref_ray.models.checkpoint import CheckpointError, load_state_dict, read_header
+from snapref_ray.models.dit import BLOCK_LINEARS
 from snapref_ray.models.ops import BlockLoRA, LoRAPair
 
 log = logging.getLogger(__name__)
@@ -43,20 +44,9 @@ WEIGHT_FORMATS: dict[str, tuple[torch.dtype, str]] = {
 FP8_FORMAT = "fp8_e4m3fn_rowwise"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
-# The ten DiT linears the reference branch adapts, and the one the target branch adapts
+# The reference branch adapts all ten block linears, the target branch one of them
 # (module paths inside a block, docs/design.md#dit).
-REF_LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.output_proj",
-    "cross_attn.q_proj",
-    "cross_attn.k_proj",
-    "cross_attn.v_proj",
-    "cross_attn.output_proj",
-    "mlp.layer1",
-    "mlp.layer2",
-)
+REF_LINEARS = BLOCK_LINEARS
 TARGET_LINEARS = ("self_attn.q_proj",)
 
 # Metadata keys a file must carry; the alphas may be absent (alpha = rank then).

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from snapref_ray.models.geometry import PIXELS_PER_TOKEN
+
 if TYPE_CHECKING:  # imported where pixels are made: Serve's ingress checks images without torch
     import torch
 
@@ -29,8 +31,8 @@ if TYPE_CHECKING:  # imported where pixels are made: Serve's ingress checks imag
 # reference is resized to ~1 MP anyway), and small enough that decoding one stays < 256 MB.
 # Checked on the header, before any pixel is decoded, independently of PIL's global limit.
 MAX_REFERENCE_PIXELS = 64_000_000
-# Sides must be multiples of 16 px: the VAE downsamples by 8 and the DiT patchifies by 2.
-SIDE_MULTIPLE = 16
+# Sides must be whole tokens (16 px): the VAE downsamples by 8 and the DiT patchifies by 2.
+SIDE_MULTIPLE = PIXELS_PER_TOKEN
 
 Layout = Literal["single", "pair", "multi"]
 _LAYOUT_COUNTS = {"single": "exactly 1", "pair": "exactly 2", "multi": "at least 1"}

@@ -44,12 +44,11 @@ SNAPREF_FORMAT = "anima_ref_kv/1"
 # Metadata key this project writes into ArcAnima files it makes or converts (and into a plain
 # LoRA whose shape happens to match an adapter signature, to say it is a LoRA).
 KIND_METADATA_KEY = "adapter_kind"
-AdapterKindName = Literal["snapref", "arcanima-v2", "arcanima-pilot"]
 
 
 @dataclass(frozen=True)
 class ArcAnimaLayout:
-    """What an ArcAnima file holds and how it is read. `published` fields are the seed's facts;
+    """What an ArcAnima file holds and how it is read. `published` fields are what the ArcAnima README states;
     the rest are this project's documented choices (docs/adapters.md), switchable here."""
 
     kind: str
@@ -59,14 +58,12 @@ class ArcAnimaLayout:
     linears: tuple[str, ...]  # published: all ten linears of every block (28 x 64 x 51,200 = 91.75 M at rank 64)
     published_file: str
     published_size: str
-    # Choice: does the LoRA also act in the v2 reference stream (the seed is silent)? Off: the
+    # Choice: does the LoRA also act in the v2 reference stream (the ArcAnima README does not say)? Off: the
     # reference stream is the base model, and the LoRA acts only in rows that read the reference.
     lora_in_reference_stream: bool = False
     # Choice: where the v2 reference sits in RoPE, "past the target grid": shifted by the target's
     # size on h and w (`after_target`, as SnapRef files state it); t stays 0.
     rope_offset: tuple[int | str, int | str, int | str] = (0, "after_target", "after_target")
-    # Choice (pilot): the RoPE frame index of the appended reference frame.
-    reference_frame_index: int = 1
 
 
 @dataclass(frozen=True)
@@ -175,7 +172,6 @@ KINDS: dict[str, AdapterKind] = {
 # The kinds recognised by their LoRA layout, and that layout.
 ARCANIMA_LAYOUTS: dict[str, ArcAnimaLayout] = {k: row.lora_layout for k, row in KINDS.items() if row.lora_layout}
 ARCANIMA_KINDS = tuple(ARCANIMA_LAYOUTS)
-ALL_KINDS = tuple(KINDS)
 
 
 @dataclass(frozen=True)

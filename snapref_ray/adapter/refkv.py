@@ -62,10 +62,6 @@ class RefKV:
         """Size of the cached K/V in bytes (what the object store and device caches hold)."""
         return self.kv_N2HLD.numel() * self.kv_N2HLD.element_size()
 
-    @property
-    def cache_key(self) -> tuple[str, str, tuple[int, int, int]]:
-        return (self.adapter_id, self.reference_id, self.target_grid)
-
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> RefKV:
         kv = self.kv_N2HLD.to(device=device, dtype=dtype, non_blocking=True)
         return self if kv is self.kv_N2HLD else replace(self, kv_N2HLD=kv)

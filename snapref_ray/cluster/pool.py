@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import ray
 
+from snapref_ray.cluster import ray_output
+from snapref_ray.cluster.feasibility import InfeasibilityWatch
 from snapref_ray.cluster.schedule import SchedulerConfig, SchedulerStats
 from snapref_ray.cluster.tasks import WorkerInfo
 from snapref_ray.cluster.worker import RenderWorker, WorkerConfig
@@ -150,6 +152,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, num_gpus
     else:
         # "local" never attaches to a stale cluster left by an unclean exit.
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True)
+    ray_output.install()  # Ray's process output: the terminal, or the job's log (cluster/ray_output.py)
 
 
 def gpus_in_cluster() -> int:
@@ -180,6 +183,9 @@ class WorkerPool:
         self.starting: dict[ray.ObjectRef, ray.actor.ActorHandle] = {}
         self.launched = 0
         self.start_failures: list[str] = []
+        # Until a worker starts, Ray's report that no node type can hold one ends the wait (cluster/feasibility.py).
+        asked = {"CPU": plan.num_cpus_per_worker, "GPU": 1 if plan.use_gpu else 0, "memory": plan.memory_bytes}
+        self.feasibility: InfeasibilityWatch | None = InfeasibilityWatch(asked)
 
     def launch(self, count: int) -> None:
         for _ in range(count):
@@ -195,6 +201,8 @@ class WorkerPool:
             )
 
     def starting_futures(self) -> list[ray.ObjectRef]:
+        if self.feasibility is not None and self.starting:
+            self.feasibility.check()  # raises WorkerCannotBePlaced once Ray reported the request infeasible
         return list(self.starting)
 
     def ready(self, future: ray.ObjectRef) -> tuple[ray.actor.ActorHandle, WorkerInfo | None]:
@@ -208,6 +216,9 @@ class WorkerPool:
             log.error("a worker failed to start: %s", self.start_failures[-1])
             kill(handle)
             return handle, None
+        if self.feasibility is not None:  # a worker fits: the cluster can hold the request
+            self.feasibility.stop()
+            self.feasibility = None
         log.info("worker %s ready on %s (load %.1f s)", info.worker_id, info.device, info.load_seconds)
         return handle, info
 
@@ -217,6 +228,9 @@ class WorkerPool:
         for handle in self.starting.values():
             kill(handle)
         self.starting.clear()
+        if self.feasibility is not None:  # nothing is waited for any more
+            self.feasibility.stop()
+            self.feasibility = None
         return count
 
 

@@ -92,3 +92,6 @@ class WorkerInfo:
     pid: int
     load_seconds: float
     memory_budget_bytes: int | None = None  # the host memory this worker asked Ray for (None: none asked)
+    # ColdStart.as_dict() (service/cold_start.py): model load, compile built/loaded, warm-up, first image s.
+    # The driver puts it, per worker, into the job summary's "cold_start" list.
+    cold_start: dict | None = None

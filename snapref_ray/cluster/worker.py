@@ -25,6 +25,7 @@ from snapref_ray.cluster.output_writer import OutputWriter
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.service.records import describe_error, encode_output, image_extension, metadata_row
+from snapref_ray.service.references import Reference
 from snapref_ray.service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMemory, RenderService
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import make_thumbnail
@@ -33,15 +34,6 @@ from snapref_ray.storage.metadata import image_key, reference_image_key, thumb_k
 from snapref_ray.storage.shards import ShardWriter, wants_thumbnail
 
 log = logging.getLogger(__name__)
-
-# Errors that mean "the RefKV object is gone from the object store" (its node died): the worker
-# re-encodes the reference itself instead of failing the items.
-_LOST_OBJECT_ERRORS = (
-    "ObjectLostError",
-    "OwnerDiedError",
-    "ObjectFetchTimedOutError",
-    "ReferenceCountingAssertionError",
-)
 
 
 @dataclass(frozen=True)
@@ -56,6 +48,8 @@ class WorkerConfig:
     warmup: bool = True
     model_cache_dir: str | None = None
     warmup_sizes: tuple[tuple[int, int], ...] = ()  # (width, height) graphs compiled at start when compiling
+    # Images per forward the plan will run (max_batch and its tail batch): warmed with each size when compiling.
+    warmup_batch_sizes: tuple[int, ...] = ()
     output_threads: int = 4  # encode/upload threads (output_writer.py); 0 = store inline, the device waits
     memory_budget_bytes: int | None = None  # the memory= this worker asked Ray for (service/memory.py)
     # Longest wait for a RefKV from the object store before encoding the reference here instead: a lost RefKV
@@ -122,13 +116,13 @@ class RenderWorker:
         from snapref_ray.requests import RenderRequest, RenderSettings
 
         t0 = time.perf_counter()
-        # A compiling worker builds the graphs of its job's sizes now (CFG rows, one image each);
-        # other row layouts (batch sizes, reading rows) compile on their first batch.
-        compiling = self.config.model.compile
-        sizes = self.config.warmup_sizes if compiling and self.config.warmup_sizes else ((256, 256),)
-        for width, height in sizes:
-            settings = RenderSettings(width=width, height=height, steps=1, cfg=2.0 if compiling else 1.0)
-            with self.service.device("warm-up"):
+        if self.config.model.compile and self.config.warmup_sizes:
+            # A compiling worker builds (or loads from the compile cache) the graphs of its job's sizes and
+            # batch sizes now, with a reference read when an adapter is loaded (service/cold_start.py).
+            self.service.warmup(self.config.warmup_sizes, self.config.warmup_batch_sizes or (1,))
+        else:
+            settings = RenderSettings(width=256, height=256, steps=1, cfg=1.0)
+            with self.service.device("render"):  # an image: the cold start's first image
                 self.service.renderer.render([RenderRequest(prompt="warm-up", settings=settings)])
         log.info("worker %s warmed up in %.2f s", self.worker_id, time.perf_counter() - t0)
 
@@ -142,13 +136,16 @@ class RenderWorker:
             os.getpid(),
             float(getattr(r, "load_seconds", 0.0)),
             self.config.memory_budget_bytes,
+            cold_start=self.service.cold_start().as_dict(),
         )
 
     def pid(self) -> int:
         return os.getpid()
 
-    def cached_references(self) -> list[tuple]:
-        return self.service.cache.keys()
+    def cold_start(self) -> dict:
+        """The cold start so far (`WorkerInfo.cold_start` is the same at ready time): load, compile, warm-up,
+        first image seconds (service/cold_start.py)."""
+        return self.service.cold_start().as_dict()
 
     def batch_limits(self) -> list[dict]:
         """The batch this worker chose per resolution, and the memory figures behind it."""
@@ -178,26 +175,26 @@ class RenderWorker:
         """
         started = time.time()
         fetch_s, lost = [0.0], [""]
-        try:
-            kv, source = self.service.refkv(
-                task.reference.key,
-                task.reference.layout,
-                lambda: self._read_images(task.reference),
-                sources=task.reference.uris,
-                fetch=(lambda: self._fetch(task.reference, refkv_handle, fetch_s, lost)) if refkv_handle else None,
-            )
+        ref = task.reference
+        reference = Reference(
+            ref.key,
+            ref.layout,
+            ref.uris,
+            lambda: self._read_images(ref),
+            fetch=(lambda: self._fetch(ref, refkv_handle, fetch_s, lost)) if refkv_handle else None,
+        )
+        try:  # the service decides what the batch reads: the images (recompute_reference_every_step) or a RefKV
+            read = self.service.read_reference(reference, task.items[0].settings)
         except Exception as e:  # an unreadable reference fails its items, not the worker
             return self._failed(task, e, "encode")
-        source = {"fetched": "object_store"}.get(source, source)
+        source = {"fetched": "object_store"}.get(read.source, read.source)
         if source == "encoded":
             self.metrics.encodes.inc(1, self.tags)
-        (self.metrics.cache_hits if source == "cache" else self.metrics.cache_misses).inc(1, self.tags)
+        if source != "recomputed":
+            (self.metrics.cache_hits if source == "cache" else self.metrics.cache_misses).inc(1, self.tags)
         try:
             rendered = self.service.render(
-                [item.request() for item in task.items],
-                refkv=kv,
-                reference_hash=task.reference.reference_hash,
-                progress=self.service.tick,
+                [item.request() for item in task.items], reference=read, progress=self.service.tick
             )
         except RenderOutOfMemory as e:  # one image that does not fit: the service already split the batch
             return self._failed(task, e, "sample", source, out_of_memory=True)

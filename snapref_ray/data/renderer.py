@@ -34,7 +34,7 @@ from snapref_ray.model_spec import ModelSpec
 from snapref_ray.requests import RenderRequest, RenderSettings, RowDefaults
 from snapref_ray.service.batching import batch_key, group_batches
 from snapref_ray.service.records import describe_error, encode_output, metadata_row
-from snapref_ray.service.references import ReferenceIdentity, RefKVKey
+from snapref_ray.service.references import Reference, check_reference
 from snapref_ray.service.rows import ParsedRow, RowInputError, RowProblem, RowRules, parse_row, unknown_column_hints
 from snapref_ray.service.service import DEFAULT_REFKV_CACHE_BYTES, RenderService
 from snapref_ray.service.work_items import item_id_for
@@ -67,9 +67,7 @@ class _Row:
     index: int
     parsed: ParsedRow
     settings: RenderSettings  # resolved for the loaded adapter kind
-    images: list[bytes]
-    reference_hash: str
-    key: RefKVKey
+    reference: Reference
     item_id: str
 
 
@@ -80,8 +78,9 @@ class SnapRefRenderer:
     `adapter`, `loras`, `dtype`, `device`, `compile`, `quantize`), as a job spec's `model:`. `defaults`
     are row defaults (any `RowDefaults` field, for columns a row leaves empty); `refkv_cache_bytes` and
     `max_batch` as in a job's `cluster:`; `s3` as `output.s3` (credentials from the AWS environment).
-    `references_base` resolves relative reference paths (Ray workers do not run in the driver's
-    directory). `renderer_factory(ModelSpec)` replaces the real model loader (benchmarks use a simulated GPU).
+    `references_base` resolves relative reference paths (default: the actor's working directory, which
+    on a local Ray is the driver's, on a cluster the runtime_env's `working_dir`).
+    `renderer_factory(ModelSpec)` replaces the real model loader (benchmarks use a simulated GPU).
     """
 
     def __init__(
@@ -107,7 +106,10 @@ class SnapRefRenderer:
         self.s3 = S3Spec.model_validate(s3 or {}).options()
         self.defaults = RowDefaults.model_validate(defaults or {})
         self.rules = RowRules(
-            base=references_base,
+            # A relative path reads as in any Ray task: from the working directory (on a local Ray the driver's,
+            # on a cluster the runtime_env's working_dir), unless references_base says where; a local base is made
+            # absolute, so that the rows' reference_uris say where the files were.
+            base=_absolute(references_base if references_base is not None else "."),
             allow_empty_prompt=allow_empty_prompt,
             inline_images=True,
             one_image=True,
@@ -119,7 +121,11 @@ class SnapRefRenderer:
             renderer_factory(spec) if renderer_factory else load_renderer(spec, s3=self.s3, cache_dir=model_cache_dir)
         )
         self.service = RenderService(
-            renderer, refkv_cache_bytes=refkv_cache_bytes, memory_budget_bytes=memory_budget_bytes, model_spec=spec
+            renderer,
+            refkv_cache_bytes=refkv_cache_bytes,
+            # Unset: the memory= this actor asked Ray for (`map_batches(..., memory=...)`), as a job's worker does.
+            memory_budget_bytes=memory_budget_bytes if memory_budget_bytes is not None else _assigned_memory(),
+            model_spec=spec,
         )
         self.node_id, self.worker_id = _identity()
         if self.service.adapter_id is None and renderer_factory is None:
@@ -150,7 +156,7 @@ class SnapRefRenderer:
             started = time.time()
             encodes0, hits0 = stats.encodes, stats.hits
             pending = self._validate(rows, out)
-            for group in group_batches(pending, lambda r: batch_key(r.key, r.settings), self.max_batch):
+            for group in group_batches(pending, lambda r: batch_key(r.reference.key, r.settings), self.max_batch):
                 self._render_group(group, out, started)
             self._batches += 1
             for row in out:
@@ -172,24 +178,42 @@ class SnapRefRenderer:
 
     # -- steps ----------------------------------------------------------------------------------
     def _validate(self, rows: list[dict], out: list[dict]) -> list[_Row]:
-        """Parse every row, resolve its settings, read its reference files (each path/URI once per batch)."""
+        """Parse every row, resolve its settings, read its reference files (each path/URI once per batch) and
+        check them as every front door does (service/references.py `check_reference`): a row whose reference
+        cannot be rendered fails here, naming its column, before any device work."""
         files: dict[str, bytes | Exception] = {}
+        checked: set[int] = set()  # ids of the file bytes already decoded (each path once per batch)
         pending = []
         for index, row in enumerate(rows):
             try:
                 parsed = parse_row(row, self.defaults, self.rules)
                 settings = self._resolve(parsed.settings)
-                images = [
-                    self._member_bytes(m, c, files) for m, c in zip(parsed.reference.members, parsed.reference.columns)
-                ]
+                ref = parsed.reference
+                images = [self._member_bytes(m, c, files) for m, c in zip(ref.members, ref.columns)]
+                self._check(images, ref.layout, ref.sources(), ref.columns, checked)
             except RowInputError as e:
                 _fail(out[index], str(e), "validate")
                 continue
-            reference_hash = ReferenceIdentity.of_images(parsed.reference.layout, images).hash
-            item_id = item_id_for(parsed.explicit_id, 0, reference_hash, parsed.prompt, parsed.seeds[0], settings)
-            key = RefKVKey.for_settings(reference_hash, settings)
-            pending.append(_Row(index, parsed, settings, images, reference_hash, key, item_id))
+            reference = Reference.of_images(images, ref.layout, settings, ref.sources())
+            item_id = item_id_for(parsed.explicit_id, 0, reference.hash, parsed.prompt, parsed.seeds[0], settings)
+            pending.append(_Row(index, parsed, settings, reference, item_id))
         return pending
+
+    def _check(
+        self, images: list[bytes], layout: str, sources: list[str], columns: tuple[str, ...], checked: set[int]
+    ) -> None:
+        from snapref_ray.adapter.images import ReferenceImageError
+        from snapref_ray.engine import RenderError
+
+        unchecked = [(data, src) for data, src in zip(images, sources) if id(data) not in checked]
+        try:
+            check_reference([d for d, _ in unchecked], layout, [src for _, src in unchecked], self.service.adapter_kind)
+            checked.update(id(d) for d, _ in unchecked)
+        except ReferenceImageError as e:
+            column = next((c for c, src in zip(columns, sources) if str(e).startswith(src)), columns[0])
+            raise RowInputError([RowProblem(column, str(e))]) from None
+        except RenderError as e:  # a layout the adapter does not read: the reference columns are at fault
+            raise RowInputError([RowProblem(columns[0], str(e).removeprefix("layout: "))]) from None
 
     def _resolve(self, settings: RenderSettings) -> RenderSettings:
         from snapref_ray.engine import RenderError
@@ -213,27 +237,15 @@ class SnapRefRenderer:
         return data
 
     def _render_group(self, group: list[_Row], out: list[dict], started: float) -> None:
-        first = group[0]
-        layout = first.parsed.reference.layout
-        sources = first.parsed.reference.sources()
         requests = [RenderRequest(prompt=r.parsed.prompt, seed=r.parsed.seeds[0], settings=r.settings) for r in group]
-        recompute = first.settings.recompute_reference_every_step  # that baseline needs the images at every step
-        kv, source = None, ""
         try:
-            if not recompute:
-                kv, source = self.service.refkv(first.key, layout, lambda: first.images, sources=sources)
-        except Exception as e:  # an unusable reference fails its rows, not the actor
+            read = self.service.read_reference(group[0].reference, group[0].settings)
+        except Exception as e:  # checked at validation; what is left (a failed encode) fails its rows, not the actor
             for r in group:
                 _fail(out[r.index], describe_error(e), "encode")
             return
         try:
-            rendered = self.service.render(
-                requests,
-                refkv=kv,
-                references=first.images if recompute else None,
-                layout=layout,
-                reference_hash=first.reference_hash,
-            )
+            rendered = self.service.render(requests, reference=read)
         except Exception as e:
             for r in group:
                 _fail(out[r.index], describe_error(e), "sample")
@@ -263,7 +275,7 @@ class SnapRefRenderer:
                 _fail(row, describe_error(e), "write")
                 continue
             row.update(
-                refkv_cache_hit=source == "cache", batch_id=batch_id, batch_index=position, batch_size=len(group)
+                refkv_cache_hit=read.source == "cache", batch_id=batch_id, batch_index=position, batch_size=len(group)
             )
 
     def _hint_unknown_columns(self, names: list[str]) -> None:
@@ -273,6 +285,10 @@ class SnapRefRenderer:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _absolute(base: str) -> str:
+    return base if "://" in base else os.path.abspath(os.path.expanduser(base))
 
 
 def _identity() -> tuple[str, str]:
@@ -287,6 +303,18 @@ def _identity() -> tuple[str, str]:
         pass
     host = os.uname().nodename
     return host, f"{host}-{os.getpid()}"
+
+
+def _assigned_memory() -> int | None:
+    """The bytes of memory Ray assigned this actor (its `memory=`); None outside Ray or when it asked for none."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return int(ray.get_runtime_context().get_assigned_resources().get("memory", 0)) or None
+    except ImportError:
+        pass
+    return None
 
 
 def _empty_row(row: dict) -> dict[str, Any]:

@@ -72,11 +72,6 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict[str, str]]:
     return header, metadata
 
 
-def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The `__metadata__` of a safetensors file (empty when absent)."""
-    return read_header(path)[1]
-
-
 def load_state_dict(path: str | os.PathLike, device: str | torch.device = "cpu") -> StateDict:
     """All tensors of a safetensors file, memory-mapped (CPU) or loaded onto `device`."""
     read_header(path)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,11 +26,11 @@ from torch import nn
 
 from snapref_ray.models.attention import RefRead, attention
 from snapref_ray.models.checkpoint import CheckpointError, load_into_module, load_state_dict, strip_prefix
+from snapref_ray.models.geometry import PATCH
 from snapref_ray.models.llm_adapter import LLMAdapter, LLMAdapterConfig
 from snapref_ray.models.ops import FLOAT8_DTYPES, BlockLoRA, Linear, RMSNorm
 from snapref_ray.models.rope import apply_rope, dit_rope
 
-PATCH = 2  # spatial patch size; the temporal patch is 1
 EPS = 1e-6
 # The ten linears of a block that runtime LoRAs (and SnapRef's reference branch) can adapt.
 BLOCK_LINEARS = (
@@ -48,6 +48,9 @@ BLOCK_LINEARS = (
 _NO_LORA: BlockLoRA = {}
 KVSink = list[tuple[torch.Tensor, torch.Tensor]]
 Rope = tuple[torch.Tensor, torch.Tensor]
+# How a forward runs one block: (block, x, t, context, rope, lora, ref, cross_attention) -> x. None = the
+# block module itself; models/compiled.py passes its compiled graph (one for every block).
+BlockRunner = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -364,12 +367,14 @@ class AnimaDiT(nn.Module):
         *,
         loras: Sequence[BlockLoRA | None] | None = None,
         refs: Sequence[RefRead | None] | None = None,
+        run_block: BlockRunner | None = None,
     ) -> torch.Tensor:
         """Velocity for latent x ([B,16,1,H,W] or [B,16,H,W], normalised) at noise level sigma ([B] or scalar).
 
         context: [B, S, context_dim] adapter output (zero-padded to 512 rows by the caller).
         loras[i] / refs[i]: runtime LoRA branch and reference read of model block i (None = none).
         Computes in the weights' dtype (fp16: residual stream in fp32) and returns x's shape and dtype.
+        run_block: how each block runs (None: the module; models/compiled.py: its compiled graph).
         """
         self._check_per_block_args(loras, refs)
         dtype = self.compute_dtype
@@ -379,7 +384,9 @@ class AnimaDiT(nn.Module):
         patches, grid = patchify(x_BCTHW.to(dtype))
         t = self._time_embedding(sigma_B, dtype)
         rope = dit_rope(grid, self.config.head_dim, device=x.device)  # once per forward, shared by all blocks
-        h_BLD = self._run_blocks(self.x_embedder(patches), t, context.to(dtype), rope, loras, refs, None)
+        h_BLD = self._run_blocks(
+            self.x_embedder(patches), t, context.to(dtype), rope, loras, refs, None, run_block=run_block
+        )
         y_BLF = self.final_layer(h_BLD.to(dtype), t)
         out = unpatchify(y_BLF, grid, self.config.in_channels)[..., :T, :H, :W]
         return out.to(x.dtype).reshape(x.shape)
@@ -438,11 +445,16 @@ class AnimaDiT(nn.Module):
         refs: Sequence[RefRead | None] | None,
         kv_sink: KVSink | None,
         cross_attention: bool = True,
+        run_block: BlockRunner | None = None,
     ) -> torch.Tensor:
         # fp16 overflows in the residual stream: ComfyUI keeps it in fp32 (sub-layers still run in fp16).
         if x_BLD.dtype == torch.float16:
             x_BLD = x_BLD.float()
         for i, block in enumerate(self.blocks):
+            if run_block is not None and kv_sink is None:
+                lora, ref = loras[i] if loras else None, refs[i] if refs else None
+                x_BLD = run_block(block, x_BLD, t, context_BSC, rope, lora, ref, cross_attention)
+                continue
             x_BLD = block(
                 x_BLD,
                 t,
@@ -498,4 +510,4 @@ def load_dit(
     return model.eval().requires_grad_(False)
 
 
-__all__ = ["AnimaDiT", "BLOCK_LINEARS", "DiTBlock", "DiTConfig", "load_dit", "real_dit_config"]
+__all__ = ["AnimaDiT", "BLOCK_LINEARS", "BlockRunner", "DiTBlock", "DiTConfig", "load_dit", "real_dit_config"]

@@ -30,6 +30,7 @@ from torch import nn
 from snapref_ray.models import ops
 from snapref_ray.models.block_map import KNOWN_MAPS, BlockLayoutError, adapter_block_map
 from snapref_ray.models.checkpoint import load_state_dict
+from snapref_ray.models.dit import BLOCK_LINEARS
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +75,8 @@ TOP_LINEARS = (
     "final_layer.adaln_modulation.2",
     "llm_adapter.out_proj",
 )
-BLOCK_LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.output_proj",
-    "cross_attn.q_proj",
-    "cross_attn.k_proj",
-    "cross_attn.v_proj",
-    "cross_attn.output_proj",
-    "mlp.layer1",
-    "mlp.layer2",
+# A merged LoRA may also name a block's adaLN bottlenecks, which runtime LoRAs leave alone.
+BLOCK_ADALN_LINEARS = (
     "adaln_modulation_self_attn.1",
     "adaln_modulation_self_attn.2",
     "adaln_modulation_cross_attn.1",
@@ -92,6 +84,7 @@ BLOCK_LINEARS = (
     "adaln_modulation_mlp.1",
     "adaln_modulation_mlp.2",
 )
+MERGEABLE_BLOCK_LINEARS = BLOCK_LINEARS + BLOCK_ADALN_LINEARS
 ADAPTER_BLOCK_LINEARS = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -113,7 +106,7 @@ def is_dit_linear(path: str) -> bool:
     if path in TOP_LINEARS:
         return True
     if m := _BLOCK_PATH.match(path):
-        return m.group(2) in BLOCK_LINEARS
+        return m.group(2) in MERGEABLE_BLOCK_LINEARS
     if m := _ADAPTER_BLOCK_PATH.match(path):
         return m.group(2) in ADAPTER_BLOCK_LINEARS
     return False
@@ -121,7 +114,7 @@ def is_dit_linear(path: str) -> bool:
 
 # kohya names are the module paths with "." -> "_"; resolve them through the same tables.
 _KOHYA_TOP = {p.replace(".", "_"): p for p in TOP_LINEARS}
-_KOHYA_BLOCK = {p.replace(".", "_"): p for p in BLOCK_LINEARS}
+_KOHYA_BLOCK = {p.replace(".", "_"): p for p in MERGEABLE_BLOCK_LINEARS}
 _KOHYA_ADAPTER_BLOCK = {p.replace(".", "_"): p for p in ADAPTER_BLOCK_LINEARS}
 _KOHYA_BLOCK_NAME = re.compile(r"^blocks_(\d+)_(.+)$")
 _KOHYA_ADAPTER_BLOCK_NAME = re.compile(r"^llm_adapter_blocks_(\d+)_(.+)$")

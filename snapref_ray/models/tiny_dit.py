@@ -8,13 +8,16 @@ finite one over a whole sampling run.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from snapref_ray.models.dit import AnimaDiT, DiTConfig
 from snapref_ray.models.llm_adapter import LLMAdapterConfig
 from snapref_ray.models.ops import RMSNorm
 
-T5_VOCAB = 32128  # real T5 vocabulary, so real tokenizer ids index the tiny embedding
+# The real T5 vocabulary, so real tokenizer ids index the tiny embedding.
+T5_VOCAB = LLMAdapterConfig.vocab_size
 
 
 def tiny_dit_config(
@@ -64,40 +67,16 @@ def tiny_dit_config(
 
 
 def make_tiny_dit_state_dict(
-    *,
-    model_channels: int = 64,
-    num_blocks: int = 2,
-    head_dim: int = 32,
-    context_dim: int = 64,
-    adaln_lora_dim: int = 16,
-    mlp_ratio: int = 4,
-    adapter_dim: int = 64,
-    adapter_heads: int = 2,
-    adapter_blocks: int = 1,
-    adapter_source_dim: int | None = None,
-    t5_vocab: int = T5_VOCAB,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    *, seed: int = 0, dtype: torch.dtype = torch.float32, **shape: Any
 ) -> dict[str, torch.Tensor]:
     """Random, seeded weights for every parameter, keyed as in the real file minus its `net.` prefix.
 
+    `shape`: the keyword arguments of `tiny_dit_config` (its defaults are the tiny model's); e.g.
     adapter_source_dim is the width of the text-encoder states the adapter reads (default adapter_dim).
     Linear weights ~ N(0, 1/fan_in), biases ~ N(0, 0.02^2), norm weights ~ 1 + N(0, 0.1^2), the T5
     embedding ~ N(0, 1).
     """
-    config = tiny_dit_config(
-        model_channels=model_channels,
-        num_blocks=num_blocks,
-        head_dim=head_dim,
-        context_dim=context_dim,
-        adaln_lora_dim=adaln_lora_dim,
-        mlp_ratio=mlp_ratio,
-        adapter_dim=adapter_dim,
-        adapter_heads=adapter_heads,
-        adapter_blocks=adapter_blocks,
-        adapter_source_dim=adapter_source_dim,
-        t5_vocab=t5_vocab,
-    )
+    config = tiny_dit_config(**shape)
     with torch.device("meta"):
         model = AnimaDiT(config)
     norm_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, RMSNorm)}

@@ -1,36 +1,20 @@
 """Matmul FLOPs of one sampling step for each row of the timing table, at any size (832x1216 by default).
 
-The same counting as `benchmarks/common.py: dit_forward_flop_breakdown` (every linear and LoRA
-branch, QK^T and AV, adaLN bottlenecks, patch embed, time embedding, final layer), extended to
-the ways each adapter kind spends a step. A test pins the two models to each other. This is a
-floor, not a prediction: it ignores memory traffic, softmax and norms, which weigh more on small
-GPUs and on CPUs.
+Each row's step is a sum of DiT forwards counted by the project's one FLOP model
+(`snapref_ray/models/flops.py`, which the benchmarks' GFLOP/s figures also use): this module only
+says how each adapter kind spends a step (which rows, which read the reference, which LoRA). This
+is a floor, not a prediction: it ignores memory traffic, softmax and norms, which weigh more on
+small GPUs and on CPUs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from snapref_ray.models.dit import BLOCK_LINEARS, PATCH, DiTConfig, real_dit_config
-
-CONTEXT_ROWS = 512  # Anima pads every prompt's context to 512 rows
-
-
-def _linear_dims(config: DiTConfig) -> dict[str, tuple[int, int]]:
-    D, C, M = config.model_channels, config.context_dim, config.mlp_hidden
-    inner = config.num_heads * config.head_dim
-    dims = {p: (D, inner) for p in BLOCK_LINEARS}
-    dims.update(
-        {
-            "self_attn.output_proj": (inner, D),
-            "cross_attn.output_proj": (inner, D),
-            "cross_attn.k_proj": (C, inner),
-            "cross_attn.v_proj": (C, inner),
-            "mlp.layer1": (D, M),
-            "mlp.layer2": (M, D),
-        }
-    )
-    return dims
+from snapref_ray.models.conditioning import CONTEXT_ROWS  # every prompt's context is padded to 512 rows
+from snapref_ray.models.dit import BLOCK_LINEARS, DiTConfig, real_dit_config
+from snapref_ray.models.flops import dit_forward_flops
+from snapref_ray.models.geometry import token_count
 
 
 @dataclass(frozen=True)
@@ -41,31 +25,21 @@ class RowGroup:
     tokens: int  # query tokens per row (target, or target + reference frame for the pilot)
     extra_keys: int = 0  # cached reference keys each query also attends to (SnapRef, v2)
     lora_ranks: tuple[tuple[str, int], ...] = ()  # runtime LoRA on these linears
-    cross_attention: bool = True
     final_layer: bool = True
 
 
 def forward_flops(config: DiTConfig, group: RowGroup, context_rows: int = CONTEXT_ROWS) -> float:
-    D, inner, r_ad = config.model_channels, config.num_heads * config.head_dim, config.adaln_lora_dim
-    L, S, R = group.tokens, context_rows, group.rows
-    ranks = dict(group.lora_ranks)
-    per_block = 0.0
-    for path, (fan_in, fan_out) in _linear_dims(config).items():
-        if path.startswith("cross_attn") and not group.cross_attention:
-            continue
-        n = S if path in ("cross_attn.k_proj", "cross_attn.v_proj") else L
-        per_block += 2.0 * n * fan_in * fan_out
-        if ranks.get(path):
-            per_block += 2.0 * n * ranks[path] * (fan_in + fan_out)
-    per_block += 3 * (2.0 * D * r_ad + 2.0 * r_ad * 3 * D)  # adaLN, once per row
-    per_block += 4.0 * L * (L + group.extra_keys) * inner  # self-attention QK^T + AV
-    if group.cross_attention:
-        per_block += 4.0 * L * S * inner
-    total = per_block * config.num_blocks
-    total += 2.0 * L * (config.in_channels + 1) * PATCH * PATCH * D + 2.0 * D * D + 2.0 * D * 3 * D
-    if group.final_layer:
-        total += 2.0 * D * r_ad + 2.0 * r_ad * 2 * D + 2.0 * L * D * PATCH * PATCH * config.in_channels
-    return total * R
+    """FLOPs of one forward over `group`'s rows, every one of which reads its `extra_keys`."""
+    return dit_forward_flops(
+        config,
+        rows=group.rows,
+        tokens=group.tokens,
+        context_rows=context_rows,
+        reading_rows=group.rows if group.extra_keys else 0,
+        ref_tokens=group.extra_keys,
+        lora_ranks=dict(group.lora_ranks),
+        final_layer=group.final_layer,
+    )
 
 
 @dataclass(frozen=True)
@@ -79,7 +53,7 @@ class Case:
 
     @property
     def tokens(self) -> int:
-        return (self.height // 16) * (self.width // 16)
+        return token_count(height=self.height, width=self.width)
 
 
 def step_flops(name: str, config: DiTConfig, case: Case, *, cfg: bool = True, ref_guidance_rows: float = 0.0) -> float:

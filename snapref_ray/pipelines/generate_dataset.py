@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from snapref_ray.cluster.metrics import job_metrics
@@ -29,8 +29,9 @@ from snapref_ray.cluster.pool import (
     worker_memory,
 )
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, SchedulerEvent, SchedulerStats
-from snapref_ray.cluster.tasks import ItemOutcome
+from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
+from snapref_ray.pipelines.job_plan import check_something_to_render
 from snapref_ray.pipelines.job_summary import (
     AttemptFigures,
     JobSummary,
@@ -62,8 +63,17 @@ log = logging.getLogger(__name__)
 _STAGES = {"worker": "sample"}  # a worker death is reported against the sampling stage
 
 
-def worker_config(spec: JobSpec, *, warmup: bool = True, memory_budget_bytes: int | None = None) -> WorkerConfig:
+def worker_config(
+    spec: JobSpec,
+    *,
+    warmup: bool = True,
+    memory_budget_bytes: int | None = None,
+    todo: Sequence[WorkItem] = (),
+) -> WorkerConfig:
+    """A worker's configuration; a compiling worker warms the resolutions and forward sizes of `todo`, the plan,
+    before it is ready (a graph per shape: docs/performance.md, "Compile cold start")."""
     c = spec.cluster
+    sizes = sorted({(item.settings.width, item.settings.height) for item in todo})
     return WorkerConfig(
         model=spec.model,
         refkv_cache_bytes=c.refkv_cache_bytes,
@@ -72,7 +82,8 @@ def worker_config(spec: JobSpec, *, warmup: bool = True, memory_budget_bytes: in
         image_format=spec.output.image_format,
         warmup=warmup,
         output_threads=c.output_threads,
-        warmup_sizes=((spec.defaults.width, spec.defaults.height),),
+        warmup_sizes=tuple(sizes) or ((spec.defaults.width, spec.defaults.height),),
+        warmup_batch_sizes=_planned_batch_sizes(todo, c.max_batch),
         refkv_fetch_timeout_s=c.refkv_fetch_timeout_s,
         memory_budget_bytes=memory_budget_bytes or None,
         output_format=spec.output.format,
@@ -80,6 +91,15 @@ def worker_config(spec: JobSpec, *, warmup: bool = True, memory_budget_bytes: in
         shard_max_items=spec.output.shard_max_items,
         thumbnail_every=spec.output.thumbnail_every,
     )
+
+
+def _planned_batch_sizes(todo: Sequence[WorkItem], max_batch: int) -> tuple[int, ...]:
+    """The forward sizes the schedule will send: per reference and batch key, full batches of max_batch and one
+    tail (cluster/placement.py takes a reference's items in that order). A batch split after running out of memory
+    or an item retried alone can still meet a size not warmed; it builds its graph then."""
+    per_group = Counter((item.reference_hash, item.settings.batch_key()) for item in todo)
+    sizes = {min(n, max_batch) for n in per_group.values()} | {n % max_batch for n in per_group.values()}
+    return tuple(sorted(sizes - {0})) or (1,)
 
 
 def run_job(
@@ -172,6 +192,7 @@ class _Run:
     memory_by_worker: dict[str, list[dict]] = field(default_factory=dict)  # each worker's latest memory fit
     memory_request: dict = field(default_factory=dict)  # what each worker asked Ray for, and the estimate behind it
     step_cache: StepCacheFigures = field(default_factory=StepCacheFigures)  # images rendered with the step cache on
+    cold_starts: dict[str, dict] = field(default_factory=dict)  # per worker, as it reported when ready
 
     def image_done(self, outcome: ItemOutcome) -> None:
         row = outcome.row
@@ -197,6 +218,7 @@ def _validate(spec: JobSpec) -> ValidatedJob:
     validated = load_work_items(spec, s3, adapter_kind=kind)
     if validated.errors and spec.strict:
         raise JobValidationError(spec.manifest, validated.errors)
+    check_something_to_render(spec.manifest, validated)  # every row invalid: say why, and write nothing
     return validated
 
 
@@ -271,7 +293,12 @@ def _render(spec: JobSpec, todo: list[WorkItem], output: _Output, run: _Run, hoo
         run.image_done(outcome)
         _commit(output.metadata, output.storage, spec, outcome)
 
-    on_workers = hooks.on_workers
+    def joined(handle, info: WorkerInfo) -> None:
+        if info.cold_start:
+            run.cold_starts[info.worker_id] = info.cold_start
+        if hooks.on_workers:
+            hooks.on_workers([handle], [info])
+
     scheduler = BatchScheduler(
         [],
         [],
@@ -280,7 +307,7 @@ def _render(spec: JobSpec, todo: list[WorkItem], output: _Output, run: _Run, hoo
         on_failed=lambda outcome, item, attempt: _record_failure(output.errors, outcome, item, attempt),
         on_progress=(lambda n: [f(n) for f in callbacks]) if callbacks else None,
         pool=pool,
-        on_worker=(lambda handle, info: on_workers([handle], [info])) if on_workers else None,
+        on_worker=joined,
         on_event=hooks.on_event,
     )
     run.encodes_by_reference = scheduler.encodes_by_reference
@@ -337,7 +364,9 @@ def _start_pool(spec: JobSpec, todo: list[WorkItem], run: _Run, hooks: _Hooks, *
     plan = dataclasses.replace(plan, memory_bytes=memory_bytes)
     run.memory_request.update(bytes=memory_bytes, estimate=memory_estimate)
     check_memory_fits(plan, on_cluster=on_a_cluster(c.address))
-    config = worker_config(spec, warmup=hooks.warmup, memory_budget_bytes=None if plan.use_gpu else memory_bytes)
+    config = worker_config(
+        spec, warmup=hooks.warmup, memory_budget_bytes=None if plan.use_gpu else memory_bytes, todo=todo
+    )
     config = dataclasses.replace(config, lease_holder_id=lease_holder_id)  # workers commit shards only under it
     return WorkerPool(config, plan, hooks.renderer_factory)
 
@@ -391,6 +420,7 @@ def _summarise(spec: JobSpec, validated: ValidatedJob, output: _Output, todo: li
         memory_per_worker=run.memory_request or None,
         memory_fit=[{"worker_id": w, **fit} for w, fits in sorted(run.memory_by_worker.items()) for fit in fits],
         batch_limits=stats.batch_limits,
+        cold_start=[{"worker_id": w, **c} for w, c in sorted(run.cold_starts.items())],
         refkv_decisions=RefKVDecisions(
             same_node_fetches=stats.same_node_fetches,
             cross_node_fetches=stats.cross_node_fetches,

@@ -129,6 +129,11 @@ class JobSummary(BaseModel):
         description="The batch cap per (width, height, rows per image): max_batch, or less where a batch ran out of "
         "memory and was halved (out_of_memory_splits times)."
     )
+    cold_start: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Per worker of this run, as it reported when ready: model load, compile (graphs built or loaded "
+        "from the compile cache), warm-up and first-image seconds (service/cold_start.py).",
+    )
     refkv_decisions: RefKVDecisions
     scheduler: dict[str, Any] | None = Field(description="This run's SchedulerStats (cluster/schedule.py).")
     finished_at: float

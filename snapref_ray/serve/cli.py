@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         " GET /v1/health, GET /v1/models; OpenAPI docs at /docs.",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; any other needs a token)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to answer on (refused when something listens there)")
     p.add_argument("--token", help=f"bearer token clients must send (default: ${TOKEN_ENV})")
     p.add_argument(
         "--config", help="JSON or YAML file of ServeConfig fields (model, limits, replicas, batching); flags win"
@@ -65,10 +66,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from snapref_ray.job_console import explain_ray_token_warning
     from snapref_ray.pipelines.serve_app import deploy_local, http_front, local_topology, start_local_serve, stop_local
+    from snapref_ray.serve.direct_ingress import haproxy_binary
 
     config = config_from_args(args)
     config.check_security()
+    check_port_free(config.host, config.port)  # else Serve fails deep inside Ray, with four tracebacks
+    explain_ray_token_warning()  # Ray's "Token authentication is enabled" warning: what it means, at INFO
     stop = threading.Event()
     _stop_on_signals(stop)
     try:
@@ -79,7 +84,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _stop_on_signals(stop)
         deploy_local(config)
         auth = "bearer token required" if config.resolved_token() else "no token (loopback only)"
-        front = "HAProxy -> ingress (direct ingress)" if http_front() == "haproxy" else "Serve's proxy -> ingress"
+        front = (
+            f"HAProxy -> ingress (direct ingress; {haproxy_binary()})"
+            if http_front() == "haproxy"
+            else "Serve's proxy -> ingress"
+        )
         front += " that renders" if local_topology() == "fused" else " -> renderers"
         print(f"serving on {url} ({auth}; {front}); API docs at {url}/docs; Ctrl-C stops", flush=True)
         stop.wait()
@@ -87,6 +96,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("stopping: replicas finish what they hold", flush=True)
         stop_local()
     return 0
+
+
+class PortInUse(ValueError):
+    """Something already listens on the port the server was asked to answer (a usage error: exit status 2)."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """PortInUse when a socket listens on host:port. A port whose old connections linger (TIME_WAIT) counts as
+    free, as it does for the server, which binds with SO_REUSEADDR too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise PortInUse(
+                f"port {port} on {host} is in use ({e.strerror or e}): another server listens there;"
+                " stop it, or choose another --port"
+            ) from None
 
 
 def _stop_on_signals(stop: threading.Event) -> None:

@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.serve.errors import TOKEN_ENV
+from snapref_ray.storage.jobspec import S3Spec
+
+# Names this config used to have, kept readable for one deprecation cycle: old name -> where it went.
+DEPRECATED_FIELDS = {
+    "max_batch_size": "max_batch",
+    "s3_endpoint_url": "s3.endpoint_url",
+    "s3_region": "s3.region",
+}
 
 
 def is_loopback(host: str) -> bool:
@@ -61,7 +70,7 @@ class ServeLimits(BaseModel):
         4,
         gt=0,
         description="Most images per request (consecutive seeds, one batch). Also capped by"
-        " max_batch_size, since one request must fit in one batched forward.",
+        " max_batch, since one request must fit in one batched forward.",
     )
     max_side: int = Field(
         2048,
@@ -145,9 +154,10 @@ class ServeConfig(BaseModel):
     memory_per_replica: int | None = Field(
         None,
         ge=0,
-        description="Bytes of host memory each rendering replica asks Ray for (`memory=`). None: estimated from"
-        " the model files at the largest image the limits allow and max_batch_size (docs/serving.md); 0: none."
-        " Model files the deploying process cannot read (s3://, a path only the GPU nodes have) ask for none.",
+        description="Bytes of host memory each rendering replica asks Ray for (`memory=`), and the budget its render"
+        " service fits batches into on a CPU (as a job worker's). None: estimated from the model files at the"
+        " largest image the limits allow and max_batch (docs/serving.md); 0: none. Model files the deploying"
+        " process cannot read (s3://, a path only the GPU nodes have) ask for none.",
     )
     cpus_per_replica: float = Field(
         1.0,
@@ -186,7 +196,7 @@ class ServeConfig(BaseModel):
         8,
         ge=1,
         description="Requests a renderer replica holds at once (rendering, waiting for the device, or"
-        " forming a batch). At least max_batch_size so a full batch can form; Serve's"
+        " forming a batch). At least max_batch so a full batch can form; Serve's"
         " default (5) would cap batches below that.",
     )
     max_queued_requests: int = Field(
@@ -266,11 +276,19 @@ class ServeConfig(BaseModel):
     health_check_period_s: float = Field(10.0, gt=0, description="Serve's health-check period (its default).")
 
     # -- batching and caching ----------------------------------------------------------------
-    max_batch_size: int = Field(
+    max_batch: int = Field(
         4,
         ge=1,
-        description="Images per batched forward. 4 fills an H100 at 1 MP with CFG's two rows without"
-        " running out of memory; more gives little throughput for a lot of latency.",
+        description="Most images per batched forward, as a job's `cluster.max_batch` and Ray Data's `max_batch`"
+        " (the memory fit may choose fewer). 4 fills an H100 at 1 MP with CFG's two rows without running out"
+        " of memory; more gives little throughput for a lot of latency. Formerly `max_batch_size`"
+        " (still read, with a DeprecationWarning).",
+    )
+    warmup_sizes: tuple[tuple[int, int], ...] = Field(
+        (),
+        description="(width, height) sizes a compiled replica builds its graphs for, at batch sizes 1..max_batch_size,"
+        " before it reports ready (service/cold_start.py): the first request at these sizes then pays no compile."
+        " With a shared model.compile_cache a new replica loads them (seconds) instead of building them (minutes).",
     )
     batch_wait_timeout_s: float = Field(
         0.0,
@@ -300,13 +318,13 @@ class ServeConfig(BaseModel):
         description="ReferenceStore replicas. 1 without references_uri (an upload and the replica that"
         " encodes it must meet in one memory); with durable storage any number can share it.",
     )
-    s3_endpoint_url: str | None = Field(
-        None,
-        description="S3-compatible endpoint for s3:// model files and references_uri; None: the"
-        " standard AWS settings ($AWS_ENDPOINT_URL, ...). Credentials come from the node's"
-        " AWS chain (environment, instance profile), never from this config.",
+    s3: S3Spec = Field(
+        default_factory=S3Spec,
+        description="S3 client settings for s3:// model files and references_uri: the same section as a job"
+        " spec's `output.s3` (endpoint, region, retry mode, attempts), so a throttled store is retried alike."
+        " Credentials come from the node's AWS chain (environment, instance profile), never from this config."
+        " Formerly the flat `s3_endpoint_url` / `s3_region` (still read, with a DeprecationWarning).",
     )
-    s3_region: str | None = Field(None, description="S3 region; None: $AWS_REGION / $AWS_DEFAULT_REGION.")
     model_cache_dir: str | None = Field(
         None,
         description="Per-node cache for s3:// model files (downloaded once per node however many replicas"
@@ -319,6 +337,32 @@ class ServeConfig(BaseModel):
         " is ~500 typical 2 MB uploads; an evicted reference answers 404 and is uploaded again.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_names(cls, data: Any) -> Any:
+        """The old names (DEPRECATED_FIELDS) moved to their new place, with a DeprecationWarning."""
+        if not isinstance(data, dict) or not DEPRECATED_FIELDS.keys() & data.keys():
+            return data
+        data = dict(data)
+        if "max_batch_size" in data:
+            if "max_batch" in data:
+                raise ValueError("max_batch_size is the deprecated name of max_batch: give only max_batch")
+            _warn_deprecated("max_batch_size")
+            data["max_batch"] = data.pop("max_batch_size")
+        flat = {name: data.pop(name) for name in ("s3_endpoint_url", "s3_region") if name in data}
+        if flat:
+            if "s3" in data:
+                raise ValueError(f"{', '.join(flat)}: deprecated names inside s3 (endpoint_url, region): give only s3")
+            for name in flat:
+                _warn_deprecated(name)
+            data["s3"] = {"endpoint_url": flat.get("s3_endpoint_url"), "region": flat.get("s3_region")}
+        return data
+
+    @property
+    def max_batch_size(self) -> int:
+        """Deprecated: `max_batch`."""
+        return self.max_batch
+
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:
         if self.min_replicas > self.max_replicas:
@@ -328,10 +372,10 @@ class ServeConfig(BaseModel):
                 f"limits.max_upload_bytes ({self.limits.max_upload_bytes}) must not exceed"
                 f" reference_store_bytes ({self.reference_store_bytes}): the store must hold an upload"
             )
-        if self.limits.max_n > self.max_batch_size:
+        if self.limits.max_n > self.max_batch:
             raise ValueError(
-                f"limits.max_n ({self.limits.max_n}) must not exceed max_batch_size"
-                f" ({self.max_batch_size}): one request's images render in one batch"
+                f"limits.max_n ({self.limits.max_n}) must not exceed max_batch"
+                f" ({self.max_batch}): one request's images render in one batch"
             )
         if self.reference_store_replicas > 1 and self.references_uri is None:
             raise ValueError(
@@ -358,10 +402,8 @@ class ServeConfig(BaseModel):
         return self.topology == "fused"
 
     def s3_options(self):
-        """S3Options for the s3:// paths above (endpoint and region; credentials from the environment)."""
-        from snapref_ray.storage.backends import S3Options
-
-        return S3Options(endpoint_url=self.s3_endpoint_url, region=self.s3_region)
+        """S3Options for the s3:// paths above (the `s3` section; credentials from the environment)."""
+        return self.s3.options()
 
     def resolved_token(self) -> str | None:
         """The token from the config, else from $SNAPREF_API_TOKEN; None when neither is set."""
@@ -381,3 +423,11 @@ class ServeConfig(BaseModel):
     def proxy_timeout_s(self) -> float:
         """The HTTP proxy's request timeout: above ours, so that clients see our JSON 504."""
         return self.request_timeout_s + 10.0
+
+
+def _warn_deprecated(name: str) -> None:
+    warnings.warn(
+        f"ServeConfig.{name} is deprecated: use {DEPRECATED_FIELDS[name]} (the name job specs and Ray Data use)",
+        DeprecationWarning,
+        stacklevel=4,
+    )

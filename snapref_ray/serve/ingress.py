@@ -35,6 +35,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from snapref_ray.models.geometry import token_grid
 from snapref_ray.serve.api import (
     ECHO_CHARS,
     FORM_OVERHEAD,
@@ -74,7 +75,6 @@ from snapref_ray.validation import error_message, field_path
 log = logging.getLogger(__name__)
 
 _INFO_CACHE_SIZE = 100_000  # reference infos kept by an ingress (~1 kB each)
-_SETTINGS_FIELDS = set(RenderBody.model_fields)
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 503, 504)}
 _READ = ["GET", "HEAD"]  # every GET route answers HEAD too (same headers, no body)
 # Text fields of a multipart upload: a caption of max_prompt_chars characters is at most 4 bytes each in
@@ -233,7 +233,7 @@ class Ingress(OpenAIImageRoutes):
         return {
             **info,
             "limits": self._limits,
-            "max_batch_size": self._config.max_batch_size,
+            "max_batch": self._config.max_batch,
             "object": "list",
             "data": model_cards(info, self._started),
         }
@@ -457,7 +457,7 @@ class Ingress(OpenAIImageRoutes):
         return UploadedReference(
             identity=identity,
             reference_ids=tuple(i.reference_id for i in infos),
-            key=RefKVKey(identity.hash, caption, megapixels, body.height // 16, body.width // 16),
+            key=RefKVKey(identity.hash, caption, megapixels, *token_grid(height=body.height, width=body.width)),
         )
 
     async def _describe(self, ids: list[str], fields: list[str]) -> list[ReferenceInfo]:

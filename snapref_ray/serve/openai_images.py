@@ -41,7 +41,6 @@ ADAPTER_FIELDS = tuple(
 # Several images of one character are read together: each adds its tokens to every step's attention, so a
 # bound keeps one request's cost near a single reference's.
 MAX_REFERENCE_IMAGES = 4
-OUTPUT_MEDIA = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
 # What `url` would need: somewhere durable that a client can fetch rendered images from. ServeConfig has no
 # such place (`references_uri` holds uploaded references, not outputs), so images come back inline.
 _NO_URL = (

@@ -53,8 +53,9 @@ router = APIRouter()
 _ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 401, 404, 408, 413, 415, 503, 504)}
 _PROMPT_FIELDS = ("prompt", "negative_prompt", "ref_caption")
 _SMALL_FIELD_BYTES = 1024  # a number, a name or a small JSON object
-# Once an edit's files are the reference, the renderer's errors about "reference_id" are about them.
-_EDIT_RENDER_NAMES = {**OPENAI_NAMES, "reference_id": "image"}
+# Once an edit's files are the reference, the renderer's errors about "reference_id" are about them, and so
+# are its refusals of their layout (several images of one character, which ArcAnima kinds do not read).
+_EDIT_RENDER_NAMES = {**OPENAI_NAMES, "reference_id": "image", "layout": "image"}
 
 
 def _with_settings(schema: dict) -> dict:

@@ -11,13 +11,16 @@ A request's path through a replica:
 1. Split topology only: `_advertise(key)` (`@serve.multiplexed`) tells Serve's router this replica
    holds the reference `key` (its `RefKVKey` as a string), so later requests for it come here first
    (soft affinity).
-2. The settings are resolved for the loaded adapter kind (a misfit is a 400 naming the field), and the
-   RefKV comes from the service's cache; a miss fetches the files from the ReferenceStore and encodes
-   them. Concurrent misses on one key encode once; the others wait and count as hits.
+2. The settings are resolved for the loaded adapter kind (a misfit is a 400 naming the field), so is the
+   reference's layout (`check_reference`, as at every door: ArcAnima kinds refuse `multi`), and the
+   service reads the request's reference as it decides (`RenderService.read_reference`): the RefKV from
+   its cache, or on a miss the files fetched from the ReferenceStore and encoded (concurrent misses on
+   one key encode once; the others wait and count as hits); with `recompute_reference_every_step` the
+   files themselves. Each request's read is its own, so its `cache_hit` and `encode_s` are too.
 3. `_submit` (`@serve.batch`): requests that arrive within `batch_wait_timeout_s` of each other (0 by
    default: none is held back) enter the device queue together (Serve splits them by reference id first).
 4. One device loop renders the oldest waiting request together with every waiting request that can
-   share its forward (`service.batching.batch_key`), up to `max_batch_size` images; the service cuts
+   share its forward (`service.batching.batch_key`), up to `max_batch` images; the service cuts
    that into the forwards that fit in memory. Requests that queued while the device was busy are
    merged this way too, which is where batching pays under load.
 
@@ -42,7 +45,7 @@ from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
 from snapref_ray.serve.errors import ApiError
 from snapref_ray.service.batching import batch_key, take_batch
-from snapref_ray.service.references import ReferenceIdentity, RefKVKey
+from snapref_ray.service.references import Reference, ReferenceIdentity, RefKVKey, check_reference
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +97,7 @@ class RenderReply:
 @dataclass
 class _Waiting:
     call: RenderCall
-    refkv: object | None  # RefKV; typed loosely so this module imports without torch
-    cache_hit: bool | None
-    encode_s: float
+    read: object | None  # the service's ReferenceRead; typed loosely so this module imports without torch
     future: asyncio.Future
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -144,7 +145,11 @@ class ReplicaRenderer:
             s3=config.s3_options(),
             model_cache_dir=config.model_cache_dir,
             refkv_cache_bytes=config.refkv_cache_bytes,
+            # What the replica asked Ray for (serve_app.build_app resolves it): the CPU batch fit stays inside it.
+            memory_budget_bytes=config.memory_per_replica or None,
         )
+        if config.model.compile and config.warmup_sizes:  # ready (this constructor returns) only once warm
+            self.service.warmup(config.warmup_sizes, range(1, config.max_batch_size + 1))
         # Encodes and renders run in these threads so the event loop stays free for routing,
         # batching and health checks; the service keeps the device to one of them at a time.
         self._pool = ThreadPoolExecutor(
@@ -154,7 +159,7 @@ class ReplicaRenderer:
         self._wakeup: asyncio.Event | None = None
         self._device_task: asyncio.Task | None = None
         # The window admits everything the replica may hold; the device loop forms forwards of at most
-        # max_batch_size images from it. (Capping the window at max_batch_size would push requests of
+        # max_batch images from it. (Capping the window at max_batch would push requests of
         # other groups into the next window and reorder them.)
         self._submit.set_max_batch_size(config.max_ongoing_requests)
         self._submit.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
@@ -172,15 +177,17 @@ class ReplicaRenderer:
     async def render(self, call: RenderCall) -> RenderReply | ApiError:
         """The rendered images; bad input is answered with an ApiError *value*, so that Serve does not
         log a client's mistake as a failed request with a traceback."""
-        refkv, hit, encode_s = None, None, 0.0
+        read = None
         try:
             call = RenderCall(
                 call.prompt, call.seeds, self.service.resolve(call.settings), call.reference, call.ref_megapixels_set
             )
             if call.reference is not None:
-                refkv, hit, encode_s = await self._reference_kv(call.reference)
+                # The layout check every door runs (service/references.py), before the files are fetched.
+                check_reference((), call.reference.identity.layout, (), self.service.adapter_kind)
+                read = await self._read_reference(call.reference, call.settings)
             loop = asyncio.get_running_loop()
-            waiting = await self._submit(_Waiting(call, refkv, hit, encode_s, loop.create_future()))
+            waiting = await self._submit(_Waiting(call, read, loop.create_future()))
             return await waiting.future
         except ApiError as e:
             return e
@@ -206,23 +213,20 @@ class ReplicaRenderer:
             )
 
     # -- references -------------------------------------------------------------------------
-    async def _reference_kv(self, reference: UploadedReference):
-        """(RefKV, cache_hit, encode seconds) for `reference`, encoding it on a miss."""
-        kv = self.service.cache.get(reference.key)
-        if kv is not None:  # the common case, answered on the event loop without a thread hop
-            return kv, True, 0.0
-        data = await self._fetch(reference)
-        hashes = reference.identity.member_hashes
-        kv, source = await asyncio.get_running_loop().run_in_executor(
-            self._pool,
-            lambda: self.service.refkv(
-                reference.key,
-                reference.identity.layout,
-                lambda: data,
-                sources=[f"reference {h[:12]}" for h in hashes],
-            ),
+    async def _read_reference(self, uploaded: UploadedReference, settings: RenderSettings):
+        """The service's ReferenceRead of `uploaded` for `settings`; the files are fetched from the ReferenceStore
+        only if the service asks for them (on its thread, through this replica's event loop)."""
+        loop = asyncio.get_running_loop()
+        reference = Reference(
+            uploaded.key,
+            uploaded.identity.layout,
+            tuple(f"reference {h[:12]}" for h in uploaded.identity.member_hashes),
+            lambda: asyncio.run_coroutine_threadsafe(self._fetch(uploaded), loop).result(),
         )
-        return kv, source == "cache", kv.encode_seconds if source == "encoded" else 0.0
+        read = self.service.cached_read(reference, settings)
+        if read is not None:  # the common case, answered on the event loop without a thread hop
+            return read
+        return await loop.run_in_executor(self._pool, self.service.read_reference, reference, settings)
 
     async def _fetch(self, reference: UploadedReference) -> list[bytes]:
         files = await self._store.get_bytes.remote(list(reference.identity.member_hashes))
@@ -243,10 +247,10 @@ class ReplicaRenderer:
         return waiting
 
     def _take_group(self) -> list[_Waiting]:
-        """The oldest waiting request plus every compatible one behind it, up to max_batch_size images."""
+        """The oldest waiting request plus every compatible one behind it, up to max_batch images."""
         self._waiting = [w for w in self._waiting if not w.future.done()]  # drop cancelled requests
         group, self._waiting = take_batch(
-            self._waiting, lambda w: w.call.batch_key(), self._config.max_batch_size, lambda w: w.images
+            self._waiting, lambda w: w.call.batch_key(), self._config.max_batch, lambda w: w.images
         )
         return group
 
@@ -273,19 +277,14 @@ class ReplicaRenderer:
         from snapref_ray.requests import RenderRequest
         from snapref_ray.service.records import encode_output
 
-        first = group[0].call
         requests = [
             RenderRequest(prompt=w.call.prompt, seed=seed, settings=w.call.settings)
             for w in group
             for seed in w.call.seeds
         ]
         started = time.perf_counter()
-        rendered = self.service.render(
-            requests,
-            refkv=group[0].refkv,
-            reference_hash=first.reference.identity.hash if first.reference else None,
-            progress=self.service.tick,
-        )
+        read = group[0].read  # the group shares its reference key (batch_key), so one read serves it
+        rendered = self.service.render(requests, reference=read, progress=self.service.tick)
         batch_id = uuid.uuid4().hex[:12]
         replies, i = [], 0
         for w in group:
@@ -302,8 +301,11 @@ class ReplicaRenderer:
                 for r in mine
             ]
             timings = {k: v for k, v in mine[0].timings.items() if k.endswith("_s")}
+            # encode_s is each request's own: its read's encode, plus what the forward spent preparing the
+            # images when it recomputes (the service's one meaning of encode_s).
+            forward_s = mine[0].timings.get("encode_s", 0.0) - (read.encode_s if read is not None else 0.0)
             timings.update(
-                encode_s=w.encode_s,
+                encode_s=(w.read.encode_s if w.read is not None else 0.0) + forward_s,
                 png_s=time.perf_counter() - t0,
                 queue_s=started - w.arrived,
                 replica_s=time.perf_counter() - w.arrived,
@@ -317,7 +319,7 @@ class ReplicaRenderer:
                     len(requests),
                     len(group),
                     batch_id,
-                    w.cache_hit,
+                    w.read.source == "cache" if w.read is not None else None,
                     self._replica,
                     self._cache_stats(),
                 )

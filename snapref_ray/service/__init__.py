@@ -3,8 +3,9 @@
 Batch-job workers (`cluster/`), Serve replicas (`serve/`), Ray Data actors (`data/`) and the command
 line (`cli.py`) all render through a `RenderService` (service.py) and record what they rendered with
 `records.py`. What they share lives here, once: the model spec's loading (loading.py), the reference's
-identity and RefKV key (references.py), the RefKV cache (refkv_cache.py), what may share a forward
-(batching.py), the memory fit (memory.py), row parsing (rows.py) and a job's work items (work_items.py).
+identity, RefKV key and the typed `Reference` every door hands the service (references.py), the RefKV
+cache (refkv_cache.py), what may share a forward (batching.py), the memory fit (memory.py), row parsing
+(rows.py) and a job's work items (work_items.py).
 
 The names below are imported on first use (lazy_exports.py): Serve's ingress replicas take the
 torch-free parts (image checks, reference identities) without importing torch.
@@ -13,10 +14,13 @@ torch-free parts (image checks, reference identities) without importing torch.
 from snapref_ray.lazy_exports import lazy_exports
 
 _EXPORTS = {
+    "check_reference": "references",
     "reference_hash": "references",
+    "Reference": "references",
     "ReferenceIdentity": "references",
     "ReferenceInput": "references",
     "RefKVKey": "references",
+    "ReferenceRead": "service",
     "Rendered": "service",
     "RenderOutOfMemory": "service",
     "RenderService": "service",

@@ -2,8 +2,10 @@
 
 Batch workers, Serve replicas, Ray Data actors and the command line all load through `load_renderer`.
 s3:// model folders and files go through the per-node model cache (storage/model_cache.py: each object
-downloaded once per node, however many processes start there). `adapter_kind` reads only the adapter
-file's header, so a job's driver can resolve settings for the adapter kind before any worker exists.
+downloaded once per node, however many processes start there). A compiled model shares its graphs through
+the spec's compile cache (models/compile_cache.py; by default `compile/` beside the model cache).
+`adapter_kind` reads only the adapter file's header, so a job's driver can resolve settings for the adapter
+kind before any worker exists.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from snapref_ray.adapter.kinds import detect_kind
 from snapref_ray.engine import Renderer
 from snapref_ray.model_spec import MODEL_FILE_FIELDS, ModelSpec
 from snapref_ray.models.bundle import ADAPTER_PATTERNS
+from snapref_ray.models.compile_cache import default_compile_cache_dir
 from snapref_ray.storage.backends import S3Options, S3Storage
 from snapref_ray.storage.model_cache import ensure_local, ensure_local_folder
 from snapref_ray.uris import is_remote
@@ -61,7 +64,18 @@ def load_renderer(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: st
         dtype=None if spec.dtype == "auto" else getattr(torch, spec.dtype),
         compile=spec.compile,
         quantize=None if spec.quantize == "none" else spec.quantize,
+        compile_cache=compile_cache_location(spec, cache_dir) if spec.compile else None,
+        s3=s3,
     )
+
+
+def compile_cache_location(spec: ModelSpec, cache_dir: str | None = None) -> str:
+    """Where `spec`'s compiled graphs are shared: its `compile_cache`, else `compile/` beside the model cache."""
+    if spec.compile_cache is not None:
+        return spec.compile_cache
+    if cache_dir is not None:
+        return os.fspath(Path(cache_dir).expanduser().parent / "compile")
+    return os.fspath(default_compile_cache_dir())
 
 
 def adapter_file(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: str | None = None) -> Path | None:

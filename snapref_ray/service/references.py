@@ -9,17 +9,26 @@ in Ray Data, over HTTP and on the command line — and a job's `reference_hash` 
 
 What a RefKV is valid for is more than the pixels: the reference's caption and size, and the target
 token grid it was encoded for (RoPE offsets depend on it). `RefKVKey` holds exactly those.
+
+`Reference` is a render's reference as every front door hands it to the render service: its key, its
+layout, a name per image and how to load the images (and, in a job, where a RefKV encoded elsewhere may
+be fetched). The door only carries it; whether the render reads a cached RefKV or the images themselves
+is the service's decision (`RenderService.read_reference`). `check_reference` is the one check a door
+runs on a reference before any device work (docs/design.md, "The front-door contract").
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
-from snapref_ray.adapter.images import content_hash
-from snapref_ray.requests import RenderSettings
+from snapref_ray.adapter.images import content_hash, open_reference
+from snapref_ray.requests import RenderError, RenderSettings
+
+if TYPE_CHECKING:  # Serve's ingress imports this module without torch
+    from snapref_ray.adapter.refkv import RefKV
 
 Layout = Literal["single", "pair", "multi"]
 LAYOUTS: tuple[str, ...] = ("single", "pair", "multi")
@@ -99,3 +108,54 @@ class RefKVKey:
         """The key as one string (Serve's multiplexed model id, log lines); the caption enters as a hash."""
         caption = hashlib.sha256(self.ref_caption.encode()).hexdigest()[:16]
         return f"{self.reference_hash}:{self.width}x{self.height}:{self.ref_megapixels!r}mp:{caption}"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A render's reference as a front door hands it to `RenderService.render` / `read_reference`.
+
+    `load()` returns the image files' bytes in order; the service calls it only when it needs them (a
+    cache miss, or `recompute_reference_every_step`), on the thread that renders. `fetch()` is a RefKV
+    someone else holds (a job's object store), None when it is gone; the service tries it before
+    encoding. `sources` name the images in messages and metadata (paths or URIs, ``inline:<column>``,
+    ``reference <id>``).
+    """
+
+    key: RefKVKey
+    layout: Layout
+    sources: tuple[str, ...]
+    load: Callable[[], Sequence[bytes]] = field(repr=False, compare=False)
+    fetch: Callable[[], RefKV | None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def hash(self) -> str:
+        """The reference's identity (see the module docstring)."""
+        return self.key.reference_hash
+
+    @classmethod
+    def of_images(
+        cls, images: Sequence[bytes], layout: Layout, settings: RenderSettings, sources: Sequence[str]
+    ) -> Reference:
+        """A reference whose files are already in memory (the command line, Ray Data, an upload)."""
+        files = tuple(images)
+        identity = ReferenceIdentity.of_images(layout, files)
+        return cls(RefKVKey.for_settings(identity.hash, settings), layout, tuple(sources), lambda: files)
+
+
+def check_reference(images: Sequence[bytes], layout: str, sources: Sequence[str], adapter_kind: str | None) -> None:
+    """Refuse, before any device work, a reference the render could not read: an image that does not decode
+    (`ReferenceImageError` naming its source) or a layout the loaded adapter kind does not read
+    (`RenderError` with field "layout"). Every front door runs this same check."""
+    refused = layout_refusal(layout, adapter_kind)
+    if refused:
+        raise RenderError(f"layout: {refused}", field="layout")
+    for data, source in zip(images, sources):
+        open_reference(data, source).close()
+
+
+def layout_refusal(layout: str, adapter_kind: str | None) -> str | None:
+    """Why `adapter_kind` does not read references laid out as `layout`; None when it does."""
+    from snapref_ray.adapter.kinds import KINDS
+
+    kind = KINDS.get(adapter_kind or "snapref")
+    return kind.refused_layouts.get(layout) if kind is not None else None

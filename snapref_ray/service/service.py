@@ -10,10 +10,16 @@ the CLI's flags). The service owns, once:
 - settings resolved for the loaded adapter kind before anything is rendered or recorded,
 - the memory fit: how many images one forward may hold at a resolution (memory.py), and splitting a
   forward that ran out of device memory,
-- the device: one render or encode at a time, and the progress a health check reads.
+- the device: one render or encode at a time, and the progress a health check reads,
+- the reference: a door hands it a `Reference` (service/references.py) and the service decides what the
+  render reads: the images themselves with `recompute_reference_every_step` (that baseline runs the
+  reference stream at every step), else a RefKV from the cache, from `Reference.fetch` or encoded here.
 
 It knows nothing of Ray. What it returns (`Rendered`) is what `records.py` turns into image files and
-metadata rows, so every front door records the same facts.
+metadata rows, so every front door records the same facts. One of them, `encode_s`, means the same at
+every door: the seconds this render spent turning the reference's files into what it reads (decoding
+and VAE-encoding the images and, unless it recomputes, the reference stream); 0 when its RefKV came from
+the cache or from another worker, and 0 without a reference.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 from PIL import Image
 
@@ -31,9 +38,10 @@ from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.engine import Renderer, RenderError
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.requests import RenderRequest, RenderSettings
+from snapref_ray.service.cold_start import ColdStart, ColdStartClock, warm_up
 from snapref_ray.service.loading import load_renderer
 from snapref_ray.service.memory import FitKey, MemoryFit, describe_device_memory
-from snapref_ray.service.references import RefKVKey
+from snapref_ray.service.references import Reference, RefKVKey
 from snapref_ray.service.refkv_cache import RefKVCache
 from snapref_ray.storage.backends import S3Options
 
@@ -46,16 +54,36 @@ class RenderOutOfMemory(RenderError):
     """One image does not fit the device: the message names its size, the device and the memory figures."""
 
 
+ReferenceSource = Literal["cache", "fetched", "encoded", "recomputed"]
+
+
 @dataclass
 class Rendered:
     """One image and the facts every output records about it."""
 
     image: Image.Image
     request: RenderRequest  # the settings as rendered: the adapter kind's defaults filled in
-    timings: dict[str, float]  # text_s, sample_s, decode_s, encode_s (reference), steps
+    timings: dict[str, float]  # text_s, sample_s, decode_s, encode_s (the module docstring's meaning), steps
     forward_batch: int  # images in the forward that rendered it
     reference_hash: str | None
     skipped_forwards: int | None = None  # DiT forwards the step cache skipped for it (None: cache off)
+    reference_source: ReferenceSource | None = None  # where what it read came from (None: no reference)
+
+
+@dataclass(frozen=True)
+class ReferenceRead:
+    """What a render reads of its reference, as the service decided (`RenderService.read_reference`).
+
+    `source`: "cache" (this device's RefKV LRU), "fetched" (`Reference.fetch`), "encoded" (here, now) or
+    "recomputed" (`recompute_reference_every_step`: `images` go to the engine, which runs the reference
+    stream at every step). `encode_s` is the seconds this read spent encoding (0 unless "encoded").
+    """
+
+    reference: Reference
+    source: ReferenceSource
+    encode_s: float = 0.0
+    refkv: RefKV | None = None
+    images: tuple[bytes, ...] | None = None
 
 
 @dataclass
@@ -81,6 +109,7 @@ class RenderService:
         self.memory = MemoryFit.for_device(renderer.device, memory_budget_bytes)
         self._device = threading.Lock()
         self._health = _Health()
+        self._cold_start = ColdStartClock(float(getattr(renderer, "load_seconds", 0.0)))
 
     @classmethod
     def load(
@@ -139,7 +168,28 @@ class RenderService:
                 "max_bytes": self.cache.max_bytes,
             },
             "memory": self.memory.report(),
+            "cold_start": self.cold_start().as_dict(),
         }
+
+    # -- cold start ------------------------------------------------------------------------------
+    def warmup(
+        self,
+        sizes: Sequence[tuple[int, int]],
+        batch_sizes: Sequence[int] = (1,),
+        settings: RenderSettings | None = None,
+    ) -> ColdStart:
+        """Build (or load from the compile cache) the graphs of these sizes and batch sizes now, so the
+        first real request does not pay for them (service/cold_start.py); returns the cold start so far."""
+        t0 = time.monotonic()
+        warmed = warm_up(self, sizes, batch_sizes, settings)
+        self._cold_start.warmup_s = (self._cold_start.warmup_s or 0.0) + time.monotonic() - t0
+        self._cold_start.warmed += warmed
+        log.info("warmed %s in %.1f s", ", ".join(warmed), time.monotonic() - t0)
+        return self.cold_start()
+
+    def cold_start(self) -> ColdStart:
+        """Model load, compile (built vs loaded), warm-up and first-image seconds of this service."""
+        return self._cold_start.record(self.renderer)
 
     # -- references ------------------------------------------------------------------------------
     def refkv(
@@ -157,20 +207,36 @@ class RenderService:
         when it is gone), else the reference stream over `load_images()`. Concurrent callers asking for
         one missing key wait for a single encode.
         """
+        kv, source, _ = self._refkv(key, layout, load_images, sources, fetch)
+        return kv, source
+
+    def _refkv(
+        self,
+        key: RefKVKey,
+        layout: str,
+        load_images: Callable[[], Sequence[bytes]],
+        sources: Sequence[str] | None,
+        fetch: Callable[[], RefKV | None] | None,
+    ) -> tuple[RefKV, ReferenceSource, float]:
+        """`refkv`, and the wall seconds its encode took (read, decode, VAE, reference stream; 0 unless encoded)."""
         cached = self.cache.get(key)
         if cached is not None:
-            return cached, "cache"
+            return cached, "cache", 0.0
         source = "cache"  # stays so when another thread creates the entry first
+        encode_s = 0.0
 
         def create() -> RefKV:
-            nonlocal source
+            nonlocal source, encode_s
             if fetch is not None:
                 fetched = fetch()
                 if fetched is not None:
                     source = "fetched"
                     return fetched
+            t0 = time.perf_counter()
             images = list(load_images())
+            loaded_s = time.perf_counter() - t0
             with self.device("encode"):
+                t0 = time.perf_counter()  # waiting for the device is not encoding
                 kv = self.renderer.encode_reference(
                     images,
                     layout=layout,
@@ -181,6 +247,7 @@ class RenderService:
                     sources=list(sources) if sources else None,
                 )
             source = "encoded"
+            encode_s = loaded_s + time.perf_counter() - t0
             log.info(
                 "encoded reference %s (%d tokens, %.1f MB) in %.2f s",
                 key.reference_hash[:12],
@@ -191,17 +258,33 @@ class RenderService:
             return kv
 
         kv, _ = self.cache.get_or_create(key, create)
-        return kv, source
+        return kv, source, encode_s
+
+    def read_reference(self, reference: Reference, settings: RenderSettings) -> ReferenceRead:
+        """What a render with `settings` reads of `reference` (the one place that decides it):
+        with `recompute_reference_every_step` the images (loaded now), else the RefKV from the device cache,
+        from `reference.fetch()`, or encoded here. A door that holds requests before rendering them (Serve's
+        batching) reads each one's reference as it arrives and passes the read to `render`."""
+        if self.resolve(settings).recompute_reference_every_step:
+            return ReferenceRead(reference, "recomputed", images=tuple(reference.load()))
+        kv, source, encode_s = self._refkv(
+            reference.key, reference.layout, reference.load, reference.sources, reference.fetch
+        )
+        return ReferenceRead(reference, source, encode_s, refkv=kv)
+
+    def cached_read(self, reference: Reference, settings: RenderSettings) -> ReferenceRead | None:
+        """`read_reference` when it is answered from the device cache without loading anything; else None."""
+        if self.resolve(settings).recompute_reference_every_step:
+            return None
+        kv = self.cache.get(reference.key)
+        return ReferenceRead(reference, "cache", refkv=kv) if kv is not None else None
 
     # -- rendering -------------------------------------------------------------------------------
     def render(
         self,
         requests: Sequence[RenderRequest],
         *,
-        refkv: RefKV | None = None,
-        reference_hash: str | None = None,
-        references: Sequence[bytes] | None = None,
-        layout: str = "single",
+        reference: Reference | ReferenceRead | None = None,
         init_image: Image.Image | None = None,
         max_batch: int | None = None,
         progress: Callable[[int, int], None] | None = None,
@@ -209,10 +292,10 @@ class RenderService:
         """Render requests that may share a forward (same settings but prompts and seeds), in forwards of
         the largest batch that fits, at most `max_batch` images each.
 
-        `refkv` is the reference as the cache holds it; `references` (image bytes) are encoded for this
-        call instead (the recompute-every-step baseline needs them). A forward that runs out of device
-        memory is split in half and retried, down to one image, and the smaller batch is kept for that
-        resolution; one image that does not fit raises `RenderOutOfMemory`.
+        `reference` is read as `read_reference` decides (a `ReferenceRead` a door made earlier is used as
+        it is). A forward that runs out of device memory is split in half and retried, down to one image,
+        and the smaller batch is kept for that resolution; one image that does not fit raises
+        `RenderOutOfMemory`.
         """
         requests = [r.model_copy(update={"settings": self.resolve(r.settings)}) for r in requests]
         if not requests:
@@ -221,18 +304,28 @@ class RenderService:
         for i, r in enumerate(requests[1:], start=1):
             if r.settings.batch_key() != s.batch_key():
                 raise RenderError(f"requests[{i}].settings differ from requests[0]; render them in separate batches")
-        reads = refkv is not None or references is not None
+        read = self.read_reference(reference, s) if isinstance(reference, Reference) else reference
+        if read is not None and (read.source == "recomputed") != s.recompute_reference_every_step:
+            raise RenderError(
+                "the reference was read for other settings than these (recompute_reference_every_step differs)",
+                field="recompute_reference_every_step",
+            )
+        reads = read is not None
         key = FitKey(s.width, s.height, rows_per_image(s, reads), reads)
+        refkv = read.refkv if read is not None else None
+        images = list(read.images) if read is not None and read.images is not None else None
+        layout = read.reference.layout if read is not None else "single"
 
         def forward(chunk: list[RenderRequest], on_step=progress):
             return self.renderer.render(
-                chunk, refkv=refkv, references=references, layout=layout, init_image=init_image, progress=on_step
+                chunk, refkv=refkv, references=images, layout=layout, init_image=init_image, progress=on_step
             )
 
         probe = RenderRequest(prompt="batch-size probe", settings=s.model_copy(update={"steps": 1}))
         requested = min(len(requests), max_batch or len(requests))
         with self.device("render"):
             batch = self.memory.limit(key, requested, lambda: forward([probe], on_step=None))
+        read_s = read.encode_s if read is not None else 0.0
         results: list[Rendered] = []
         start = 0
         while start < len(requests):
@@ -259,11 +352,13 @@ class RenderService:
                 Rendered(
                     image=out.image,
                     request=out.request,
-                    # encode_s: what the reference this image read cost to encode, wherever that happened.
-                    timings={**out.timings, **({"encode_s": refkv.encode_seconds} if refkv is not None else {})},
+                    # encode_s (the module docstring): this read's encode, plus the engine's preparation of the
+                    # images when it recomputes (0 when it reads a RefKV).
+                    timings={**out.timings, "encode_s": read_s + out.timings.get("encode_s", 0.0)},
                     forward_batch=len(chunk),
-                    reference_hash=reference_hash,
+                    reference_hash=read.reference.hash if read is not None else None,
                     skipped_forwards=getattr(out, "skipped_forwards", None),
+                    reference_source=read.source if read is not None else None,
                 )
                 for out in outputs
             ]
@@ -294,6 +389,8 @@ class RenderService:
             self._health.busy_since = self._health.last_progress = time.monotonic()
             try:
                 yield
+                if what == "render":
+                    self._cold_start.render_done(self.renderer)
             finally:
                 self._health.busy_since = None
                 self._health.last_progress = time.monotonic()

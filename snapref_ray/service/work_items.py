@@ -2,10 +2,11 @@
 
 Everything is checked here, before any GPU work: each row's columns (`service/rows.py`, the one row
 parser), its settings (through the request model, resolved for the job's adapter kind: the item id
-and every output record hold the settings as rendered), its seeds, and its reference files (each
-unique URI read once, decoded and hashed). A bad row becomes one `RowError` per problem, naming the
-manifest row and the field; the rest of the job carries on (or, with `strict`, the job refuses to
-start). Relative reference paths resolve against the manifest's folder (or s3:// prefix).
+and every output record hold the settings as rendered), its seeds, its reference files (each unique
+URI read once, decoded and hashed) and its layout against what the adapter kind reads. A bad row
+becomes one `RowError` per problem, naming the manifest row and the field; the rest of the job carries
+on (or, with `strict`, the job refuses to start). Relative reference paths resolve against the
+manifest's folder (or s3:// prefix).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from snapref_ray.adapter.controls import SettingsError, resolve_settings
 from snapref_ray.adapter.images import ReferenceImageError, content_hash, open_reference
 from snapref_ray.requests import RenderRequest, RenderSettings
-from snapref_ray.service.references import ReferenceInput, reference_hash
+from snapref_ray.service.references import ReferenceInput, layout_refusal, reference_hash
 from snapref_ray.service.rows import RowInputError, RowRules, parse_row
 from snapref_ray.storage.backends import S3Options, read_uri
 from snapref_ray.storage.jobspec import JobSpec
@@ -157,6 +158,10 @@ def build_work_items(
             continue
         except SettingsError as exc:
             errors.append(RowError(number, None, exc.field, str(exc).removeprefix(f"{exc.field}: ")))
+            continue
+        refused = layout_refusal(parsed_row.reference.layout, adapter_kind)
+        if refused:  # the check every front door runs (service/references.py `check_reference`)
+            errors.append(RowError(number, None, parsed_row.reference.columns[0], refused))
             continue
         parsed.append((number, parsed_row, settings))
 

@@ -27,7 +27,6 @@ from PIL.PngImagePlugin import PngInfo
 
 ImageFormat = Literal["png", "webp", "jpeg"]
 EXTENSIONS: dict[str, str] = {"png": "png", "webp": "webp", "jpeg": "jpg"}
-CONTENT_TYPES: dict[str, str] = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
 
 INFO_KEY = "snapref"
 XMP_NS = "https://github.com/snapref-ray/ns/1.0/"

@@ -18,15 +18,13 @@ from benchmarks import dit_forward, snapref_steps
 from benchmarks.common import (
     REAL,
     SCALED,
-    block_linear_dims,
     build_dit,
-    dit_forward_flop_breakdown,
-    dit_forward_flops,
     interleaved,
     paired_ratio,
 )
 from snapref_ray.models.attention import RefRead
 from snapref_ray.models.dit import real_dit_config
+from snapref_ray.models.flops import block_linear_dims, dit_forward_flop_breakdown, dit_forward_flops
 from snapref_ray.models.ops import LoRAPair
 
 # Counts that are legitimately zero (the no-reference step reads nothing).

@@ -69,6 +69,14 @@ def _assert_end_to_end(e2e: dict, markdown: str) -> None:
         assert r["reference_stream_seconds"] == pytest.approx(r["reference_stream_seconds_from_rows"], rel=1e-4)
         assert r["reference_encodes"] == 1 and r["seconds"]["reference_encode"] > r["reference_stream_seconds"]
         assert r["forwards"] == sum(n // int(b) for b, n in r["forward_batches"].items())
+        # The worker's ready reply carries its cold start (service/cold_start.py), which the job summary lists; a
+        # compiled worker warmed the job's size at the forward sizes the job then ran, before it was ready.
+        cold = r["cold_start"]
+        assert cold["model_load_s"] > 0 and cold["compiled"] == r["compiled"]
+        assert cold["first_image_s"] >= cold["model_load_s"]
+        if r["compiled"]:
+            ran = sorted(int(b) for b in r["forward_batches"])
+            assert cold["warmed"] == [f"256x256 x{b}+ref" for b in ran] and cold["warmup_s"] > 0
         assert f"| {r['run']} | 2 |" in markdown
     assert "## End to end" in markdown
 

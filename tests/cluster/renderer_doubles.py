@@ -2,7 +2,7 @@
 
 They are picklable factories (frozen dataclasses), so a job hands them to its workers on any node; the
 workers import this module from the checkout (PYTHONPATH, tests/cluster/conftest.py and
-tests/fake_cluster.py). Everything but the failure is the real renderer.
+benchmarks/fake_cluster.py). Everything but the failure is the real renderer.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Batch jobs on a real multi-node cluster: Ray's autoscaler adds GPU nodes (fake_multinode provider,
-tests/fake_cluster.py) for the job's GPU workers; the workers run the tiny models on CPU.
+benchmarks/fake_cluster.py) for the job's GPU workers; the workers run the tiny models on CPU.
 
 The session's fake cluster (tests/conftest.py: a head with 2 CPUs and no GPU, at most 3 autoscaled
 nodes with 1 CPU and `GPU: 1` each), cold when the module starts (the head alone); the tests run in
@@ -22,11 +22,11 @@ import pytest
 import ray
 from PIL import Image
 
+from benchmarks.fake_cluster import FakeCluster
 from snapref_ray.pipelines.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_item_ids, read_metadata_table
 from tests.cluster.conftest import expected_item_ids, job_spec, make_reference_png, write_manifest
-from tests.fake_cluster import FakeCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 from ray import serve
 
+from benchmarks.fake_cluster import FakeCluster
 from snapref_ray.client import SnapRefClient
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import direct_ingress_env, haproxy_binary
-from tests.fake_cluster import FakeCluster
 from tests.serve.conftest import free_port
 
 # Its last test kills a GPU node: after the other fake-cluster modules, none of which then starts cold.

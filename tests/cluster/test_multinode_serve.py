@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from ray import serve
 
+from benchmarks.fake_cluster import FakeCluster
 from snapref_ray.client import ApiError, SnapRefClient
 from snapref_ray.serve.config import ServeConfig
 from tests.cluster.conftest import make_reference_png
-from tests.fake_cluster import FakeCluster
 from tests.serve.conftest import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -54,7 +54,7 @@ def server(cluster: FakeCluster, tiny_models: Path) -> str:
         max_replicas=2,
         gpus_per_replica=1,
         cpus_per_replica=1,
-        max_batch_size=4,
+        max_batch=4,
         request_timeout_s=120,
     )
     # One proxy, on the head: every fake node shares this machine's ports.

@@ -1,7 +1,7 @@
 """A whole node lost mid-job costs no item, on a real multi-node cluster, and out of memory splits a batch
 there.
 
-Ray's autoscaler with its fake provider (tests/fake_cluster.py): a head and up to three 1-CPU `GPU: 1` nodes,
+Ray's autoscaler with its fake provider (benchmarks/fake_cluster.py): a head and up to three 1-CPU `GPU: 1` nodes,
 each a real raylet with its own object store; the job's GPU workers run the tiny models on the CPU. A node is
 lost by SIGKILL to its raylet (its workers go with it), at a moment picked through the scheduler's event seam
 (`run_job(on_event=...)`), never by sleeping: before any image, mid-batch, as a RefKV fetch from it starts,
@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from benchmarks.fake_cluster import FakeCluster
 from snapref_ray.cluster.scheduler import SchedulerEvent
 from snapref_ray.pipelines.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_errors_table, read_item_ids, read_metadata_table
 from tests.cluster.conftest import expected_item_ids, job_spec, make_reference_png, write_manifest
 from tests.cluster.renderer_doubles import OutOfMemoryAbove
-from tests.fake_cluster import FakeCluster
 
 # ray_order: its tests kill nodes, so it runs after the fake-cluster modules that want a warm cluster.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.ray_order(2)]

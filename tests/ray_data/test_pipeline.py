@@ -1,5 +1,6 @@
-"""The README's Ray Data pipeline, run as written on a local Ray against the SeaweedFS S3 server; read_results
-and docs/ray-data.md's read_results block, run as written.
+"""docs/ray-data.md's Ray Data pipeline on S3, run as written on a local Ray against the SeaweedFS S3 server;
+read_results and docs/ray-data.md's read_results block, run as written. (The README's laptop pipeline runs in
+tests/test_readme.py, on a Ray of 2 CPUs.)
 
 3 references x 4 prompts (and one corrupt reference) in a CSV on S3, the tiny models in an s3://
 models folder, an actor pool of 2, `write_parquet` to S3 and read back with pyarrow. Every image is
@@ -9,6 +10,7 @@ since batched matmuls may differ from single ones in the last bit): bitwise equa
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -40,7 +42,7 @@ PROMPTS = [
 ]
 
 
-def readme_block(marker: str = "ray-data-pipeline", page: str = "README.md") -> str:
+def readme_block(marker: str = "ray-data-pipeline-s3", page: str = "docs/ray-data.md") -> str:
     """The Python block that follows `<!-- marker: ... -->` in `page` (README.md, docs/...), verbatim."""
     text = (REPO / page).read_text()
     match = re.search(rf"<!-- {marker}:[^>]*-->\n```python\n(.*?)\n```", text, re.S)
@@ -112,8 +114,15 @@ def inputs(s3_server, tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rendered(ray_s3_env, s3_server, inputs) -> pa.Table:
-    """Run the README block; the Parquet it wrote, read back from S3 with pyarrow."""
-    exec(compile(readme_block(), "README.md:ray-data-pipeline", "exec"), {"__name__": "readme_pipeline"})
+    """Run the docs' S3 block; the Parquet it wrote, read back from S3 with pyarrow. The block ends in
+    `raise SystemExit(check_renders(...))`: with one corrupt reference of 13 rows, exit status 1 and its line."""
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), pytest.raises(SystemExit) as ended:
+        exec(compile(readme_block(), "docs/ray-data.md:ray-data-pipeline-s3", "exec"), {"__name__": "docs_pipeline"})
+    assert ended.value.code == 1, said.getvalue()
+    line = said.getvalue().strip().splitlines()[-1]
+    assert line.startswith("12 of 13 row(s) rendered to s3://my-bucket/renders/; 1 failed, the first: "), line
+    assert "corrupt.png" in line
     return _read_parquet_prefix(s3_server.client(), "renders/")
 
 
@@ -128,7 +137,7 @@ def test_the_corrupt_reference_is_an_error_row_and_the_rest_render(rendered):
     table = rendered.to_pylist()
     failed = [r for r in table if r["error"] is not None]
     assert [r["character"] for r in failed] == ["corrupt"]
-    assert failed[0]["error_stage"] == "encode" and failed[0]["image"] is None
+    assert failed[0]["error_stage"] == "validate" and failed[0]["image"] is None  # before any device work
     assert "cannot decode the image" in failed[0]["error"] and "corrupt.png" in failed[0]["error"]
     good = [r for r in table if r["error"] is None]
     assert len(good) == 12 and all(r["image"] for r in good)
@@ -213,7 +222,7 @@ def test_two_actors_and_their_cache_counters(rendered):
     print(json.dumps({"actors": len(workers), "encodes": encodes, "hits": hits, "batches": len(groups)}))
 
 
-def test_readme_block_is_the_one_that_ran():
+def test_docs_block_is_the_one_that_ran():
     code = readme_block()
     assert "SnapRefRenderer" in code and 'write_parquet("s3://my-bucket/renders/")' in code
     assert "ActorPoolStrategy" in code and "concurrency=" not in code  # Ray 2.60: `concurrency` is deprecated

@@ -151,7 +151,9 @@ def test_pairs_and_corrupt_inline_bytes_from_a_pandas_batch(snapref, refs, tiny_
     )
     rows = snapref(frame).to_pylist()
 
-    assert rows[1]["error_stage"] == "encode" and "cannot decode the image" in rows[1]["error"]
+    # Refused before any device work, naming the column, as a job refuses it (docs/design.md, the front-door contract).
+    assert rows[1]["error_stage"] == "validate" and "cannot decode the image" in rows[1]["error"]
+    assert rows[1]["error"].startswith("field 'right': ")
     assert rows[0]["error"] is None
     hashes = [content_hash(paths[c].read_bytes()) for c in ("red", "green")]
     assert rows[0]["reference_hash"] == combined_reference_hash("pair", hashes)

@@ -1,7 +1,9 @@
 """The HTTP API end to end: a real local Serve on 127.0.0.1 with the tiny models, real HTTP.
 
-The module's application on the session's local Serve (tests/conftest.py); parsing helpers are
-tested without it.
+The module's application on the session's local Serve (tests/conftest.py) answers both APIs: its own
+(/v1/references, /v1/render, ...) and, in the last section, OpenAI's images routes called with the official
+`openai` package (one deployment for both: each costs ~13 s to deploy and delete on 2 cores). Parsing
+helpers are tested without it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 from urllib.error import HTTPError
 from urllib.request import Request, urlopen
 
+import numpy as np
+import openai
 import pytest
 from PIL import Image
 
@@ -51,7 +55,7 @@ def server(local_serve, tiny_models: Path):
         limits=LIMITS,
         min_replicas=1,
         max_replicas=1,
-        max_batch_size=4,
+        max_batch=4,
         request_timeout_s=120,
     )
     with local_serve.deployed(config) as url:
@@ -177,7 +181,6 @@ def test_validation_errors_name_the_field(body: dict, field: str, message: str) 
         ({"negative_prompt": "x" * 201}, "negative_prompt"),
         ({"ref_megapixels": 3.0}, "ref_megapixels"),
         ({"denoise": 0.5}, "denoise"),
-        ({"recompute_reference_every_step": True}, "recompute_reference_every_step"),
     ],
 )
 def test_server_limits_name_the_field(body: dict, field: str) -> None:
@@ -490,3 +493,249 @@ def test_corrupt_or_hostile_images_are_400(client: SnapRefClient, reference_png:
             client.upload_reference(data)
         assert (info.value.status, info.value.field) == (400, "file"), message
         assert message in info.value.message
+
+
+# -- the live server: OpenAI's images routes, with the official `openai` package -----------------
+# /v1/render is their oracle: the same prompt, seed, size, settings and reference sent there must give the
+# same pixels, and what the server's RefKV counters say is read from GET /v1/models, apart from the answer
+# checked. (Here, on this module's application, rather than in tests/serve/test_openai_images.py, which
+# tests their parts without a server: one deployment serves both APIs.)
+SIZE, STEPS = "256x256", 2
+# Settings off their defaults, so that a translation that dropped one would change the pixels.
+SETTINGS = {"guidance_scale": 3.0, "negative_prompt": "lowres", "mode": "char", "ref_weight": 0.8}
+
+
+@pytest.fixture(scope="module")
+def oai(server: str) -> openai.OpenAI:
+    # max_retries=0: what is checked is the server's answer, not the SDK's retries.
+    return openai.OpenAI(base_url=server + "/v1", api_key=TOKEN, max_retries=0, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def red_png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (96, 160), (200, 40, 40)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _raw_json(url: str, method: str = "GET", data: bytes | None = None, headers: dict | None = None):
+    """(status, parsed JSON body) of one HTTP call with the module's token."""
+    status, _, body = _raw(url, method, data, headers)
+    return status, json.loads(body)
+
+
+def _pixels(data: bytes) -> np.ndarray:
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return np.asarray(img.convert("RGB"))
+
+
+def _rendered(client: SnapRefClient, prompt: str, seed: int, **settings) -> tuple[np.ndarray, dict]:
+    """The oracle: /v1/render's image (pixels) and JSON answer for the same request in its own names."""
+    width, height = map(int, SIZE.split("x"))
+    answer = client.render(
+        prompt, seed=seed, width=width, height=height, steps=STEPS, response_format="json", **settings
+    )
+    (image,) = answer["images"]
+    return _pixels(base64.b64decode(image["png_base64"])), answer
+
+
+def _native(settings: dict) -> dict:
+    """SETTINGS in /v1/render's names."""
+    names = {"guidance_scale": "cfg"}
+    return {names.get(k, k): v for k, v in settings.items()}
+
+
+def _encodes(server: str) -> int:
+    status, info = _raw_json(server + "/v1/models")
+    assert status == 200
+    return info["refkv_cache"]["encodes"]
+
+
+@pytest.mark.slow
+def test_models_list_and_the_fields_of_today(oai: openai.OpenAI, server: str) -> None:
+    (model,) = oai.models.list().data
+    assert (model.id, model.object, model.owned_by) == ("dit.safetensors", "model", "snapref-ray")
+    status, info = _raw_json(server + "/v1/models")
+    assert status == 200 and info["object"] == "list" and info["data"][0]["id"] == "dit.safetensors"
+    assert info["model"] == "dit.safetensors" and info["limits"] == LIMITS.model_dump() and info["modes"]
+
+
+@pytest.mark.slow
+def test_generate_equals_render(oai: openai.OpenAI, client: SnapRefClient, reference_png: bytes) -> None:
+    reference_id = client.upload_reference(reference_png)
+    answer = oai.images.generate(
+        model="dit.safetensors",
+        prompt="1girl, in a garden",
+        size=SIZE,
+        n=1,
+        response_format="b64_json",
+        user="someone",
+        extra_body={
+            "seed": 11,
+            "num_inference_steps": STEPS,
+            "generator_device": "cpu",
+            "output_format": "png",
+            "reference_id": reference_id,
+            **SETTINGS,
+        },
+    )
+    (item,) = answer.data
+    png = base64.b64decode(item.b64_json)
+    expected, rendered = _rendered(client, "1girl, in a garden", 11, reference_id=reference_id, **_native(SETTINGS))
+    assert np.array_equal(_pixels(png), expected)
+    # The extensions took effect and are recorded: in the answer and in the PNG's own metadata.
+    assert item.seed == 11 and item.settings["steps"] == STEPS and item.settings["cfg"] == 3.0
+    assert item.settings == rendered["settings"]
+    info = read_image_info(png)
+    assert (info["seed"], info["settings"]["steps"], info["reference_ids"]) == (11, STEPS, [reference_id])
+    assert answer.size == SIZE and answer.snapref["reference_ids"] == [reference_id]
+    # Another seed, another image; n images have consecutive seeds.
+    other = oai.images.generate(
+        prompt="1girl, in a garden",
+        size=SIZE,
+        n=2,
+        extra_body={"seed": 12, "num_inference_steps": STEPS, "reference_id": reference_id, **SETTINGS},
+    )
+    assert [i.seed for i in other.data] == [12, 13]
+    assert not np.array_equal(_pixels(base64.b64decode(other.data[0].b64_json)), expected)
+
+
+@pytest.mark.slow
+def test_edit_equals_render_and_encodes_once(
+    oai: openai.OpenAI, client: SnapRefClient, server: str, reference_png: bytes
+) -> None:
+    caption = "openai edit test"  # a RefKV key no other test has made
+    extra = {"seed": 5, "num_inference_steps": STEPS, "ref_caption": caption, **SETTINGS}
+    before = _encodes(server)
+    first = oai.images.edit(
+        image=("ref.png", reference_png, "image/png"), prompt="1girl, reading", size=SIZE, extra_body=extra
+    )
+    assert _encodes(server) == before + 1 and first.snapref["cache_hit"] is False
+    second = oai.images.edit(
+        image=("ref.png", reference_png, "image/png"), prompt="1girl, reading", size=SIZE, extra_body=extra
+    )
+    assert _encodes(server) == before + 1, "the same image again was encoded again"
+    assert second.snapref["cache_hit"] is True
+    # The edit stored the image as /v1/references does: the same id, and /v1/render's pixels for it.
+    reference_id = client.upload_reference(reference_png, ref_caption=caption)
+    assert first.snapref["reference_ids"] == second.snapref["reference_ids"] == [reference_id]
+    expected, _ = _rendered(client, "1girl, reading", 5, reference_id=reference_id, **_native(SETTINGS))
+    assert np.array_equal(_pixels(base64.b64decode(first.data[0].b64_json)), expected)
+    assert np.array_equal(_pixels(base64.b64decode(second.data[0].b64_json)), expected)
+    assert _encodes(server) == before + 1
+
+
+@pytest.mark.slow
+def test_edit_with_two_images_as_a_pair_or_one_character(
+    oai: openai.OpenAI, client: SnapRefClient, reference_png: bytes, red_png: bytes
+) -> None:
+    answer = oai.images.edit(
+        image=[("left.png", reference_png, "image/png"), ("right.png", red_png, "image/png")],
+        prompt="2girls, side by side",
+        size=SIZE,
+        extra_body={"seed": 2, "num_inference_steps": STEPS, "reference_layout": "pair"},
+    )
+    left, right = client.upload_reference(reference_png), client.upload_reference(red_png)
+    assert answer.snapref["reference_ids"] == [left, right]
+    expected, _ = _rendered(client, "2girls, side by side", 2, left_reference_id=left, right_reference_id=right)
+    assert np.array_equal(_pixels(base64.b64decode(answer.data[0].b64_json)), expected)
+    # The same two files without reference_layout: several images of one character, read another way.
+    multi = oai.images.edit(
+        image=[("left.png", reference_png, "image/png"), ("right.png", red_png, "image/png")],
+        prompt="2girls, side by side",
+        size=SIZE,
+        extra_body={"seed": 2, "num_inference_steps": STEPS},
+    )
+    assert multi.snapref["reference_ids"] == [left, right] and multi.snapref["cache_hit"] is False
+    assert not np.array_equal(_pixels(base64.b64decode(multi.data[0].b64_json)), expected)
+
+
+@pytest.mark.slow
+def test_output_formats(oai: openai.OpenAI) -> None:
+    request = {"prompt": "scenery", "size": SIZE, "extra_body": {"seed": 1, "num_inference_steps": STEPS}}
+    png = base64.b64decode(oai.images.generate(**request).data[0].b64_json)
+    for fmt, pil_format in (("webp", "WEBP"), ("jpeg", "JPEG")):
+        answer = oai.images.generate(**request, output_format=fmt, output_compression=90)
+        data = base64.b64decode(answer.data[0].b64_json)
+        assert Image.open(io.BytesIO(data)).format == pil_format and answer.output_format == fmt
+        # Lossy: the oracle is the PNG's pixels encoded here at the quality asked for.
+        expected = io.BytesIO()
+        Image.open(io.BytesIO(png)).convert("RGB").save(expected, pil_format, quality=90)
+        assert np.array_equal(_pixels(data), _pixels(expected.getvalue())), fmt
+
+
+@pytest.mark.slow
+def test_bad_input_raises_the_sdks_typed_errors(oai: openai.OpenAI, server: str, reference_png: bytes) -> None:
+    def bad_request(call, **kwargs) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as info:
+            call(**kwargs)
+        assert info.value.status_code == 400 and info.value.type == "invalid_request_error"
+        return info.value
+
+    generate = {"prompt": "p", "size": SIZE, "extra_body": {"num_inference_steps": STEPS}}
+    cases = [
+        ({"size": "100x100"}, "size", "multiple of 16"),
+        ({"size": "huge"}, "size", "expected WIDTHxHEIGHT"),
+        ({"size": "1024x1024"}, "size", "more than the 512 allowed"),
+        ({"n": 4}, "n", "more than the 3 allowed"),
+        ({"response_format": "url"}, "response_format", "durable storage"),
+        ({"model": "dall-e-3"}, "model", "this server renders 'dit.safetensors'"),
+        ({"extra_body": {"num_inference_steps": 9}}, "num_inference_steps", "more than the 8 allowed"),
+        ({"extra_body": {"generator_device": "cuda"}}, "generator_device", "CPU generator"),
+        ({"extra_body": {"sampeler": "euler"}}, "sampeler", "did you mean 'sampler'"),
+        ({"extra_body": {"reference_id": "0" * 32}}, None, None),  # 404, below
+    ]
+
+    def changed(change: dict) -> dict:
+        return {**generate, **change, "extra_body": {**generate["extra_body"], **change.get("extra_body", {})}}
+
+    for change, param, message in cases[:-1]:
+        err = bad_request(oai.images.generate, **changed(change))
+        assert err.param == param and message in err.message, (change, err.message)
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.images.generate(**changed(cases[-1][0]))
+    assert info.value.param == "reference_id" and "unknown reference id" in info.value.message
+    # An edit whose image is not an image, and one with a file too large: the field is `image`.
+    edit = {"prompt": "p", "size": SIZE, "extra_body": {"num_inference_steps": STEPS}}
+    err = bad_request(oai.images.edit, image=("a.png", b"GIF89a but not really", "image/png"), **edit)
+    assert err.param == "image" and "not an image format" in err.message
+    image = ("ref.png", reference_png, "image/png")
+    for change, param, message in [
+        ({"extra_body": {"reference_id": "0" * 32}}, "reference_id", "an edit's reference is its image"),
+        ({"extra_body": {"reference_layout": "pair"}}, "reference_layout", "send two images, not 1"),
+        ({"mask": image}, "mask", "masks are not served"),
+        ({"extra_body": {"num_inference_steps": 9}}, "num_inference_steps", "more than the 8 allowed"),
+    ]:
+        err = bad_request(oai.images.edit, image=image, **{**edit, **change})
+        assert err.param == param and message in err.message, (change, err.message)
+    with pytest.raises(openai.APIStatusError) as too_large:
+        oai.images.edit(image=("a.png", b"\x00" * (LIMITS.max_upload_bytes + 1), "image/png"), **edit)
+    assert too_large.value.status_code == 413 and too_large.value.param == "image"
+    # A wrong token: the SDK's AuthenticationError, in OpenAI's shape, without the token in it.
+    wrong = openai.OpenAI(base_url=server + "/v1", api_key="wrong-token", max_retries=0, timeout=TIMEOUT)
+    for call in (lambda: wrong.images.generate(**generate), lambda: wrong.images.edit(image=reference_png, **edit)):
+        with pytest.raises(openai.AuthenticationError) as auth:
+            call()
+        assert auth.value.param == "Authorization" and auth.value.code == "invalid_api_key"
+        assert "invalid bearer token" in auth.value.message and TOKEN not in auth.value.message
+    # The existing routes keep their own error shape.
+    status, body = _raw_json(server + "/v1/render", "POST", b"{}", {"Content-Type": "application/json"})
+    assert status == 400 and set(body["error"]) == {"field", "message"}
+    status, body = _raw_json(server + "/v1/images/generations", "POST", b"{}", {"Content-Type": "application/json"})
+    assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == "prompt"
+
+
+@pytest.mark.slow
+def test_openapi_lists_the_routes(server: str) -> None:
+    status, spec = _raw_json(server + "/openapi.json")
+    assert status == 200
+    generation = spec["paths"]["/v1/images/generations"]["post"]
+    schema = generation["requestBody"]["content"]["application/json"]["schema"]
+    assert {"prompt", "n", "size", "seed", "num_inference_steps", "guidance_scale", "mode", "reference_id"} <= set(
+        schema["properties"]
+    )
+    edit = spec["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert {"image", "prompt", "reference_layout", "ref_weight"} <= set(edit["properties"])
+    assert generation["security"] == [{"bearerAuth": []}]

@@ -33,7 +33,7 @@ def served(request, local_serve, tiny_models: Path, tmp_path_factory):
         token=TOKEN,
         min_replicas=1,
         max_replicas=1,
-        max_batch_size=4,
+        max_batch=4,
         request_timeout_s=300,
     )
     with local_serve.deployed(config) as url:

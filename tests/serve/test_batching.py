@@ -24,7 +24,7 @@ def client(local_serve, tiny_models: Path):
         port=local_serve.port,
         min_replicas=1,
         max_replicas=1,
-        max_batch_size=MAX_BATCH,
+        max_batch=MAX_BATCH,
         max_ongoing_requests=12,
         max_queued_requests=32,
         batch_wait_timeout_s=0.5,

@@ -71,7 +71,7 @@ def test_token_never_in_reprs() -> None:
 def test_inconsistent_configs_are_refused() -> None:
     with pytest.raises(ValidationError, match=r"min_replicas \(3\) must not exceed max_replicas \(2\)"):
         ServeConfig(model="m", min_replicas=3, max_replicas=2)
-    with pytest.raises(ValidationError, match=r"limits.max_n \(8\) must not exceed max_batch_size \(4\)"):
+    with pytest.raises(ValidationError, match=r"limits.max_n \(8\) must not exceed max_batch \(4\)"):
         ServeConfig(model="m", limits=ServeLimits(max_n=8))
     with pytest.raises(ValidationError, match="extra"):
         ServeConfig(model="m", max_replica=3)
@@ -250,7 +250,7 @@ def test_rendering_replicas_ask_ray_for_memory(tiny_models) -> None:
     config = ServeConfig(model=str(tiny_models), gpus_per_replica=0)
     side = min(config.limits.max_side, int((config.limits.max_megapixels * 1e6) ** 0.5) // 16 * 16)
     expected = estimate_worker_memory(
-        config.model.local_files(), width=side, height=side, batch=config.max_batch_size, on_gpu=False
+        config.model.local_files(), width=side, height=side, batch=config.max_batch, on_gpu=False
     ).total
     assert _deployments(build_app(config))["Renderer"]["ray_actor_options"]["memory"] == expected
     fused = _deployments(build_app(config.model_copy(update={"max_replicas": 1})))
@@ -259,3 +259,43 @@ def test_rendering_replicas_ask_ray_for_memory(tiny_models) -> None:
     assert _deployments(build_app(explicit))["Renderer"]["ray_actor_options"]["memory"] == 3 * 2**30
     elsewhere = ServeConfig(model="/only/on/the/gpu/nodes", gpus_per_replica=0)
     assert "memory" not in _deployments(build_app(elsewhere))["Renderer"]["ray_actor_options"]
+
+
+def test_the_batch_size_and_s3_have_the_jobs_names_and_the_old_ones_still_read() -> None:
+    """One name for a forward's batch (`max_batch`, as jobs and Ray Data) and one S3 section with retries (the
+    jobs' S3Spec); the old flat names are read with a DeprecationWarning, never silently together with the new."""
+    from snapref_ray.storage.backends import S3Options
+    from snapref_ray.storage.jobspec import S3Spec
+
+    assert "max_batch_size" not in ServeConfig.model_fields and "s3_endpoint_url" not in ServeConfig.model_fields
+    assert ServeConfig.model_fields["s3"].annotation is S3Spec
+    config = ServeConfig(model="m", max_batch=2, limits={"max_n": 2}, s3={"endpoint_url": "http://127.0.0.1:1"})
+    assert config.s3_options() == S3Options(
+        endpoint_url="http://127.0.0.1:1", region=None, retry_mode="adaptive", max_attempts=10
+    )
+    with pytest.warns(DeprecationWarning, match="max_batch_size is deprecated: use max_batch"):
+        old = ServeConfig(model="m", max_batch_size=2, limits={"max_n": 2})
+    assert old.max_batch == 2
+    with pytest.warns(DeprecationWarning, match="s3_region is deprecated: use s3.region"):
+        old = ServeConfig(model="m", s3_endpoint_url="http://127.0.0.1:1", s3_region="us-east-1")
+    assert (old.s3.endpoint_url, old.s3.region, old.s3.max_attempts) == ("http://127.0.0.1:1", "us-east-1", 10)
+    with pytest.raises(ValidationError, match="give only max_batch"):
+        ServeConfig(model="m", max_batch=2, max_batch_size=2)
+    with pytest.raises(ValidationError, match="give only s3"):
+        ServeConfig(model="m", s3={}, s3_region="us-east-1")
+
+
+def test_a_rendering_replica_is_told_the_memory_it_asks_ray_for(tiny_models) -> None:
+    """The config a rendering replica is built with carries, as its render service's budget, the `memory=` its
+    deployment asks Ray for (the estimate, or the config's figure)."""
+    from ray.serve._private.build_app import build_app as serve_build
+
+    def bound(app, name: str) -> tuple[int | None, int | None]:
+        (deployment,) = [d for d in serve_build(app, name="snapref").deployments if d.name == name]
+        return deployment.ray_actor_options.get("memory"), deployment.init_args[0].memory_per_replica
+
+    config = ServeConfig(model=str(tiny_models), gpus_per_replica=0)
+    asked, told = bound(build_app(config), "Renderer")
+    assert asked and told == asked
+    fused = config.model_copy(update={"max_replicas": 1, "memory_per_replica": 3 * 2**30})
+    assert bound(build_app(fused), "SnapRefIngress") == (3 * 2**30, 3 * 2**30)

@@ -55,7 +55,7 @@ def test_grpc_limit_carries_the_largest_upload_and_reply() -> None:
     config = ServeConfig(
         model="m",
         limits=ServeLimits(max_upload_bytes=100 * 2**20, max_megapixels=4.0, max_n=4),
-        max_batch_size=4,
+        max_batch=4,
         reference_store_bytes=2**30,
     )
     limit = grpc_message_limit(config)

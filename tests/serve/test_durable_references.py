@@ -86,7 +86,7 @@ def s3_serve(local_serve, tiny_models: Path, s3_server, tmp_path_factory):
         model_cache_dir=str(tmp_path_factory.mktemp("model-cache")),
         min_replicas=1,
         max_replicas=1,
-        max_batch_size=2,
+        max_batch=2,
         limits=ServeLimits(max_n=2),
         request_timeout_s=120,
     )

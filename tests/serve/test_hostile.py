@@ -43,7 +43,7 @@ CONFIG = {
     "limits": LIMITS,
     "min_replicas": 1,
     "max_replicas": 1,
-    "max_batch_size": 2,
+    "max_batch": 2,
     "request_timeout_s": 120,
     "retry_after_s": 2,
     "body_timeout_s": 5.0,

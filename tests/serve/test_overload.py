@@ -38,7 +38,7 @@ def server(request, local_serve, tiny_models: Path):
         max_replicas=1,
         max_ongoing_requests=1,
         max_queued_requests=1,
-        max_batch_size=1,
+        max_batch=1,
         batch_wait_timeout_s=0,
         retry_after_s=RETRY_AFTER_S,
         limits=ServeLimits(max_n=1, max_steps=200, max_side=512),

@@ -91,6 +91,7 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
         "device": "auto",
         "dtype": "auto",
         "compile": False,
+        "compile_cache": None,
         "quantize": "none",
     }
     assert spec.output.model_dump() == {

@@ -4,7 +4,7 @@
   module connects its own driver to it, a job of its own (with a runtime environment only for what
   the head's processes lack: `job_runtime_env`).
 - `FakeCluster`: a head plus Ray's autoscaler with its fake_multinode provider (as
-  tests/fake_node_provider.py extends it: node types offer `memory`, as a cloud's do). Every node the
+  benchmarks/fake_node_provider.py extends it: node types offer `memory`, as a cloud's do). Every node the
   autoscaler launches is a real raylet with its own object store and resources (`GPU: 1` on a
   machine without GPUs), joined to the head. Objects fetched by an actor on another node travel
   between object stores; a node dies when its raylet is killed.
@@ -21,7 +21,7 @@ command line names its temp dir, plus the children of its raylets, which do not)
     cluster.stop()
 
 Tests do not start their own: they take the session's shared cluster, `fake_cluster_module` or
-`ray_session.fake_cluster(...)` (tests/conftest.py). `python -m tests.fake_cluster` starts one to
+`ray_session.fake_cluster(...)` (tests/conftest.py). `python -m benchmarks.fake_cluster` starts one to
 try the README's cluster commands. Drivers in other processes (`ray job submit`, a CLI) get the
 environment they need from `driver_env()`.
 """
@@ -42,6 +42,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from snapref_ray.models.device_memory import available_memory_bytes
+
 REPO = Path(__file__).resolve().parents[1]
 
 GPU_NODE_TYPE = "gpu"
@@ -54,12 +56,6 @@ def _port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _available_memory_bytes() -> int:
-    from ray._private.utils import estimate_available_memory
-
-    return int(estimate_available_memory())
 
 
 def _free_port() -> int:
@@ -276,7 +272,7 @@ class RayHead:
 
     def log_monitor_pids(self) -> list[int]:
         """The live log monitors of this cluster: the head's alone, however many nodes run (one host, one
-        logs folder; tests/fake_node_provider.py)."""
+        logs folder; benchmarks/fake_node_provider.py)."""
         return sorted(pid for pid in self.pids() if "log_monitor.py" in _cmdline(pid))
 
     def _own_pids(self) -> list[int]:
@@ -328,7 +324,7 @@ class FakeCluster(RayHead):
     without draining it; an actor placed on it in the same second dies with it).
 
     A node that dies other than by the autoscaler's hand (`kill_node`) leaves the provider's books as
-    soon as its raylet has exited (tests/fake_node_provider.py), so the autoscaler replaces it within
+    soon as its raylet has exited (benchmarks/fake_node_provider.py), so the autoscaler replaces it within
     its next update. `set_gpu_node_limit(..., cold=True)` has the autoscaler terminate every GPU node.
     """
 
@@ -359,7 +355,7 @@ class FakeCluster(RayHead):
         self.killed_nodes: set[str] = set()  # by kill_node, since the last cold start
         # What a raylet started here would find by itself (this machine's available memory less its object
         # store), declared in the node type so that the autoscaler can place workers that ask for `memory=`.
-        self.memory_per_node_bytes = memory_per_node_bytes or _available_memory_bytes() - object_store_bytes
+        self.memory_per_node_bytes = memory_per_node_bytes or available_memory_bytes("cpu") - object_store_bytes
 
     @property
     def _config_path(self) -> Path:
@@ -391,14 +387,14 @@ class FakeCluster(RayHead):
             "CPU": self.cpus_per_node,
             "GPU": 1,
             "object_store_memory": self.object_store_bytes,
-            "memory": self.memory_per_node_bytes,  # as a cloud's node type declares it (tests/fake_node_provider.py)
+            "memory": self.memory_per_node_bytes,  # as a cloud node type declares it (benchmarks/fake_node_provider.py)
         }
         config = {
             "cluster_name": f"fake-{self.temp_dir.name}",
             "max_workers": provider_limit,
             "provider": {
                 "type": "external",
-                "module": "tests.fake_node_provider.FakeNodesWithMemory",
+                "module": "benchmarks.fake_node_provider.FakeNodesWithMemory",
                 "use_node_id_as_ip": True,
                 "disable_node_updaters": True,
                 "disable_launch_config_check": True,
@@ -500,7 +496,7 @@ def fake_cluster(**kwargs) -> Iterator[FakeCluster]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m tests.fake_cluster`: a fake autoscaling cluster to try the README's cluster commands
+    """`python -m benchmarks.fake_cluster`: a fake autoscaling cluster to try the README's cluster commands
     on one machine; prints its addresses and stops it (by PID) on Ctrl-C or SIGTERM."""
     import argparse
 

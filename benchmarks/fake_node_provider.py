@@ -15,13 +15,13 @@ and object_store_memory to RayParams as a custom resource, which RayParams refus
   log monitor per host. Each extra one polled that same folder ten times a second (3-4 % of a core
   apiece, more as worker log files pile up) and sent every worker line to the drivers once per node;
 - a node whose raylet has died is no longer listed, as a cloud's API stops listing a machine that died.
-  The parent keeps a killed node (tests/fake_cluster.py `kill_node`) in its books as running, so the
+  The parent keeps a killed node (benchmarks/fake_cluster.py `kill_node`) in its books as running, so the
   autoscaler counted it against `max_workers` and launched no replacement until its idle timeout took
   the dead node down: a job that lost its only rendering node waited 44 s for a new one
   (tests/cluster/test_node_loss.py, mid_batch). The scheduler sees the loss as before (the GCS's
   health check); only the replacement comes as soon as a cloud's would.
 
-tests/fake_cluster.py names it in the autoscaler config as an `external` provider.
+benchmarks/fake_cluster.py names it in the autoscaler config as an `external` provider.
 """
 
 from __future__ import annotations

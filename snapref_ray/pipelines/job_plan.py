@@ -1,0 +1,125 @@
+"""What a job would do, found without doing it: `snapref-ray render --dry-run`, and the reason a job that can
+render nothing gives before it starts Ray.
+
+The same steps as the start of `run_job` (pipelines/generate_dataset.py), each read-only: the adapter kind,
+the manifest validated row by row (references read and hashed), whether the output is new, this job's
+(a resume) or another job's (which needs `--append`), and which items are already committed there. Nothing
+is written: a local output folder that does not exist is not created.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from snapref_ray.service.loading import adapter_kind
+from snapref_ray.service.work_items import RowError, ValidatedJob, load_work_items
+from snapref_ray.storage.backends import open_storage
+from snapref_ray.storage.jobspec import JobSpec, JobSpecError, spec_fingerprint
+from snapref_ray.storage.ledger import committed_item_ids, job_fingerprint, read_job
+
+
+class NothingToRender(ValueError):
+    """Every row of the manifest is invalid: the job would render nothing (a usage error, exit status 2)."""
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """A job's work, as validation and the output's ledger see it before anything runs."""
+
+    manifest: str
+    output: str
+    rows: int  # manifest rows read
+    items: int  # images the valid rows ask for
+    errors: list[RowError]  # why rows are invalid (a row may have several)
+    committed: int  # items already in the output's metadata (a resume skips them)
+    owner: str  # "new", "this job", "appended" (append asked for) or "another job"
+
+    @property
+    def invalid_rows(self) -> int:
+        return len({e.manifest_row for e in self.errors})
+
+    @property
+    def to_render(self) -> int:
+        return self.items - self.committed
+
+    def lines(self) -> list[str]:
+        """The plan as a person reads it: one line of counts, the output's state, then one line per invalid row."""
+        out = [
+            f"{self.rows} manifest row(s) -> {self.items} item(s) ({self.invalid_rows} invalid row(s)); "
+            f"{self.committed} already committed, {self.to_render} to render",
+            f"output {self.output}: {_OWNER_TEXT[self.owner]}",
+        ]
+        out += [f"invalid: {error}" for error in self.errors[:20]]
+        if len(self.errors) > 20:
+            out.append(f"invalid: ... and {len(self.errors) - 20} more")
+        return out
+
+
+_OWNER_TEXT = {
+    "new": "new (nothing there yet)",
+    "this job": "this job's: a run resumes it",
+    "appended": "another job's; --append adds this job's images to it",
+    "another job": "another job's: add --append to add this job's images to it, or choose another --out",
+}
+
+
+def plan_job(spec: JobSpec) -> JobPlan:
+    """Validate `spec` and read its output's ledger, writing nothing."""
+    s3 = spec.s3_options()
+    kind = adapter_kind(spec.model, s3=s3)
+    if kind is None:
+        raise JobSpecError(
+            "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
+            f" the models folder ({spec.model.models_dir})"
+        )
+    validated = load_work_items(spec, s3, adapter_kind=kind)
+    owner, committed = "new", 0
+    if _output_exists(spec.output.uri):
+        storage = open_storage(spec.output.uri, s3)
+        fingerprint = job_fingerprint(spec_fingerprint(spec))
+        job = read_job(storage)
+        ids = committed_item_ids(storage)
+        if job is not None or ids:
+            fingerprints = {(job or {}).get("fingerprint")} | {
+                a.get("fingerprint") for a in (job or {}).get("appended", [])
+            }
+            if fingerprint in fingerprints:
+                owner = "this job"
+            else:
+                owner = "appended" if spec.output.append else "another job"
+        committed = len(ids & {item.item_id for item in validated.items})
+    return JobPlan(
+        manifest=spec.manifest,
+        output=spec.output.uri,
+        rows=validated.rows,
+        items=len(validated.items),
+        errors=list(validated.errors),
+        committed=committed,
+        owner=owner,
+    )
+
+
+def check_something_to_render(manifest: str, validated: ValidatedJob | JobPlan) -> None:
+    """NothingToRender when the manifest has rows and none of them is valid, naming the first row's reasons."""
+    errors = validated.errors
+    rows = validated.rows
+    items = validated.items if isinstance(validated.items, int) else len(validated.items)
+    if items or not errors:
+        return
+    raise NothingToRender(nothing_to_render_message(manifest, rows, errors))
+
+
+def nothing_to_render_message(manifest: str, rows: int, errors: list[RowError]) -> str:
+    """`every row of M is invalid (N rows), nothing rendered; row 1, field 'x': ...` on one line."""
+    first_row = errors[0].manifest_row
+    first = "; ".join(str(e) for e in errors if e.manifest_row == first_row)
+    return f"every row of {manifest} is invalid ({rows} row(s)), nothing rendered; {first}"
+
+
+def _output_exists(uri: str) -> bool:
+    """Whether the output may hold anything: an s3:// prefix is read; a local folder must exist (opening it would
+    create it)."""
+    if uri.startswith("s3://"):
+        return True
+    return os.path.isdir(os.path.expanduser(uri.removeprefix("file://")))
