@@ -192,3 +192,19 @@ def test_a_worker_killed_mid_shard_leaves_no_partial_shard_and_the_rerun_renders
     tars = sorted(str(out / k) for k in storage.list("shards/") if k.endswith(".tar"))
     keys = [s["__key__"] for s in webdataset.WebDataset(tars, shardshuffle=False)]
     assert sorted(keys) == sorted(expected_item_ids(spec))  # every item in exactly one committed shard
+
+
+def test_wait_for_lease_sets_how_long_a_render_waits(six_items, tiny_models, tmp_path):
+    import yaml
+
+    from snapref_ray import cli
+
+    spec = job_spec(six_items, tiny_models, str(tmp_path / "out"))
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
+
+    def waits(*flags: str) -> float:
+        args = cli.build_parser().parse_args(["render", str(spec_path), *flags])
+        return cli.render_spec(args).output.lease_wait_seconds
+
+    assert (waits(), waits("--wait-for-lease"), waits("--wait-for-lease", "45")) == (0.0, 600.0, 45.0)
