@@ -164,6 +164,10 @@ def render_spec(args: argparse.Namespace):
         spec = quick_spec(target, args.out, model=model_spec_from(args), workers=args.workers, **overrides)
     if args.append:
         spec = spec.model_copy(update={"output": spec.output.model_copy(update={"append": True})})
+    if args.wait_for_lease is not None:
+        spec = spec.model_copy(
+            update={"output": spec.output.model_copy(update={"lease_wait_seconds": args.wait_for_lease})}
+        )
     return spec
 
 
@@ -396,6 +400,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run",
         action="store_true",
         help="validate the manifest, count items, invalid rows and what the output already holds; render nothing",
+    )
+    p.add_argument(
+        "--wait-for-lease",
+        type=float,
+        nargs="?",
+        const=600.0,
+        metavar="SECONDS",
+        help="if another driver is rendering to the same output, wait up to SECONDS (default 600) for it "
+        "instead of refusing",
     )
     _add_progress_flag(p)
     add_model_flags(p)

@@ -126,6 +126,50 @@ class OutputSpec(_Section):
         "a driver killed outright loses at most this long of commits (those items are rendered again on "
         "resume). Shorter means more, smaller parts.",
     )
+    format: Literal["files", "webdataset"] = Field(
+        "files",
+        description="files: one image (and thumbnail) object per item, easy to browse, right up to ~100k images. "
+        "webdataset: each worker writes tar shards (image, JSON record, prompt per item) with a Parquet index, a "
+        "few objects per thousand images, what training loaders read (storage/shards.py).",
+    )
+    shard_max_bytes: int = Field(
+        1_000_000_000,
+        ge=1_000_000,
+        description="A webdataset shard is closed at this size: ~1 GB keeps the object count low and a shard "
+        "quick to download; a worker spools it on local disk (and holds nothing of it in memory).",
+    )
+    shard_max_items: int = Field(
+        10_000,
+        ge=1,
+        description="...or at this many items, whichever comes first (small images would otherwise make huge "
+        "shard indexes).",
+    )
+    thumbnail_every: int = Field(
+        1000,
+        ge=1,
+        description="With webdataset, a thumbnail for about one item in this many (chosen by a hash of the id) "
+        "for the gallery, rather than one object per image: 1 in 1000 is 10,000 previews for 10 M images, and "
+        "adds one object per 1000 images to the shards' few.",
+    )
+    lease_seconds: float = Field(
+        60.0,
+        ge=3.0,
+        le=3600.0,
+        description="How long the driver's lease on the output lasts without renewal (storage/lease.py); it is "
+        "renewed every third of this while the job runs, so a killed driver blocks the next run at most this long.",
+    )
+    lease_wait_seconds: float = Field(
+        0.0,
+        ge=0.0,
+        description="When another driver holds the output: 0 refuses at once with a line naming it; more waits up "
+        "to this long for it to finish (an orchestrator's retry that may overlap the first run).",
+    )
+
+    @model_validator(mode="after")
+    def _embed_needs_files(self) -> OutputSpec:
+        if self.format == "webdataset" and self.embed_images:
+            raise ValueError("embed_images needs format: files (a webdataset shard holds the images already)")
+        return self
 
 
 class ClusterSpec(_Section):
@@ -396,4 +440,6 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, Any]:
         "defaults": spec.defaults.model_dump(mode="json"),
         "manifest": spec.manifest,
         "image_format": spec.output.image_format,
+        # Only when sharded, so the fingerprints of outputs made before the format existed stay the same.
+        **({"format": spec.output.format} if spec.output.format != "files" else {}),
     }

@@ -101,6 +101,12 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
         "append": False,
         "s3": {"endpoint_url": None, "region": None, "retry_mode": "adaptive", "max_attempts": 10},
         "metadata_flush_seconds": 30.0,
+        "format": "files",
+        "shard_max_bytes": 1_000_000_000,
+        "shard_max_items": 10_000,
+        "thumbnail_every": 1000,
+        "lease_seconds": 60.0,
+        "lease_wait_seconds": 0.0,
     }
     assert (spec.strict, spec.allow_empty_prompt) == (False, False)
 
@@ -333,3 +339,21 @@ def test_s3_options_come_from_the_output_section():
         endpoint_url="http://127.0.0.1:9000", region="eu-west-1", retry_mode="standard", max_attempts=4
     )
     assert "access_key" not in type(spec.output.s3).model_fields  # credentials never live in a spec
+
+
+def test_output_format_and_the_lease_settings():
+    sharded = base_spec(output={"format": "webdataset", "shard_max_items": 500, "lease_wait_seconds": 120})
+    assert (sharded.output.format, sharded.output.shard_max_items, sharded.output.shard_max_bytes) == (
+        "webdataset",
+        500,
+        1_000_000_000,
+    )
+    # A sharded output is another job than the same spec written as files; the files fingerprint is as before.
+    assert spec_fingerprint(sharded) == {**spec_fingerprint(base_spec()), "format": "webdataset"}
+    assert "format" not in spec_fingerprint(base_spec(output={"lease_seconds": 30, "thumbnail_every": 7}))
+    with pytest.raises(ValueError, match="embed_images needs format: files"):
+        base_spec(output={"format": "webdataset", "embed_images": True})
+    with pytest.raises(ValueError, match="output.format"):
+        base_spec(output={"format": "tfrecord"})
+    with pytest.raises(ValueError, match="lease_seconds"):
+        base_spec(output={"lease_seconds": 1})

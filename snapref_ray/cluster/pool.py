@@ -242,6 +242,31 @@ def kill(handle: ray.actor.ActorHandle) -> None:
         log.debug("could not kill worker: %s", e)
 
 
+RELEASE_COMMIT_TIMEOUT_S = 600.0  # a ~1 GB webdataset shard's upload, with room
+
+
+def release(handles: Sequence[ray.actor.ActorHandle]) -> None:
+    """Kill healthy workers the job no longer needs, once each has committed what it holds (its open webdataset
+    shard: storage/shards.py); a worker that cannot is killed anyway, and its shard's items render again on resume."""
+    pending = []
+    for handle in handles:
+        try:
+            pending.append(handle.commit_outputs.remote())
+        except AttributeError:
+            pass  # an actor that writes no outputs of its own (the scheduler's test doubles)
+    if pending:
+        ready, late = ray.wait(pending, num_returns=len(pending), timeout=RELEASE_COMMIT_TIMEOUT_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # a dead worker, a store that refuses the shard
+                log.warning("a released worker did not commit its open shard: %s", e)
+        if late:
+            log.warning("%d released worker(s) did not commit within %.0f s", len(late), RELEASE_COMMIT_TIMEOUT_S)
+    for handle in handles:
+        kill(handle)
+
+
 @dataclass
 class Member:
     """A worker of the schedule: its actor, what it answered last, and whether it takes work."""
@@ -356,7 +381,7 @@ class PoolMembers:
         released = []
         for index, member in enumerate(self.members):
             if member.live and not keep(index):
-                kill(member.handle)
+                release([member.handle])
                 member.retired = member.released = True
                 member.available = False
                 member.probe_due = None
@@ -380,8 +405,9 @@ class PoolMembers:
         remove idle nodes."""
         if self.pool is not None:
             self.pool.cancel_starting()
+        release([m.handle for m in self.members if not m.released and not m.retired])
         for member in self.members:
-            if not member.released:
+            if member.retired and not member.released:
                 kill(member.handle)
 
 

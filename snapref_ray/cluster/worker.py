@@ -29,7 +29,9 @@ from snapref_ray.render_service.references import Reference
 from snapref_ray.render_service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMemory, RenderService
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import make_thumbnail
+from snapref_ray.storage.lease import check_holder
 from snapref_ray.storage.metadata import image_key, reference_image_key, thumb_key
+from snapref_ray.storage.shards import ShardWriter, wants_thumbnail
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,12 @@ class WorkerConfig:
     # Longest wait for a RefKV from the object store before encoding the reference here instead: a lost RefKV
     # is rebuilt through its creating actor (a node boot and a model load away), an encode is one forward.
     refkv_fetch_timeout_s: float = 30.0
+    # output.format: "files" (an object per image) or "webdataset" (tar shards per worker, storage/shards.py).
+    output_format: str = "files"
+    shard_max_bytes: int = 1_000_000_000
+    shard_max_items: int = 10_000
+    thumbnail_every: int = 1000  # webdataset: a thumbnail for about one item in this many
+    lease_holder_id: str | None = None  # the driver's output lease: shards are committed only while it holds it
 
 
 def load_worker_renderer(config: WorkerConfig):
@@ -82,6 +90,21 @@ class RenderWorker:
         )
         self.storage = open_storage(config.output_uri, config.s3)
         self.writer = OutputWriter(config.output_threads)
+        self.shards = (
+            ShardWriter(
+                self.storage,
+                name=self.worker_id,
+                max_bytes=config.shard_max_bytes,
+                max_items=config.shard_max_items,
+                guard=(
+                    functools.partial(check_holder, self.storage, config.lease_holder_id)
+                    if config.lease_holder_id
+                    else None
+                ),
+            )
+            if config.output_format == "webdataset"
+            else None
+        )
         self._stored_references: set[str] = set()
         self.metrics = job_metrics()
         self.tags = {"worker": self.worker_id}
@@ -139,6 +162,10 @@ class RenderWorker:
         if source == "encoded":
             self.metrics.encodes.inc(1, self.tags)
         return kv, EncodeInfo(task.reference_hash, kv.nbytes, kv.encode_seconds, self.worker_id, source == "encoded")
+
+    def commit_outputs(self) -> str | None:
+        """Commit the open webdataset shard (the driver calls this before it releases the worker); its key."""
+        return self.shards.commit() if self.shards is not None else None
 
     def render(self, task: RenderTask, refkv_handle: list | None = None) -> list[ItemOutcome]:
         """Render a batch and store its images; returns one outcome per item.
@@ -231,8 +258,13 @@ class RenderWorker:
             rendered, model=service.model_id, adapter=service.adapter_id, item_id=item.item_id, fmt=fmt
         )
         key, thumb = image_key(item.item_id, image_extension(fmt)), thumb_key(item.item_id)
-        self.storage.put_bytes(key, image)
-        self.storage.put_bytes(thumb, make_thumbnail(rendered.image))
+        if self.shards is not None:  # the image goes into the shard (below); a thumbnail only for a sample
+            key = None
+            thumb = thumb if wants_thumbnail(item.item_id, self.config.thumbnail_every) else None
+        else:
+            self.storage.put_bytes(key, image)
+        if thumb is not None:
+            self.storage.put_bytes(thumb, make_thumbnail(rendered.image))
         reference_key = self._store_reference(task.reference)
         row = metadata_row(
             rendered,
@@ -247,11 +279,13 @@ class RenderWorker:
             manifest_row=item.manifest_row,
             reference_image_key=reference_key,
             image_key=key,
-            image_uri=self.storage.uri_for(key),
+            image_uri=self.storage.uri_for(key) if key else None,
             thumb_key=thumb,
             upload_s=time.perf_counter() - t0,
             attempt=task.attempts.get(item.item_id, 1),
         )
+        if self.shards is not None:  # committed with its shard, not by the driver
+            row = self.shards.add(row, image, image_extension(fmt), item.prompt)
         return ItemOutcome(item.item_id, row=row)
 
     def _store_reference(self, ref: ReferenceTask) -> str:

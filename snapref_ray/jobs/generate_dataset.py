@@ -45,8 +45,17 @@ from snapref_ray.jobs.job_summary import (
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.work_items import JobValidationError, ValidatedJob, WorkItem, load_work_items
 from snapref_ray.storage.backends import Storage, open_storage
-from snapref_ray.storage.ledger import claim_output, committed_item_ids, job_fingerprint
-from snapref_ray.storage.metadata import ErrorWriter, MetadataWriter, read_errors_table, read_summary, write_summary
+from snapref_ray.storage.lease import OutputLease
+from snapref_ray.storage.ledger import CommittedIds, claim_output, committed_item_ids, job_fingerprint
+from snapref_ray.storage.metadata import (
+    ErrorWriter,
+    MetadataWriter,
+    compact_parts,
+    read_errors_table,
+    read_summary,
+    write_summary,
+)
+from snapref_ray.storage.shards import remove_orphan_shards
 from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)
@@ -77,6 +86,10 @@ def worker_config(
         warmup_batch_sizes=_planned_batch_sizes(todo, c.max_batch),
         refkv_fetch_timeout_s=c.refkv_fetch_timeout_s,
         memory_budget_bytes=memory_budget_bytes or None,
+        output_format=spec.output.format,
+        shard_max_bytes=spec.output.shard_max_bytes,
+        shard_max_items=spec.output.shard_max_items,
+        thumbnail_every=spec.output.thumbnail_every,
     )
 
 
@@ -125,6 +138,7 @@ def run_job(
         output.close()
         summary = _summarise(spec, validated, output, todo, run)  # 5. summary.json
         write_summary(output.storage, summary.to_json())
+        output.lease.release()
     if write_gallery:
         _write_gallery(spec)
     log.info("done: %s", json.dumps({k: summary[k] for k in _LOGGED}))
@@ -152,7 +166,8 @@ class _Output:
 
     storage: Storage
     fingerprint: str
-    done_before: set[str]
+    lease: OutputLease  # one driver per output (storage/lease.py), held from before done_before is read
+    done_before: CommittedIds
     earlier_runs: list[RunFigures]
     metadata: MetadataWriter
     errors: ErrorWriter
@@ -213,13 +228,21 @@ def _claim(spec: JobSpec) -> _Output:
     storage = open_storage(spec.output.uri, spec.s3_options())
     fingerprint = job_fingerprint(spec_fingerprint(spec))
     claim_output(storage, fingerprint, spec_fingerprint(spec), append=spec.output.append)
+    lease = OutputLease.acquire(storage, duration_s=spec.output.lease_seconds, wait_s=spec.output.lease_wait_seconds)
+    if spec.output.format == "webdataset":
+        remove_orphan_shards(storage)  # shards a killed worker published but never committed
+    compact_parts(storage)  # metadata parts stay few and large as the job grows (storage/metadata.py)
     return _Output(
         storage,
         fingerprint,
+        lease,
         committed_item_ids(storage),
         _earlier_runs(storage),
         MetadataWriter(
-            storage, embed_images=spec.output.embed_images, flush_seconds=spec.output.metadata_flush_seconds
+            storage,
+            embed_images=spec.output.embed_images,
+            flush_seconds=spec.output.metadata_flush_seconds,
+            guard=lease.check,  # a driver that lost the output to another one commits nothing more
         ),
         ErrorWriter(storage),
     )
@@ -239,7 +262,8 @@ def _earlier_runs(storage: Storage) -> list[RunFigures]:
 def _plan(spec: JobSpec, validated: ValidatedJob, output: _Output) -> list[WorkItem]:
     """Phase 3: the items not committed yet; the invalid rows go to errors/, once per output (a resumed job
     validates the same manifest again)."""
-    todo = [item for item in validated.items if item.item_id not in output.done_before]
+    done = output.done_before.contains([item.item_id for item in validated.items])  # one vectorised lookup
+    todo = [item for item, committed in zip(validated.items, done) if not committed]
     log.info(
         "%d manifest rows -> %d items (%d invalid rows); %d already committed, %d to render",
         validated.rows,
@@ -261,7 +285,7 @@ def _render(spec: JobSpec, todo: list[WorkItem], output: _Output, run: _Run, hoo
     however it ends."""
     if not todo:
         return
-    pool = _start_pool(spec, todo, run, hooks)
+    pool = _start_pool(spec, todo, run, hooks, lease_holder_id=output.lease.record.holder_id)
     bar = _progress_bar(total, total - len(todo)) if hooks.progress else None
     callbacks = [f for f in (bar.update if bar else None, hooks.on_progress) if f is not None]
 
@@ -314,7 +338,7 @@ def scheduler_config(spec: JobSpec) -> SchedulerConfig:
     )
 
 
-def _start_pool(spec: JobSpec, todo: list[WorkItem], run: _Run, hooks: _Hooks) -> WorkerPool:
+def _start_pool(spec: JobSpec, todo: list[WorkItem], run: _Run, hooks: _Hooks, *, lease_holder_id: str) -> WorkerPool:
     """Connect to Ray and size the pool: GPU or CPU workers, how many, and the memory each asks for (at the job's
     largest image and max_batch)."""
     c = spec.cluster
@@ -343,6 +367,7 @@ def _start_pool(spec: JobSpec, todo: list[WorkItem], run: _Run, hooks: _Hooks) -
     config = worker_config(
         spec, warmup=hooks.warmup, memory_budget_bytes=None if plan.use_gpu else memory_bytes, todo=todo
     )
+    config = dataclasses.replace(config, lease_holder_id=lease_holder_id)  # workers commit shards only under it
     return WorkerPool(config, plan, hooks.renderer_factory)
 
 
@@ -426,6 +451,8 @@ def _recorded_validation_errors(storage) -> set[tuple]:
 
 
 def _commit(metadata: MetadataWriter, storage, spec: JobSpec, outcome: ItemOutcome) -> None:
+    if outcome.row.get("shard_key"):
+        return  # committed by its worker, with its shard (storage/shards.py)
     image_bytes = storage.get_bytes(outcome.row["image_key"]) if spec.output.embed_images else None
     metadata.add(outcome.row, image_bytes)
 

@@ -17,6 +17,7 @@ import logging
 import mimetypes
 import os
 import random
+import shutil
 import threading
 import time
 import uuid
@@ -77,6 +78,10 @@ class Storage(Protocol):
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Store `data` only if `key` does not exist yet; False (and nothing written) if it did."""
+
+    def put_file(self, key: str, path: str | os.PathLike) -> None:
+        """Store the local file `path` under `key` (streamed, for objects too large to hold in memory);
+        atomic like put_bytes. The file is consumed: it may be moved into place."""
 
     def get_bytes(self, key: str) -> bytes:
         """The object's bytes; StorageError naming the root and key when it is missing."""
@@ -151,6 +156,26 @@ class LocalStorage:
             os.replace(tmp, path)
         except OSError as e:
             raise StorageError(f"cannot write {path} (storage {self.uri}, key {key!r}): {e}") from e
+
+    def put_file(self, key: str, path: str | os.PathLike) -> None:
+        target = self._path(key)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)  # one rename when on the same filesystem (write the file beside the target)
+        except OSError:
+            try:
+                tmp = target.with_name(f".{target.name}{_TMP_MARK}{uuid.uuid4().hex}")
+                shutil.copyfile(path, tmp)
+                os.replace(tmp, target)
+                os.unlink(path)
+            except OSError as e:
+                raise StorageError(f"cannot write {target} (storage {self.uri}, key {key!r}): {e}") from e
+
+    def temp_path_for(self, key: str) -> Path:
+        """A temporary file name beside `key`'s file (listings skip it): write there, then put_file."""
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.with_name(f".{path.name}{_TMP_MARK}{uuid.uuid4().hex}")
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
@@ -401,6 +426,23 @@ class S3Storage:
             if _status(e) == 412 or _code(e) == "PreconditionFailed":
                 return retried and self.get_bytes(key) == data
             raise self._client_error("conditional PUT", key, e) from e
+
+    def put_file(self, key: str, path: str | os.PathLike) -> None:
+        """Multipart upload for large files: the object appears whole when the upload completes, or not at all."""
+        from botocore.exceptions import ClientError
+
+        content_type = mimetypes.guess_type(key)[0] or "application/octet-stream"
+        try:
+            self._call(
+                "upload",
+                self.uri_for(key),
+                lambda: self.client.upload_file(
+                    os.fspath(path), self.bucket, self._key(key), ExtraArgs={"ContentType": content_type}
+                ),
+            )
+        except ClientError as e:
+            raise self._client_error("upload", key, e) from e
+        Path(path).unlink(missing_ok=True)
 
     def get_bytes(self, key: str) -> bytes:
         from botocore.exceptions import ClientError

@@ -13,13 +13,15 @@ key prefix for s3:// manifests: `snapref_ray.uris.base_of` + `resolve_relative`.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
 import os
 import posixpath
-from typing import Any
+from collections.abc import Iterator
+from typing import IO, Any
 
 from snapref_ray.storage.backends import read_uri
 from snapref_ray.uris import is_remote
@@ -49,16 +51,105 @@ def read_manifest(uri: str, s3=None) -> list[dict[str, Any]]:
             raise ManifestError(f"manifest {uri} not found") from exc
         raise ManifestError(f"cannot read manifest {uri}: {exc}") from exc
     records = {"csv": _read_csv, "jsonl": _read_jsonl, "parquet": _read_parquet}[fmt](data, uri)
-    rows = []
-    for number, record in enumerate(records, start=1):
-        if ROW_KEY in record:
-            raise ManifestError(f"manifest {uri}: column name {ROW_KEY!r} is reserved for the row number")
-        row = {key: value for key, value in record.items() if not _is_missing(value)}
-        row[ROW_KEY] = number
-        rows.append(row)
+    rows = [_row(record, number, uri) for number, record in enumerate(records, start=1)]
     if not rows:
         raise ManifestError(f"manifest {uri} has no rows")
     return rows
+
+
+def _row(record: dict[str, Any], number: int, uri: str) -> dict[str, Any]:
+    if ROW_KEY in record:
+        raise ManifestError(f"manifest {uri}: column name {ROW_KEY!r} is reserved for the row number")
+    row = {key: value for key, value in record.items() if not _is_missing(value)}
+    row[ROW_KEY] = number
+    return row
+
+
+def iter_manifest_chunks(uri: str, s3=None, *, chunk_rows: int = 50_000) -> Iterator[list[dict[str, Any]]]:
+    """`read_manifest`'s rows, the same dicts and row numbers, `chunk_rows` at a time.
+
+    A local file is streamed (CSV and JSONL line by line, Parquet by record batch), so the rows in memory
+    are one chunk's, whatever the manifest's size; an s3:// manifest is fetched whole as bytes (its size,
+    not its rows as Python objects) and then parsed the same way. Errors are read_manifest's.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    fmt = manifest_format(uri)
+    with _open_binary(uri, s3) as f:
+        records = {"csv": _stream_csv, "jsonl": _stream_jsonl, "parquet": _stream_parquet}[fmt](f, uri, chunk_rows)
+        chunk: list[dict[str, Any]] = []
+        number = 0
+        for number, record in enumerate(records, start=1):
+            chunk.append(_row(record, number, uri))
+            if len(chunk) >= chunk_rows:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+        if number == 0:
+            raise ManifestError(f"manifest {uri} has no rows")
+
+
+@contextlib.contextmanager
+def _open_binary(uri: str, s3) -> Iterator[IO[bytes]]:
+    if is_remote(uri):
+        try:
+            data = read_uri(uri, s3)
+        except Exception as exc:
+            raise ManifestError(f"cannot read manifest {uri}: {exc}") from exc
+        yield io.BytesIO(data)
+        return
+    path = uri.removeprefix("file://")
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError as exc:
+        raise ManifestError(f"manifest {uri} not found") from exc
+    except OSError as exc:
+        raise ManifestError(f"cannot read manifest {uri}: {exc}") from exc
+    with f:
+        yield f
+
+
+def _stream_csv(f: IO[bytes], uri: str, _chunk_rows: int) -> Iterator[dict[str, Any]]:
+    text = io.TextIOWrapper(f, encoding="utf-8-sig", newline="")
+    reader = csv.reader(text)
+    try:
+        header = next(reader, None)
+        if header is None:
+            return
+        names = _check_header(header, uri)
+        count = 0
+        for cells in reader:
+            if not any(cell.strip() for cell in cells):
+                continue
+            count += 1
+            if len(cells) > len(names):
+                raise ManifestError(
+                    f"manifest {uri}: row {count} (line {reader.line_num}) has {len(cells)} cells, "
+                    f"the header has {len(names)} columns"
+                )
+            yield dict(zip(names, cells))
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"manifest {uri}: not UTF-8 text ({exc})") from exc
+
+
+def _stream_jsonl(f: IO[bytes], uri: str, _chunk_rows: int) -> Iterator[dict[str, Any]]:
+    for line_number, raw in enumerate(f, start=1):
+        line = raw.decode("utf-8-sig") if line_number == 1 else raw.decode("utf-8")
+        if line.strip():
+            yield _json_record(line, line_number, uri)
+
+
+def _stream_parquet(f: IO[bytes], uri: str, chunk_rows: int) -> Iterator[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        batches = pq.ParquetFile(f).iter_batches(batch_size=chunk_rows)
+        for batch in batches:
+            yield from batch.to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        raise ManifestError(f"manifest {uri}: not a readable Parquet file ({exc})") from exc
 
 
 def manifest_format(uri: str) -> str:
@@ -90,12 +181,7 @@ def _read_csv(data: bytes, uri: str) -> list[dict[str, Any]]:
     header = next(reader, None)
     if header is None:
         raise ManifestError(f"manifest {uri} has no rows")
-    names = [name.strip() for name in header]
-    if "" in names:
-        raise ManifestError(f"manifest {uri}: header has an empty column name (column {names.index('') + 1})")
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise ManifestError(f"manifest {uri}: header repeats column(s) {', '.join(duplicates)}")
+    names = _check_header(header, uri)
     records = []
     for cells in reader:
         if not any(cell.strip() for cell in cells):
@@ -109,20 +195,31 @@ def _read_csv(data: bytes, uri: str) -> list[dict[str, Any]]:
     return records
 
 
+def _check_header(header: list[str], uri: str) -> list[str]:
+    names = [name.strip() for name in header]
+    if "" in names:
+        raise ManifestError(f"manifest {uri}: header has an empty column name (column {names.index('') + 1})")
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ManifestError(f"manifest {uri}: header repeats column(s) {', '.join(duplicates)}")
+    return names
+
+
+def _json_record(line: str, line_number: int, uri: str) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"manifest {uri}: line {line_number} is not valid JSON ({exc.msg})") from exc
+    if not isinstance(record, dict):
+        raise ManifestError(f"manifest {uri}: line {line_number} is a JSON {type(record).__name__}, expected an object")
+    return record
+
+
 def _read_jsonl(data: bytes, uri: str) -> list[dict[str, Any]]:
     records = []
     for line_number, line in enumerate(data.decode("utf-8-sig").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"manifest {uri}: line {line_number} is not valid JSON ({exc.msg})") from exc
-        if not isinstance(record, dict):
-            raise ManifestError(
-                f"manifest {uri}: line {line_number} is a JSON {type(record).__name__}, expected an object"
-            )
-        records.append(record)
+        if line.strip():
+            records.append(_json_record(line, line_number, uri))
     return records
 
 

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
@@ -140,21 +140,38 @@ def with_image_column(schema: pa.Schema) -> pa.Schema:
     return schema.with_metadata(meta)
 
 
-def _part_key(prefix: str) -> str:
-    # UTC time first: names sort in commit order (what "keep the first committed row" relies on);
-    # the uuid keeps concurrent writers (several drivers, append mode) from colliding.
+def part_key(prefix: str, suffix: str | None = None) -> str:
+    """A new part's key under `prefix`: ``part-<UTC time>-<suffix or uuid>.parquet``.
+
+    UTC time first: names sort in commit order (what "keep the first committed row" relies on); the
+    suffix (a uuid unless the caller's name is unique, like a shard's) keeps concurrent writers apart.
+    """
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
-    return f"{prefix}/part-{stamp}-{uuid.uuid4().hex}.parquet"
+    return f"{prefix}/part-{stamp}-{suffix or uuid.uuid4().hex}.parquet"
+
+
+_part_key = part_key
 
 
 class _PartWriter:
     """Buffer rows; write them as a Parquet part every `flush_rows` rows, every `flush_seconds`, and on close.
 
     Thread-safe: a background uploader calls add() while a timer flushes. A failed write keeps its
-    rows buffered (and re-raises), so the next flush retries them.
+    rows buffered (and re-raises), so the next flush retries them. `guard`, when given, is called before
+    each part is written and raises to refuse the commit (lease.OutputLease.check: a driver that lost the
+    output to another one must not commit to it).
     """
 
-    def __init__(self, storage: Storage, *, prefix: str, schema: pa.Schema, flush_rows: int, flush_seconds: float):
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        prefix: str,
+        schema: pa.Schema,
+        flush_rows: int,
+        flush_seconds: float,
+        guard: Callable[[], None] | None = None,
+    ):
         if flush_rows < 1:
             raise ValueError(f"flush_rows must be >= 1, got {flush_rows}")
         self.storage = storage
@@ -162,6 +179,7 @@ class _PartWriter:
         self.schema = schema
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
+        self.guard = guard
         self.parts_written: list[str] = []
         self.rows_written = 0
         self._rows: list[pa.Table] = []  # one single-row table per added row
@@ -222,6 +240,8 @@ class _PartWriter:
             pq.write_table(pa.concat_tables(rows).combine_chunks(), buf, compression="zstd")
             key = _part_key(self.prefix)
             try:
+                if self.guard is not None:
+                    self.guard()
                 self.storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
             except Exception:
                 with self._lock:
@@ -268,6 +288,7 @@ class MetadataWriter(_PartWriter):
         flush_rows: int = 256,
         flush_seconds: float = 30.0,
         embed_images: bool = False,
+        guard: Callable[[], None] | None = None,
     ):
         self.embed_images = embed_images
         super().__init__(
@@ -276,6 +297,7 @@ class MetadataWriter(_PartWriter):
             schema=with_image_column(schema) if embed_images else schema,
             flush_rows=flush_rows,
             flush_seconds=flush_seconds,
+            guard=guard,
         )
         self._seen: set[str] = set()
 
@@ -367,6 +389,38 @@ def _read_parts(storage: Storage, prefix: str, columns: list[str] | None = None)
         return list(pool.map(read, keys))
 
 
+def iter_part_columns(
+    storage: Storage, columns: list[str], prefix: str = METADATA_PREFIX, *, parallel: int = 8
+) -> Iterator[pa.Table]:
+    """`columns` of each part under `prefix`, part by part in commit order; a column a part lacks is null.
+
+    At most `parallel` parts are fetched (in parallel) and held at a time, so a caller that reduces each
+    part as it comes (the committed set) never holds the whole column twice."""
+    keys = [k for k in storage.list(prefix + "/") if k.endswith(".parquet")]
+
+    def read(key: str) -> pa.Table:
+        f = pq.ParquetFile(io.BytesIO(storage.get_bytes(key)))
+        present = [c for c in columns if c in f.schema_arrow.names]
+        table = f.read(columns=present)
+        for c in columns:
+            if c not in present:
+                table = table.append_column(c, pa.nulls(table.num_rows, pa.string()))
+        return table.select(columns)
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        for start in range(0, len(keys), parallel):
+            yield from pool.map(read, keys[start : start + parallel])
+
+
+def read_table_columns(storage: Storage, columns: list[str], prefix: str = METADATA_PREFIX) -> pa.Table:
+    """`columns` of every part under `prefix`, duplicates included; a column a part lacks (an older part,
+    a part of the other output format) is null in its rows."""
+    tables = [t for t in iter_part_columns(storage, columns, prefix) if t.num_rows]
+    if not tables:
+        return pa.table({c: pa.array([], pa.string()) for c in columns})
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
 def _concat(tables: Iterable[pa.Table], empty: pa.Schema) -> pa.Table:
     tables = [t for t in tables if t.num_rows]
     if not tables:
@@ -414,6 +468,56 @@ def read_errors_table(storage: Storage, exclude_ids: set[str] | None = None) -> 
         return table
     keep = [item_id is None or item_id not in exclude_ids for item_id in table.column("item_id").to_pylist()]
     return table.filter(pa.array(keep))
+
+
+def compact_parts(
+    storage: Storage, prefix: str = METADATA_PREFIX, *, target_rows: int = 1_000_000, min_parts: int = 8
+) -> list[str]:
+    """Merge runs of small parts under `prefix` into parts of up to `target_rows` rows; the new keys.
+
+    A long job writes a part every `flush_rows` rows or `metadata_flush_seconds` (thousands of parts at a
+    million items), and every resume and report lists and reads them all. Only the holder of the output's
+    lease may call this (the driver, before rendering). Each merged part takes the time stamp of the first
+    part it replaces, so part names keep commit order and "the first committed row wins" still holds;
+    duplicate rows of an item inside a run are dropped. A merged part is written before the parts it
+    replaces are deleted: a crash in between leaves the same rows twice, which readers de-duplicate.
+    Parts holding image bytes (embed_images) are left alone: they are large already.
+    """
+    keys = [k for k in storage.list(prefix.strip("/") + "/") if k.endswith(".parquet")]
+    if len(keys) < min_parts:
+        return []
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        tables = list(pool.map(lambda k: pq.read_table(io.BytesIO(storage.get_bytes(k))), keys))
+    small = [t.num_rows < target_rows // 2 and IMAGE_COLUMN not in t.column_names for t in tables]
+    if sum(small) < min_parts:
+        return []
+    runs: list[list[int]] = [[]]
+    rows = 0
+    for i, is_small in enumerate(small):
+        if not is_small or rows + tables[i].num_rows > target_rows:
+            runs.append([])
+            rows = 0
+        if is_small:
+            runs[-1].append(i)
+            rows += tables[i].num_rows
+    written, replaced = [], 0
+    for run in runs:
+        if len(run) < 2:
+            continue
+        merged = _first_per_id(pa.concat_tables([tables[i] for i in run], promote_options="default"))
+        stamp = keys[run[0]].rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
+        key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
+        buf = io.BytesIO()
+        pq.write_table(merged.combine_chunks(), buf, compression="zstd")
+        storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
+        for i in run:
+            storage.delete(keys[i])
+        written.append(key)
+        replaced += len(run)
+    if written:
+        after = len(keys) - replaced + len(written)
+        log.info("compacted %s: %d parts -> %d", storage.uri_for(prefix), len(keys), after)
+    return written
 
 
 def write_summary(storage: Storage, summary: dict) -> None:

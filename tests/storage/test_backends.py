@@ -240,3 +240,14 @@ def test_outage_longer_than_tolerance_fails_with_a_clear_error(s3_server):
             st.put_bytes("k", b"x")
     finally:
         s3_server.start()
+
+
+def test_put_file_publishes_a_local_file_whole_and_consumes_it(storage, tmp_path):
+    data = bytes(range(256)) * 4096  # 1 MiB
+    src = storage.temp_path_for("shards/a.tar") if isinstance(storage, LocalStorage) else tmp_path / "a.tar"
+    src.write_bytes(data)
+    assert storage.list("shards/") == []  # a temporary file beside the target is not listed
+    storage.put_file("shards/a.tar", src)
+    assert storage.get_bytes("shards/a.tar") == data
+    assert storage.list("shards/") == ["shards/a.tar"]
+    assert not src.exists()

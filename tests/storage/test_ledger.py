@@ -127,3 +127,36 @@ def test_committed_ids_are_the_written_rows_only(storage):
     assert committed_item_ids(storage) == {"item-0000", "item-0001"}
     writer.close()
     assert committed_item_ids(storage) == {"item-0000", "item-0001", "item-0002"}
+
+
+def test_the_compact_committed_set_answers_as_a_python_set():
+    import random
+
+    from snapref_ray.storage.ledger import CommittedIds
+
+    rng = random.Random(7)
+    hashes = [f"{rng.getrandbits(80):020x}" for _ in range(300)]
+    named = [f"row{i}-{j}" for i in range(40) for j in range(2)] + ["キャラ-0", "café-1", "x"]
+    ids = hashes + named + rng.sample(hashes, 50)  # duplicates, as parts committed twice hold
+    rng.shuffle(ids)
+    oracle = set(ids)
+    committed = CommittedIds.from_strings(ids)
+    assert len(committed) == len(oracle)
+    assert list(committed) == sorted(oracle)  # sorted by UTF-8 bytes = by code point
+    absent = ["row1", "row1-00", "row40-0", "", "キャラ", "café-1x", f"{rng.getrandbits(80):020x}", "y" * 40]
+    queries = list(oracle) + absent
+    assert [q in committed for q in queries] == [q in oracle for q in queries]
+    assert committed.contains(queries).tolist() == [q in oracle for q in queries]
+    assert committed == oracle and committed != oracle - {"x"}
+    probe = set(rng.sample(sorted(oracle), 30)) | set(absent)
+    assert committed & probe == oracle & probe == probe & committed
+    # The ids' own bytes, padded to the longest: no Python object per id.
+    assert committed.nbytes == len(oracle) * max(len(i.encode()) for i in oracle)
+    # Built part by part (as from metadata parts): parts of one id length and of several, nulls dropped.
+    import pyarrow as pa
+
+    parts = [pa.array(hashes[:100]), pa.array(named + [None]), pa.array(hashes[50:150]), pa.array([], pa.string())]
+    assert CommittedIds.from_arrow_parts(parts) == set(hashes[:150]) | set(named)
+    assert list(CommittedIds.from_arrow_parts(parts)) == sorted(set(hashes[:150]) | set(named))
+    empty = CommittedIds.from_strings([])
+    assert len(empty) == 0 and "x" not in empty and empty == set() and empty.contains(["x"]).tolist() == [False]

@@ -169,3 +169,95 @@ def test_s3_manifest_reads_like_a_local_one(tmp_path, s3_server):
         f"'{prefix}/missing.csv' in storage s3://{bucket} "
         f"(s3://{bucket}/{prefix}/missing.csv does not exist)"
     )
+
+
+def _random_manifest(rng, n: int) -> list[dict]:
+    """Rows with the cells manifests have: paths, prompts with commas, quotes and non-ASCII text, numbers,
+    empty cells (left out), an explicit id on some rows."""
+    words = ["1girl", "solo", "café", 'say "hi"', "night, rain", "海辺", "smile"]
+    rows = []
+    for i in range(n):
+        row = {
+            "reference": f"refs/{rng.randrange(5)}.png",
+            "prompt": ", ".join(rng.sample(words, rng.randrange(1, 4))),
+            "seed": str(rng.randrange(10**6)) if rng.random() < 0.7 else "",
+            "steps": str(rng.randrange(1, 40)) if rng.random() < 0.3 else "",
+            "id": f"row{i}" if rng.random() < 0.5 else "",
+        }
+        rows.append(row)
+    return rows
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    if path.suffix == ".csv":
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            for i, row in enumerate(rows):
+                writer.writerow(row)
+                if i % 7 == 3:
+                    f.write("\n")  # a blank line: not a record
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps({k: v for k, v in r.items() if v}) + "\n" for r in rows), encoding="utf-8")
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=7)
+    return path
+
+
+@pytest.mark.parametrize("ext", [".csv", ".jsonl", ".parquet"])
+def test_a_manifest_read_in_chunks_gives_the_rows_read_whole(tmp_path, ext):
+    import random
+
+    from snapref_ray.storage.manifest import iter_manifest_chunks
+
+    rng = random.Random(ext)
+    for n in (1, 2, 23, 61):
+        path = _write(tmp_path / f"m{n}{ext}", _random_manifest(rng, n))
+        whole = read_manifest(str(path))
+        assert len(whole) == n
+        for chunk_rows in sorted({1, 2, 3, 5, 7, 16, n - 1, n, n + 1, rng.randrange(1, n + 2)} - {0}):
+            chunks = list(iter_manifest_chunks(str(path), chunk_rows=chunk_rows))
+            assert all(0 < len(c) <= chunk_rows for c in chunks)
+            assert all(len(c) == chunk_rows for c in chunks[:-1])
+            assert [row for chunk in chunks for row in chunk] == whole, (n, chunk_rows)
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("m.csv", b"reference,prompt\na.png,p\nb.png,p,extra\n"),
+        ("m.csv", b"reference,__row__\na,1\n"),
+        ("m.csv", b"reference\n\xff\xfe\n"),
+        ("m.csv", b"reference,reference\na,b\n"),
+        ("m.csv", b""),
+        ("m.jsonl", b'{"reference": "a"}\n\n{"reference": \n'),
+        ("m.jsonl", b'["a", "b"]\n'),
+        ("m.parquet", b"PAR1 not really"),
+    ],
+)
+def test_a_manifest_read_in_chunks_fails_as_read_whole(tmp_path, name, content):
+    from snapref_ray.storage.manifest import iter_manifest_chunks
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ManifestError) as whole:
+        read_manifest(str(path))
+    with pytest.raises(ManifestError) as chunked:
+        for _ in iter_manifest_chunks(str(path), chunk_rows=1):
+            pass
+    # The same message, up to the parser's own detail in parentheses (it names a buffer rather than the file).
+    assert str(chunked.value).split(" (")[0] == str(whole.value).split(" (")[0]
+    assert str(chunked.value).startswith(f"manifest {path}")
+
+
+def test_an_s3_manifest_reads_in_chunks_like_a_local_one(tmp_path, s3_server):
+    import random
+
+    from snapref_ray.storage.manifest import iter_manifest_chunks
+
+    path = _write(tmp_path / "m.jsonl", _random_manifest(random.Random(3), 11))
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key="chunked/m.jsonl", Body=path.read_bytes())
+    uri = f"s3://{s3_server.bucket}/chunked/m.jsonl"
+    chunks = list(iter_manifest_chunks(uri, s3_server.s3_options(), chunk_rows=4))
+    assert [len(c) for c in chunks] == [4, 4, 3]
+    assert [r for c in chunks for r in c] == read_manifest(str(path))

@@ -23,6 +23,7 @@ from snapref_ray.storage.metadata import (
     MetadataWriter,
     image_key,
     read_errors_table,
+    read_item_ids,
     read_metadata_table,
     read_summary,
     reference_image_key,
@@ -375,3 +376,38 @@ def test_summary_round_trip(storage):
     write_summary(storage, summary)
     assert read_summary(storage) == summary
     assert storage.get_bytes("summary.json").startswith(b"{\n")
+
+
+def test_compaction_merges_small_parts_keeping_rows_and_the_first_commit(tmp_path):
+    from snapref_ray.storage.metadata import compact_parts
+
+    storage = open_storage(str(tmp_path / "out"))
+    writer = MetadataWriter(storage, flush_rows=3, flush_seconds=0)
+    for i in range(30):
+        writer.add(make_row(i, worker_id="first" if i == 4 else "w"))
+    writer.close()
+    big = MetadataWriter(storage, flush_rows=40, flush_seconds=0)  # a part large enough to stay as it is
+    for i in range(30, 70):
+        big.add(make_row(i))
+    big.close()
+    late = MetadataWriter(storage, flush_rows=3, flush_seconds=0)  # a second writer commits item 4 again
+    for i in [4, *range(70, 80)]:
+        late.add(make_row(i, worker_id="second" if i == 4 else "w"))
+    late.close()
+    before = read_metadata_table(storage)
+    parts_before = storage.list("metadata/")
+    assert len(parts_before) == 10 + 1 + 4
+
+    written = compact_parts(storage, target_rows=80, min_parts=8)
+
+    parts = storage.list("metadata/")
+    # The 10 small parts before the big one become 1, the 4 after it 1: order kept around the big part.
+    assert len(written) == 2 and len(parts) == 3
+    assert parts[1] in parts_before  # the big part
+    after = read_metadata_table(storage)
+    assert after.num_rows == before.num_rows == 80
+    assert after.to_pylist() == before.to_pylist()
+    assert {r["item_id"]: r["worker_id"] for r in after.to_pylist()}["item-0004"] == "first"
+    # Rows of different parts are not merged: the later commit of item 4 is still there, behind the first.
+    assert sorted(read_item_ids(storage)) == sorted([f"item-{i:04d}" for i in range(80)] + ["item-0004"])
+    assert compact_parts(storage, target_rows=80, min_parts=8) == []  # nothing small left to merge

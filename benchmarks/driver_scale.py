@@ -1,0 +1,317 @@
+"""The driver at scale: memory and CPU per item of a batch job's driver as the manifest grows.
+
+    python benchmarks/driver_scale.py job --items 20000 --format files webdataset   # simulated renderer
+    python benchmarks/driver_scale.py plan --items 100000 300000                    # validate + plan only
+    python benchmarks/driver_scale.py resume --items 1000000 10000000               # committed set
+    python benchmarks/driver_scale.py manifest --items 1000000                      # whole vs chunks
+    python benchmarks/driver_scale.py all --out result.json                         # what fits a laptop
+
+Every measurement runs in a fresh Python process, so its peak RSS (`ru_maxrss`) is its own:
+
+- ``job``: the real `run_job` with the simulated renderer of benchmarks/orchestration.py (sleeps for GPU
+  time, real PNGs, real storing and committing), 4 workers, 25 prompts per reference, a local output,
+  ``output.format`` files or webdataset. Reports the driver's peak RSS, its CPU seconds per item (the
+  whole driver process: validation, planning, scheduling, committing), wall per item, and the objects
+  written per 1,000 images.
+- ``plan``: validation and planning only (`load_work_items`, what run_job does before it renders).
+- ``resume``: a fully committed ledger of N items (metadata parts of 100,000 rows of ids), read back as
+  the committed set a resumed job skips: `ledger.committed_item_ids` (a sorted fixed-width numpy array)
+  against the Python ``set`` of ``str`` it replaced; also one `metadata.compact_parts` pass over
+  parts of 256 rows (what a long job leaves).
+- ``manifest``: a CSV manifest read whole (`read_manifest`) against in chunks (`iter_manifest_chunks`).
+
+Prints one JSON object (and writes it to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MiB = 2**20
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _cpu_s() -> float:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def _write_manifest(folder: Path, items: int, prompts_per_reference: int, max_references: int) -> Path:
+    """`items` rows over min(items / prompts, max_references) small generated reference PNGs."""
+    from PIL import Image
+
+    references = max(1, min(-(-items // prompts_per_reference), max_references))
+    refs = []
+    for r in range(references):
+        ref = folder / "refs" / f"ref{r:05d}.png"
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (64, 64), (r % 256, (r // 256) % 256, 120)).save(ref)
+        refs.append(ref.relative_to(folder).as_posix())
+    manifest = folder / "manifest.csv"
+    with open(manifest, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["reference", "prompt", "seed"])
+        for i in range(items):
+            writer.writerow([refs[(i // prompts_per_reference) % references], f"scene {i % 997}", i])
+    return manifest
+
+
+def _spec(manifest: Path, out: Path, models_dir: Path, fmt: str, workers: int):
+    from snapref_ray.job_spec import JobSpec
+
+    return JobSpec.model_validate(
+        {
+            "model": {"models_dir": str(models_dir), "device": "cpu"},
+            "manifest": str(manifest),
+            "defaults": {"width": 256, "height": 256, "steps": 1, "cfg": 1.0, "sampler": "euler"},
+            "output": {"uri": str(out), "format": fmt, "shard_max_items": 10_000},
+            "cluster": {
+                "num_workers": workers,
+                "max_batch": 8,
+                "max_in_flight_per_worker": 2,
+                "num_cpus_per_worker": 1,
+            },
+        }
+    )
+
+
+# --- one measurement (in its own process) ----------------------------------------------------------
+
+
+def one_job(items: int, fmt: str, workers: int, step_s: float) -> dict:
+    from benchmarks.local_ray import start_local_ray
+    from benchmarks.orchestration import SimulatedRenderer
+    from snapref_ray.jobs.generate_dataset import run_job
+    from snapref_ray.tiny import make_tiny
+
+    # Logical CPUs for every worker (a 2-core machine stands in for N GPUs), as benchmarks/orchestration.py.
+    stop_ray = start_local_ray(num_cpus=workers + 2)
+    with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
+        root = Path(tmp)
+        models = make_tiny(root / "tiny")
+        manifest = _write_manifest(root / "in", items, 25, items)
+        spec = _spec(manifest, root / "out", models, fmt, workers)
+        factory = functools.partial(
+            SimulatedRenderer, encode_s=0.0, step_s=step_s, refkv_bytes=64 * 1024, image_side=64
+        )
+        cpu0, t0 = _cpu_s(), time.time()
+        summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
+        cpu, wall = _cpu_s() - cpu0, time.time() - t0
+        by_folder: dict[str, int] = {}
+        for dirpath, _, files in os.walk(root / "out"):
+            top = Path(dirpath).relative_to(root / "out").parts[:1] or (".",)
+            by_folder[top[0]] = by_folder.get(top[0], 0) + len(files)
+        objects = sum(by_folder.values())
+        assert summary["images_this_run"] == items and summary["failed_items"] == 0, summary
+        cpu1 = _cpu_s()
+        resumed = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
+        resume_s = _cpu_s() - cpu1
+        assert resumed["images_this_run"] == 0
+    stop_ray()
+    return {
+        "items": items,
+        "format": fmt,
+        "workers": workers,
+        "gpu_ms_per_batch_of_8": 1000 * step_s,
+        "driver_peak_rss_mib": round(_peak_rss_mib(), 1),
+        "driver_cpu_ms_per_item": round(1000 * cpu / items, 3),
+        "wall_ms_per_item": round(1000 * wall / items, 3),
+        "objects_written": objects,
+        "objects_per_1000_images": round(1000 * objects / items, 2),
+        "objects_by_folder": dict(sorted(by_folder.items())),
+        "resume_driver_cpu_s": round(resume_s, 2),
+    }
+
+
+def one_plan(items: int) -> dict:
+    from snapref_ray.render_service.work_items import load_work_items
+    from snapref_ray.tiny import make_tiny
+
+    with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
+        root = Path(tmp)
+        manifest = _write_manifest(root / "in", items, 25, 2000)
+        spec = _spec(manifest, root / "out", make_tiny(root / "tiny"), "files", 4)
+        base = _peak_rss_mib()
+        cpu0, t0 = _cpu_s(), time.time()
+        validated = load_work_items(spec, adapter_kind="snapref")
+        cpu, wall = _cpu_s() - cpu0, time.time() - t0
+        assert len(validated.items) == items, (len(validated.items), validated.errors[:3])
+    return {
+        "items": items,
+        "peak_rss_mib": round(_peak_rss_mib(), 1),
+        "rss_growth_kib_per_item": round(1024 * (_peak_rss_mib() - base) / items, 2),
+        "cpu_ms_per_item": round(1000 * cpu / items, 4),
+        "wall_s": round(wall, 1),
+    }
+
+
+def _committed_ledger(storage, items: int, rows_per_part: int) -> None:
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for start in range(0, items, rows_per_part):
+        end = min(items, start + rows_per_part)
+        ids = [hashlib.sha256(str(i).encode()).hexdigest()[:20] for i in range(start, end)]
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"item_id": ids}), buf)
+        storage.put_bytes(f"metadata/part-20260101T000000{start:012d}Z-bench.parquet", buf.getvalue())
+
+
+def one_resume(items: int, how: str) -> dict:
+    from snapref_ray.storage.backends import open_storage
+    from snapref_ray.storage.ledger import committed_item_ids
+    from snapref_ray.storage.metadata import read_item_ids
+
+    with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
+        storage = open_storage(tmp)
+        _committed_ledger(storage, items, 100_000)
+        base = _peak_rss_mib()
+        cpu0, t0 = _cpu_s(), time.time()
+        done = committed_item_ids(storage) if how == "compact" else set(read_item_ids(storage))
+        cpu, wall = _cpu_s() - cpu0, time.time() - t0
+        assert len(done) == items
+        probe = time.time()
+        hits = sum(1 for i in range(0, items, max(1, items // 100_000)) if f"{i:020x}" in done)
+        probe_us = 1e6 * (time.time() - probe) / len(range(0, items, max(1, items // 100_000)))
+    return {
+        "items": items,
+        "committed_set": how,
+        "build_s": round(wall, 2),
+        "build_cpu_s": round(cpu, 2),
+        "peak_rss_mib": round(_peak_rss_mib(), 1),
+        "rss_growth_mib": round(_peak_rss_mib() - base, 1),
+        "held_mib": round(done.nbytes / MiB, 1) if how == "compact" else None,
+        "lookup_us": round(probe_us, 2),
+        "hits": hits,
+    }
+
+
+def one_compaction(parts: int, rows: int) -> dict:
+    from snapref_ray.storage.backends import open_storage
+    from snapref_ray.storage.metadata import compact_parts
+
+    with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
+        storage = open_storage(tmp)
+        _committed_ledger(storage, parts * rows, rows)
+        t0 = time.time()
+        compact_parts(storage)
+        return {
+            "parts_before": parts,
+            "rows": parts * rows,
+            "parts_after": len(storage.list("metadata/")),
+            "seconds": round(time.time() - t0, 2),
+            "peak_rss_mib": round(_peak_rss_mib(), 1),
+        }
+
+
+def one_manifest(items: int, how: str) -> dict:
+    from snapref_ray.storage.manifest import iter_manifest_chunks, read_manifest
+
+    with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
+        manifest = _write_manifest(Path(tmp), items, 25, 100)
+        base = _peak_rss_mib()
+        t0 = time.time()
+        if how == "whole":
+            rows = len(read_manifest(str(manifest)))
+        else:
+            rows = sum(len(c) for c in iter_manifest_chunks(str(manifest), chunk_rows=50_000))
+        assert rows == items
+    return {
+        "items": items,
+        "read": how,
+        "seconds": round(time.time() - t0, 2),
+        "rss_growth_mib": round(_peak_rss_mib() - base, 1),
+    }
+
+
+# --- the runs -------------------------------------------------------------------------------------------
+
+
+def _in_process(*args: str) -> dict:
+    """One measurement in a fresh interpreter (its own peak RSS)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "_one", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=False,
+    )
+    result = {"args": args, "error": out.stderr[-2000:]} if out.returncode else json.loads(out.stdout.splitlines()[-1])
+    print(json.dumps(result), file=sys.stderr, flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["job", "plan", "resume", "manifest", "compaction", "all", "_one"])
+    parser.add_argument("--items", type=int, nargs="*", default=None)
+    parser.add_argument("--format", nargs="*", default=["files", "webdataset"])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument(
+        "--step-s",
+        type=float,
+        default=0.05,
+        help="simulated GPU seconds per batch (1 step): 0 measures the driver flat out, but then workers "
+        "idle between calls and close their shards early",
+    )
+    parser.add_argument("--out")
+    parser.add_argument("rest", nargs="*")
+    args = parser.parse_args(argv)
+    if args.what == "_one":
+        kind, *params = args.rest
+        fn = {
+            "job": lambda n, f: one_job(int(n), f, args.workers, args.step_s),
+            "plan": lambda n: one_plan(int(n)),
+            "resume": lambda n, how: one_resume(int(n), how),
+            "manifest": lambda n, how: one_manifest(int(n), how),
+            "compaction": lambda p, r: one_compaction(int(p), int(r)),
+        }[kind]
+        print(json.dumps(fn(*params)))
+        return 0
+    runs: list[dict] = []
+    todo = ["job", "plan", "resume", "manifest", "compaction"] if args.what == "all" else [args.what]
+    for what in todo:
+        if what == "job":
+            for n in args.items or [20_000]:
+                runs += [
+                    _in_process("job", str(n), f, "--workers", str(args.workers), "--step-s", str(args.step_s))
+                    for f in args.format
+                ]
+        elif what == "plan":
+            runs += [_in_process("plan", str(n)) for n in args.items or [100_000, 300_000]]
+        elif what == "resume":
+            for n in args.items or [1_000_000, 10_000_000]:
+                runs += [_in_process("resume", str(n), how) for how in ("compact", "python-set")]
+        elif what == "manifest":
+            for n in args.items or [1_000_000]:
+                runs += [_in_process("manifest", str(n), how) for how in ("whole", "chunks")]
+        elif what == "compaction":
+            runs.append(_in_process("compaction", "4000", "256"))
+    result = {"machine": f"{os.cpu_count()} cores", "runs": runs}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
