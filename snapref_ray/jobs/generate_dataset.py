@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import resource
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -91,6 +92,12 @@ def worker_config(
         shard_max_items=spec.output.shard_max_items,
         thumbnail_every=spec.output.thumbnail_every,
     )
+
+
+def _driver_usage() -> tuple[float, int]:
+    """(CPU seconds, peak RSS bytes) of this process so far; Linux reports ru_maxrss in KiB."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
 
 
 def _planned_batch_sizes(todo: Sequence[WorkItem], max_batch: int) -> tuple[int, ...]:
@@ -183,6 +190,7 @@ class _Run:
 
     started_at: float
     interrupted: bool = False
+    cpu_at_start: float = field(default_factory=lambda: _driver_usage()[0])
     stats: SchedulerStats | None = None
     encodes_by_reference: Counter[str] = field(default_factory=Counter)
     startup_seconds: float = 0.0
@@ -383,6 +391,8 @@ def _summarise(spec: JobSpec, validated: ValidatedJob, output: _Output, todo: li
         failed_items=stats.failed_items,
         interrupted=run.interrupted,
         wall_seconds=round(now - run.started_at, 3),
+        driver_cpu_seconds=round(_driver_usage()[0] - run.cpu_at_start, 3),
+        driver_peak_rss_bytes=_driver_usage()[1],
         startup_seconds=round(run.startup_seconds, 3),
         render_seconds=round(run.render_seconds, 3),
     )

@@ -25,6 +25,12 @@ class RunFigures(BaseModel):
     wall_seconds: float = Field(description="From the run's start to its summary.")
     startup_seconds: float = Field(0.0, description="Until min_workers were ready and rendering began.")
     render_seconds: float = Field(0.0, description="From the first render to the end of the schedule.")
+    driver_cpu_seconds: float | None = Field(
+        None,
+        description="CPU seconds of the driver process during the run (validation, planning, the schedule, commits):"
+        " what one driver costs per item, apart from the workers.",
+    )
+    driver_peak_rss_bytes: int | None = Field(None, description="The driver process's peak resident memory.")
 
     @staticmethod
     def from_earlier_summary(summary: dict) -> list[RunFigures]:

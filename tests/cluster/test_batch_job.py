@@ -141,6 +141,11 @@ def test_rerunning_the_same_spec_renders_nothing_new(local_job):
     # The resume keeps the job's throughput and each run's figures: the first run's, and its own (nothing to do).
     assert again["images_per_hour"] == first["images_per_hour"] > 0
     assert again["runs"][0] == first["runs"][-1] and again["runs"][-1]["items_to_render"] == 0
+    # Each run reports what its driver cost: this test's process is the driver, so its peak RSS is at least what
+    # the kernel says this process holds now, and validating and planning took some of its CPU.
+    with open("/proc/self/status") as f:
+        rss_now = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    assert again.runs[-1].driver_peak_rss_bytes >= rss_now * 0.9 and again.runs[-1].driver_cpu_seconds > 0
 
 
 @pytest.mark.slow
