@@ -66,7 +66,9 @@ def _assert_end_to_end(e2e: dict, markdown: str) -> None:
         # The forwards' sampling seconds and the reference streams', each from the metadata rows and from the
         # renderer's own results; one encode per reference (one worker).
         assert r["seconds"]["dit_sampling"] == pytest.approx(r["dit_sampling_seconds_from_call_log"], rel=1e-4)
-        assert r["row_encode_seconds"] == 0.0  # the job's rows read a RefKV their worker already held
+        # The rows' encode_s (`row_encode_seconds`) is the encode a render did itself, 0 where its worker held the
+        # RefKV (docs/design.md, "The front-door contract", checked at every door by tests/test_cross_path.py);
+        # the encode calls are timed from the call log above and below.
         assert r["reference_encodes"] == 1 and r["seconds"]["reference_encode"] > r["reference_stream_seconds"]
         assert r["forwards"] == sum(n // int(b) for b, n in r["forward_batches"].items())
         # The worker's ready reply carries its cold start (render_service/cold_start.py), which the job summary lists; a
