@@ -245,11 +245,12 @@ def kill(handle: ray.actor.ActorHandle) -> None:
 RELEASE_COMMIT_TIMEOUT_S = 600.0  # a ~1 GB webdataset shard's upload, with room
 
 
-def release(handles: Sequence[ray.actor.ActorHandle]) -> None:
-    """Kill healthy workers the job no longer needs, once each has committed what it holds (its open webdataset
-    shard: storage/shards.py); a worker that cannot is killed anyway, and its shard's items render again on resume."""
+def release(handles: Sequence[ray.actor.ActorHandle], *, commit: bool = True) -> None:
+    """Kill healthy workers the job no longer needs, with `commit` once each has committed what it holds (its open
+    webdataset shard: storage/shards.py); a worker that cannot is killed anyway, and its shard's items render again
+    on resume. Without shards there is nothing to commit, and the driver's loop does not wait on the workers."""
     pending = []
-    for handle in handles:
+    for handle in handles if commit else ():
         try:
             pending.append(handle.commit_outputs.remote())
         except AttributeError:
@@ -305,6 +306,11 @@ class PoolMembers:
         self.pool, self.config, self.stats = pool, config, stats
         self.started = pool is None or pool.plan.min_workers <= len(self.members)
         self._t_run = time.monotonic()
+
+    @property
+    def commits_outputs(self) -> bool:
+        """Whether a worker holds outputs to commit before it is released (webdataset shards)."""
+        return self.pool is None or self.pool.config.output_format == "webdataset"
 
     def start_clock(self) -> None:
         """The job's workers are counted from now (start_timeout_s, seconds_to_start)."""
@@ -381,7 +387,7 @@ class PoolMembers:
         released = []
         for index, member in enumerate(self.members):
             if member.live and not keep(index):
-                release([member.handle])
+                release([member.handle], commit=self.commits_outputs)
                 member.retired = member.released = True
                 member.available = False
                 member.probe_due = None
@@ -405,7 +411,7 @@ class PoolMembers:
         remove idle nodes."""
         if self.pool is not None:
             self.pool.cancel_starting()
-        release([m.handle for m in self.members if not m.released and not m.retired])
+        release([m.handle for m in self.members if not m.released and not m.retired], commit=self.commits_outputs)
         for member in self.members:
             if member.retired and not member.released:
                 kill(member.handle)
