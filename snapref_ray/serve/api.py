@@ -201,6 +201,12 @@ def json_body_limit(file_limit: int) -> int:
     return 4 * math.ceil(file_limit / 3) + FORM_OVERHEAD  # base64 is 4 characters per 3 bytes
 
 
+def require_media_type(content_type: str, expected: str, route: str) -> None:
+    """A 415 naming the route unless the request's Content-Type (parameters aside) is `expected`."""
+    if content_type.partition(";")[0].strip().lower() != expected:
+        raise ApiError(415, "Content-Type", f"{route} takes {expected}, got {echo(content_type)}")
+
+
 def echo(text: str) -> str:
     """`text` as an error message repeats it: quoted, at most ECHO_CHARS characters."""
     return repr(text[:ECHO_CHARS]) + ("..." if len(text) > ECHO_CHARS else "")

@@ -56,6 +56,7 @@ from snapref_ray.serve.api import (
     echo,
     json_body_limit,
     reference_id_for,
+    require_media_type,
     validate_strict,
     validation_error,
 )
@@ -291,8 +292,7 @@ class Ingress(OpenAIImageRoutes):
         started = time.perf_counter()
         self._auth.check(request.headers.get("authorization"))
         content_type = request.headers.get("content-type", "")
-        if content_type.partition(";")[0].strip().lower() != "application/json":
-            raise ApiError(415, "Content-Type", f"/v1/render takes application/json, got {echo(content_type)}")
+        require_media_type(content_type, "application/json", "/v1/render")
         raw = await self._bodies.read(request, json_body_limit(self._limits.max_upload_bytes), "body")
         body = validate_strict(RenderBody, raw)
         self._check_body(body)

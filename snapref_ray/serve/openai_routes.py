@@ -22,9 +22,9 @@ from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.api import (
     FORM_OVERHEAD,
     ReferenceOptions,
-    echo,
     json_body_limit,
     parse_json_object,
+    require_media_type,
     validation_error,
 )
 from snapref_ray.serve.errors import ApiError
@@ -102,8 +102,7 @@ class OpenAIImageRoutes:
         try:
             self._auth.check(request.headers.get("authorization"))
             content_type = request.headers.get("content-type", "")
-            if content_type.partition(";")[0].strip().lower() != "application/json":
-                raise ApiError(415, "Content-Type", f"this route takes application/json, got {echo(content_type)}")
+            require_media_type(content_type, "application/json", "/v1/images/generations")
             raw = await self._bodies.read(request, json_body_limit(self._limits.max_upload_bytes), "body")
             req = _validated(ImageGenerationRequest, parse_json_object(raw, set(ImageGenerationRequest.model_fields)))
             references = {
@@ -134,8 +133,7 @@ class OpenAIImageRoutes:
         try:
             self._auth.check(request.headers.get("authorization"))
             content_type = request.headers.get("content-type", "")
-            if content_type.partition(";")[0].strip().lower() != "multipart/form-data":
-                raise ApiError(415, "Content-Type", f"this route takes multipart/form-data, got {echo(content_type)}")
+            require_media_type(content_type, "multipart/form-data", "/v1/images/edits")
             images, texts = await self._read_edit_form(request, content_type)
             req = _validated(ImageEditRequest, form_values(texts))
             body = render_body(req)
