@@ -67,24 +67,3 @@ def test_an_unreadable_earlier_summary_starts_the_figures_again(tmp_path):
     assert _earlier_runs(storage) == []
     (tmp_path / "summary.json").write_text('{"runs": [' + run(3, wall=9.0, render=6.0).model_dump_json() + "]}")
     assert _earlier_runs(storage) == [run(3, wall=9.0, render=6.0)]
-
-
-def test_workers_warm_the_forward_sizes_the_plan_will_send():
-    """Per reference and batch key, full batches of max_batch and one tail: 9 items of one reference at max_batch 4
-    are forwards of 4, 4 and 1; 2 items of another, one forward of 2; a third reference's 8 items, two of 4."""
-    from types import SimpleNamespace
-
-    from snapref_ray.jobs.generate_dataset import _planned_batch_sizes
-    from snapref_ray.requests import RenderSettings
-
-    small, large = RenderSettings(width=256, height=256), RenderSettings(width=512, height=256)
-
-    def items(reference: str, n: int, settings: RenderSettings) -> list:
-        return [SimpleNamespace(reference_hash=reference, settings=settings) for _ in range(n)]
-
-    assert _planned_batch_sizes(items("a", 9, small), 4) == (1, 4)
-    assert _planned_batch_sizes(items("a", 9, small) + items("b", 2, small), 4) == (1, 2, 4)
-    assert _planned_batch_sizes(items("c", 8, small), 4) == (4,)
-    # Another size is another batch key: 3 of one, 3 of the other, never one forward of 6.
-    assert _planned_batch_sizes(items("a", 3, small) + items("a", 3, large), 8) == (3,)
-    assert _planned_batch_sizes([], 4) == (1,)

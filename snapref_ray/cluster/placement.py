@@ -62,6 +62,51 @@ class QueuedReference:
 
 
 @dataclass(frozen=True)
+class PlannedWork:
+    """A job's items as its plan hands them over (render_service/work_plan.py): one reference's items per group, in
+    the order to open them, pulled only as the schedule opens references; `items` counts them all."""
+
+    groups: Iterable[Sequence[WorkItem]]
+    items: int
+
+
+class UnopenedReferences:
+    """The references not opened yet, made from the plan's groups only when the schedule reaches them: the driver
+    holds the items of the open references and of the next group, not the job's."""
+
+    def __init__(self, groups: Iterable[Sequence[WorkItem]], items: int) -> None:
+        self._groups = iter(groups)
+        self._ready: deque[QueuedReference] = deque()
+        self.items = items  # items in references not opened yet
+
+    def _fill(self) -> None:
+        while not self._ready:
+            group = next(self._groups, None)
+            if group is None:
+                return
+            # A reference read at two sizes (or captions) is two RefKVs: one queued reference per key, in the order
+            # their items first appear.
+            by_key: dict[tuple, QueuedReference] = {}
+            tasks: dict[int, ReferenceTask] = {}  # per settings object: the items of a group share few of them
+            for item in group:
+                task = tasks.get(id(item.settings))
+                if task is None or task.reference_hash != item.reference_hash:
+                    task = tasks[id(item.settings)] = ReferenceTask.for_item(item)
+                by_key.setdefault(task.key, QueuedReference(task, deque())).pending.append(item)
+            self._ready.extend(by_key.values())
+
+    def __bool__(self) -> bool:
+        self._fill()
+        return bool(self._ready)
+
+    def popleft(self) -> QueuedReference:
+        self._fill()
+        ref = self._ready.popleft()
+        self.items -= len(ref.pending)
+        return ref
+
+
+@dataclass(frozen=True)
 class Assignment:
     """A batch for one worker, and how its RefKV reaches it."""
 
@@ -78,20 +123,20 @@ class Placement:
     def __init__(self, config: SchedulerConfig, stats: SchedulerStats) -> None:
         self.config, self.stats = config, stats
         self.transfer_bytes_per_s = config.transfer_bytes_per_s
-        self.unopened: deque[QueuedReference] = deque()
+        self.unopened = UnopenedReferences((), 0)
         self.open: list[QueuedReference] = []
         self._batch_caps: dict[Shape, int] = {}  # shapes that ran out of memory -> halved cap
         self._oom_splits: Counter[Shape] = Counter()
         self._shapes: set[Shape] = set()
         self._alone: set[str] = set()  # items of a batch whose forward failed: rendered one at a time from then on
 
-    def queue(self, items: Iterable[WorkItem]) -> None:
+    def queue(self, items: Sequence[WorkItem]) -> None:
         """Group the job's items by reference, in the order their references first appear."""
-        groups: dict[tuple, QueuedReference] = {}
-        for item in items:
-            task = ReferenceTask.for_item(item)
-            groups.setdefault(task.key, QueuedReference(task, deque())).pending.append(item)
-        self.unopened = deque(groups.values())
+        self.queue_planned(PlannedWork([items], len(items)))
+
+    def queue_planned(self, work: PlannedWork) -> None:
+        """Queue a plan's reference groups; they are read as references open."""
+        self.unopened = UnopenedReferences(work.groups, work.items)
         self.open = []
 
     def max_open(self, live_workers: int) -> int:
@@ -214,7 +259,7 @@ class Placement:
         return bool(self.unopened) or any(r.pending for r in self.open)
 
     def pending_items(self) -> int:
-        return sum(len(r.pending) for r in self.unopened) + sum(len(r.pending) for r in self.open)
+        return self.unopened.items + sum(len(r.pending) for r in self.open)
 
     def holds_needed_refkv(self, worker: int) -> bool:
         """Whether the worker encoded a RefKV the schedule still hands out (an open reference keeps it only

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import ray
 
 from snapref_ray.cluster.calls import Call, CallKind, InFlight, Returned
-from snapref_ray.cluster.placement import Assignment, Placement, QueuedReference
+from snapref_ray.cluster.placement import Assignment, Placement, PlannedWork, QueuedReference
 from snapref_ray.cluster.pool import Member, PoolMembers, WorkerPool
 from snapref_ray.cluster.recovery import Recovery, RequeueBudgetExceeded
 from snapref_ray.cluster.schedule import EVENT_KINDS, Cause, SchedulerConfig, SchedulerEvent, SchedulerStats
@@ -102,12 +102,15 @@ class BatchScheduler:
         self.members.release_all()
 
     # -- the loop -----------------------------------------------------------------------------------------------
-    def run(self, items: Sequence[WorkItem]) -> SchedulerStats:
-        self.placement.queue(items)
-        self.stats.requeue_budget = self.config.max_requeues_per_item * len(items)
+    def run(self, work: Sequence[WorkItem] | PlannedWork) -> SchedulerStats:
+        """Render `work`: a list of items, or a plan's reference groups (read as references open)."""
+        if not isinstance(work, PlannedWork):
+            work = PlannedWork([work], len(work))
+        self.placement.queue_planned(work)
+        self.stats.requeue_budget = self.config.max_requeues_per_item * work.items
         self.members.start_clock()
         try:
-            self._loop(len(items))
+            self._loop(work.items)
             self.recovery.classify_losses_at_the_end(self.config.loss_classification_grace_s)
         finally:
             self.stats.batch_limits = self.placement.batch_limits()

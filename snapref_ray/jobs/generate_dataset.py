@@ -15,10 +15,11 @@ import logging
 import resource
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from snapref_ray.cluster.metrics import job_metrics
+from snapref_ray.cluster.placement import PlannedWork
 from snapref_ray.cluster.pool import (
     PoolShape,
     WorkerPool,
@@ -44,7 +45,8 @@ from snapref_ray.jobs.job_summary import (
     job_throughput,
 )
 from snapref_ray.render_service.loading import adapter_kind
-from snapref_ray.render_service.work_items import JobValidationError, ValidatedJob, WorkItem, load_work_items
+from snapref_ray.render_service.work_items import WorkItem
+from snapref_ray.render_service.work_plan import WorkPlan
 from snapref_ray.storage.backends import Storage, open_storage
 from snapref_ray.storage.lease import OutputLease
 from snapref_ray.storage.ledger import CommittedIds, claim_output, committed_item_ids, job_fingerprint
@@ -69,12 +71,12 @@ def worker_config(
     *,
     warmup: bool = True,
     memory_budget_bytes: int | None = None,
-    todo: Sequence[WorkItem] = (),
+    plan: WorkPlan | None = None,
 ) -> WorkerConfig:
-    """A worker's configuration; a compiling worker warms the resolutions and forward sizes of `todo`, the plan,
-    before it is ready (a graph per shape: docs/performance.md, "Compile cold start")."""
+    """A worker's configuration; a compiling worker warms the resolutions and forward sizes of `plan` before it is
+    ready (a graph per shape: docs/performance.md, "Compile cold start")."""
     c = spec.cluster
-    sizes = sorted({(item.settings.width, item.settings.height) for item in todo})
+    sizes = plan.sizes if plan is not None else []
     return WorkerConfig(
         model=spec.model,
         refkv_cache_bytes=c.refkv_cache_bytes,
@@ -84,7 +86,7 @@ def worker_config(
         warmup=warmup,
         output_threads=c.output_threads,
         warmup_sizes=tuple(sizes) or ((spec.defaults.width, spec.defaults.height),),
-        warmup_batch_sizes=_planned_batch_sizes(todo, c.max_batch),
+        warmup_batch_sizes=plan.planned_batch_sizes(c.max_batch) if plan is not None else (1,),
         refkv_fetch_timeout_s=c.refkv_fetch_timeout_s,
         memory_budget_bytes=memory_budget_bytes or None,
         output_format=spec.output.format,
@@ -98,15 +100,6 @@ def _driver_usage() -> tuple[float, int]:
     """(CPU seconds, peak RSS bytes) of this process so far; Linux reports ru_maxrss in KiB."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
-
-
-def _planned_batch_sizes(todo: Sequence[WorkItem], max_batch: int) -> tuple[int, ...]:
-    """The forward sizes the schedule will send: per reference and batch key, full batches of max_batch and one
-    tail (cluster/placement.py takes a reference's items in that order). A batch split after running out of memory
-    or an item retried alone can still meet a size not warmed; it builds its graph then."""
-    per_group = Counter((item.reference_hash, item.settings.batch_key()) for item in todo)
-    sizes = {min(n, max_batch) for n in per_group.values()} | {n % max_batch for n in per_group.values()}
-    return tuple(sorted(sizes - {0})) or (1,)
 
 
 def run_job(
@@ -130,20 +123,24 @@ def run_job(
     through it). The workers are killed when the job ends, however it ends.
     """
     run = _Run(started_at=time.time())
-    validated = _validate(spec)  # 1. every row, before any worker starts
-    output = _claim(spec)  # 2. the output is this spec's (or appended to), and what it holds already
-    hooks = _Hooks(progress, renderer_factory, warmup, on_progress, on_workers, on_event)
-    todo: list[WorkItem] = []
+    plan = _validate(spec, progress=progress)  # 1. every row, before any worker starts (spilled to local disk)
     try:
-        todo = _plan(spec, validated, output)  # 3. what is left to render; invalid rows recorded once
-        _render(spec, todo, output, run, hooks, total=len(validated.items))  # 4. workers, schedule, commits
+        output = _claim(spec)  # 2. the output is this spec's (or appended to), and what it holds already
+    except BaseException:
+        plan.close()
+        raise
+    hooks = _Hooks(progress, renderer_factory, warmup, on_progress, on_workers, on_event)
+    try:
+        _plan(spec, plan, output)  # 3. what is left to render; invalid rows recorded once
+        _render(spec, plan, output, run, hooks)  # 4. workers, schedule, commits
     except KeyboardInterrupt:
         run.interrupted = True
         log.warning("interrupted: committing what is done; run the same spec again to resume")
         raise
     finally:
         output.close()
-        summary = _summarise(spec, validated, output, todo, run)  # 5. summary.json
+        plan.close()
+        summary = _summarise(spec, plan, output, run)  # 5. summary.json
         write_summary(output.storage, summary.to_json())
         output.lease.release()
     if write_gallery:
@@ -214,8 +211,9 @@ class _Run:
             self.step_cache.forwards += row["steps"]
 
 
-def _validate(spec: JobSpec) -> ValidatedJob:
-    """Phase 1: every manifest row checked (a strict spec stops at the first bad one's report)."""
+def _validate(spec: JobSpec, *, progress: bool = False) -> WorkPlan:
+    """Phase 1: every manifest row checked, a chunk at a time, and the valid items spilled to local disk
+    (render_service/work_plan.py); a strict spec with an invalid row stops here, naming them."""
     s3 = spec.s3_options()
     kind = adapter_kind(spec.model, s3=s3)
     if kind is None:
@@ -223,11 +221,13 @@ def _validate(spec: JobSpec) -> ValidatedJob:
             "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
             f" the models folder ({spec.model.models_dir})"
         )
-    validated = load_work_items(spec, s3, adapter_kind=kind)
-    if validated.errors and spec.strict:
-        raise JobValidationError(spec.manifest, validated.errors)
-    check_something_to_render(spec.manifest, validated)  # every row invalid: say why, and write nothing
-    return validated
+    plan = WorkPlan.build(spec, s3=s3, adapter_kind=kind, progress=progress)
+    try:
+        check_something_to_render(spec.manifest, plan)  # every row invalid: say why, and write nothing
+    except BaseException:
+        plan.close()
+        raise
+    return plan
 
 
 def _claim(spec: JobSpec) -> _Output:
@@ -267,34 +267,33 @@ def _earlier_runs(storage: Storage) -> list[RunFigures]:
         return []
 
 
-def _plan(spec: JobSpec, validated: ValidatedJob, output: _Output) -> list[WorkItem]:
-    """Phase 3: the items not committed yet; the invalid rows go to errors/, once per output (a resumed job
-    validates the same manifest again)."""
-    done = output.done_before.contains([item.item_id for item in validated.items])  # one vectorised lookup
-    todo = [item for item, committed in zip(validated.items, done) if not committed]
+def _plan(spec: JobSpec, plan: WorkPlan, output: _Output) -> None:
+    """Phase 3: the items not committed yet (a bit per item of the plan); the invalid rows go to errors/, once per
+    output (a resumed job validates the same manifest again)."""
+    plan.skip_committed(output.done_before)  # one vectorised lookup per chunk of ids
     log.info(
-        "%d manifest rows -> %d items (%d invalid rows); %d already committed, %d to render",
-        validated.rows,
-        len(validated.items),
-        len(validated.errors),
-        len(validated.items) - len(todo),
-        len(todo),
+        "%d manifest rows -> %d items (%d invalid rows); %d already committed, %d to render (%d references)",
+        plan.rows,
+        plan.items,
+        plan.invalid_rows,
+        plan.committed,
+        plan.to_render,
+        plan.references_to_render,
     )
-    recorded = _recorded_validation_errors(output.storage) if validated.errors else set()
-    for e in validated.errors:
+    recorded = _recorded_validation_errors(output.storage) if plan.error_count else set()
+    for e in plan.all_errors():
         message = f"{'field ' + repr(e.field) + ': ' if e.field else ''}{e.error}"
         if (e.manifest_row, e.item_id, message) not in recorded:
             output.errors.record(message, "validate", item_id=e.item_id, manifest_row=e.manifest_row)
-    return todo
 
 
-def _render(spec: JobSpec, todo: list[WorkItem], output: _Output, run: _Run, hooks: _Hooks, *, total: int) -> None:
-    """Phase 4: start the pool, run the schedule, commit each image's row as it lands; the workers are killed
-    however it ends."""
-    if not todo:
+def _render(spec: JobSpec, plan: WorkPlan, output: _Output, run: _Run, hooks: _Hooks) -> None:
+    """Phase 4: start the pool, run the schedule over the plan's references, commit each image's row as it lands;
+    the workers are killed however it ends."""
+    if not plan.to_render:
         return
-    pool = _start_pool(spec, todo, run, hooks, lease_holder_id=output.lease.record.holder_id)
-    bar = _progress_bar(total, total - len(todo)) if hooks.progress else None
+    pool = _start_pool(spec, plan, run, hooks, lease_holder_id=output.lease.record.holder_id)
+    bar = _progress_bar(plan.items, plan.committed) if hooks.progress else None
     callbacks = [f for f in (bar.update if bar else None, hooks.on_progress) if f is not None]
 
     def done(outcome: ItemOutcome, item: WorkItem) -> None:
@@ -322,7 +321,7 @@ def _render(spec: JobSpec, todo: list[WorkItem], output: _Output, run: _Run, hoo
     run.stats = scheduler.stats  # interrupted or failed: what was done still counts
     t_schedule = time.time()
     try:
-        scheduler.run(todo)
+        scheduler.run(PlannedWork(plan.reference_groups(), plan.to_render))
     finally:
         # Start-up ends when min_workers are ready (inside run); rendering is the rest.
         waited = scheduler.stats.seconds_to_start
@@ -346,12 +345,12 @@ def scheduler_config(spec: JobSpec) -> SchedulerConfig:
     )
 
 
-def _start_pool(spec: JobSpec, todo: list[WorkItem], run: _Run, hooks: _Hooks, *, lease_holder_id: str) -> WorkerPool:
+def _start_pool(spec: JobSpec, plan: WorkPlan, run: _Run, hooks: _Hooks, *, lease_holder_id: str) -> WorkerPool:
     """Connect to Ray and size the pool: GPU or CPU workers, how many, and the memory each asks for (at the job's
     largest image and max_batch)."""
     c = spec.cluster
     connect(c.address)
-    plan = plan_pool(
+    pool_plan = plan_pool(
         PoolShape(
             c.num_workers, c.cpu_workers, c.num_cpus_per_worker, min_workers=c.min_workers, max_workers=c.max_workers
         ),
@@ -359,34 +358,38 @@ def _start_pool(spec: JobSpec, todo: list[WorkItem], run: _Run, hooks: _Hooks, *
         on_cluster=on_a_cluster(c.address),
         gpus_now=gpus_in_cluster(),
     )
-    log.info("worker pool: %d to %d %s worker(s)", plan.min_workers, plan.max_workers, "GPU" if plan.use_gpu else "CPU")
-    largest = max(todo, key=lambda item: item.settings.width * item.settings.height).settings
+    log.info(
+        "worker pool: %d to %d %s worker(s)",
+        pool_plan.min_workers,
+        pool_plan.max_workers,
+        "GPU" if pool_plan.use_gpu else "CPU",
+    )
     memory_bytes, memory_estimate = worker_memory(
         spec.model,
         override=c.memory_per_worker,
-        width=largest.width,
-        height=largest.height,
+        width=plan.largest.width,
+        height=plan.largest.height,
         batch=c.max_batch,
-        use_gpu=plan.use_gpu,
+        use_gpu=pool_plan.use_gpu,
     )
-    plan = dataclasses.replace(plan, memory_bytes=memory_bytes)
+    pool_plan = dataclasses.replace(pool_plan, memory_bytes=memory_bytes)
     run.memory_request.update(bytes=memory_bytes, estimate=memory_estimate)
-    check_memory_fits(plan, on_cluster=on_a_cluster(c.address))
+    check_memory_fits(pool_plan, on_cluster=on_a_cluster(c.address))
     config = worker_config(
-        spec, warmup=hooks.warmup, memory_budget_bytes=None if plan.use_gpu else memory_bytes, todo=todo
+        spec, warmup=hooks.warmup, memory_budget_bytes=None if pool_plan.use_gpu else memory_bytes, plan=plan
     )
     config = dataclasses.replace(config, lease_holder_id=lease_holder_id)  # workers commit shards only under it
-    return WorkerPool(config, plan, hooks.renderer_factory)
+    return WorkerPool(config, pool_plan, hooks.renderer_factory)
 
 
-def _summarise(spec: JobSpec, validated: ValidatedJob, output: _Output, todo: list[WorkItem], run: _Run) -> JobSummary:
+def _summarise(spec: JobSpec, plan: WorkPlan, output: _Output, run: _Run) -> JobSummary:
     """Phase 5: this run's figures, and the job's over every run on this output."""
     stats = run.stats or SchedulerStats()
     now = time.time()
     this_run = RunFigures(
         started_at=run.started_at,
         finished_at=now,
-        items_to_render=len(todo),
+        items_to_render=plan.to_render,
         images=stats.done_items,
         failed_items=stats.failed_items,
         interrupted=run.interrupted,
@@ -397,18 +400,18 @@ def _summarise(spec: JobSpec, validated: ValidatedJob, output: _Output, todo: li
         render_seconds=round(run.render_seconds, 3),
     )
     runs = [*output.earlier_runs, this_run]
-    references = len({item.reference_hash for item in todo})
+    references = plan.references_to_render
     measured = stats.measured_transfer_bytes_per_s
     return JobSummary(
         manifest=spec.manifest,
         output=spec.output.uri,
         config_hash=output.fingerprint,
-        manifest_rows=validated.rows,
-        invalid_rows=len({e.manifest_row for e in validated.errors}),  # a row with two errors is one invalid row
-        items=len(validated.items),
-        images_total=len(output.done_before & {i.item_id for i in validated.items}) + stats.done_items,
+        manifest_rows=plan.rows,
+        invalid_rows=plan.invalid_rows,  # a row with two errors is one invalid row
+        items=plan.items,
+        images_total=plan.committed + stats.done_items,
         images_this_run=stats.done_items,
-        skipped_already_done=len(validated.items) - len(todo),
+        skipped_already_done=plan.committed,
         failed_items=stats.failed_items,
         attempts=AttemptFigures(
             max_attempts=spec.cluster.max_attempts,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from snapref_ray.job_spec import JobSpec, JobSpecError, spec_fingerprint
 from snapref_ray.render_service.loading import adapter_kind
-from snapref_ray.render_service.work_items import RowError, ValidatedJob, load_work_items
+from snapref_ray.render_service.work_items import RowError
+from snapref_ray.render_service.work_plan import WorkPlan
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.ledger import committed_item_ids, job_fingerprint, read_job
 
@@ -31,13 +32,14 @@ class JobPlan:
     output: str
     rows: int  # manifest rows read
     items: int  # images the valid rows ask for
-    errors: list[RowError]  # why rows are invalid (a row may have several)
+    errors: list[RowError]  # why rows are invalid (a row may have several); the first 1,000 of them
+    invalid_rows_count: int  # rows with an error
     committed: int  # items already in the output's metadata (a resume skips them)
     owner: str  # "new", "this job", "appended" (append asked for) or "another job"
 
     @property
     def invalid_rows(self) -> int:
-        return len({e.manifest_row for e in self.errors})
+        return self.invalid_rows_count
 
     @property
     def to_render(self) -> int:
@@ -73,8 +75,23 @@ def plan_job(spec: JobSpec) -> JobPlan:
             "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
             f" the models folder ({spec.model.models_dir})"
         )
-    validated = load_work_items(spec, s3, adapter_kind=kind)
-    owner, committed = "new", 0
+    with WorkPlan.build(spec, s3=s3, adapter_kind=kind) as plan:
+        owner, committed = _output_state(spec, s3, plan)
+        return JobPlan(
+            manifest=spec.manifest,
+            output=spec.output.uri,
+            rows=plan.rows,
+            items=plan.items,
+            errors=list(plan.errors_head),
+            invalid_rows_count=plan.invalid_rows,
+            committed=committed,
+            owner=owner,
+        )
+
+
+def _output_state(spec: JobSpec, s3, plan: WorkPlan) -> tuple[str, int]:
+    """Who owns the output, and how many of the plan's items it holds already (marked in the plan)."""
+    owner = "new"
     if _output_exists(spec.output.uri):
         storage = open_storage(spec.output.uri, s3)
         fingerprint = job_fingerprint(spec_fingerprint(spec))
@@ -88,23 +105,13 @@ def plan_job(spec: JobSpec) -> JobPlan:
                 owner = "this job"
             else:
                 owner = "appended" if spec.output.append else "another job"
-        committed = len(ids & {item.item_id for item in validated.items})
-    return JobPlan(
-        manifest=spec.manifest,
-        output=spec.output.uri,
-        rows=validated.rows,
-        items=len(validated.items),
-        errors=list(validated.errors),
-        committed=committed,
-        owner=owner,
-    )
+        plan.skip_committed(ids)
+    return owner, plan.committed
 
 
-def check_something_to_render(manifest: str, validated: ValidatedJob | JobPlan) -> None:
+def check_something_to_render(manifest: str, validated: WorkPlan | JobPlan) -> None:
     """NothingToRender when the manifest has rows and none of them is valid, naming the first row's reasons."""
-    errors = validated.errors
-    rows = validated.rows
-    items = validated.items if isinstance(validated.items, int) else len(validated.items)
+    errors, rows, items = validated.errors, validated.rows, validated.items
     if items or not errors:
         return
     raise NothingToRender(nothing_to_render_message(manifest, rows, errors))

@@ -20,15 +20,16 @@ naming its column.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
-from pydantic import ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from snapref_ray.render_service.references import ReferenceInput
 from snapref_ray.requests import RenderSettings, RowDefaults
@@ -206,10 +207,14 @@ def _reference_member(value: Any, column: str, rules: RowRules, fail) -> bytes |
         )
         return None
     try:
-        return resolve_relative(path, rules.base or "/")
+        return _resolve_relative(path, rules.base or "/")
     except ValueError as exc:
         fail(column, str(exc))
         return None
+
+
+# A manifest names each reference over many rows: resolve each spelling against the base once.
+_resolve_relative = functools.lru_cache(maxsize=65_536)(resolve_relative)
 
 
 def _parse_prompt(row: dict[str, Any], rules: RowRules, fail) -> str:
@@ -242,25 +247,62 @@ def _parse_settings_and_seeds(
         present = [name for name in ("seed", "images_per_prompt") if name in row]
         fail("seeds", f"give `seeds`, or `seed` / `images_per_prompt`, not both (found seeds and {', '.join(present)})")
         return None, []
-    names = (*SETTING_COLUMNS, "seed") if one_image else (*SETTING_COLUMNS, "seed", "images_per_prompt")
-    overrides = {name: row[name] for name in names if name in row}
-    try:
-        # The defaults model validates row values too: the request model's rules apply to both.
-        merged = RowDefaults.model_validate({**defaults.model_dump(), **overrides})
-    except ValidationError as exc:
-        for error in exc.errors():
-            fail(str(error["loc"][0]) if error["loc"] else None, error_message(error))
-        merged = None
+    names = SETTING_COLUMNS if one_image else (*SETTING_COLUMNS, "images_per_prompt")
+    merged, settings, problems = _merged_settings(defaults, tuple((name, row[name]) for name in names if name in row))
+    for problem in problems:
+        fail(problem.field, problem.message)
+    first_seed = defaults.seed
+    if "seed" in row:
+        try:
+            first_seed = _SEED.validate_python(row["seed"])
+        except ValidationError as exc:
+            for error in exc.errors():
+                fail("seed", error_message(error))
+            merged = None
     seeds = _parse_seeds(row["seeds"], fail) if "seeds" in row and not one_image else None
     if merged is None or ("seeds" in row and seeds is None):
         return None, []
     if seeds is None:
         count = 1 if one_image else merged.images_per_prompt
-        seeds = [merged.seed + k for k in range(count)]
+        seeds = [first_seed + k for k in range(count)]
         if seeds[-1] >= 2**63:
-            fail("seed", f"seed {merged.seed} + {merged.images_per_prompt} images passes the largest seed 2**63 - 1")
+            fail("seed", f"seed {first_seed} + {merged.images_per_prompt} images passes the largest seed 2**63 - 1")
             return None, []
-    return merged.settings(), seeds
+    return settings, seeds
+
+
+# RowDefaults.seed's rule, checked on its own: the rest of a row's settings is validated once per distinct set of
+# values (`_merged_settings`), and a manifest's rows mostly share them while each has its own seed.
+_SEED = TypeAdapter(Annotated[int, Field(ge=0, lt=2**63)])
+
+
+def _merged_settings(
+    defaults: RowDefaults, overrides: tuple[tuple[str, Any], ...]
+) -> tuple[RowDefaults | None, RenderSettings | None, tuple[RowProblem, ...]]:
+    """The defaults with a row's setting columns over them, validated by the request model's rules: (merged,
+    its RenderSettings, the problems). Cached: the many rows of a manifest that give the same values share one
+    validation and one RenderSettings object."""
+    try:
+        return _merged_settings_cached(defaults, overrides)
+    except TypeError:  # an unhashable cell (a list from JSONL): validated without the cache
+        return _validate_merged(defaults, overrides)
+
+
+def _validate_merged(
+    defaults: RowDefaults, overrides: tuple[tuple[str, Any], ...]
+) -> tuple[RowDefaults | None, RenderSettings | None, tuple[RowProblem, ...]]:
+    try:
+        # The defaults model validates row values too: the request model's rules apply to both.
+        merged = RowDefaults.model_validate({**defaults.model_dump(), **dict(overrides)})
+    except ValidationError as exc:
+        problems = tuple(
+            RowProblem(str(error["loc"][0]) if error["loc"] else None, error_message(error)) for error in exc.errors()
+        )
+        return None, None, problems
+    return merged, merged.settings(), ()
+
+
+_merged_settings_cached = functools.lru_cache(maxsize=4096)(_validate_merged)
 
 
 def _parse_seeds(value: Any, fail) -> list[int] | None:

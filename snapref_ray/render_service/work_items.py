@@ -14,10 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from snapref_ray.adapter.controls import SettingsError, resolve_settings
 from snapref_ray.adapter.images import ReferenceImageError, content_hash, open_reference
@@ -87,13 +89,14 @@ class ValidatedJob:
 class JobValidationError(ValueError):
     """Strict mode: the manifest has invalid rows, so the job refuses to start."""
 
-    def __init__(self, manifest: str, errors: list[RowError]):
+    def __init__(self, manifest: str, errors: list[RowError], count: int | None = None):
+        """`errors`: the errors (or the first of them, when `count` says how many there are)."""
         self.errors = errors
+        count = len(errors) if count is None else count
         shown = "\n  ".join(str(error) for error in errors[:50])
-        more = f"\n  ... and {len(errors) - 50} more" if len(errors) > 50 else ""
+        more = f"\n  ... and {count - 50} more" if count > 50 else ""
         super().__init__(
-            f"manifest {manifest}: {len(errors)} invalid row(s) and the job is strict; "
-            f"nothing was rendered:\n  {shown}{more}"
+            f"manifest {manifest}: {count} invalid row(s) and the job is strict; nothing was rendered:\n  {shown}{more}"
         )
 
 
@@ -104,21 +107,36 @@ def item_id_for(
 
     `settings` are the resolved ones (as rendered), so the id is the image's and not the wording of
     the request: a row that spells out an adapter kind's default gets the id of one that leaves it unset.
+    The hash is sha256 of the canonical JSON (sorted keys, no spaces, UTF-8) of
+    ``{"reference", "prompt", "seed", "settings": the settings that are set}``, cut to 20 hex digits.
     """
+    return _item_id(explicit_id, image_index, reference_hash, prompt, seed, settings_json(settings))
+
+
+def settings_json(settings: RenderSettings) -> str:
+    """The settings that are set, as the canonical JSON an item id hashes (computed once per distinct settings)."""
+    chosen = {k: v for k, v in settings.model_dump(mode="json").items() if v is not None}
+    return json.dumps(chosen, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _item_id(
+    explicit_id: str | None, image_index: int, reference_hash: str, prompt: str, seed: int, settings_json: str
+) -> str:
     if explicit_id is not None:
         return f"{explicit_id}-{image_index}"
-    chosen = {k: v for k, v in settings.model_dump(mode="json").items() if v is not None}
-    canonical = json.dumps(
-        {"reference": reference_hash, "prompt": prompt, "seed": seed, "settings": chosen},
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
+    # The canonical JSON of item_id_for's docstring, written out: its four keys in sorted order.
+    canonical = (
+        f'{{"prompt":{json.dumps(prompt, ensure_ascii=False)},"reference":{json.dumps(reference_hash)},'
+        f'"seed":{int(seed)},"settings":{settings_json}}}'
     )
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
 def load_work_items(spec: JobSpec, s3: S3Options | None = None, *, adapter_kind: str | None = None) -> ValidatedJob:
-    """Read the spec's manifest and validate it: `build_work_items(spec, read_manifest(...))`."""
+    """Read the spec's manifest and validate it: `build_work_items(spec, read_manifest(...))`.
+
+    The whole job in memory: for tests and small jobs. A batch job plans through render_service/work_plan.py,
+    which validates the manifest in chunks with the same `ManifestValidator`."""
     s3 = s3 if s3 is not None else spec.s3_options()
     return build_work_items(spec, read_manifest(spec.manifest, s3), s3=s3, adapter_kind=adapter_kind)
 
@@ -140,70 +158,204 @@ def build_work_items(
     the row's error). Items come back grouped by reference (in order of first use), in manifest order
     within a group. With `spec.strict`, any error raises `JobValidationError` listing them all.
     """
-    if read_reference is None:
-        options = s3 if s3 is not None else spec.s3_options()
-        read_reference = lambda uri: read_uri(uri, options)  # noqa: E731
-    rules = RowRules(base=base_of(spec.manifest), allow_empty_prompt=spec.allow_empty_prompt)
-    errors: list[RowError] = []
-    parsed: list[tuple[int, Any]] = []
-    count = 0
-    for position, row in enumerate(rows, start=1):
-        count += 1
-        number = row.get(ROW_KEY, position)
-        try:
-            parsed_row = parse_row({k: v for k, v in row.items() if k != ROW_KEY}, spec.defaults, rules)
-            settings = resolve_settings(parsed_row.settings, adapter_kind)
-        except RowInputError as exc:
-            errors.extend(RowError(number, None, p.field, p.message) for p in exc.problems)
-            continue
-        except SettingsError as exc:
-            errors.append(RowError(number, None, exc.field, str(exc).removeprefix(f"{exc.field}: ")))
-            continue
-        refused = layout_refusal(parsed_row.reference.layout, adapter_kind)
-        if refused:  # the check every front door runs (render_service/references.py `check_reference`)
-            errors.append(RowError(number, None, parsed_row.reference.columns[0], refused))
-            continue
-        parsed.append((number, parsed_row, settings))
-
-    uris = list(dict.fromkeys(uri for _, row, _ in parsed for uri in row.reference.uris))
-    checked = _check_references(uris, read_reference)
-    job = ValidatedJob(items=[], errors=errors, rows=count)
-    for uri, outcome in checked.items():
+    validator = ManifestValidator(spec, s3=s3, read_reference=read_reference, adapter_kind=adapter_kind)
+    chunk = validator.validate(list(rows))
+    job = ValidatedJob(items=chunk.items, errors=chunk.errors, rows=chunk.rows)
+    for uri, outcome in validator.checked.items():
         if isinstance(outcome, _Image):
             job.reference_hashes[uri] = outcome.hash
             job.reference_sizes[uri] = outcome.size
             job.reference_dims[uri] = outcome.dims
+    # stable: manifest order inside a group
+    job.items.sort(key=lambda item: validator.reference_group(item.reference_hash))
+    if spec.strict and job.errors:
+        raise JobValidationError(spec.manifest, job.errors)
+    return job
 
-    owner: dict[str, int] = {}  # item id -> manifest row that claimed it first
-    for number, row, settings in parsed:
-        reference = row.reference
-        failures = [
-            (column, checked[uri])
-            for column, uri in zip(reference.columns, reference.uris)
-            if isinstance(checked[uri], str)
-        ]
-        if failures:
-            errors.extend(RowError(number, None, column, message) for column, message in failures)
-            continue
-        ref_hash = reference_hash(reference.layout, [job.reference_hashes[uri] for uri in reference.uris])
-        for image_index, seed in enumerate(row.seeds):
-            item_id = item_id_for(row.explicit_id, image_index, ref_hash, row.prompt, seed, settings)
-            if item_id in owner:
-                errors.append(
-                    RowError(number, item_id, "id" if row.explicit_id else None, f"duplicate of row {owner[item_id]}")
+
+@dataclass
+class ValidatedChunk:
+    """One chunk of a manifest, validated: its items (in manifest order), its rows' errors, how many rows."""
+
+    items: list[WorkItem]
+    errors: list[RowError]
+    rows: int
+
+
+class ManifestValidator:
+    """Validates a manifest's rows a chunk at a time, with what must hold across chunks kept compact.
+
+    Across chunks it remembers: each reference URI's check (a file is read, decoded and hashed once), the item ids
+    claimed so far with the row that claimed each (`ClaimedIds`: 16 bytes an id, so a duplicate is found however
+    far apart the two rows are), the references in order of first use (`reference_group`) and the distinct
+    resolved settings (`settings_index`: rows that ask for the same settings share one object). Row numbers are
+    the manifest's (`ROW_KEY`), else positions counted on from the previous chunk's.
+    """
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        s3: S3Options | None = None,
+        read_reference: Callable[[str], bytes] | None = None,
+        adapter_kind: str | None = None,
+    ) -> None:
+        if read_reference is None:
+            options = s3 if s3 is not None else spec.s3_options()
+            read_reference = lambda uri: read_uri(uri, options)  # noqa: E731
+        self.spec, self.adapter_kind, self._read = spec, adapter_kind, read_reference
+        self._rules = RowRules(base=base_of(spec.manifest), allow_empty_prompt=spec.allow_empty_prompt)
+        self.checked: dict[str, _Image | str] = {}  # uri -> its image's figures, or why it cannot be used
+        self.claimed = ClaimedIds()
+        self.rows_seen = 0
+        self._groups: dict[str, int] = {}  # reference hash -> its index in order of first use
+        self.settings: list[RenderSettings] = []  # distinct resolved settings, by index
+        self._texts: list[str] = []  # their canonical JSON (what an item id hashes)
+        self._settings_json: dict[str, int] = {}  # canonical JSON -> index
+        self._settings_of_object: dict[int, int] = {}  # id(one of self.settings) -> index; they live as long
+        self._resolved: dict[int, tuple[RenderSettings, int]] = {}  # id(asked settings) -> (them, resolved index)
+
+    def reference_group(self, reference_hash: str) -> int:
+        """The reference's place in the order of first use (0, 1, ...)."""
+        return self._groups.setdefault(reference_hash, len(self._groups))
+
+    def settings_index(self, settings: RenderSettings) -> int:
+        """The index of these resolved settings in `self.settings` (they are one of its objects)."""
+        return self._settings_of_object[id(settings)]
+
+    def validate(self, rows: Sequence[dict[str, Any]]) -> ValidatedChunk:
+        errors: list[RowError] = []
+        parsed: list[tuple[int, Any, RenderSettings, str]] = []
+        for row in rows:
+            self.rows_seen += 1
+            number = row.get(ROW_KEY, self.rows_seen)
+            try:
+                parsed_row = parse_row({k: v for k, v in row.items() if k != ROW_KEY}, self.spec.defaults, self._rules)
+                settings, settings_text = self._resolve(parsed_row.settings)
+            except RowInputError as exc:
+                errors.extend(RowError(number, None, p.field, p.message) for p in exc.problems)
+                continue
+            except SettingsError as exc:
+                errors.append(RowError(number, None, exc.field, str(exc).removeprefix(f"{exc.field}: ")))
+                continue
+            refused = layout_refusal(parsed_row.reference.layout, self.adapter_kind)
+            if refused:  # the check every front door runs (render_service/references.py `check_reference`)
+                errors.append(RowError(number, None, parsed_row.reference.columns[0], refused))
+                continue
+            parsed.append((number, parsed_row, settings, settings_text))
+
+        uris_of = {id(row): row.reference.uris for _, row, _, _ in parsed}
+        new_uris = list(dict.fromkeys(u for uris in uris_of.values() for u in uris if u not in self.checked))
+        self.checked.update(_check_references(new_uris, self._read))
+
+        candidates: list[tuple[int, str | None, WorkItem]] = []
+        for number, row, settings, settings_text in parsed:
+            reference, uris = row.reference, uris_of[id(row)]
+            images = [self.checked[uri] for uri in uris]
+            if any(isinstance(image, str) for image in images):
+                errors.extend(
+                    RowError(number, None, column, image)
+                    for column, image in zip(reference.columns, images)
+                    if isinstance(image, str)
                 )
                 continue
-            owner[item_id] = number
-            job.items.append(WorkItem(item_id, number, reference, ref_hash, row.prompt, seed, settings, image_index))
+            ref_hash = reference_hash(reference.layout, [image.hash for image in images])
+            self.reference_group(ref_hash)
+            for image_index, seed in enumerate(row.seeds):
+                item_id = _item_id(row.explicit_id, image_index, ref_hash, row.prompt, seed, settings_text)
+                item = WorkItem(item_id, number, reference, ref_hash, row.prompt, seed, settings, image_index)
+                candidates.append((number, row.explicit_id, item))
 
-    first_use: dict[str, int] = {}
-    for item in job.items:
-        first_use.setdefault(item.reference_hash, len(first_use))
-    job.items.sort(key=lambda item: first_use[item.reference_hash])  # stable: manifest order inside a group
-    errors.sort(key=lambda error: error.manifest_row)
-    if spec.strict and errors:
-        raise JobValidationError(spec.manifest, errors)
-    return job
+        owners = self.claimed.claim([c[2].item_id for c in candidates], [c[0] for c in candidates])
+        items = []
+        for (number, explicit_id, item), owner in zip(candidates, owners):
+            if owner is None:
+                items.append(item)
+            else:
+                field = "id" if explicit_id else None
+                errors.append(RowError(number, item.item_id, field, f"duplicate of row {owner}"))
+        errors.sort(key=lambda error: error.manifest_row)  # stable: a row's errors in the order found
+        return ValidatedChunk(items, errors, len(rows))
+
+    def _resolve(self, asked: RenderSettings) -> tuple[RenderSettings, str]:
+        """The settings as rendered for the adapter kind, interned: (one shared object, its canonical JSON)."""
+        known = self._resolved.get(id(asked))
+        if known is not None and known[0] is asked:
+            index = known[1]
+            return self.settings[index], self._texts[index]
+        resolved = resolve_settings(asked, self.adapter_kind)
+        text = settings_json(resolved)
+        index = self._settings_json.get(text)
+        if index is None:
+            index = self._settings_json[text] = len(self.settings)
+            self.settings.append(resolved)
+            self._texts.append(text)
+            self._settings_of_object[id(resolved)] = index
+        if len(self._resolved) > 10_000:  # rows whose settings are never shared (unhashable cells): stay bounded
+            self._resolved.clear()
+        self._resolved[id(asked)] = (asked, index)
+        return self.settings[index], text
+
+
+class ClaimedIds:
+    """Item ids claimed so far, each with the manifest row that claimed it first, in 16 bytes an id.
+
+    An id is held as a 12-byte blake2b digest (two different ids share one with a probability of about
+    n^2 / 2^97: 10^-15 at 10 M ids) and its row as an int32, in sorted runs merged as they grow (the runs'
+    sizes halve from the oldest, so there are about log2(n) of them and each id is merged about log2(n)
+    times). A Python dict of 10 M ids would hold about 1.5 GB; this holds 160 MB.
+    """
+
+    def __init__(self) -> None:
+        self._runs: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted digests S12, their rows)
+
+    def __len__(self) -> int:
+        return sum(len(digests) for digests, _ in self._runs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes + r.nbytes for d, r in self._runs)
+
+    def claim(self, ids: Sequence[str], rows: Sequence[int]) -> list[int | None]:
+        """Claim `ids` (from `rows`) in order: for each, None when it is new, else the row that claimed it first
+        (an earlier chunk's, or an earlier id of these)."""
+        owners: list[int | None] = [None] * len(ids)
+        first_here: dict[bytes, int] = {}
+        digests = []
+        for i, item_id in enumerate(ids):
+            digest = hashlib.blake2b(item_id.encode(), digest_size=12).digest()
+            if digest in first_here:
+                owners[i] = rows[first_here[digest]]
+            else:
+                first_here[digest] = i
+            digests.append(digest)
+        if not first_here:
+            return owners
+        positions = np.fromiter(first_here.values(), dtype=np.int64, count=len(first_here))
+        keys = np.array(list(first_here), dtype="S12")
+        new = np.ones(len(keys), dtype=bool)
+        for run_digests, run_rows in self._runs:
+            at = np.searchsorted(run_digests, keys)
+            inside = at < len(run_digests)
+            hit = np.zeros(len(keys), dtype=bool)
+            hit[inside] = run_digests[at[inside]] == keys[inside]
+            for k in np.flatnonzero(hit & new):
+                owners[positions[k]] = int(run_rows[at[k]])
+            new &= ~hit
+        # Later copies of an id first seen in an earlier chunk belong to that chunk's row too.
+        for i, digest in enumerate(digests):
+            first = first_here[digest]
+            if owners[i] is not None and first != i and owners[first] is not None:
+                owners[i] = owners[first]
+        keys, first_rows = keys[new], np.asarray(rows, dtype=np.int64)[positions[new]].astype(np.int32)
+        order = np.argsort(keys, kind="stable")
+        self._runs.append((keys[order], first_rows[order]))
+        while len(self._runs) >= 2 and len(self._runs[-2][0]) <= 2 * len(self._runs[-1][0]):
+            (a_keys, a_rows), (b_keys, b_rows) = self._runs[-2], self._runs.pop()
+            merged_keys = np.concatenate([a_keys, b_keys])
+            order = np.argsort(merged_keys, kind="stable")
+            self._runs[-1] = (merged_keys[order], np.concatenate([a_rows, b_rows])[order])
+        return owners
 
 
 # ---------------------------------------------------------------------------------------------

@@ -143,9 +143,15 @@ class CommittedIds:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def contains(self, ids: list[str] | np.ndarray) -> np.ndarray:
-        """For each of `ids`, whether it is in the set (a bool array)."""
-        query = np.asarray([i.encode() for i in ids] if isinstance(ids, list) else ids, dtype=np.bytes_)
+    def contains(self, ids: list[str] | np.ndarray | pa.Array | pa.ChunkedArray) -> np.ndarray:
+        """For each of `ids`, whether it is in the set (a bool array); an Arrow string column (no nulls) is
+        packed without a Python object per id."""
+        if isinstance(ids, pa.ChunkedArray):
+            ids = pa.concat_arrays(ids.chunks) if ids.num_chunks else pa.array([], pa.string())
+        if isinstance(ids, pa.Array):
+            query = _pack(ids)
+        else:
+            query = np.asarray([i.encode() for i in ids] if isinstance(ids, list) else ids, dtype=np.bytes_)
         if not len(self._ids) or not len(query):
             return np.zeros(len(query), dtype=bool)
         at = np.searchsorted(self._ids, query)

@@ -1,0 +1,152 @@
+"""The job's plan: a manifest validated in chunks and spilled gives the items, ids and errors of the whole manifest,
+grouped by reference whatever the manifest's order; committed items are skipped; the figures the pool needs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from snapref_ray.render_service.work_items import ClaimedIds, build_work_items
+from snapref_ray.render_service.work_plan import WorkPlan
+from snapref_ray.storage.ledger import CommittedIds
+from snapref_ray.storage.manifest import read_manifest
+from tests.service.test_work_items import png, spec_for, write_manifest
+
+
+def expected_id(reference_hash: str, prompt: str, seed: int, settings) -> str:
+    """The id as docs/jobs.md defines it, written out apart from the code: sha256 of the canonical JSON."""
+    chosen = {k: v for k, v in settings.model_dump(mode="json").items() if v is not None}
+    canonical = json.dumps(
+        {"reference": reference_hash, "prompt": prompt, "seed": seed, "settings": chosen},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+
+
+@pytest.fixture
+def refs(tmp_path) -> Path:
+    folder = tmp_path / "refs"
+    folder.mkdir()
+    for k in range(6):
+        (folder / f"r{k}.png").write_bytes(png((40 * k, 255 - 40 * k, 90)))
+    (folder / "corrupt.png").write_bytes(png((1, 2, 3), size=(64, 64))[:60])
+    return tmp_path
+
+
+def prompt_major_rows(rng: random.Random) -> list[dict]:
+    """Rows written prompt by prompt over every reference (the order that scatters a reference over the file), with
+    bad rows, an explicit id used twice far apart, sizes that differ, several images per row and non-ASCII text."""
+    rows: list[dict] = []
+    for p in range(12):
+        for k in range(6):
+            row: dict = {"reference": f"refs/r{k}.png", "prompt": f"scène {p} — {rng.choice('abc')}", "seed": p * 10 + k}
+            if rng.random() < 0.2:
+                row["width"] = 512
+            if rng.random() < 0.1:
+                row.pop("seed")
+                row["images_per_prompt"] = 3
+            rows.append(row)
+    rows[5]["steps"] = 0  # a bad setting
+    rows[17]["reference"] = "refs/missing.png"
+    rows[30]["reference"] = "refs/corrupt.png"
+    rows[3]["id"] = rows[60]["id"] = "hero"  # the later row's items duplicate the earlier one's
+    rows.append(dict(rows[8]))  # the same image asked for twice: a duplicate by content
+    return rows
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 2, 7, 50, 10_000])
+def test_a_manifest_in_chunks_gives_the_whole_manifests_items_ids_and_errors(refs, chunk_rows):
+    rows = prompt_major_rows(random.Random(chunk_rows))
+    manifest = write_manifest(refs / "manifest.jsonl", rows)
+    spec = spec_for(manifest, defaults={"width": 256, "height": 256, "steps": 4})
+    whole = build_work_items(spec, read_manifest(str(manifest)), adapter_kind="snapref")
+
+    with WorkPlan.build(spec, adapter_kind="snapref", chunk_rows=chunk_rows, folder=refs / "plan") as plan:
+        plan.skip_committed(CommittedIds.from_strings([]))
+        groups = list(plan.reference_groups())
+        errors = list(plan.all_errors())
+        assert len(list((refs / "plan").glob("run-*.arrow"))) == len(plan.runs)
+    assert not (refs / "plan").exists()  # close removes the spilled runs
+
+    items = [item for group in groups for item in group]
+    assert items == whole.items  # same items, ids, settings and order (by reference, manifest order inside one)
+    assert errors == whole.errors and plan.error_count == len(whole.errors)
+    assert (plan.rows, plan.items, plan.to_render) == (len(rows), len(whole.items), len(whole.items))
+    assert plan.invalid_rows == len({e.manifest_row for e in whole.errors}) == 5
+    assert {e.error for e in errors if e.manifest_row in (61, 73)} == {"duplicate of row 4", "duplicate of row 9"}
+    # Each group is one reference, each reference in one group, in order of first use in the manifest.
+    hashes = [group[0].reference_hash for group in groups]
+    assert all({i.reference_hash for i in group} == {hashes[g]} for g, group in enumerate(groups))
+    assert len(set(hashes)) == len(hashes) == 6  # r0..r5: the missing and corrupt files are rows of their own
+    first_use = list(dict.fromkeys(i.reference_hash for i in sorted(items, key=lambda i: i.manifest_row)))
+    assert hashes == first_use
+    for item in items:  # ids as defined, apart from the code
+        if item.manifest_row not in (4, 61):
+            assert item.item_id == expected_id(item.reference_hash, item.prompt, item.seed, item.settings)
+    # Rows that ask for the same settings share one settings object.
+    assert len({id(i.settings) for i in items}) == len({i.settings.model_dump_json() for i in items}) == 2
+
+
+def test_committed_items_are_skipped_and_the_figures_count_what_is_left(refs):
+    rng = random.Random(3)
+    rows = [
+        {"reference": f"refs/r{rng.randrange(5)}.png", "prompt": f"p{n}", "seed": n, "width": rng.choice([256, 384])}
+        for n in range(300)
+    ]
+    manifest = write_manifest(refs / "m.csv", rows)
+    spec = spec_for(manifest, defaults={"width": 256, "height": 256, "steps": 4})
+    whole = build_work_items(spec, read_manifest(str(manifest)), adapter_kind="snapref")
+    done = set(rng.sample([i.item_id for i in whole.items], 200))
+    with WorkPlan.build(spec, adapter_kind="snapref", chunk_rows=64) as plan:
+        plan.skip_committed(CommittedIds.from_strings(done))
+        left = [item for group in plan.reference_groups() for item in group]
+        assert left == [i for i in whole.items if i.item_id not in done]
+        assert (plan.committed, plan.to_render) == (200, 100)
+        assert plan.references_to_render == len({i.reference_hash for i in left})
+        assert plan.sizes == sorted({(i.settings.width, i.settings.height) for i in left})
+        assert (plan.largest.width, plan.largest.height) == max(plan.sizes, key=lambda s: s[0] * s[1])
+
+
+def test_workers_warm_the_forward_sizes_the_plan_will_send(refs):
+    """Per reference and batch key, full batches of max_batch and one tail: 9 items of one reference at max_batch 4
+    are forwards of 4, 4 and 1; 2 items of another, one forward of 2; another size is another batch key."""
+
+    def sizes(counts: list[tuple[int, int, int]], max_batch: int) -> tuple[int, ...]:
+        rows = [
+            {"reference": f"refs/r{ref}.png", "prompt": f"p{n}", "seed": n, "width": width}
+            for ref, n_items, width in counts
+            for n in range(n_items)
+        ]
+        random.Random(0).shuffle(rows)  # the manifest's order does not matter
+        manifest = write_manifest(refs / "sizes.csv", rows)
+        with WorkPlan.build(spec_for(manifest), adapter_kind="snapref", chunk_rows=5) as plan:
+            plan.skip_committed(CommittedIds.from_strings([]))
+            return plan.planned_batch_sizes(max_batch)
+
+    assert sizes([(0, 9, 256)], 4) == (1, 4)
+    assert sizes([(0, 9, 256), (1, 2, 256)], 4) == (1, 2, 4)
+    assert sizes([(2, 8, 256)], 4) == (4,)
+    assert sizes([(0, 3, 256), (0, 3, 512)], 8) == (3,)  # never one forward of 6
+
+
+def test_claimed_ids_find_every_duplicate_and_its_first_row_as_a_dict_does():
+    rng = random.Random(7)
+    ids = [f"id-{rng.randrange(4000)}" for _ in range(20_000)]
+    claimed, owner = ClaimedIds(), {}
+    for start in range(0, len(ids), 1_234):
+        chunk = ids[start : start + 1_234]
+        rows = list(range(start + 1, start + 1 + len(chunk)))
+        expected = []
+        for item_id, row in zip(chunk, rows):
+            expected.append(owner.get(item_id))
+            owner.setdefault(item_id, row)
+        assert claimed.claim(chunk, rows) == expected
+    assert len(claimed) == len(owner) and claimed.nbytes == 16 * len(owner)
+    assert len(claimed._runs) <= int(np.log2(len(owner))) + 1  # runs merge as they grow
