@@ -46,7 +46,8 @@ def prompt_major_rows(rng: random.Random) -> list[dict]:
     rows: list[dict] = []
     for p in range(12):
         for k in range(6):
-            row: dict = {"reference": f"refs/r{k}.png", "prompt": f"scène {p} — {rng.choice('abc')}", "seed": p * 10 + k}
+            prompt = f"scène {p} — {rng.choice('abc')}"
+            row: dict = {"reference": f"refs/r{k}.png", "prompt": prompt, "seed": p * 10 + k}
             if rng.random() < 0.2:
                 row["width"] = 512
             if rng.random() < 0.1:
