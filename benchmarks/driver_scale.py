@@ -13,7 +13,9 @@ Every measurement runs in a fresh Python process, so its peak RSS (`ru_maxrss`) 
   ``output.format`` files or webdataset. Reports the driver's peak RSS, its CPU seconds per item (the
   whole driver process: validation, planning, scheduling, committing), wall per item, and the objects
   written per 1,000 images.
-- ``plan``: validation and planning only (`load_work_items`, what run_job does before it renders).
+- ``plan``: the planning path without rendering (render_service/work_plan.py: validate and spill in chunks, mark
+  the committed items, read every reference group back), for a manifest written reference-major and prompt-major,
+  and as the resume of a finished job (every item already committed).
 - ``resume``: a fully committed ledger of N items (metadata parts of 100,000 rows of ids), read back as
   the committed set a resumed job skips: `ledger.committed_item_ids` (a sorted fixed-width numpy array)
   against the Python ``set`` of ``str`` it replaced; also one `metadata.compact_parts` pass over
@@ -53,8 +55,12 @@ def _cpu_s() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def _write_manifest(folder: Path, items: int, prompts_per_reference: int, max_references: int) -> Path:
-    """`items` rows over min(items / prompts, max_references) small generated reference PNGs."""
+def _write_manifest(
+    folder: Path, items: int, prompts_per_reference: int, max_references: int, order: str = "reference-major"
+) -> Path:
+    """`items` rows over min(items / prompts, max_references) small generated reference PNGs; `order`
+    "reference-major" writes a reference's rows together, "prompt-major" one row per reference in turn (each
+    reference's rows spread over the whole file)."""
     from PIL import Image
 
     references = max(1, min(-(-items // prompts_per_reference), max_references))
@@ -69,7 +75,8 @@ def _write_manifest(folder: Path, items: int, prompts_per_reference: int, max_re
         writer = csv.writer(f)
         writer.writerow(["reference", "prompt", "seed"])
         for i in range(items):
-            writer.writerow([refs[(i // prompts_per_reference) % references], f"scene {i % 997}", i])
+            ref = i % references if order == "prompt-major" else (i // prompts_per_reference) % references
+            writer.writerow([refs[ref], f"scene {i % 997}", i])
     return manifest
 
 
@@ -140,26 +147,58 @@ def one_job(items: int, fmt: str, workers: int, step_s: float) -> dict:
     }
 
 
-def one_plan(items: int) -> dict:
-    from snapref_ray.render_service.work_items import load_work_items
+def one_plan(items: int, order: str = "reference-major", committed: str = "none") -> dict:
+    """The driver's planning path (what run_job does before a worker starts, and what it reads back while the
+    schedule runs): validate the manifest in chunks and spill it, mark what an earlier run committed, then read
+    every reference group back as the schedule would. `committed`: "none", or "all" (a finished job's resume:
+    every id in the output's ledger)."""
+    from snapref_ray.render_service.work_plan import WorkPlan
+    from snapref_ray.storage.ledger import CommittedIds
     from snapref_ray.tiny import make_tiny
 
     with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
         root = Path(tmp)
-        manifest = _write_manifest(root / "in", items, 25, 2000)
+        manifest = _write_manifest(root / "in", items, 25, max(1, items // 25), order=order)
         spec = _spec(manifest, root / "out", make_tiny(root / "tiny"), "files", 4)
         base = _peak_rss_mib()
         cpu0, t0 = _cpu_s(), time.time()
-        validated = load_work_items(spec, adapter_kind="snapref")
+        plan = WorkPlan.build(spec, adapter_kind="snapref")
+        t_validated = time.time()
+        done = CommittedIds.from_strings([])
+        if committed == "all":
+            done = CommittedIds.from_arrow_parts(_plan_ids(plan))
+        t_ledger = time.time()
+        plan.skip_committed(done)
+        groups = read = 0
+        for group in plan.reference_groups():
+            groups += 1
+            read += len(group)
         cpu, wall = _cpu_s() - cpu0, time.time() - t0
-        assert len(validated.items) == items, (len(validated.items), validated.errors[:3])
+        assert plan.items == items and read == plan.to_render, (plan.items, read, plan.errors_head[:3])
+        plan.close()
     return {
         "items": items,
+        "order": order,
+        "committed": committed,
+        "references": plan.references_to_render if committed == "none" else None,
+        "groups_read": groups,
         "peak_rss_mib": round(_peak_rss_mib(), 1),
-        "rss_growth_kib_per_item": round(1024 * (_peak_rss_mib() - base) / items, 2),
+        "rss_growth_mib": round(_peak_rss_mib() - base, 1),
+        "rss_growth_bytes_per_item": round(2**20 * (_peak_rss_mib() - base) / items, 1),
         "cpu_ms_per_item": round(1000 * cpu / items, 4),
+        "validate_s": round(t_validated - t0, 1),
+        "ledger_s": round(t_ledger - t_validated, 1),
         "wall_s": round(wall, 1),
     }
+
+
+def _plan_ids(plan):
+    """The plan's item ids, a run at a time (a stand-in for a finished job's ledger, without writing one)."""
+    import pyarrow as pa
+
+    for run in plan.runs:
+        with pa.OSFile(str(run.path)) as source:
+            yield pa.ipc.open_file(source).read_all().column("item_id").combine_chunks()
 
 
 def _committed_ledger(storage, items: int, rows_per_part: int) -> None:
@@ -280,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         kind, *params = args.rest
         fn = {
             "job": lambda n, f: one_job(int(n), f, args.workers, args.step_s),
-            "plan": lambda n: one_plan(int(n)),
+            "plan": lambda n, order, committed: one_plan(int(n), order, committed),
             "resume": lambda n, how: one_resume(int(n), how),
             "manifest": lambda n, how: one_manifest(int(n), how),
             "compaction": lambda p, r: one_compaction(int(p), int(r)),
@@ -297,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                     for f in args.format
                 ]
         elif what == "plan":
-            runs += [_in_process("plan", str(n)) for n in args.items or [100_000, 300_000]]
+            for n in args.items or [100_000, 1_000_000]:
+                runs += [_in_process("plan", str(n), order, "none") for order in ("reference-major", "prompt-major")]
+                runs.append(_in_process("plan", str(n), "reference-major", "all"))
         elif what == "resume":
             for n in args.items or [1_000_000, 10_000_000]:
                 runs += [_in_process("resume", str(n), how) for how in ("compact", "python-set")]

@@ -214,7 +214,7 @@ def _reference_member(value: Any, column: str, rules: RowRules, fail) -> bytes |
 
 
 # A manifest names each reference over many rows: resolve each spelling against the base once.
-_resolve_relative = functools.lru_cache(maxsize=65_536)(resolve_relative)
+_resolve_relative = functools.lru_cache(maxsize=4_096)(resolve_relative)
 
 
 def _parse_prompt(row: dict[str, Any], rules: RowRules, fail) -> str:

@@ -45,7 +45,7 @@ from snapref_ray.storage.manifest import iter_manifest_chunks
 log = logging.getLogger(__name__)
 
 CHUNK_ROWS = 50_000  # manifest rows validated (and spilled) at a time
-RUN_BATCH_ROWS = 4_096  # rows per record batch of a run: what the merge holds per run
+RUN_BATCH_ROWS = 1_024  # rows per record batch of a run: the merge holds one per run (200 runs at 10 M rows)
 ERRORS_KEPT = 1_000  # row errors kept in memory for messages; all of them are in the errors file
 
 _RUN_SCHEMA = pa.schema(
