@@ -28,6 +28,7 @@ Prints one JSON object (and writes it to --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import io
@@ -80,11 +81,12 @@ def _write_manifest(
     return manifest
 
 
-def _spec(manifest: Path, out: Path, models_dir: Path, fmt: str, workers: int):
+def _spec(manifest: Path, out: Path | str, models_dir: Path, fmt: str, workers: int, s3: dict | None = None):
     from snapref_ray.job_spec import JobSpec
 
     return JobSpec.model_validate(
         {
+            **({"s3": s3} if s3 else {}),
             "model": {"models_dir": str(models_dir), "device": "cpu"},
             "manifest": str(manifest),
             "defaults": {"width": 256, "height": 256, "steps": 1, "cfg": 1.0, "sampler": "euler"},
@@ -102,48 +104,64 @@ def _spec(manifest: Path, out: Path, models_dir: Path, fmt: str, workers: int):
 # --- one measurement (in its own process) ----------------------------------------------------------
 
 
-def one_job(items: int, fmt: str, workers: int, step_s: float) -> dict:
+def one_job(
+    items: int, fmt: str, workers: int, step_s: float, where: str = "local", order: str = "reference-major"
+) -> dict:
+    """The real run_job with simulated workers, then its resume (every item committed: nothing to render)."""
     from benchmarks.local_ray import start_local_ray
     from benchmarks.orchestration import SimulatedRenderer
+    from benchmarks.s3_server import run_seaweedfs
     from snapref_ray.jobs.generate_dataset import run_job
+    from snapref_ray.storage.backends import open_storage
     from snapref_ray.tiny import make_tiny
 
-    # Logical CPUs for every worker (a 2-core machine stands in for N GPUs), as benchmarks/orchestration.py.
-    stop_ray = start_local_ray(num_cpus=workers + 2)
-    with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp, contextlib.ExitStack() as stack:
         root = Path(tmp)
+        s3, out = None, str(root / "out")
+        if where == "s3":
+            server = stack.enter_context(run_seaweedfs(root / "s3"))
+            os.environ.update(server.aws_environment())  # the workers' credentials, as on a cluster's nodes
+            s3, out = {"endpoint_url": server.endpoint_url, "region": "us-east-1"}, f"s3://{server.bucket}/job"
+        # Logical CPUs for every worker (a 2-core machine stands in for N GPUs), as benchmarks/orchestration.py.
+        stack.callback(start_local_ray(num_cpus=workers + 2))
         models = make_tiny(root / "tiny")
-        manifest = _write_manifest(root / "in", items, 25, items)
-        spec = _spec(manifest, root / "out", models, fmt, workers)
+        manifest = _write_manifest(root / "in", items, 25, items, order=order)
+        spec = _spec(manifest, out, models, fmt, workers, s3)
         factory = functools.partial(
             SimulatedRenderer, encode_s=0.0, step_s=step_s, refkv_bytes=64 * 1024, image_side=64
         )
         cpu0, t0 = _cpu_s(), time.time()
         summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
         cpu, wall = _cpu_s() - cpu0, time.time() - t0
+        peak_job = _peak_rss_mib()
+        storage = open_storage(out, spec.s3_options())
         by_folder: dict[str, int] = {}
-        for dirpath, _, files in os.walk(root / "out"):
-            top = Path(dirpath).relative_to(root / "out").parts[:1] or (".",)
-            by_folder[top[0]] = by_folder.get(top[0], 0) + len(files)
+        for key in storage.list(""):
+            top = key.split("/", 1)[0] if "/" in key else "."
+            by_folder[top] = by_folder.get(top, 0) + 1
         objects = sum(by_folder.values())
         assert summary["images_this_run"] == items and summary["failed_items"] == 0, summary
-        cpu1 = _cpu_s()
+        cpu1, t1 = _cpu_s(), time.time()
         resumed = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
-        resume_s = _cpu_s() - cpu1
+        resume_cpu, resume_wall = _cpu_s() - cpu1, time.time() - t1
         assert resumed["images_this_run"] == 0
-    stop_ray()
     return {
         "items": items,
         "format": fmt,
+        "output": where,
+        "order": order,
         "workers": workers,
         "gpu_ms_per_batch_of_8": 1000 * step_s,
-        "driver_peak_rss_mib": round(_peak_rss_mib(), 1),
+        "driver_peak_rss_mib": round(peak_job, 1),
         "driver_cpu_ms_per_item": round(1000 * cpu / items, 3),
         "wall_ms_per_item": round(1000 * wall / items, 3),
+        "encodes_per_reference": summary["encodes_per_reference"],
         "objects_written": objects,
         "objects_per_1000_images": round(1000 * objects / items, 2),
         "objects_by_folder": dict(sorted(by_folder.items())),
-        "resume_driver_cpu_s": round(resume_s, 2),
+        "resume_wall_s": round(resume_wall, 2),
+        "resume_driver_cpu_s": round(resume_cpu, 2),
+        "resume_peak_rss_mib": round(_peak_rss_mib(), 1),
     }
 
 
@@ -306,6 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", nargs="*", default=["files", "webdataset"])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument(
+        "--output",
+        nargs="*",
+        default=["local"],
+        choices=["local", "s3"],
+        help="job output: a local folder, or SeaweedFS on 127.0.0.1",
+    )
+    parser.add_argument("--order", default="reference-major", choices=["reference-major", "prompt-major"])
+    parser.add_argument(
         "--step-s",
         type=float,
         default=0.05,
@@ -318,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "_one":
         kind, *params = args.rest
         fn = {
-            "job": lambda n, f: one_job(int(n), f, args.workers, args.step_s),
+            "job": lambda n, f, where, order: one_job(int(n), f, args.workers, args.step_s, where, order),
             "plan": lambda n, order, committed: one_plan(int(n), order, committed),
             "resume": lambda n, how: one_resume(int(n), how),
             "manifest": lambda n, how: one_manifest(int(n), how),
@@ -332,7 +358,18 @@ def main(argv: list[str] | None = None) -> int:
         if what == "job":
             for n in args.items or [20_000]:
                 runs += [
-                    _in_process("job", str(n), f, "--workers", str(args.workers), "--step-s", str(args.step_s))
+                    _in_process(
+                        "job",
+                        str(n),
+                        f,
+                        where,
+                        args.order,
+                        "--workers",
+                        str(args.workers),
+                        "--step-s",
+                        str(args.step_s),
+                    )
+                    for where in args.output
                     for f in args.format
                 ]
         elif what == "plan":

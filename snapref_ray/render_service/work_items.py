@@ -19,8 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from snapref_ray.adapter.controls import SettingsError, resolve_settings
 from snapref_ray.adapter.images import ReferenceImageError, content_hash, open_reference
 from snapref_ray.job_spec import JobSpec
@@ -28,6 +26,7 @@ from snapref_ray.render_service.references import ReferenceInput, layout_refusal
 from snapref_ray.render_service.rows import RowInputError, RowRules, parse_row
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.storage.backends import S3Options, read_uri
+from snapref_ray.storage.id_claims import ClaimedIds
 from snapref_ray.storage.manifest import ROW_KEY, read_manifest
 from snapref_ray.uris import base_of
 
@@ -295,67 +294,6 @@ class ManifestValidator:
             self._resolved.clear()
         self._resolved[id(asked)] = (asked, index)
         return self.settings[index], text
-
-
-class ClaimedIds:
-    """Item ids claimed so far, each with the manifest row that claimed it first, in 16 bytes an id.
-
-    An id is held as a 12-byte blake2b digest (two different ids share one with a probability of about
-    n^2 / 2^97: 10^-15 at 10 M ids) and its row as an int32, in sorted runs merged as they grow (the runs'
-    sizes halve from the oldest, so there are about log2(n) of them and each id is merged about log2(n)
-    times). A Python dict of 10 M ids would hold about 1.5 GB; this holds 160 MB.
-    """
-
-    def __init__(self) -> None:
-        self._runs: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted digests S12, their rows)
-
-    def __len__(self) -> int:
-        return sum(len(digests) for digests, _ in self._runs)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(d.nbytes + r.nbytes for d, r in self._runs)
-
-    def claim(self, ids: Sequence[str], rows: Sequence[int]) -> list[int | None]:
-        """Claim `ids` (from `rows`) in order: for each, None when it is new, else the row that claimed it first
-        (an earlier chunk's, or an earlier id of these)."""
-        owners: list[int | None] = [None] * len(ids)
-        first_here: dict[bytes, int] = {}
-        digests = []
-        for i, item_id in enumerate(ids):
-            digest = hashlib.blake2b(item_id.encode(), digest_size=12).digest()
-            if digest in first_here:
-                owners[i] = rows[first_here[digest]]
-            else:
-                first_here[digest] = i
-            digests.append(digest)
-        if not first_here:
-            return owners
-        positions = np.fromiter(first_here.values(), dtype=np.int64, count=len(first_here))
-        keys = np.array(list(first_here), dtype="S12")
-        new = np.ones(len(keys), dtype=bool)
-        for run_digests, run_rows in self._runs:
-            at = np.searchsorted(run_digests, keys)
-            inside = at < len(run_digests)
-            hit = np.zeros(len(keys), dtype=bool)
-            hit[inside] = run_digests[at[inside]] == keys[inside]
-            for k in np.flatnonzero(hit & new):
-                owners[positions[k]] = int(run_rows[at[k]])
-            new &= ~hit
-        # Later copies of an id first seen in an earlier chunk belong to that chunk's row too.
-        for i, digest in enumerate(digests):
-            first = first_here[digest]
-            if owners[i] is not None and first != i and owners[first] is not None:
-                owners[i] = owners[first]
-        keys, first_rows = keys[new], np.asarray(rows, dtype=np.int64)[positions[new]].astype(np.int32)
-        order = np.argsort(keys, kind="stable")
-        self._runs.append((keys[order], first_rows[order]))
-        while len(self._runs) >= 2 and len(self._runs[-2][0]) <= 2 * len(self._runs[-1][0]):
-            (a_keys, a_rows), (b_keys, b_rows) = self._runs[-2], self._runs.pop()
-            merged_keys = np.concatenate([a_keys, b_keys])
-            order = np.argsort(merged_keys, kind="stable")
-            self._runs[-1] = (merged_keys[order], np.concatenate([a_rows, b_rows])[order])
-        return owners
 
 
 # ---------------------------------------------------------------------------------------------

@@ -129,8 +129,8 @@ class WorkPlan:
             for rows in iter_manifest_chunks(spec.manifest, s3, chunk_rows=chunk_rows):
                 plan._add_chunk(rows)
                 if bar is not None:
+                    bar.set_postfix(invalid=plan.invalid_rows, refresh=False)  # shown by the update's refresh
                     bar.update(len(rows))
-                    bar.set_postfix(invalid=plan.invalid_rows, refresh=False)
                 elif plan.rows % 1_000_000 < len(rows):
                     log.info("validated %d rows (%d invalid)", plan.rows, plan.invalid_rows)
         except BaseException:

@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .backends import Storage
+from .id_claims import ClaimedIds
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,12 @@ class MetadataWriter(_PartWriter):
             flush_seconds=flush_seconds,
             guard=guard,
         )
-        self._seen: set[str] = set()
+        # The ids this writer took: the last few as a set, the rest 16 bytes each (a run of millions of rows).
+        self._recent: set[str] = set()
+        self._taken = ClaimedIds()
+
+    def _took(self, item_id: str) -> bool:
+        return item_id in self._recent or self._taken.owner(item_id) is not None
 
     def add(self, row: dict, image_bytes: bytes | None = None) -> bool:
         """Queue one committed image's row; False if this writer already has a row for its item_id."""
@@ -312,15 +318,20 @@ class MetadataWriter(_PartWriter):
             row[IMAGE_COLUMN] = {"bytes": image_bytes, "path": str(row.get("image_key", "")).rsplit("/", 1)[-1]}
         self._check_row(row)
         with self._lock:
-            if row["item_id"] in self._seen:
+            if self._took(row["item_id"]):
                 return False
-            self._seen.add(row["item_id"])
+            self._recent.add(row["item_id"])
         try:
             full = self._append(row)
         except Exception:
             with self._lock:
-                self._seen.discard(row["item_id"])
+                self._recent.discard(row["item_id"])
             raise
+        with self._lock:
+            if len(self._recent) >= 4_096:
+                recent = list(self._recent)
+                self._taken.claim(recent, [0] * len(recent))
+                self._recent.clear()
         if full:
             self.flush()  # a failure here leaves the row buffered (accepted); it raises to say storage is failing
         return True

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from snapref_ray.render_service.work_items import ClaimedIds, build_work_items
+from snapref_ray.render_service.work_items import build_work_items
 from snapref_ray.render_service.work_plan import WorkPlan
+from snapref_ray.storage.id_claims import ClaimedIds
 from snapref_ray.storage.ledger import CommittedIds
 from snapref_ray.storage.manifest import read_manifest
 from tests.service.test_work_items import png, spec_for, write_manifest
@@ -150,6 +151,8 @@ def test_claimed_ids_find_every_duplicate_and_its_first_row_as_a_dict_does():
             owner.setdefault(item_id, row)
         assert claimed.claim(chunk, rows) == expected
     assert len(claimed) == len(owner) and claimed.nbytes == 16 * len(owner)
+    assert all(claimed.owner(item_id) == row for item_id, row in list(owner.items())[:500])
+    assert claimed.owner("never-claimed") is None
     assert len(claimed._runs) <= int(np.log2(len(owner))) + 1  # runs merge as they grow
 
 
@@ -157,6 +160,7 @@ _PLAN_IN_A_FRESH_PROCESS = """
 import json, resource, sys
 from snapref_ray.job_spec import JobSpec
 from snapref_ray.render_service.work_plan import WorkPlan
+from snapref_ray.storage.id_claims import ClaimedIds
 from snapref_ray.storage.ledger import CommittedIds
 
 spec = JobSpec.model_validate(json.loads(sys.argv[1]))
@@ -205,3 +209,14 @@ def test_the_planning_paths_memory_does_not_grow_with_the_manifest(tmp_path):
 
     small, large = growth(100_000), growth(1_000_000)
     assert large < 2 * small, f"planning added {large / 2**20:.0f} MiB at 1 M rows, {small / 2**20:.0f} MiB at 100 k"
+
+
+def test_validation_shows_rows_read_and_invalid_rows_as_it_goes(refs, capsys):
+    rows = [{"reference": "refs/r0.png", "prompt": f"p{n}", "seed": n} for n in range(40)]
+    rows[3]["steps"] = 0
+    rows[31]["reference"] = "refs/missing.png"
+    manifest = write_manifest(refs / "m.csv", rows)
+    with WorkPlan.build(spec_for(manifest), adapter_kind="snapref", chunk_rows=10, progress=True) as plan:
+        assert plan.invalid_rows == 2
+    bar = capsys.readouterr().err
+    assert "validating" in bar and "40row" in bar.replace(" ", "") and "invalid=2" in bar

@@ -208,6 +208,17 @@ def test_duplicates_keep_the_first_committed_row(tmp_path):
     assert pq.read_table(tmp_path / "metadata").num_rows == 4
 
 
+def test_a_row_is_taken_once_per_writer_however_long_ago_it_was_added(tmp_path):
+    """Past the last 4,096 ids a writer keeps them 16 bytes each (storage/id_claims.py), not as a set of str."""
+    with MetadataWriter(LocalStorage(tmp_path), flush_rows=10_000, flush_seconds=0) as writer:
+        assert all(writer.add(make_row(n)) for n in range(9_000))
+        assert len(writer._recent) < 4_096 and len(writer._taken) >= 4_096
+        assert writer.add(make_row(7, prompt="again, long after")) is False
+        assert writer.add(make_row(8_999, prompt="again, just after")) is False
+        assert writer.add(make_row(9_000)) is True
+    assert read_metadata_table(LocalStorage(tmp_path)).num_rows == 9_001
+
+
 def test_rows_must_match_the_schema(tmp_path):
     writer = MetadataWriter(LocalStorage(tmp_path), flush_seconds=0)
     row = make_row(1)
