@@ -312,7 +312,7 @@ class PoolMembers:
         self.members = [Member(h, i) for h, i in zip(handles, infos)]
         self.pool, self.config, self.stats = pool, config, stats
         # Items in the workers' open webdataset shards; a worker that goes gives its open shard back to render.
-        self.shards = ShardLedger(self._shard_committed if pool is not None and self.commits_outputs else None)
+        self.shards = ShardLedger(self._shard_committed)
         self.started = pool is None or pool.plan.min_workers <= len(self.members)
         self._t_run = time.monotonic()
 
@@ -322,6 +322,9 @@ class PoolMembers:
         return self.pool is None or self.pool.config.output_format == "webdataset"
 
     def _shard_committed(self, shard_key: str) -> bool:
+        """Whether a lost worker committed this shard before it could say so (only webdataset workers have any)."""
+        if self.pool is None:
+            return False  # workers the caller started: no output of theirs known here
         config = self.pool.config
         return shard_is_committed(open_storage(config.output_uri, config.s3), shard_key)
 
