@@ -120,12 +120,15 @@ class BatchScheduler:
 
     def _loop(self, remaining: int) -> None:
         while remaining > 0:
-            for index in self.members.scale(self.placement.unassigned_work(), self._keeps_worker):
+            unassigned = self.placement.unassigned_work()
+            for index in self.members.scale(unassigned, self._keeps_worker):
                 self.placement.forget_worker(index, drop_refkvs=False)
                 self._emit("worker_released", index)
             remaining -= self._settle_shards()  # released workers committed their open shards (or lost them)
             if remaining <= 0:
                 break
+            if not unassigned and self.placement.unassigned_work():
+                continue  # a released worker's lost shard gave items back: the pool grows again for them
             self.recovery.send_due_probes()
             if self.members.started:
                 self._dispatch()
@@ -135,8 +138,6 @@ class BatchScheduler:
                 if due is not None:  # only restarting workers left: wait for the next probe
                     time.sleep(max(0.0, due - time.monotonic()))
                     continue
-                if self.members.pool is not None and self.placement.unassigned_work():
-                    continue  # a lost shard's items came back after the pool released its workers: it grows again
                 if all(m.retired for m in self.workers):
                     raise RuntimeError(
                         f"every worker died for good ({len(self.workers)} retired); {remaining} item(s) not rendered"
