@@ -206,6 +206,44 @@ def test_a_worker_killed_mid_shard_leaves_no_partial_shard_and_its_items_render_
     assert after == before
 
 
+@pytest.mark.slow
+def test_a_job_that_ends_with_a_lost_open_shard_reports_its_items_uncommitted(six_items, tiny_models, tmp_path):
+    # Interrupted right after its worker died for good with an item in its open shard: nothing renders the item
+    # again in this run, so it must not be counted done, and errors/ and the summary say what became of it.
+    import ray
+
+    from snapref_ray.storage.metadata import read_errors_table, read_summary
+
+    out = tmp_path / "out"
+    output = {"format": "webdataset", "shard_max_items": 100}
+    spec = job_spec(six_items, tiny_models, str(out), cluster={"num_workers": 1}, output=output)
+    handles: list = []
+    rendered: list[str] = []
+
+    def kill_the_worker_then_interrupt(event) -> None:
+        if event.kind == "item_rendered" and not rendered:
+            rendered.extend(event.item_ids)
+            ray.kill(handles[0], no_restart=True)  # no restart: the release's commit finds it dead at once
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_job(
+            spec,
+            progress=False,
+            write_gallery=False,
+            on_workers=lambda h, i: handles.extend(h),
+            on_event=kill_the_worker_then_interrupt,
+        )
+    storage = open_storage(str(out))
+    summary = read_summary(storage)
+    assert summary["interrupted"] is True
+    assert read_item_ids(storage) == [] and summary["images_this_run"] == 0  # nothing was committed
+    assert summary["scheduler"]["uncommitted_items"] == len(rendered) == 1
+    errors = read_errors_table(storage).to_pylist()
+    assert [(e["item_id"], e["stage"]) for e in errors] == [(rendered[0], "write")]
+    assert "shard was not committed as the job ended" in errors[0]["error"]
+
+
 def test_wait_for_lease_sets_how_long_a_render_waits(six_items, tiny_models, tmp_path):
     import yaml
 
