@@ -37,7 +37,7 @@ from snapref_ray.cluster.worker import RenderWorker, WorkerConfig
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.memory_estimate import estimate_worker_memory
 from snapref_ray.storage.backends import open_storage
-from snapref_ray.storage.shards import shard_is_committed
+from snapref_ray.storage.shards import settle_lost_shard
 
 log = logging.getLogger(__name__)
 
@@ -322,11 +322,12 @@ class PoolMembers:
         return self.pool is None or self.pool.config.output_format == "webdataset"
 
     def _shard_committed(self, shard_key: str) -> bool:
-        """Whether a lost worker committed this shard before it could say so (only webdataset workers have any)."""
+        """Whether a lost worker committed this shard before it could say so; if not, its orphan files go (only
+        webdataset workers have shards)."""
         if self.pool is None:
             return False  # workers the caller started: no output of theirs known here
         config = self.pool.config
-        return shard_is_committed(open_storage(config.output_uri, config.s3), shard_key)
+        return settle_lost_shard(open_storage(config.output_uri, config.s3), shard_key)
 
     def _released(self, indices: Sequence[int], reports: Sequence[ShardReport | None]) -> None:
         """Released workers' commits go to the ledger; whatever a worker still held open is lost with it."""

@@ -63,7 +63,8 @@ class _ClosedShard:
 
 class ShardLedger:
     """Per worker, the items in its open shards; see the module docstring. `is_committed(shard_key)` looks in the
-    output for a shard a lost worker may have committed before it could say so (None: not looked for)."""
+    output for a shard a lost worker may have committed before it could say so, and clears what of it was published
+    if not (storage/shards.py `settle_lost_shard`; None: not looked for)."""
 
     def __init__(self, is_committed: Callable[[str], bool] | None = None) -> None:
         self.is_committed = is_committed

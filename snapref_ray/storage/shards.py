@@ -280,10 +280,24 @@ def committed_shards(storage: Storage) -> list[str]:
 
 
 def shard_is_committed(storage: Storage, shard_key: str) -> bool:
-    """Whether a shard's metadata part (its commit) is in the output: for a driver that lost the worker before it
-    said (a death between the publish and the answer). Lists metadata/, so call it on a loss, not per item."""
+    """Whether a shard's metadata part (its commit) is in the output. Lists metadata/: call it on a loss, not per
+    item."""
     suffix = f"-{_stem(shard_key)}.parquet"
     return any(k.endswith(suffix) for k in storage.list(METADATA_PREFIX + "/"))
+
+
+def settle_lost_shard(storage: Storage, shard_key: str) -> bool:
+    """A shard whose writer is gone before it said what became of it: whether it was committed (a death between
+    the publish and the answer). If not, what of it was published (a death between the tar and the metadata part)
+    is deleted now, as `remove_orphan_shards` would on the next run, so that no reader of this run's output sees it.
+    Call only once the writer's process is known dead, while holding the output's lease."""
+    if shard_is_committed(storage, shard_key):
+        return True
+    for key in (_index_key(shard_key), shard_key):
+        if storage.exists(key):
+            log.warning("removing %s: its shard was never committed (its items render again)", storage.uri_for(key))
+            storage.delete(key)
+    return False
 
 
 def remove_orphan_shards(storage: Storage) -> list[str]:
@@ -312,6 +326,7 @@ __all__ = [
     "ShardWriter",
     "committed_shards",
     "remove_orphan_shards",
+    "settle_lost_shard",
     "shard_is_committed",
     "shard_member_key",
     "wants_thumbnail",

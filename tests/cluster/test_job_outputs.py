@@ -145,12 +145,27 @@ def test_a_webdataset_job_puts_every_item_in_one_committed_shard(six_items, tiny
     assert sorted(k for k in storage.list("shards/") if k.endswith(".tar")) == shards
 
 
+def _kill_for_good(handle) -> None:
+    """ray.kill returns before the actor is gone: wait until a call finds it dead, so that no later call (the
+    release's commit) runs on it."""
+    import ray
+
+    ray.kill(handle, no_restart=True)
+    for _ in range(600):
+        try:
+            ray.get(handle.pid.remote(), timeout=10)
+        except ray.exceptions.ActorDiedError:
+            return
+    raise AssertionError("the killed worker still answers")
+
+
 @pytest.mark.slow
-# Killed after its first item: a call still out is retried on the restarted actor, whose answer shows the new
-# process. After its last: nothing is out, and the release's commit meets the restarted actor.
-@pytest.mark.parametrize("kill_after", [1, 6])
+# SIGKILLed after its first item: Ray restarts the actor and retries a call still out on it, whose answer shows a
+# new process. Killed for good after its last item: nothing is out, the release's commit finds the worker dead, and
+# the pool starts another for the items given back.
+@pytest.mark.parametrize("kill_after, for_good", [(1, False), (6, True)])
 def test_a_worker_killed_mid_shard_leaves_no_partial_shard_and_its_items_render_again_in_the_same_run(
-    kill_after, six_items, tiny_models, tmp_path
+    kill_after, for_good, six_items, tiny_models, tmp_path
 ):
     import os
     import signal
@@ -175,7 +190,10 @@ def test_a_worker_killed_mid_shard_leaves_no_partial_shard_and_its_items_render_
             rendered.update(event.item_ids)
         if len(rendered) == kill_after and not killed:
             pid = ray.get(handles[0].pid.remote(), timeout=60)
-            os.kill(pid, signal.SIGKILL)
+            if for_good:
+                _kill_for_good(handles[0])
+            else:
+                os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
     summary = run_job(
@@ -210,8 +228,6 @@ def test_a_worker_killed_mid_shard_leaves_no_partial_shard_and_its_items_render_
 def test_a_job_that_ends_with_a_lost_open_shard_reports_its_items_uncommitted(six_items, tiny_models, tmp_path):
     # Interrupted right after its worker died for good with an item in its open shard: nothing renders the item
     # again in this run, so it must not be counted done, and errors/ and the summary say what became of it.
-    import ray
-
     from snapref_ray.storage.metadata import read_errors_table, read_summary
 
     out = tmp_path / "out"
@@ -223,7 +239,7 @@ def test_a_job_that_ends_with_a_lost_open_shard_reports_its_items_uncommitted(si
     def kill_the_worker_then_interrupt(event) -> None:
         if event.kind == "item_rendered" and not rendered:
             rendered.extend(event.item_ids)
-            ray.kill(handles[0], no_restart=True)  # no restart: the release's commit finds it dead at once
+            _kill_for_good(handles[0])  # no restart: the release's commit finds it dead at once
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):

@@ -221,3 +221,20 @@ def test_the_writer_tells_which_shards_it_closed_and_whether_each_was_committed(
     (refused,) = writer.drain()
     assert (refused.items, refused.committed, refused.error) == (1, False, "PermissionError: lease lost")
     assert not shard_is_committed(storage, refused.key)
+
+
+def test_a_lost_writers_shard_is_kept_when_committed_and_its_orphan_files_go_when_not(tmp_path):
+    from snapref_ray.storage.shards import settle_lost_shard
+
+    storage = open_storage(str(tmp_path / "out"))
+    writer = ShardWriter(storage, name="w1")
+    writer.add(_row("item-0"), _image("item-0"), "png", "p")
+    committed = writer.commit()
+    # What a writer killed between its tar and its metadata part leaves: the tar and the index, no commit.
+    orphan = "shards/w2-000001-0123abcd.tar"
+    storage.put_bytes(orphan, b"a tar")
+    storage.put_bytes("shards/w2-000001-0123abcd.parquet", b"an index")
+    assert settle_lost_shard(storage, committed) is True
+    assert settle_lost_shard(storage, orphan) is False
+    assert settle_lost_shard(storage, "shards/w3-000001-never0pub.tar") is False  # nothing was published
+    assert storage.list("shards/") == sorted([committed, committed.removesuffix(".tar") + ".parquet"])
