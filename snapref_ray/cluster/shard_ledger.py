@@ -12,6 +12,11 @@ in place, and may retry a call on it) has a fresh, empty ShardWriter, so a new w
 one's open shard is gone. A shard may be reported closed before every one of its rows has come back (the actor runs
 two calls at once, and either may fill the shard): the ledger remembers a closed shard until that many rows came.
 
+Not covered here: a worker that dies after a render call filled and published a shard but before that call
+answered. The driver requeues (or Ray retries) the call's items, and those of them already in the published shard
+are rendered a second time (the shard's other items are found committed, `is_committed`). Closing that window takes
+publishing out of the render call (the driver asking for each full shard's commit as a call of its own).
+
 What it holds is bounded by the work in flight: at most workers x shard_max_items entries in open shards.
 No Ray here: the loop (cluster/scheduler.py) feeds it and takes what `take()` settled.
 """
