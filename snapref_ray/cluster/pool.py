@@ -31,10 +31,13 @@ import ray
 from snapref_ray.cluster import ray_output
 from snapref_ray.cluster.feasibility import InfeasibilityWatch
 from snapref_ray.cluster.schedule import SchedulerConfig, SchedulerStats
-from snapref_ray.cluster.tasks import WorkerInfo
+from snapref_ray.cluster.shard_ledger import ShardLedger
+from snapref_ray.cluster.tasks import ShardReport, WorkerInfo
 from snapref_ray.cluster.worker import RenderWorker, WorkerConfig
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.memory_estimate import estimate_worker_memory
+from snapref_ray.storage.backends import open_storage
+from snapref_ray.storage.shards import settle_lost_shard
 
 log = logging.getLogger(__name__)
 
@@ -245,27 +248,31 @@ def kill(handle: ray.actor.ActorHandle) -> None:
 RELEASE_COMMIT_TIMEOUT_S = 600.0  # a ~1 GB webdataset shard's upload, with room
 
 
-def release(handles: Sequence[ray.actor.ActorHandle], *, commit: bool = True) -> None:
+def release(handles: Sequence[ray.actor.ActorHandle], *, commit: bool = True) -> list[ShardReport | None]:
     """Kill healthy workers the job no longer needs, with `commit` once each has committed what it holds (its open
-    webdataset shard: storage/shards.py); a worker that cannot is killed anyway, and its shard's items render again
-    on resume. Without shards there is nothing to commit, and the driver's loop does not wait on the workers."""
-    pending = []
-    for handle in handles if commit else ():
+    webdataset shard: storage/shards.py); a worker that cannot is killed anyway. Returns, per handle, the shards it
+    reported closed (None: it committed nothing, or could not; the caller's `ShardLedger` then gives that worker's
+    open shard back to render again). Without shards there is nothing to commit, and the driver's loop does not wait
+    on the workers."""
+    reports: list[ShardReport | None] = [None] * len(handles)
+    pending: dict[ray.ObjectRef, int] = {}
+    for i, handle in enumerate(handles) if commit else ():
         try:
-            pending.append(handle.commit_outputs.remote())
+            pending[handle.commit_outputs.remote()] = i
         except AttributeError:
             pass  # an actor that writes no outputs of its own (the scheduler's test doubles)
     if pending:
-        ready, late = ray.wait(pending, num_returns=len(pending), timeout=RELEASE_COMMIT_TIMEOUT_S)
+        ready, late = ray.wait(list(pending), num_returns=len(pending), timeout=RELEASE_COMMIT_TIMEOUT_S)
         for ref in ready:
             try:
-                ray.get(ref)
+                reports[pending[ref]] = ray.get(ref)
             except Exception as e:  # a dead worker, a store that refuses the shard
                 log.warning("a released worker did not commit its open shard: %s", e)
         if late:
             log.warning("%d released worker(s) did not commit within %.0f s", len(late), RELEASE_COMMIT_TIMEOUT_S)
     for handle in handles:
         kill(handle)
+    return reports
 
 
 @dataclass
@@ -304,6 +311,8 @@ class PoolMembers:
     ) -> None:
         self.members = [Member(h, i) for h, i in zip(handles, infos)]
         self.pool, self.config, self.stats = pool, config, stats
+        # Items in the workers' open webdataset shards; a worker that goes gives its open shard back to render.
+        self.shards = ShardLedger(self._shard_committed)
         self.started = pool is None or pool.plan.min_workers <= len(self.members)
         self._t_run = time.monotonic()
 
@@ -311,6 +320,21 @@ class PoolMembers:
     def commits_outputs(self) -> bool:
         """Whether a worker holds outputs to commit before it is released (webdataset shards)."""
         return self.pool is None or self.pool.config.output_format == "webdataset"
+
+    def _shard_committed(self, shard_key: str) -> bool:
+        """Whether a lost worker committed this shard before it could say so; if not, its orphan files go (only
+        webdataset workers have shards)."""
+        if self.pool is None:
+            return False  # workers the caller started: no output of theirs known here
+        config = self.pool.config
+        return settle_lost_shard(open_storage(config.output_uri, config.s3), shard_key)
+
+    def _released(self, indices: Sequence[int], reports: Sequence[ShardReport | None]) -> None:
+        """Released workers' commits go to the ledger; whatever a worker still held open is lost with it."""
+        for index, report in zip(indices, reports):
+            if report is not None:
+                self.shards.report(index, report)
+            self.shards.lose(index)
 
     def start_clock(self) -> None:
         """The job's workers are counted from now (start_timeout_s, seconds_to_start)."""
@@ -387,7 +411,7 @@ class PoolMembers:
         released = []
         for index, member in enumerate(self.members):
             if member.live and not keep(index):
-                release([member.handle], commit=self.commits_outputs)
+                self._released([index], release([member.handle], commit=self.commits_outputs))
                 member.retired = member.released = True
                 member.available = False
                 member.probe_due = None
@@ -404,6 +428,7 @@ class PoolMembers:
         self.stats.retired_workers += 1
         self.count()
         kill(self.members[index].handle)
+        self.shards.lose(index)
 
     def release_all(self) -> None:
         """Kill every worker not released yet and the actors still starting (the job ended, however it ended):
@@ -411,7 +436,8 @@ class PoolMembers:
         remove idle nodes."""
         if self.pool is not None:
             self.pool.cancel_starting()
-        release([m.handle for m in self.members if not m.released and not m.retired], commit=self.commits_outputs)
+        indices = [i for i, m in enumerate(self.members) if not m.released and not m.retired]
+        self._released(indices, release([self.members[i].handle for i in indices], commit=self.commits_outputs))
         for member in self.members:
             if member.retired and not member.released:
                 kill(member.handle)

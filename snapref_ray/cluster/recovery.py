@@ -15,6 +15,9 @@
   half and requeues it without an attempt; the halved size is remembered per (width, height, rows per image) and
   later batches of that shape are cut to it (placement.py). One image that does not fit is the item's own failure,
   with its size, device and memory figures in the error.
+- With webdataset output, an item is done when its worker commits the shard it went into; the items of a shard
+  that will never be (its worker died, was restarted or retired, could not publish it) are requeued as
+  `shard_lost` and render again in the same run (cluster/shard_ledger.py).
 - A lost worker is `worker_lost` until Ray lists its node dead (failures.py says why that comes later): losses are
   classified when the worker answers its probe, when Ray declares it dead, or at the end of the job.
 """
@@ -33,6 +36,7 @@ from snapref_ray.cluster.failures import dead_nodes, infrastructure_cause
 from snapref_ray.cluster.placement import Placement, QueuedReference
 from snapref_ray.cluster.pool import PoolMembers
 from snapref_ray.cluster.schedule import Cause, SchedulerConfig, SchedulerStats
+from snapref_ray.cluster.shard_ledger import Rendered
 from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo, batch_shape
 from snapref_ray.render_service.work_items import WorkItem
 
@@ -126,6 +130,18 @@ class Recovery:
         self.placement.requeue(ref, items)
         self.emit("requeued", worker, ref, items, cause=cause)
         return 0
+
+    def requeue_lost_shards(self, entries: Sequence[Rendered]) -> None:
+        """Render again, in this run, items whose webdataset shard will never be committed (shard_lost)."""
+        by_reference: dict[int, tuple[QueuedReference, list[Rendered]]] = {}
+        for entry in entries:
+            by_reference.setdefault(id(entry.reference), (entry.reference, []))[1].append(entry)
+        for ref, lost in by_reference.values():
+            # Its reference may have been closed meanwhile (no work was left): open it again, or nothing takes them.
+            queued = (*self.placement.open, *self.placement.unopened)
+            if not any(r is ref for r in queued):
+                self.placement.unopened.append(ref)
+            self.requeue(ref, [e.item for e in lost], Cause.SHARD_LOST, lost[0].worker)
 
     def render_raised(self, call: Call, error: Exception) -> int:
         """A render call raised at the driver: the cluster's failure (requeue) or the items' own (an attempt)."""
@@ -249,6 +265,7 @@ class Recovery:
             return
         member.info = info
         member.available, member.probe, member.probe_failures = True, None, 0
+        self.members.shards.writer_seen(index, info.worker_id)  # a restarted actor: its open shard is gone
         log.info("worker %d is back (%s)", index, info.worker_id)
         self.classify_losses(settled=index)
 

@@ -21,6 +21,9 @@ class Cause(StrEnum):
     DEVICE_OOM = "device_oom"  # torch.OutOfMemoryError in the worker's render: the batch was split
     REFKV_LOST = "refkv_lost"  # the batch's RefKV could not be fetched; the worker re-encoded it
     RELEASED = "released"  # the scheduler itself killed the worker (no work left, or given up for dead)
+    # Rendered into a webdataset shard that will never be committed (its worker died, was restarted or could not
+    # publish it): rendered again in the same run (cluster/shard_ledger.py)
+    SHARD_LOST = "shard_lost"
 
 
 REQUEUE_CAUSES = tuple(c.value for c in Cause)
@@ -62,6 +65,7 @@ EVENT_KINDS = (
     # sees it); refkv_node: the node of a RefKV the worker is handed and lacks (it will fetch it from there).
     "render_sending",
     "item_done",  # an item's row was committed
+    "item_rendered",  # an item's row came back in its worker's open webdataset shard (item_done when that commits)
     "requeued",  # items went back to the queue without an attempt; cause: a Cause
     "batch_split",  # a batch ran out of memory and was halved; cause: device_oom or oom_killed
     "refkv_dropped",  # the driver forgot a RefKV (its creator failed, or a fetch found it gone)
@@ -109,6 +113,9 @@ class SchedulerStats:
     # memory halved it) and how many splits led there.
     batch_limits: list[dict] = field(default_factory=list)
     done_items: int = 0
+    # Webdataset: items rendered into shards that were never committed once the schedule had ended (a failed or
+    # interrupted job's last release); they are not in done_items and render on the next run.
+    uncommitted_items: int = 0
     peak_open_references: int = 0
     workers_started: int = 0  # workers that became ready (joined the schedule)
     workers_released: int = 0  # killed because no work was left for them

@@ -35,6 +35,7 @@ from snapref_ray.cluster.placement import Assignment, Placement, PlannedWork, Qu
 from snapref_ray.cluster.pool import Member, PoolMembers, WorkerPool
 from snapref_ray.cluster.recovery import Recovery, RequeueBudgetExceeded
 from snapref_ray.cluster.schedule import EVENT_KINDS, Cause, SchedulerConfig, SchedulerEvent, SchedulerStats
+from snapref_ray.cluster.shard_ledger import Rendered
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, RenderTask, WorkerInfo
 from snapref_ray.render_service.work_items import WorkItem
 
@@ -100,6 +101,7 @@ class BatchScheduler:
     def release_workers(self) -> None:
         """Kill the job's workers and the actors still starting (see `PoolMembers.release_all`)."""
         self.members.release_all()
+        self._settle_shards(loop_ended=True)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self, work: Sequence[WorkItem] | PlannedWork) -> SchedulerStats:
@@ -121,9 +123,15 @@ class BatchScheduler:
 
     def _loop(self, remaining: int) -> None:
         while remaining > 0:
-            for index in self.members.scale(self.placement.unassigned_work(), self._keeps_worker):
+            unassigned = self.placement.unassigned_work()
+            for index in self.members.scale(unassigned, self._keeps_worker):
                 self.placement.forget_worker(index, drop_refkvs=False)
                 self._emit("worker_released", index)
+            remaining -= self._settle_shards()  # released workers committed their open shards (or lost them)
+            if remaining <= 0:
+                break
+            if not unassigned and self.placement.unassigned_work():
+                continue  # a released worker's lost shard gave items back: the pool grows again for them
             self.recovery.send_due_probes()
             if self.members.started:
                 self._dispatch()
@@ -143,6 +151,7 @@ class BatchScheduler:
                     self._join(future)
                 else:
                     remaining -= self._collect(self.calls.collect(future))
+            remaining -= self._settle_shards()
             self.placement.close_finished()
 
     def _keeps_worker(self, index: int) -> bool:
@@ -207,6 +216,8 @@ class BatchScheduler:
         call.reference.in_flight -= 1
         if returned.error is not None:
             return self.recovery.render_raised(call, returned.error)
+        if returned.value and returned.value[0].shards is not None:  # webdataset: the shards it closed meanwhile
+            self.members.shards.report(call.worker, returned.value[0].shards)
         return self._render_returned(call, returned.value)
 
     def _encode_returned(self, call: Call, info: EncodeInfo | None, error: Exception | None) -> None:
@@ -251,6 +262,12 @@ class BatchScheduler:
             if outcome.row is not None:
                 if ref.encode_seconds is None and outcome.row.get("encode_s"):
                     ref.encode_seconds = float(outcome.row["encode_s"])
+                if outcome.row.get("shard_key"):  # done when its shard is committed (cluster/shard_ledger.py)
+                    writer = outcomes[0].shards.writer if outcomes[0].shards else outcome.row["worker_id"]
+                    entry = Rendered(call.worker, outcome, item, ref)
+                    self.members.shards.rendered(writer, outcome.row["shard_key"], entry)
+                    self._emit("item_rendered", call.worker, ref, (item,))
+                    continue
                 self.on_done(outcome, item)
                 self.stats.done_items += 1
                 finished += 1
@@ -260,6 +277,27 @@ class BatchScheduler:
         if self.on_progress and finished:
             self.on_progress(finished)
         return finished
+
+    def _settle_shards(self, *, loop_ended: bool = False) -> int:
+        """Count the items whose webdataset shard was committed; render again those whose shard never will be (or,
+        once the loop has ended, report them). Returns how many finished."""
+        settled = self.members.shards.take()
+        for worker, outcome, item, ref in settled.done:
+            self.on_done(outcome, item)
+            self.stats.done_items += 1
+            self._emit("item_done", worker, ref, (item,))
+        if settled.lost and loop_ended:  # nothing renders them now: say so, in the log and in errors/
+            self.stats.uncommitted_items += len(settled.lost)
+            log.error("%d rendered item(s) not committed: their shard was lost as the job ended", len(settled.lost))
+            error = "rendered, but its webdataset shard was not committed as the job ended; it renders on the next run"
+            for _, _, item, _ in settled.lost:
+                outcome = ItemOutcome(item.item_id, error=error, stage="write")
+                self.recovery.on_failed(outcome, item, self.recovery.attempt(item.item_id))
+        elif settled.lost:
+            self.recovery.requeue_lost_shards(settled.lost)
+        if self.on_progress and settled.done:
+            self.on_progress(len(settled.done))
+        return len(settled.done)
 
     def _count_encode(self, reference_hash: str) -> None:
         self.encodes_by_reference[reference_hash] += 1

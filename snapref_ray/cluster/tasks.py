@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from snapref_ray.render_service.references import RefKVKey
 from snapref_ray.render_service.service import rows_per_image
 from snapref_ray.render_service.work_items import WorkItem
+from snapref_ray.storage.shards import ClosedShard
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,18 @@ class RenderTask:
 
 
 @dataclass(frozen=True)
+class ShardReport:
+    """What a webdataset worker's shards did since its last answer (storage/shards.py `ShardWriter.drain`).
+
+    The driver counts an item done only once its shard is committed (cluster/shard_ledger.py); `writer` names the
+    worker's process, so a restarted actor, whose open shard died with the old process, is told apart.
+    """
+
+    writer: str
+    closed: tuple[ClosedShard, ...] = ()
+
+
+@dataclass(frozen=True)
 class ItemOutcome:
     """What happened to one item: a metadata row when its image is stored, else the error."""
 
@@ -67,6 +80,9 @@ class ItemOutcome:
     # The batch ran out of device memory (torch.OutOfMemoryError; `error` has the figures): the
     # driver splits it rather than charging an attempt to its items.
     out_of_memory: bool = False
+    # Webdataset workers, on the first outcome of each answer: the shards closed since the last one. A row with a
+    # `shard_key` is committed only with that shard.
+    shards: ShardReport | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.cluster.failures import LOST_REFKV_ERRORS
 from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.output_writer import OutputWriter
-from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, WorkerInfo
+from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, ShardReport, WorkerInfo
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.records import describe_error, encode_output, image_extension, metadata_row
 from snapref_ray.render_service.references import Reference
@@ -163,16 +163,30 @@ class RenderWorker:
             self.metrics.encodes.inc(1, self.tags)
         return kv, EncodeInfo(task.reference_hash, kv.nbytes, kv.encode_seconds, self.worker_id, source == "encoded")
 
-    def commit_outputs(self) -> str | None:
-        """Commit the open webdataset shard (the driver calls this before it releases the worker); its key."""
-        return self.shards.commit() if self.shards is not None else None
+    def commit_outputs(self) -> ShardReport | None:
+        """Commit the open webdataset shard (the driver calls this before it releases the worker); the shards
+        closed since the last answer, this one included (None without shards). Raises when the publish fails."""
+        if self.shards is None:
+            return None
+        self.shards.commit()
+        return self._shard_report()
 
     def render(self, task: RenderTask, refkv_handle: list | None = None) -> list[ItemOutcome]:
-        """Render a batch and store its images; returns one outcome per item.
+        """Render a batch and store its images; returns one outcome per item, the first with the shards closed
+        since the last answer (webdataset: the driver counts an item done when its shard is committed).
 
         `refkv_handle` is `[ObjectRef]` (wrapped so Ray does not fetch it eagerly): it is only
         read when the RefKV is not already in this worker's device cache.
         """
+        outcomes = self._render(task, refkv_handle)
+        if self.shards is not None and outcomes:
+            outcomes[0] = replace(outcomes[0], shards=self._shard_report())
+        return outcomes
+
+    def _shard_report(self) -> ShardReport:
+        return ShardReport(self.worker_id, tuple(self.shards.drain()))
+
+    def _render(self, task: RenderTask, refkv_handle: list | None) -> list[ItemOutcome]:
         started = time.time()
         fetch_s, lost = [0.0], [""]
         ref = task.reference

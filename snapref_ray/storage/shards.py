@@ -10,7 +10,10 @@ thousand images, in the layout the `webdataset` library and Hugging Face `datase
     metadata/part-*.parquet   one part per shard, the rows with `shard_key` and `shard_member`
 
 A worker closes its shard at `max_bytes` or `max_items`, and commits the open one when the driver releases
-it (cluster/pool.py `release`: no work left for it, or the job ended).
+it (cluster/pool.py `release`: no work left for it, or the job ended). It tells the driver which shards it
+closed (`ShardWriter.drain`) with each answer: the driver counts an item done only once its shard is committed,
+and renders the items of a shard that never will be (its worker died with it open) again in the same run
+(cluster/shard_ledger.py).
 
 Exactly once, as for single files: a shard is written to a temporary file and published whole (a rename
 on a local folder, a multipart upload on S3), then its index, then its metadata part, which is the commit
@@ -34,6 +37,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -83,6 +87,17 @@ def wants_thumbnail(item_id: str, every: int) -> bool:
     """Whether an item is in the gallery's sample: about one in `every`, the same items whichever worker
     renders them (a hash of the id, not a counter)."""
     return every > 0 and zlib.crc32(item_id.encode()) % every == 0
+
+
+@dataclass(frozen=True)
+class ClosedShard:
+    """A shard a writer closed: committed (published with its metadata part), or dropped because its publish
+    failed (its items must render again)."""
+
+    key: str
+    items: int  # rows it held: a driver waits for that many rows of it before it forgets the key
+    committed: bool
+    error: str = ""  # why a publish failed
 
 
 class _OpenShard:
@@ -141,6 +156,7 @@ class ShardWriter:
         self.max_items = max_items
         self.guard = guard  # called before a shard is published; raises to refuse (lease.check_holder)
         self.shards_committed: list[str] = []
+        self._closed: list[ClosedShard] = []  # since the last `drain`
         self._open: _OpenShard | None = None
         self._seq = 0
         self._lock = threading.Lock()  # guards _open: members of one item go in together
@@ -203,6 +219,12 @@ class ShardWriter:
         with self._lock:
             return len(self._open.rows) if self._open else 0
 
+    def drain(self) -> list[ClosedShard]:
+        """The shards closed (committed, or dropped by a failed publish) since the last call."""
+        with self._commit_lock:
+            closed, self._closed = self._closed, []
+        return closed
+
     def _publish(self, shard: _OpenShard) -> None:
         with self._commit_lock:
             try:
@@ -217,10 +239,12 @@ class ShardWriter:
                 self.storage.put_bytes(
                     part_key(METADATA_PREFIX, suffix=_stem(shard.key)), _parquet(rows), "application/vnd.apache.parquet"
                 )
-            except BaseException:
+            except BaseException as e:
                 shard.path.unlink(missing_ok=True)
+                self._closed.append(ClosedShard(shard.key, len(shard.rows), False, f"{type(e).__name__}: {e}"[:300]))
                 raise
             self.shards_committed.append(shard.key)
+            self._closed.append(ClosedShard(shard.key, len(shard.rows), True))
             log.info("committed shard %s (%d items)", self.storage.uri_for(shard.key), len(shard.rows))
 
     def abandon(self) -> None:
@@ -229,6 +253,8 @@ class ShardWriter:
             shard, self._open = self._open, None
         if shard is not None:
             shard.discard()
+            with self._commit_lock:
+                self._closed.append(ClosedShard(shard.key, len(shard.rows), False, "abandoned"))
 
 
 def _stem(shard_key: str) -> str:
@@ -253,6 +279,27 @@ def committed_shards(storage: Storage) -> list[str]:
     return sorted({k for k in table.column("shard_key").to_pylist() if k})
 
 
+def shard_is_committed(storage: Storage, shard_key: str) -> bool:
+    """Whether a shard's metadata part (its commit) is in the output. Lists metadata/: call it on a loss, not per
+    item."""
+    suffix = f"-{_stem(shard_key)}.parquet"
+    return any(k.endswith(suffix) for k in storage.list(METADATA_PREFIX + "/"))
+
+
+def settle_lost_shard(storage: Storage, shard_key: str) -> bool:
+    """A shard whose writer is gone before it said what became of it: whether it was committed (a death between
+    the publish and the answer). If not, what of it was published (a death between the tar and the metadata part)
+    is deleted now, as `remove_orphan_shards` would on the next run, so that no reader of this run's output sees it.
+    Call only once the writer's process is known dead, while holding the output's lease."""
+    if shard_is_committed(storage, shard_key):
+        return True
+    for key in (_index_key(shard_key), shard_key):
+        if storage.exists(key):
+            log.warning("removing %s: its shard was never committed (its items render again)", storage.uri_for(key))
+            storage.delete(key)
+    return False
+
+
 def remove_orphan_shards(storage: Storage) -> list[str]:
     """Delete published shards (and their indexes) that no metadata row names: a worker died between
     publishing the tar and committing its rows. Call only while holding the output's lease, before
@@ -270,6 +317,7 @@ def remove_orphan_shards(storage: Storage) -> list[str]:
 
 
 __all__ = [
+    "ClosedShard",
     "DEFAULT_SHARD_BYTES",
     "DEFAULT_SHARD_ITEMS",
     "SHARDS_PREFIX",
@@ -278,6 +326,8 @@ __all__ = [
     "ShardWriter",
     "committed_shards",
     "remove_orphan_shards",
+    "settle_lost_shard",
+    "shard_is_committed",
     "shard_member_key",
     "wants_thumbnail",
 ]

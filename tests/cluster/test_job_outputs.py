@@ -145,9 +145,27 @@ def test_a_webdataset_job_puts_every_item_in_one_committed_shard(six_items, tiny
     assert sorted(k for k in storage.list("shards/") if k.endswith(".tar")) == shards
 
 
+def _kill_for_good(handle) -> None:
+    """ray.kill returns before the actor is gone: wait until a call finds it dead, so that no later call (the
+    release's commit) runs on it."""
+    import ray
+
+    ray.kill(handle, no_restart=True)
+    for _ in range(600):
+        try:
+            ray.get(handle.pid.remote(), timeout=10)
+        except ray.exceptions.ActorDiedError:
+            return
+    raise AssertionError("the killed worker still answers")
+
+
 @pytest.mark.slow
-def test_a_worker_killed_mid_shard_leaves_no_partial_shard_and_the_rerun_renders_only_its_items(
-    six_items, tiny_models, tmp_path
+# SIGKILLed after its first item: Ray restarts the actor and retries a call still out on it, whose answer shows a
+# new process. Killed for good after its last item: nothing is out, the release's commit finds the worker dead, and
+# the pool starts another for the items given back.
+@pytest.mark.parametrize("kill_after, for_good", [(1, False), (6, True)])
+def test_a_worker_killed_mid_shard_leaves_no_partial_shard_and_its_items_render_again_in_the_same_run(
+    kill_after, for_good, six_items, tiny_models, tmp_path
 ):
     import os
     import signal
@@ -162,36 +180,84 @@ def test_a_worker_killed_mid_shard_leaves_no_partial_shard_and_the_rerun_renders
     spec = job_spec(six_items, tiny_models, str(out), cluster={"num_workers": 1}, output=output)
     handles: list = []
     killed: list[int] = []
+    done_events: list[str] = []
+    rendered: set[str] = set()
 
-    def kill_the_worker_once(_n: int) -> None:
-        if not killed:  # an item was rendered, so the worker's open shard holds it
+    def kill_the_worker_once(event) -> None:
+        if event.kind == "item_done":
+            done_events.extend(event.item_ids)
+        if event.kind == "item_rendered":  # the item is in the worker's open shard, uncommitted
+            rendered.update(event.item_ids)
+        if len(rendered) == kill_after and not killed:
             pid = ray.get(handles[0].pid.remote(), timeout=60)
-            os.kill(pid, signal.SIGKILL)
+            if for_good:
+                _kill_for_good(handles[0])
+            else:
+                os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    run_job(
+    summary = run_job(
         spec,
         progress=False,
         write_gallery=False,
         on_workers=lambda h, i: handles.extend(h),
-        on_progress=kill_the_worker_once,
+        on_event=kill_the_worker_once,
     )
+    expected = expected_item_ids(spec)
+    assert killed
+    # The same run rendered the dead shard's items again: every item committed once, and counted once.
+    assert summary["images_this_run"] == len(expected) == 6 and summary["failed_items"] == 0
+    assert sorted(done_events) == sorted(expected)  # item_done only when committed, once each
+    assert summary["requeues"]["shard_lost"] >= 1
     storage = open_storage(str(out))
-    first = read_item_ids(storage)
-    assert killed and len(first) == len(set(first)) and set(first) < expected_item_ids(spec)
+    ids = read_item_ids(storage)
+    assert len(ids) == len(set(ids)) and set(ids) == expected
     tars = sorted(k for k in storage.list("shards/") if k.endswith(".tar"))
     assert tars == committed_shards(storage)  # the dead worker's shard is not there, not even in part
+    keys = [s["__key__"] for s in webdataset.WebDataset([str(out / k) for k in tars], shardshuffle=False)]
+    assert sorted(keys) == sorted(expected)  # every item in exactly one committed shard
     before = {r["item_id"]: r["shard_key"] for r in read_metadata_table(storage).to_pylist()}
 
     again = run_job(spec, progress=False, write_gallery=False)
-    assert again["images_this_run"] == 6 - len(first)  # only what the lost shard held
-    ids = read_item_ids(storage)
-    assert len(ids) == len(set(ids)) and set(ids) == expected_item_ids(spec)
+    assert (again["images_this_run"], again["skipped_already_done"]) == (0, 6)
     after = {r["item_id"]: r["shard_key"] for r in read_metadata_table(storage).to_pylist()}
-    assert {i: after[i] for i in before} == before  # committed items were not rendered again
-    tars = sorted(str(out / k) for k in storage.list("shards/") if k.endswith(".tar"))
-    keys = [s["__key__"] for s in webdataset.WebDataset(tars, shardshuffle=False)]
-    assert sorted(keys) == sorted(expected_item_ids(spec))  # every item in exactly one committed shard
+    assert after == before
+
+
+@pytest.mark.slow
+def test_a_job_that_ends_with_a_lost_open_shard_reports_its_items_uncommitted(six_items, tiny_models, tmp_path):
+    # Interrupted right after its worker died for good with an item in its open shard: nothing renders the item
+    # again in this run, so it must not be counted done, and errors/ and the summary say what became of it.
+    from snapref_ray.storage.metadata import read_errors_table, read_summary
+
+    out = tmp_path / "out"
+    output = {"format": "webdataset", "shard_max_items": 100}
+    spec = job_spec(six_items, tiny_models, str(out), cluster={"num_workers": 1}, output=output)
+    handles: list = []
+    rendered: list[str] = []
+
+    def kill_the_worker_then_interrupt(event) -> None:
+        if event.kind == "item_rendered" and not rendered:
+            rendered.extend(event.item_ids)
+            _kill_for_good(handles[0])  # no restart: the release's commit finds it dead at once
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_job(
+            spec,
+            progress=False,
+            write_gallery=False,
+            on_workers=lambda h, i: handles.extend(h),
+            on_event=kill_the_worker_then_interrupt,
+        )
+    storage = open_storage(str(out))
+    summary = read_summary(storage)
+    assert summary["interrupted"] is True
+    assert read_item_ids(storage) == [] and summary["images_this_run"] == 0  # nothing was committed
+    assert summary["scheduler"]["uncommitted_items"] == len(rendered) == 1
+    errors = read_errors_table(storage).to_pylist()
+    assert [(e["item_id"], e["stage"]) for e in errors] == [(rendered[0], "write")]
+    assert "shard was not committed as the job ended" in errors[0]["error"]
 
 
 def test_wait_for_lease_sets_how_long_a_render_waits(six_items, tiny_models, tmp_path):

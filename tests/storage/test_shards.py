@@ -197,3 +197,44 @@ def test_a_worker_whose_driver_lost_the_lease_commits_no_shard(tmp_path):
     assert sorted(committed_item_ids(storage)) == ["a"]
     assert len([k for k in storage.list("shards/") if k.endswith(".tar")]) == 1
     assert not [p for p in (tmp_path / "out" / "shards").iterdir() if ".tmp-" in p.name]  # no leftover spool
+
+
+def test_the_writer_tells_which_shards_it_closed_and_whether_each_was_committed(tmp_path):
+    from snapref_ray.storage.shards import ClosedShard, shard_is_committed
+
+    storage = open_storage(str(tmp_path / "out"))
+    refusing = [False]
+
+    def guard() -> None:
+        if refusing[0]:
+            raise PermissionError("lease lost")
+
+    writer = ShardWriter(storage, name="w1", max_items=2, guard=guard)
+    for i in range(3):
+        writer.add(_row(f"item-{i}"), _image(f"item-{i}"), "png", "p")
+    (first,) = writer.shards_committed
+    assert writer.drain() == [ClosedShard(first, 2, True)] and writer.drain() == []
+    assert shard_is_committed(storage, first)
+    refusing[0] = True
+    with pytest.raises(PermissionError):
+        writer.commit()
+    (refused,) = writer.drain()
+    assert (refused.items, refused.committed, refused.error) == (1, False, "PermissionError: lease lost")
+    assert not shard_is_committed(storage, refused.key)
+
+
+def test_a_lost_writers_shard_is_kept_when_committed_and_its_orphan_files_go_when_not(tmp_path):
+    from snapref_ray.storage.shards import settle_lost_shard
+
+    storage = open_storage(str(tmp_path / "out"))
+    writer = ShardWriter(storage, name="w1")
+    writer.add(_row("item-0"), _image("item-0"), "png", "p")
+    committed = writer.commit()
+    # What a writer killed between its tar and its metadata part leaves: the tar and the index, no commit.
+    orphan = "shards/w2-000001-0123abcd.tar"
+    storage.put_bytes(orphan, b"a tar")
+    storage.put_bytes("shards/w2-000001-0123abcd.parquet", b"an index")
+    assert settle_lost_shard(storage, committed) is True
+    assert settle_lost_shard(storage, orphan) is False
+    assert settle_lost_shard(storage, "shards/w3-000001-never0pub.tar") is False  # nothing was published
+    assert storage.list("shards/") == sorted([committed, committed.removesuffix(".tar") + ".parquet"])

@@ -1,0 +1,101 @@
+"""The driver's bookkeeping of webdataset shards, without Ray: an item is done when its shard is committed, and
+the items of a shard that never will be are given back to render again.
+
+Workers are indices, writers are process ids as a worker reports them; the items and references are plain
+strings (the ledger only carries them). Each expected value is worked out by hand from the module docstring.
+"""
+
+from __future__ import annotations
+
+from snapref_ray.cluster.shard_ledger import Rendered, ShardLedger
+from snapref_ray.cluster.tasks import ItemOutcome, ShardReport
+from snapref_ray.storage.shards import ClosedShard
+
+
+def row(worker: int, item_id: str, shard: str) -> tuple[str, Rendered]:
+    outcome = ItemOutcome(item_id, row={"item_id": item_id, "shard_key": shard})
+    return shard, Rendered(worker, outcome, item_id, "reference")
+
+
+def feed(ledger: ShardLedger, writer: str, worker: int, shard: str, *item_ids: str) -> None:
+    for item_id in item_ids:
+        ledger.rendered(writer, *row(worker, item_id, shard))
+
+
+def settled(ledger: ShardLedger) -> tuple[list[str], list[str]]:
+    s = ledger.take()
+    return [e.item for e in s.done], [e.item for e in s.lost]
+
+
+def test_rows_wait_for_their_shard_and_are_done_when_it_is_committed():
+    ledger = ShardLedger()
+    feed(ledger, "w0", 0, "s1", "a", "b", "c")
+    assert settled(ledger) == ([], []) and ledger.waiting == 3 and ledger.waiting_on(0) == 3
+    ledger.report(0, ShardReport("w0", (ClosedShard("s1", 3, True),)))
+    assert settled(ledger) == (["a", "b", "c"], [])
+    assert ledger.waiting == 0 and settled(ledger) == ([], [])  # taken once
+
+
+def test_a_shard_reported_committed_before_all_its_rows_came_back_counts_the_late_ones_done():
+    # The actor runs two calls at once: the second may fill and commit the shard while the first's answer is out.
+    ledger = ShardLedger()
+    feed(ledger, "w0", 0, "s1", "a")
+    ledger.report(0, ShardReport("w0", (ClosedShard("s1", 3, True),)))
+    assert settled(ledger) == (["a"], [])
+    feed(ledger, "w0", 0, "s1", "b", "c")
+    assert settled(ledger) == (["b", "c"], [])
+    feed(ledger, "w0", 0, "s2", "d")  # the next shard of the same worker waits again
+    assert settled(ledger) == ([], []) and ledger.waiting == 1
+
+
+def test_a_shard_whose_publish_failed_gives_its_items_back():
+    ledger = ShardLedger()
+    feed(ledger, "w0", 0, "s1", "a", "b")
+    feed(ledger, "w1", 1, "t1", "x")
+    ledger.report(0, ShardReport("w0", (ClosedShard("s1", 2, False, "OSError: disk full"),)))
+    assert settled(ledger) == ([], ["a", "b"])
+    assert ledger.waiting_on(1) == 1  # the other worker's shard is not touched
+
+
+def test_a_restarted_worker_loses_its_old_open_shard_and_late_rows_of_it():
+    ledger = ShardLedger()
+    feed(ledger, "w0", 0, "s1", "a", "b")
+    feed(ledger, "w1", 1, "t1", "x")
+    ledger.report(0, ShardReport("w0-restarted"))  # Ray restarted the actor and retried a call on it
+    assert settled(ledger) == ([], ["a", "b"])
+    feed(ledger, "w0", 0, "s1", "c")  # an answer of the dead process collected after it
+    feed(ledger, "w0-restarted", 0, "s9", "d")
+    assert settled(ledger) == ([], ["c"])
+    assert ledger.waiting_on(0) == 1 and ledger.waiting_on(1) == 1
+
+
+def test_a_probe_that_finds_the_same_process_loses_nothing():
+    ledger = ShardLedger()
+    feed(ledger, "w0", 0, "s1", "a")
+    ledger.writer_seen(0, "w0")
+    assert settled(ledger) == ([], []) and ledger.waiting == 1
+    ledger.writer_seen(0, "w0-new")
+    assert settled(ledger) == ([], ["a"])
+
+
+def test_a_lost_worker_keeps_a_shard_it_committed_before_it_could_say_so():
+    committed_in_output = {"s1"}
+    ledger = ShardLedger(lambda key: key in committed_in_output)
+    feed(ledger, "w0", 0, "s1", "a", "b")
+    ledger.report(0, ShardReport("w0"))  # nothing closed as far as the driver heard
+    feed(ledger, "w0", 0, "s2", "c")
+    ledger.lose(0)
+    assert settled(ledger) == (["a", "b"], ["c"])
+    assert ledger.waiting == 0
+    ledger.lose(0)  # lost twice (retired after a failed release): nothing more
+    assert settled(ledger) == ([], [])
+
+
+def test_a_shard_the_output_cannot_be_asked_about_renders_again():
+    def unreachable(key: str) -> bool:
+        raise ConnectionError(f"cannot list metadata/ for {key}")
+
+    ledger = ShardLedger(unreachable)
+    feed(ledger, "w0", 0, "s1", "a")
+    ledger.lose(0)
+    assert settled(ledger) == ([], ["a"])
