@@ -233,6 +233,12 @@ class Placement:
         """Items back at the front of their reference's queue, in their order."""
         ref.pending.extendleft(reversed(items))
 
+    def reopen(self, ref: QueuedReference) -> None:
+        """Open a reference again that was closed (its work all sent) because some of it must render again; its
+        RefKV was dropped when it closed, so the next worker encodes it."""
+        if not any(r is ref for r in self.open):
+            self.open.append(ref)
+
     def render_alone(self, items: Sequence[WorkItem]) -> None:
         """These items share no forward from now on (their batch's forward failed)."""
         self._alone.update(i.item_id for i in items)

@@ -137,10 +137,7 @@ class Recovery:
         for entry in entries:
             by_reference.setdefault(id(entry.reference), (entry.reference, []))[1].append(entry)
         for ref, lost in by_reference.values():
-            # Its reference may have been closed meanwhile (no work was left): open it again, or nothing takes them.
-            queued = (*self.placement.open, *self.placement.unopened)
-            if not any(r is ref for r in queued):
-                self.placement.unopened.append(ref)
+            self.placement.reopen(ref)  # it may have been closed meanwhile (no work was left)
             self.requeue(ref, [e.item for e in lost], Cause.SHARD_LOST, lost[0].worker)
 
     def render_raised(self, call: Call, error: Exception) -> int:

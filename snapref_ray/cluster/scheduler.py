@@ -23,6 +23,7 @@ It runs on the loop: keep it short.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -49,6 +50,26 @@ __all__ = [
     "SchedulerEvent",
     "SchedulerStats",
 ]
+
+
+# What of a sharded item's row the driver holds until its shard commits: what `on_done` reads (the row itself is in
+# the shard already). The whole row is a few KB; held for every item of every worker's open shard, that is the
+# driver's memory times shard_max_items x workers.
+_ROW_HELD_WHILE_SHARDED = (
+    "item_id",
+    "shard_key",
+    "node_id",
+    "worker_id",
+    "forward_batch",
+    "skipped_forwards",
+    "steps",
+    "encode_s",
+)
+
+
+def _held_while_sharded(outcome: ItemOutcome) -> ItemOutcome:
+    row = {k: outcome.row[k] for k in _ROW_HELD_WHILE_SHARDED if k in outcome.row}
+    return dataclasses.replace(outcome, row=row, shards=None)
 
 
 class BatchScheduler:
@@ -264,7 +285,7 @@ class BatchScheduler:
                     ref.encode_seconds = float(outcome.row["encode_s"])
                 if outcome.row.get("shard_key"):  # done when its shard is committed (cluster/shard_ledger.py)
                     writer = outcomes[0].shards.writer if outcomes[0].shards else outcome.row["worker_id"]
-                    entry = Rendered(call.worker, outcome, item, ref)
+                    entry = Rendered(call.worker, _held_while_sharded(outcome), item, ref)
                     self.members.shards.rendered(writer, outcome.row["shard_key"], entry)
                     self._emit("item_rendered", call.worker, ref, (item,))
                     continue
