@@ -127,8 +127,10 @@ def one_job(
         models = make_tiny(root / "tiny")
         manifest = _write_manifest(root / "in", items, 25, items, order=order)
         spec = _spec(manifest, out, models, fmt, workers, s3)
+        # A real RefKV is ~1 GB and lives in the object store; 256 KB keeps it there too (Ray inlines returns under
+        # 100 KB into the driver's own heap, which real RefKVs never are).
         factory = functools.partial(
-            SimulatedRenderer, encode_s=0.0, step_s=step_s, refkv_bytes=64 * 1024, image_side=64
+            SimulatedRenderer, encode_s=0.0, step_s=step_s, refkv_bytes=256 * 1024, image_side=64
         )
         cpu0, t0 = _cpu_s(), time.time()
         summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
