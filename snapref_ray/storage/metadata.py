@@ -183,7 +183,8 @@ class _PartWriter:
         self.guard = guard
         self.parts_written: list[str] = []
         self.rows_written = 0
-        self._rows: list[pa.Table] = []  # one single-row table per added row
+        self._row_type = pa.struct(list(schema))  # what add() checks each row against
+        self._rows: list[dict] = []  # the rows added, each checked against the schema
         self._lock = threading.Lock()  # guards _rows
         self._flush_lock = threading.Lock()  # one part upload at a time, so parts keep row order
         self._closed = False
@@ -209,14 +210,16 @@ class _PartWriter:
         """Buffer `row`; True when the buffer is full and should be flushed."""
         # Converting here, one row at a time, makes a bad value fail in add() with its item id
         # (and not, later, the whole part inside a flush).
+        # A struct array of one row is the cheapest full conversion (~4x cheaper than a one-row table); the part
+        # is converted again, all rows at once, when it is written.
         try:
-            one = pa.Table.from_pylist([row], schema=self.schema)
+            pa.array([row], type=self._row_type)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
             raise ValueError(f"{self.prefix} row {row.get('item_id')!r} does not fit the schema: {e}") from e
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{type(self).__name__} for {self.storage.uri_for(self.prefix)} is closed")
-            self._rows.append(one)
+            self._rows.append(row)
             full = len(self._rows) >= self.flush_rows
             if self._timer is None and self.flush_seconds > 0:
                 self._timer = threading.Thread(target=self._tick, name=f"{self.prefix}-flush", daemon=True)
@@ -238,7 +241,7 @@ class _PartWriter:
             if not rows:
                 return
             buf = io.BytesIO()
-            pq.write_table(pa.concat_tables(rows).combine_chunks(), buf, compression="zstd")
+            pq.write_table(pa.Table.from_pylist(rows, schema=self.schema), buf, compression="zstd")
             key = _part_key(self.prefix)
             try:
                 if self.guard is not None:
