@@ -279,7 +279,9 @@ class RenderWorker:
             self.storage.put_bytes(key, image)
         if thumb is not None:
             self.storage.put_bytes(thumb, make_thumbnail(rendered.image))
-        reference_key = self._store_reference(task.reference)
+        # The gallery's copy of the reference: for every item with one file per image; with shards, only for the
+        # sampled items the gallery draws (one object per reference would outnumber the shards many times over).
+        reference_key = self._store_reference(task.reference) if self.shards is None or thumb else None
         row = metadata_row(
             rendered,
             item_id=item.item_id,

@@ -139,6 +139,10 @@ def test_a_webdataset_job_puts_every_item_in_one_committed_shard(six_items, tiny
     # Thumbnails for a sample only: about one id in three, by a hash of the id.
     sampled = {i for i in ids if zlib.crc32(i.encode()) % 3 == 0}
     assert storage.list("thumbs/") == sorted(f"thumbs/{i}.jpg" for i in sampled)
+    # The gallery's copy of a reference only for the references of sampled items (the gallery draws no other).
+    rows = {r["item_id"]: r for r in read_metadata_table(storage).to_pylist()}
+    assert storage.list("references/") == sorted({f"references/{rows[i]['reference_hash']}.jpg" for i in sampled})
+    assert all((rows[i]["reference_image_key"] is None) == (i not in sampled) for i in ids)
     # Rerunning the same spec renders nothing and keeps one shard per item.
     again = run_job(spec, progress=False, write_gallery=False)
     assert (again["images_this_run"], again["skipped_already_done"]) == (0, 6)
