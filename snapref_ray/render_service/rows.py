@@ -91,6 +91,8 @@ class ParsedRow:
 
 def plain(value: Any) -> Any:
     """A cell as plain Python: numpy scalars to Python, arrays to lists, NaN and blank text to None."""
+    if type(value) is str:  # most cells of a manifest: one check, not six
+        return value if value.strip() else None
     if isinstance(value, np.ndarray):
         return [plain(v) for v in (value.tolist() if value.dtype != object else value)]
     if isinstance(value, np.generic):

@@ -125,10 +125,14 @@ def _item_id(
         return f"{explicit_id}-{image_index}"
     # The canonical JSON of item_id_for's docstring, written out: its four keys in sorted order.
     canonical = (
-        f'{{"prompt":{json.dumps(prompt, ensure_ascii=False)},"reference":{json.dumps(reference_hash)},'
+        f'{{"prompt":{_json_text(prompt)},"reference":{_json_text(reference_hash)},'
         f'"seed":{int(seed)},"settings":{settings_json}}}'
     )
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+
+
+# What json.dumps(text, ensure_ascii=False) returns for a str, without building an encoder per call.
+_json_text = json.encoder.encode_basestring
 
 
 def load_work_items(spec: JobSpec, s3: S3Options | None = None, *, adapter_kind: str | None = None) -> ValidatedJob:
