@@ -89,3 +89,14 @@ def test_files_job_has_no_sample_note(tmp_path):
     result = write_report(str(tmp_path))
     assert result["images"] == result["shown"] == 6
     assert 'id="sample-note"' not in (tmp_path / "gallery.html").read_text()
+
+
+def test_chromium_loads_every_image_of_the_sample_gallery(shard_job):
+    from tests.report import browser
+
+    root, storage, result = shard_job
+    dom = Dom(browser.dump_dom(browser.file_url(root / "gallery.html")))
+    body = dom.find("body")[0]
+    drawn = len(dom.find("img", "thumb")) + len(dom.find("img", "reference"))
+    assert 0 < drawn and body["data-images-failed"] == "0"
+    assert body["data-images-loaded"] == body["data-images-total"] and int(body["data-images-total"]) >= drawn
