@@ -20,8 +20,10 @@ row falls back to). A `webdataset` job writes thumbnails for a sample only (stor
 from __future__ import annotations
 
 import io
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +51,10 @@ KEY_COLUMNS = (
 )
 _DEFAULT_CACHE_ROWS = 50_000
 _TIMINGS = ("started_at", "finished_at", "sample_s")
+# Parts fetched at once in the first pass, and ahead of the page being drawn in the second (each is one GET;
+# few enough that the bytes in flight stay small).
+_PARALLEL_READS = 8
+_PREFETCH_PARTS = 4
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,9 @@ class _TableSource:
     def read_unit(self, row_group: int, columns: Sequence[str]) -> pa.Table:
         return _select(self.table, columns)
 
+    def prefetch(self, pool: ThreadPoolExecutor) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -85,11 +94,19 @@ class _PartSource:
         self.storage, self.key = storage, key
         self._sizes: list[int] | None = None
         self._open: pq.ParquetFile | None = None  # kept while its row groups are read one after another
+        self._pending: Future[bytes] | None = None  # its bytes, being fetched ahead of their page
 
     def _file(self) -> pq.ParquetFile:
         if self._open is None:
-            self._open = pq.ParquetFile(io.BytesIO(self.storage.get_bytes(self.key)))
+            data = self._pending.result() if self._pending is not None else self.storage.get_bytes(self.key)
+            self._pending = None
+            self._open = pq.ParquetFile(io.BytesIO(data))
         return self._open
+
+    def prefetch(self, pool: ThreadPoolExecutor) -> None:
+        """Start fetching the part's bytes (a GET on S3 costs its latency: overlap it with drawing pages)."""
+        if self._open is None and self._pending is None:
+            self._pending = pool.submit(self.storage.get_bytes, self.key)
 
     def close(self) -> None:
         self._open = None
@@ -137,6 +154,7 @@ class JobRows:
         self._cache: OrderedDict[_Unit, pa.Table] = OrderedDict()
         self.unit_reads = 0  # row groups decoded for pages (a re-read after eviction counts again)
         self._last_source: int | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._scan()
 
     @classmethod
@@ -158,8 +176,7 @@ class JobRows:
         ids, refs, workers, numbers, drawable, units, rows = [], [], [], [], [], [], []
         timings: dict[str, list[np.ndarray]] = {c: [] for c in _TIMINGS}
         self._units = []
-        for i, source in enumerate(self._sources):
-            part = source.read_keys()  # one part's narrow columns at a time
+        for i, source, part in self._read_keys():
             sizes = source.row_groups()
             first_unit = len(self._units)
             self._units += [_Unit(i, g) for g in range(len(sizes))]
@@ -225,6 +242,32 @@ class JobRows:
         # Where each reference's run of items starts in the gallery order (references are contiguous).
         self._run_starts = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1]]) if len(ranks) else np.zeros(0, int)
 
+        # The parts in the order pages first need them, for fetching ahead.
+        source_of_unit = np.array([u.source for u in self._units], np.int64)
+        needed = source_of_unit[self._unit_of[self.order]] if self.n_shown else np.zeros(0, np.int64)
+        self._part_sequence = needed[np.sort(np.unique(needed, return_index=True)[1])].tolist()
+        self._sequence_at = {source: at for at, source in enumerate(self._part_sequence)}
+
+    def _read_keys(self):
+        """(index, source, its KEY_COLUMNS) of every source in order, fetched `_PARALLEL_READS` at a time."""
+
+        def read(i: int):
+            return i, self._sources[i], self._sources[i].read_keys()
+
+        with ThreadPoolExecutor(max_workers=_PARALLEL_READS) as pool:
+            for start in range(0, len(self._sources), _PARALLEL_READS):
+                yield from pool.map(read, range(start, min(start + _PARALLEL_READS, len(self._sources))))
+
+    def _prefetch_after(self, source: int) -> None:
+        at = self._sequence_at.get(source)
+        if at is None:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=_PREFETCH_PARTS)
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        for ahead in self._part_sequence[at + 1 : at + 1 + _PREFETCH_PARTS]:
+            self._sources[ahead].prefetch(self._pool)
+
     # ------------------------------------------------------------------------------------- queries
 
     def column(self, name: str) -> list:
@@ -262,6 +305,7 @@ class JobRows:
         if self._last_source not in (None, unit.source):
             self._sources[self._last_source].close()  # at most one part's bytes held at a time
         self._last_source = unit.source
+        self._prefetch_after(unit.source)
         table = self._sources[unit.source].read_unit(unit.row_group, columns)
         self.unit_reads += 1
         self._cache[unit] = table
