@@ -132,15 +132,14 @@ def _row_number(r: Mapping) -> float:
 
 def _settings_text(r: Mapping) -> str:
     """The hover text of a thumbnail: id, seed and every setting that is set."""
-    lines = [
-        _join(f"item {r.get('item_id')}", _field(r, "seed", "seed")),
-        _settings_lines(*(r.get(k) for k in _SETTINGS_KEYS)),
-        _join(
-            _field(r, "adapter", "adapter"),
-            _field(r, "worker", "worker_id"),
-            f"sampling {r['sample_s']:.2f} s" if isinstance(r.get("sample_s"), float) else None,
-        ),
-    ]
+    seed, adapter, worker, sample_s = r.get("seed"), r.get("adapter"), r.get("worker_id"), r.get("sample_s")
+    first = f"item {r.get('item_id')}" if seed is None or seed == "" else f"item {r.get('item_id')} · seed {_num(seed)}"
+    last = _join(
+        None if adapter is None or adapter == "" else f"adapter {_num(adapter)}",
+        None if worker is None or worker == "" else f"worker {_num(worker)}",
+        f"sampling {sample_s:.2f} s" if isinstance(sample_s, float) else None,
+    )
+    lines = [first, _settings_lines(*[r.get(k) for k in _SETTINGS_KEYS]), last]
     if r.get("negative_prompt"):
         lines.append("negative: " + clip(str(r["negative_prompt"]), 300))
     return "\n".join(line for line in lines if line)

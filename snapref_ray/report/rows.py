@@ -155,6 +155,7 @@ class JobRows:
         self.unit_reads = 0  # row groups decoded for pages (a re-read after eviction counts again)
         self._last_source: int | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._cached_rows = 0
         self._scan()
 
     @classmethod
@@ -308,9 +309,11 @@ class JobRows:
         self._prefetch_after(unit.source)
         table = self._sources[unit.source].read_unit(unit.row_group, columns)
         self.unit_reads += 1
+        old = self._cache.pop(unit, None)  # a unit read again with other columns replaces its entry
+        self._cached_rows += table.num_rows - (old.num_rows if old is not None else 0)
         self._cache[unit] = table
-        while len(self._cache) > 1 and sum(t.num_rows for t in self._cache.values()) > self._cache_rows:
-            self._cache.popitem(last=False)
+        while len(self._cache) > 1 and self._cached_rows > self._cache_rows:
+            self._cached_rows -= self._cache.popitem(last=False)[1].num_rows
         return table
 
 
