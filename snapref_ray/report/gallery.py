@@ -37,7 +37,7 @@ from urllib.parse import quote
 
 import jinja2
 import pyarrow as pa
-from markupsafe import Markup, escape
+from markupsafe import Markup
 
 from snapref_ray.report.header import page_header, sample_note
 from snapref_ray.report.items import THUMB_SIZE, FailedItem, GalleryItem, clip, failed_items, gallery_item
@@ -248,12 +248,12 @@ def scene_html(it: GalleryItem) -> Markup:
 
     Built here rather than in a template macro (a million tiles in a million-item job); every value is
     escaped, and keys become relative URLs through `_relurl` as in the templates."""
-    item_id = escape(it.item_id)
+    item_id = _escape(it.item_id)
     return Markup(
-        f'<figure class="scene" data-item-id="{item_id}" title="{escape(it.settings)}">'
-        f'<a href="{escape(_relurl(it.image_key))}"><img class="thumb" src="{escape(_relurl(it.thumb_key))}"'
+        f'<figure class="scene" data-item-id="{item_id}" title="{_escape(it.settings)}">'
+        f'<a href="{_escape(_relurl(it.image_key))}"><img class="thumb" src="{_escape(_relurl(it.thumb_key))}"'
         f' width="{int(it.thumb_w)}" height="{int(it.thumb_h)}" loading="lazy" decoding="async" alt="{item_id}"></a>'
-        f"<figcaption>{escape(it.prompt)}</figcaption></figure>"
+        f"<figcaption>{_escape(it.prompt)}</figcaption></figure>"
     )
 
 
@@ -266,7 +266,18 @@ def _relurl(key: str) -> str:
     ``:`` is percent-encoded too, so no key (an item id is part of one) reads as a scheme such
     as ``javascript:``; the template's autoescaping then makes it a safe attribute value.
     """
-    return quote(key, safe="/-_.~")
+    return key if _PLAIN_KEY(key) else quote(key, safe="/-_.~")
+
+
+# A key made only of characters `quote` leaves alone is its own URL (most keys: thumbs/<id>.jpg).
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9/_.~-]*\Z").match
+
+
+def _escape(text: str) -> str:
+    """HTML-escape `text` as markupsafe (the templates' autoescaping) does, without a Markup object per value."""
+    return (
+        text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&#34;").replace("'", "&#39;")
+    )
 
 
 @functools.cache

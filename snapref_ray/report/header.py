@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from snapref_ray.report.items import FailedItem, clip, timestamp
 from snapref_ray.report.plots import format_duration, format_rate, job_start, mean_images_per_minute
 from snapref_ray.report.rows import JobRows
@@ -80,13 +82,13 @@ def page_header(
     if rows.n_shown < rows.n_items:
         facts.append(Fact("shown", f"{rows.n_shown:,} (a sample)", sample_note(rows)))
     # The one throughput of the page, computed as the chart computes its mean line.
-    finished = rows.column("finished_at")
-    start = job_start(rows.column("started_at"))
-    ends = [float(t) for t in finished if isinstance(t, (int, float)) and math.isfinite(t)]
+    finished = rows.timings("finished_at")
+    start = job_start(rows.timings("started_at"))
+    ends = finished[np.isfinite(finished)]
     rate = mean_images_per_minute(finished, start)
     note = "throughput: no images with start and finish times yet"
     if rate > 0 and start is not None:
-        span = max(ends) - start
+        span = float(ends.max()) - start
         facts.append(Fact("rendering time", format_duration(span), "from the first image's start to the last's finish"))
         facts.append(Fact("throughput", f"{format_rate(rate)} images / min", _THROUGHPUT_HINT))
         note = (

@@ -271,9 +271,9 @@ class JobRows:
 
     # ------------------------------------------------------------------------------------- queries
 
-    def column(self, name: str) -> list:
-        """A key column of every item, in commit order, as Python values (for the charts and header)."""
-        return self.keys.column(name).to_pylist()
+    def timings(self, name: str) -> np.ndarray:
+        """``started_at``, ``finished_at`` or ``sample_s`` of every item, in commit order (NaN where unknown)."""
+        return self.keys.column(name).to_numpy()
 
     def reference_run(self, position: int) -> tuple[int, int]:
         """(position of the first item, item count) of the reference of the item at `position` of the order."""
