@@ -267,7 +267,8 @@ class JobRows:
             self._pool = ThreadPoolExecutor(max_workers=_PREFETCH_PARTS)
             weakref.finalize(self, self._pool.shutdown, wait=False)
         for ahead in self._part_sequence[at + 1 : at + 1 + _PREFETCH_PARTS]:
-            self._sources[ahead].prefetch(self._pool)
+            if _Unit(ahead, 0) not in self._cache:  # still decoded from an earlier page: nothing to fetch
+                self._sources[ahead].prefetch(self._pool)
 
     # ------------------------------------------------------------------------------------- queries
 
@@ -285,17 +286,13 @@ class JobRows:
     def page(self, start: int, stop: int, columns: Sequence[str] = DISPLAY_COLUMNS) -> pa.Table:
         """`columns` of the drawable items at positions ``start:stop`` of the gallery order."""
         positions = self.order[start:stop]
-        units = self._unit_of[positions]
-        rows = self._row_of[positions]
-        pieces, placed = [], []
-        for unit in dict.fromkeys(units.tolist()):  # each unit once, in order of first use
-            at = np.flatnonzero(units == unit)
-            pieces.append(self._unit(unit, columns).take(pa.array(rows[at])))
-            placed.append(at)
-        if not pieces:
+        if not len(positions):
             return _select(METADATA_SCHEMA.empty_table(), columns)
-        table = pa.concat_tables(pieces)
-        return table.take(pa.array(np.argsort(np.concatenate(placed), kind="stable")))
+        units, at = np.unique(self._unit_of[positions], return_inverse=True)
+        tables = [self._unit(int(unit), columns) for unit in units]
+        # One take over the page's row groups side by side (a row's index: its group's offset plus its row).
+        offsets = np.cumsum([0] + [t.num_rows for t in tables[:-1]])
+        return pa.concat_tables(tables).take(pa.array(offsets[at] + self._row_of[positions]))
 
     def _unit(self, index: int, columns: Sequence[str]) -> pa.Table:
         unit = self._units[index]
