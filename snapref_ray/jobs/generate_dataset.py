@@ -53,7 +53,7 @@ from snapref_ray.storage.ledger import CommittedIds, claim_output, committed_ite
 from snapref_ray.storage.metadata import (
     ErrorWriter,
     MetadataWriter,
-    compact_parts,
+    compact_output_parts,
     read_errors_table,
     read_summary,
     write_summary,
@@ -239,7 +239,7 @@ def _claim(spec: JobSpec) -> _Output:
     lease = OutputLease.acquire(storage, duration_s=spec.output.lease_seconds, wait_s=spec.output.lease_wait_seconds)
     if spec.output.format == "webdataset":
         remove_orphan_shards(storage)  # shards a killed worker published but never committed
-    compact_parts(storage)  # metadata parts stay few and large as the job grows (storage/metadata.py)
+    compact_output_parts(storage)  # metadata and errors parts stay few and large as the job grows (storage/metadata.py)
     return _Output(
         storage,
         fingerprint,

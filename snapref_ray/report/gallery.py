@@ -17,7 +17,10 @@ files, and the gallery must open from a local folder (``file://``) as well as fr
 hosting. So every page is self-contained HTML with relative links only, no external
 resources (the stylesheet and script in ``static/`` are inlined), and holds ``page_size``
 items: its size does not grow with the job (the pager shows a fixed window of page links),
-thumbnails load lazily, and 60,000 images open as fast as 200. The small script counts
+thumbnails load lazily, and 60,000 images open as fast as 200. The job's rows are read a page at a
+time (report/rows.py), so writing the pages of a million items holds a few columns of each, not
+every row. A webdataset job has previews for a sample of its items only: the gallery draws that
+sample and says so on every page. The small script counts
 loaded images into ``body[data-images-loaded]`` (used by the browser tests) and drives the
 "go to page" box.
 """
@@ -36,9 +39,10 @@ import jinja2
 import pyarrow as pa
 from markupsafe import Markup
 
-from snapref_ray.report.header import page_header
-from snapref_ray.report.items import THUMB_SIZE, FailedItem, GalleryItem, clip, failed_items, gallery_items
+from snapref_ray.report.header import page_header, sample_note
+from snapref_ray.report.items import THUMB_SIZE, FailedItem, GalleryItem, clip, failed_items, gallery_item
 from snapref_ray.report.plots import PLOT_KEYS
+from snapref_ray.report.rows import JobRows
 from snapref_ray.storage import metadata
 
 __all__ = ["DEFAULT_TITLE", "THUMB_SIZE", "FailedItem", "errors_page_key", "failed_items", "page_key", "write_gallery"]
@@ -63,7 +67,7 @@ def errors_page_key(page: int) -> str:
 
 def write_gallery(
     storage,
-    table: pa.Table | None = None,
+    table: pa.Table | JobRows | None = None,
     *,
     page_size: int = 200,
     title: str = DEFAULT_TITLE,
@@ -73,40 +77,48 @@ def write_gallery(
 ) -> list[str]:
     """Write the gallery pages of a job's output; returns the keys written, page 1 first.
 
-    ``storage`` is the job's :class:`~snapref_ray.storage.backends.Storage`. ``table``,
-    ``errors`` and ``summary`` default to what the storage holds (metadata parts, errors
-    parts, ``summary.json``). ``plot_keys`` (name -> key) are linked from the header;
-    by default the plots of :data:`~snapref_ray.report.plots.PLOT_KEYS` that exist.
-    The gallery pages come first in the returned list, then the errors pages (if any).
-    Pages left over from an earlier run with more pages are deleted.
+    ``storage`` is the job's :class:`~snapref_ray.storage.backends.Storage`. ``table`` (a
+    metadata table, or the :class:`~snapref_ray.report.rows.JobRows` of one), ``errors`` and
+    ``summary`` default to what the storage holds (metadata parts, read page by page; errors
+    parts; ``summary.json``). ``errors`` may hold rows of items that later succeeded: they are
+    left out. ``plot_keys`` (name -> key) are linked from the header; by default the plots of
+    :data:`~snapref_ray.report.plots.PLOT_KEYS` that exist. The gallery pages come first in the
+    returned list, then the errors pages (if any). Pages left over from an earlier run with more
+    pages are deleted. Only items with a preview file are drawn (report/rows.py).
     """
     if page_size < 1:
         raise ValueError(f"write_gallery: page_size must be >= 1, got {page_size}")
     if table is None:
-        table = metadata.read_metadata_table(storage)
-    items = gallery_items(table)
-    groups = _groups(items)
-    done = {it.item_id for it in items}
+        rows = JobRows.from_storage(storage)
+    elif isinstance(table, JobRows):
+        rows = table
+    else:
+        rows = JobRows.from_table(table)
+    done = rows.keys.column("item_id")
     if errors is None:
         errors = metadata.read_errors_table(storage, exclude_ids=done)
+    else:
+        errors = metadata.without_items(errors, done)
     if summary is None:
         summary = metadata.read_summary(storage)
     if plot_keys is None:
         plot_keys = {name: key for name, key in PLOT_KEYS.items() if storage.exists(key)}
-    failed = failed_items(errors, done)
-    n_pages = max(1, math.ceil(len(items) / page_size))
+    failed = failed_items(errors, set())
+    n_pages = max(1, math.ceil(rows.n_shown / page_size))
     n_error_pages = math.ceil(len(failed) / page_size)
     common = {
         "title": title,
         "home": page_key(1),
         "errors_page_1": errors_page_key(1),
-        "n_items": len(items),
+        "n_items": rows.n_shown,
         "n_failed": len(failed),
+        "sample_note": sample_note(rows),
     }
 
     written = []
     for page in range(1, n_pages + 1):
-        chunk = items[(page - 1) * page_size : page * page_size]
+        offset = (page - 1) * page_size
+        chunk = [gallery_item(r) for r in rows.page(offset, offset + page_size).to_pylist()]
         html = _render(
             "gallery.html.j2",
             **common,
@@ -114,9 +126,9 @@ def write_gallery(
             page=page,
             n_pages=n_pages,
             prefix="gallery",
-            header=page_header(items, failed, summary or {}, plot_keys, n_pages) if page == 1 else None,
+            header=page_header(rows, failed, summary or {}, plot_keys, n_pages) if page == 1 else None,
             pager=_Pager.of(page, n_pages, page_key),
-            rows=_reference_rows(chunk, groups, page_size * (page - 1)),
+            rows=_reference_rows(chunk, rows.reference_run, offset),
             failed_preview=failed[:_ERRORS_PREVIEW] if page == 1 else [],
         )
         storage.put_bytes(page_key(page), html.encode("utf-8"), content_type=_HTML)
@@ -187,15 +199,17 @@ class _ReferenceRow:
     more: str  # " +2" when it has several sources
     all_sources: str
     items: Sequence[GalleryItem]
+    scenes: Markup  # the items' tiles (scene_html)
 
 
 def _reference_rows(
-    chunk: Sequence[GalleryItem], groups: Mapping[str, tuple[int, int]], offset: int
+    chunk: Sequence[GalleryItem], run_of: Callable[[int], tuple[int, int]], offset: int
 ) -> list[_ReferenceRow]:
     """One row per run of items of the same reference on this page.
 
-    ``groups`` maps a reference hash to (index of its first item, item count) in the whole
-    ordered job, so a reference whose images span pages says which of them a page shows.
+    ``run_of`` maps a position of the whole gallery order to (position of its reference's first
+    item, that reference's item count), so a reference whose images span pages says which of them
+    a page shows.
     """
     rows = []
     i = 0
@@ -204,19 +218,10 @@ def _reference_rows(
         j = i
         while j < len(chunk) and chunk[j].reference_hash == h:
             j += 1
-        first, total = groups[h]
+        first, total = run_of(offset + i)
         rows.append(_reference_row(chunk[i:j], offset + i - first, total))
         i = j
     return rows
-
-
-def _groups(items: Sequence[GalleryItem]) -> dict[str, tuple[int, int]]:
-    """Reference hash -> (index of its first item, item count); items are grouped already."""
-    groups: dict[str, tuple[int, int]] = {}
-    for i, it in enumerate(items):
-        first, count = groups.get(it.reference_hash, (i, 0))
-        groups[it.reference_hash] = (first, count + 1)
-    return groups
 
 
 def _reference_row(items: Sequence[GalleryItem], start: int, total: int) -> _ReferenceRow:
@@ -234,6 +239,21 @@ def _reference_row(items: Sequence[GalleryItem], start: int, total: int) -> _Ref
         more=f" +{len(uris) - 1}" if len(uris) > 1 else "",
         all_sources=clip("\n".join(uris[:8]), 2000),
         items=items,
+        scenes=Markup("").join(scene_html(item) for item in items),
+    )
+
+
+def scene_html(it: GalleryItem) -> Markup:
+    """One tile: the thumbnail linked to the image, the prompt as caption, id and settings on hover.
+
+    Built here rather than in a template macro (a million tiles in a million-item job); every value is
+    escaped, and keys become relative URLs through `_relurl` as in the templates."""
+    item_id = _escape(it.item_id)
+    return Markup(
+        f'<figure class="scene" data-item-id="{item_id}" title="{_escape(it.settings)}">'
+        f'<a href="{_escape(_relurl(it.image_key))}"><img class="thumb" src="{_escape(_relurl(it.thumb_key))}"'
+        f' width="{int(it.thumb_w)}" height="{int(it.thumb_h)}" loading="lazy" decoding="async" alt="{item_id}"></a>'
+        f"<figcaption>{_escape(it.prompt)}</figcaption></figure>"
     )
 
 
@@ -246,7 +266,18 @@ def _relurl(key: str) -> str:
     ``:`` is percent-encoded too, so no key (an item id is part of one) reads as a scheme such
     as ``javascript:``; the template's autoescaping then makes it a safe attribute value.
     """
-    return quote(key, safe="/-_.~")
+    return key if _PLAIN_KEY(key) else quote(key, safe="/-_.~")
+
+
+# A key made only of characters `quote` leaves alone is its own URL (most keys: thumbs/<id>.jpg).
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9/_.~-]*\Z").match
+
+
+def _escape(text: str) -> str:
+    """HTML-escape `text` as markupsafe (the templates' autoescaping) does, without a Markup object per value."""
+    return (
+        text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&#34;").replace("'", "&#39;")
+    )
 
 
 @functools.cache

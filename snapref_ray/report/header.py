@@ -14,10 +14,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from snapref_ray.report.items import FailedItem, GalleryItem, clip, timestamp
-from snapref_ray.report.plots import format_duration, format_rate, job_start, mean_images_per_minute
+import numpy as np
 
-__all__ = ["Fact", "Header", "RunRow", "page_header"]
+from snapref_ray.report.items import FailedItem, clip, timestamp
+from snapref_ray.report.plots import format_duration, format_rate, job_start, mean_images_per_minute
+from snapref_ray.report.rows import JobRows
+
+__all__ = ["Fact", "Header", "RunRow", "page_header", "sample_note"]
 
 
 @dataclass(frozen=True)
@@ -61,26 +64,31 @@ _THROUGHPUT_HINT = "images per minute while rendering, from the first image's st
 
 
 def page_header(
-    items: Sequence[GalleryItem],
+    rows: JobRows,
     failed: Sequence[FailedItem],
     summary: Mapping,
     plot_keys: Mapping[str, str],
     n_pages: int,
 ) -> Header:
-    """The first page's header from the job's items, failed items, ``summary.json`` and plot keys."""
-    refs = len({it.reference_hash for it in items})
-    workers = len({it.worker_id for it in items if it.worker_id is not None})
-    facts = [Fact("images", f"{len(items):,}"), Fact("references", f"{refs:,}"), Fact("failed", f"{len(failed):,}")]
+    """The first page's header from the job's rows (report/rows.py), failed items, ``summary.json`` and plot keys."""
+    workers = rows.n_workers
+    facts = [
+        Fact("images", f"{rows.n_items:,}"),
+        Fact("references", f"{rows.n_references:,}"),
+        Fact("failed", f"{len(failed):,}"),
+    ]
     if workers:
         facts.append(Fact("workers", f"{workers:,}"))
+    if rows.n_shown < rows.n_items:
+        facts.append(Fact("shown", f"{rows.n_shown:,} (a sample)", sample_note(rows)))
     # The one throughput of the page, computed as the chart computes its mean line.
-    finished = [it.finished_at for it in items]
-    start = job_start(it.started_at for it in items)
-    ends = [float(t) for t in finished if isinstance(t, (int, float)) and math.isfinite(t)]
+    finished = rows.timings("finished_at")
+    start = job_start(rows.timings("started_at"))
+    ends = finished[np.isfinite(finished)]
     rate = mean_images_per_minute(finished, start)
     note = "throughput: no images with start and finish times yet"
     if rate > 0 and start is not None:
-        span = max(ends) - start
+        span = float(ends.max()) - start
         facts.append(Fact("rendering time", format_duration(span), "from the first image's start to the last's finish"))
         facts.append(Fact("throughput", f"{format_rate(rate)} images / min", _THROUGHPUT_HINT))
         note = (
@@ -102,6 +110,25 @@ def page_header(
         scalars=_summary_scalars(summary),
         plots=list(plot_keys.items()),
         failed=len(failed),
+    )
+
+
+def sample_note(rows: JobRows) -> str:
+    """What the gallery shows of the job when it is not every item: a webdataset job has previews for a sample.
+
+    Empty when every item is shown. Charts, counts and tables still count every item."""
+    if rows.n_shown >= rows.n_items:
+        return ""
+    if not rows.n_shown:
+        return (
+            f"The job has {rows.n_items:,} images and none has a preview file, so the gallery shows none"
+            " (with output.format webdataset the images are inside the shards; see output.thumbnail_every)."
+            " Counts and charts cover every image."
+        )
+    return (
+        f"The job has {rows.n_items:,} images; the gallery shows a sample of {rows.n_shown:,}, about one in"
+        f" {round(rows.n_items / rows.n_shown):,}: those with a preview under thumbs/ (output.format webdataset"
+        " writes one for a sample, output.thumbnail_every). Counts, charts and tables cover every image."
     )
 
 

@@ -8,20 +8,32 @@ Parquet metadata and in the image's PNG chunks). Escaping is the templates' job.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pyarrow as pa
 
-__all__ = ["THUMB_SIZE", "FailedItem", "GalleryItem", "clip", "failed_items", "gallery_items", "timestamp"]
+__all__ = [
+    "DISPLAY_COLUMNS",
+    "THUMB_SIZE",
+    "FailedItem",
+    "GalleryItem",
+    "clip",
+    "failed_items",
+    "gallery_item",
+    "gallery_items",
+    "timestamp",
+]
 
 #: Longest side of the thumbnails the sink writes under ``thumbs/``.
 THUMB_SIZE = 256
 _MAX_PROMPT = 1200
 _MAX_ERROR = 2000
 
-_META_COLUMNS = (
+#: The metadata columns a gallery tile shows (caption, hover text, links); nothing else is read for a page.
+DISPLAY_COLUMNS = (
     "item_id",
     "manifest_row",
     "reference_uris",
@@ -75,38 +87,42 @@ class GalleryItem:
 
 def gallery_items(table: pa.Table) -> list[GalleryItem]:
     """One item per metadata row, ordered by reference (first manifest row) then row."""
-    cols = [c for c in _META_COLUMNS if c in table.column_names]
+    cols = [c for c in DISPLAY_COLUMNS if c in table.column_names]
     rows = table.select(cols).to_pylist()
     first_row: dict[str, float] = {}
     for r in rows:
         h = str(r.get("reference_hash") or "")
         first_row[h] = min(first_row.get(h, math.inf), _row_number(r))
-    items = []
-    for r in rows:
-        h = str(r.get("reference_hash") or "")
-        image_key = str(r.get("image_key") or "")
-        w, hgt = r.get("width"), r.get("height")
-        scale = THUMB_SIZE / max(w, hgt) if isinstance(w, int) and isinstance(hgt, int) and w > 0 and hgt > 0 else 0
-        items.append(
-            GalleryItem(
-                item_id=str(r.get("item_id") or ""),
-                order=(first_row[h], h, _row_number(r), str(r.get("item_id") or "")),
-                reference_hash=h,
-                reference_key=str(r.get("reference_image_key") or f"references/{h}.jpg"),
-                reference_uris=tuple(str(u) for u in (r.get("reference_uris") or ())),
-                image_key=image_key,
-                thumb_key=str(r.get("thumb_key") or image_key),
-                prompt=clip(str(r.get("prompt") or ""), _MAX_PROMPT),
-                settings=_settings_text(r),
-                thumb_w=round(w * scale) if scale else THUMB_SIZE,
-                thumb_h=round(hgt * scale) if scale else THUMB_SIZE,
-                started_at=r.get("started_at"),
-                finished_at=r.get("finished_at"),
-                worker_id=r.get("worker_id"),
-            )
-        )
+    items = [gallery_item(r, first_row[str(r.get("reference_hash") or "")]) for r in rows]
     items.sort(key=lambda it: it.order)
     return items
+
+
+def gallery_item(r: Mapping, reference_first_row: float = math.inf) -> GalleryItem:
+    """The tile of one metadata row (a mapping of DISPLAY_COLUMNS); `reference_first_row` orders its reference."""
+    h = str(r.get("reference_hash") or "")
+    image_key = str(r.get("image_key") or "")
+    thumb_key = str(r.get("thumb_key") or image_key)
+    w, hgt = r.get("width"), r.get("height")
+    scale = THUMB_SIZE / max(w, hgt) if isinstance(w, int) and isinstance(hgt, int) and w > 0 and hgt > 0 else 0
+    return GalleryItem(
+        item_id=str(r.get("item_id") or ""),
+        order=(reference_first_row, h, _row_number(r), str(r.get("item_id") or "")),
+        reference_hash=h,
+        reference_key=str(r.get("reference_image_key") or f"references/{h}.jpg"),
+        reference_uris=tuple(str(u) for u in (r.get("reference_uris") or ())),
+        # An item of a webdataset job has no file of its own (it is a member of a tar shard): its tile links
+        # to its preview rather than to nothing.
+        image_key=image_key or thumb_key,
+        thumb_key=thumb_key,
+        prompt=clip(str(r.get("prompt") or ""), _MAX_PROMPT),
+        settings=_settings_text(r),
+        thumb_w=round(w * scale) if scale else THUMB_SIZE,
+        thumb_h=round(hgt * scale) if scale else THUMB_SIZE,
+        started_at=r.get("started_at"),
+        finished_at=r.get("finished_at"),
+        worker_id=r.get("worker_id"),
+    )
 
 
 def _row_number(r: Mapping) -> float:
@@ -116,44 +132,72 @@ def _row_number(r: Mapping) -> float:
 
 def _settings_text(r: Mapping) -> str:
     """The hover text of a thumbnail: id, seed and every setting that is set."""
+    seed, adapter, worker, sample_s = r.get("seed"), r.get("adapter"), r.get("worker_id"), r.get("sample_s")
+    first = f"item {r.get('item_id')}" if seed is None or seed == "" else f"item {r.get('item_id')} · seed {_num(seed)}"
+    last = _join(
+        None if adapter is None or adapter == "" else f"adapter {_num(adapter)}",
+        None if worker is None or worker == "" else f"worker {_num(worker)}",
+        f"sampling {sample_s:.2f} s" if isinstance(sample_s, float) else None,
+    )
+    lines = [first, _settings_lines(*[r.get(k) for k in _SETTINGS_KEYS]), last]
+    if r.get("negative_prompt"):
+        lines.append("negative: " + clip(str(r["negative_prompt"]), 300))
+    return "\n".join(line for line in lines if line)
 
-    def num(v) -> str:
-        return f"{v:g}" if isinstance(v, float) else str(v)
 
-    def join(*parts: str | None) -> str:
-        return " · ".join(p for p in parts if p)
+_SETTINGS_KEYS = (
+    "width",
+    "height",
+    "steps",
+    "cfg",
+    "sampler",
+    "scheduler",
+    "mode",
+    "ref_weight",
+    "ref_guidance",
+    "ref_in_uncond",
+    "correction",
+    "ref_start",
+    "ref_end",
+)
 
-    def field(label: str, key: str) -> str | None:
-        v = r.get(key)
-        return f"{label} {num(v)}" if v is not None and v != "" else None
 
+@functools.lru_cache(maxsize=4096)
+def _settings_lines(*values) -> str:
+    """The two lines of render settings; cached, since the many items of a job mostly share their settings."""
+    r = dict(zip(_SETTINGS_KEYS, values, strict=True))
     size = f"{r['width']}×{r['height']}" if r.get("width") and r.get("height") else None
     sampler = "/".join(str(r[k]) for k in ("sampler", "scheduler") if r.get(k))
     ref_range = (
-        f"ref range {num(r['ref_start'])}–{num(r['ref_end'])}"
+        f"ref range {_num(r['ref_start'])}–{_num(r['ref_end'])}"
         if r.get("ref_start") is not None and r.get("ref_end") is not None
         else None
     )
     lines = [
-        join(f"item {r.get('item_id')}", field("seed", "seed")),
-        join(size, field("steps", "steps"), field("cfg", "cfg"), sampler or None),
-        join(
-            field("mode", "mode"),
-            field("ref weight", "ref_weight"),
-            field("ref guidance", "ref_guidance"),
+        _join(size, _field(r, "steps", "steps"), _field(r, "cfg", "cfg"), sampler or None),
+        _join(
+            _field(r, "mode", "mode"),
+            _field(r, "ref weight", "ref_weight"),
+            _field(r, "ref guidance", "ref_guidance"),
             "ref in uncond" if r.get("ref_in_uncond") else None,
-            field("correction", "correction"),
+            _field(r, "correction", "correction"),
             ref_range,
         ),
-        join(
-            field("adapter", "adapter"),
-            field("worker", "worker_id"),
-            f"sampling {r['sample_s']:.2f} s" if isinstance(r.get("sample_s"), float) else None,
-        ),
     ]
-    if r.get("negative_prompt"):
-        lines.append("negative: " + clip(str(r["negative_prompt"]), 300))
     return "\n".join(line for line in lines if line)
+
+
+def _num(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _join(*parts: str | None) -> str:
+    return " · ".join(p for p in parts if p)
+
+
+def _field(r: Mapping, label: str, key: str) -> str | None:
+    v = r.get(key)
+    return f"{label} {_num(v)}" if v is not None and v != "" else None
 
 
 @dataclass(frozen=True)

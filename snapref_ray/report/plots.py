@@ -31,6 +31,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = [
     "PLOT_KEYS",
     "bin_edges",
@@ -92,14 +94,13 @@ def images_per_minute(
     the bars' time-weighted mean is :func:`mean_images_per_minute`.
     """
     times, t0 = _completions(finished_at, start)
-    if not times:
+    if not len(times):
         return 1.0, []
-    span = max(max(times) - t0, 0.0)
+    span = max(float(times.max()) - t0, 0.0)
     bin_s = _bin_width(span, max_bins)
     edges = bin_edges(span, bin_s)
-    counts = [0] * (len(edges) - 1)
-    for t in times:
-        counts[min(max(int((t - t0) // bin_s), 0), len(counts) - 1)] += 1
+    n = len(edges) - 1
+    counts = np.bincount(np.clip((times - t0) // bin_s, 0, n - 1).astype(np.int64), minlength=n).tolist()
     widths = [b - a for a, b in zip(edges, edges[1:])]
     return bin_s, [c * 60.0 / (w if w > 0 else bin_s) for c, w in zip(counts, widths)]
 
@@ -125,13 +126,13 @@ def mean_images_per_minute(finished_at: Sequence[float], start: float | None = N
     chart draws it as its mean line. 0.0 when there is no time span to divide by.
     """
     times, t0 = _completions(finished_at, start)
-    elapsed = max(times) - t0 if times else 0.0
+    elapsed = float(times.max()) - t0 if len(times) else 0.0
     return len(times) / elapsed * 60 if elapsed > 0 else 0.0
 
 
-def _completions(finished_at: Sequence[float], start: float | None) -> tuple[list[float], float]:
-    times = [float(t) for t in finished_at if _finite(t)]
-    return times, (min(times, default=0.0) if start is None else float(start))
+def _completions(finished_at: Sequence[float], start: float | None) -> tuple[np.ndarray, float]:
+    times = _finite_values(finished_at)
+    return times, ((float(times.min()) if len(times) else 0.0) if start is None else float(start))
 
 
 def _bin_width(span_s: float, max_bins: int) -> float:
@@ -167,29 +168,35 @@ def worker_utilisation(
     Intervals closer than ``merge_gap_s`` are joined in ``intervals`` (a drawing aid: gaps
     narrower than a pixel); ``busy_s`` is always computed without that merging.
     """
-    rows = [
-        (str(w), float(s), float(f))
-        for w, s, f in zip(worker_ids, started_at, finished_at, strict=True)
-        if w is not None and _finite(s) and _finite(f) and f >= s
-    ]
-    if not rows:
+    starts, ends = _floats(started_at), _floats(finished_at)
+    with np.errstate(invalid="ignore"):
+        valid = np.isfinite(starts) & np.isfinite(ends) & (ends >= starts)
+    index: dict[str, int] = {}
+    # Each worker's number, -1 for a row without a worker (one Python step per row, not a sort of strings).
+    codes = np.fromiter(
+        (-1 if w is None else index.setdefault(str(w), len(index)) for w in worker_ids), np.int64, len(starts)
+    )
+    valid &= codes >= 0
+    if not valid.any():
         return 0.0, []
-    t0 = min(s for _, s, _ in rows)
-    span = max(f for _, _, f in rows) - t0
-    by_worker: dict[str, list[tuple[float, float]]] = {}
-    for w, s, f in rows:
-        by_worker.setdefault(w, []).append((s - t0, f - t0))
+    t0 = float(starts[valid].min())
+    span = float(ends[valid].max()) - t0
     uses = []
-    for w in sorted(by_worker, key=_natural_key):
-        spans = sorted(by_worker[w])
-        busy = sum(e - s for s, e in _merge(spans, 0.0))
+    for w in sorted(index, key=_natural_key):
+        rows = np.flatnonzero(valid & (codes == index[w]))
+        if not len(rows):
+            continue
+        s_, e_ = starts[rows] - t0, ends[rows] - t0
+        order = np.lexsort((e_, s_))  # by start, then end: the spans sorted as tuples
+        s_, e_ = s_[order], e_[order]
+        busy = sum(e - s for s, e in _merge(s_, e_, 0.0))
         uses.append(
             WorkerUse(
                 worker_id=w,
-                items=len(spans),
+                items=len(rows),
                 busy_s=busy,
                 utilisation=busy / span if span > 0 else 1.0,
-                intervals=_merge(spans, merge_gap_s),
+                intervals=_merge(s_, e_, merge_gap_s),
             )
         )
     return span, uses
@@ -201,13 +208,11 @@ def histogram(values: Iterable[float | None], bins: int, lo: float, hi: float) -
     Non-finite values are ignored; values outside the range are clipped into the end bins so
     the counts always sum to the number of finite values.
     """
-    counts = [0] * bins
+    vals = _finite_values(values)
     # Scale before dividing so edges land exactly (4.0 is the start of bin 5 of 10 over [0, 8]).
     per_unit = bins / (hi - lo) if hi > lo else 0.0
-    for v in values:
-        if _finite(v):
-            counts[min(max(math.floor((float(v) - lo) * per_unit), 0), bins - 1)] += 1
-    return counts
+    index = np.clip(np.floor((vals - lo) * per_unit), 0, bins - 1).astype(np.int64)
+    return np.bincount(index, minlength=bins).tolist()
 
 
 def format_duration(seconds: float) -> str:
@@ -303,7 +308,7 @@ def throughput_svg(finished_at: Sequence[float], start: float | None = None, max
     if not rates:
         return _no_data(title, "no finished items")
     times, t0 = _completions(finished_at, start)
-    elapsed = max(times) - t0
+    elapsed = float(times.max()) - t0
     edges = bin_edges(max(elapsed, 0.0), bin_s)
     mean = mean_images_per_minute(finished_at, start)
     fig, ax = _figure(
@@ -387,13 +392,13 @@ def latency_svg(latency_s: Sequence[float | None], sample_s: Sequence[float | No
 
     title = "Latency per image"
     series = [
-        ("latency", "end to end (finished_at − started_at)", [float(v) for v in latency_s if _finite(v)], _BAR),
-        ("sample", "sampling (sample_s)", [float(v) for v in sample_s if _finite(v)], _BAR_SAMPLE),
+        ("latency", "end to end (finished_at − started_at)", np.sort(_finite_values(latency_s)), _BAR),
+        ("sample", "sampling (sample_s)", np.sort(_finite_values(sample_s)), _BAR_SAMPLE),
     ]
-    series = [s for s in series if s[2]]
+    series = [s for s in series if len(s[2])]
     if not series:
         return _no_data(title, "no timings")
-    hi = max(max(vals) for _, _, vals, _ in series)
+    hi = max(float(vals[-1]) for _, _, vals, _ in series)
     # A round upper end (the locator's last tick at or above the slowest item) so bins have round edges.
     x_hi = float(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(0, hi if hi > 0 else 1.0)[-1])
     width = x_hi / bins
@@ -414,7 +419,7 @@ def latency_svg(latency_s: Sequence[float | None], sample_s: Sequence[float | No
         for i, bar in enumerate(bars):
             bar.set_gid(f"{name}-bar-{i}")
         ax.set_title(
-            f"{label}: n={len(vals)}, p50 {p50:.3g} s, p90 {p90:.3g} s, p99 {p99:.3g} s, max {max(vals):.3g} s"
+            f"{label}: n={len(vals)}, p50 {p50:.3g} s, p90 {p90:.3g} s, p99 {p99:.3g} s, max {float(vals[-1]):.3g} s"
         )
         ax.set_ylabel("images")
         ax.yaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))
@@ -433,15 +438,17 @@ def write_plots(storage, table) -> dict[str, str]:
     ``finished_at`` and ``sample_s`` are read; a missing column draws an empty chart).
     """
 
-    def col(name: str) -> list:
-        return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
+    def floats(name: str) -> np.ndarray:  # null -> NaN, as float64 (a float32 column's values unchanged)
+        if name not in table.column_names:
+            return np.full(table.num_rows, np.nan)
+        return table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
 
-    started, finished = col("started_at"), col("finished_at")
-    latency = [f - s if _finite(s) and _finite(f) else None for s, f in zip(started, finished, strict=True)]
+    started, finished = floats("started_at"), floats("finished_at")
+    workers = table.column("worker_id").to_pylist() if "worker_id" in table.column_names else [None] * len(started)
     svgs = {
         "throughput": throughput_svg(finished, start=job_start(started)),
-        "workers": workers_svg(col("worker_id"), started, finished),
-        "latency": latency_svg(latency, col("sample_s")),
+        "workers": workers_svg(workers, started, finished),
+        "latency": latency_svg(finished - started, floats("sample_s")),
     }
     for name, svg in svgs.items():
         storage.put_bytes(PLOT_KEYS[name], svg.encode("utf-8"), content_type="image/svg+xml")
@@ -450,8 +457,8 @@ def write_plots(storage, table) -> dict[str, str]:
 
 def job_start(started_at: Iterable[float | None]) -> float | None:
     """The first ``started_at`` (None when no item has one): where throughput is counted from."""
-    starts = [float(s) for s in started_at if _finite(s)]
-    return min(starts) if starts else None
+    starts = _finite_values(started_at)
+    return float(starts.min()) if len(starts) else None
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -461,24 +468,37 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _merge(spans: list[tuple[float, float]], gap: float) -> list[tuple[float, float]]:
-    """Union of sorted intervals, joining those separated by at most ``gap``."""
-    merged: list[tuple[float, float]] = []
-    for s, e in spans:
-        if merged and s <= merged[-1][1] + gap:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
-        else:
-            merged.append((s, e))
-    return merged
+def _floats(values) -> np.ndarray:
+    """`values` as float64, NaN where a value is not a finite number (None, a bool, a string)."""
+    if isinstance(values, np.ndarray) and values.dtype.kind == "f":
+        return values.astype(np.float64, copy=False)
+    return np.fromiter((float(v) if _finite(v) else np.nan for v in values), np.float64)
+
+
+def _finite_values(values) -> np.ndarray:
+    """The finite numbers of `values`, in order, as float64 (a million of them without a Python step each
+    when they come as a float array)."""
+    vals = _floats(values)
+    return vals[np.isfinite(vals)]
+
+
+def _merge(starts: np.ndarray, ends: np.ndarray, gap: float) -> list[tuple[float, float]]:
+    """Union of intervals sorted by start, joining those separated by at most ``gap``."""
+    if not len(starts):
+        return []
+    reach = np.maximum.accumulate(ends)  # the end of the union so far: where the next interval must start
+    first = np.flatnonzero(np.r_[True, starts[1:] > reach[:-1] + gap])
+    last = np.r_[first[1:] - 1, len(starts) - 1]
+    return list(zip(starts[first].tolist(), reach[last].tolist(), strict=True))
 
 
 def _natural_key(s: str) -> list:
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", s) if p]
 
 
-def _quantile(sorted_or_not: list[float], q: float) -> float:
-    vals = sorted(sorted_or_not)
+def _quantile(vals: np.ndarray, q: float) -> float:
+    """The `q` quantile of sorted `vals`, linearly interpolated."""
     pos = q * (len(vals) - 1)
     lo = math.floor(pos)
     hi = min(lo + 1, len(vals) - 1)
-    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+    return float(vals[lo] + (vals[hi] - vals[lo]) * (pos - lo))

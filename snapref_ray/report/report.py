@@ -14,13 +14,13 @@ from pathlib import Path
 
 from snapref_ray.report.gallery import DEFAULT_TITLE, errors_page_key, failed_items, page_key, write_gallery
 from snapref_ray.report.plots import write_plots
+from snapref_ray.report.rows import JobRows
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.ledger import JOB_KEY
 from snapref_ray.storage.metadata import (
     METADATA_PREFIX,
     SUMMARY_KEY,
     read_errors_table,
-    read_metadata_table,
     read_summary,
 )
 
@@ -42,8 +42,10 @@ def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str =
     credentials for an S3-compatible store). The result holds ``gallery`` (URI of page 1),
     ``pages`` (number of gallery pages), ``errors_page`` (URI of the first page of failed
     items, None when nothing failed), ``plots`` (plot name -> URI) and the counts
-    ``images``, ``references`` and ``failed``. Raises :class:`NoJobOutputError` when
-    ``output_uri`` is missing or holds none of ``job.json``, ``summary.json``, ``metadata/``.
+    ``images``, ``shown`` (items the gallery draws: every one, or a webdataset job's sample),
+    ``references`` and ``failed``. The metadata is read a page at a time (report/rows.py).
+    Raises :class:`NoJobOutputError` when ``output_uri`` is missing or holds none of
+    ``job.json``, ``summary.json``, ``metadata/``.
     """
     if not output_uri.startswith("s3://"):
         _require_local_folder(Path(output_uri.removeprefix("file://")).expanduser())
@@ -53,24 +55,22 @@ def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str =
             f"no job output at {storage.uri}: it holds no {JOB_KEY}, {SUMMARY_KEY} or {METADATA_PREFIX}/"
             " (give the folder a job wrote: its --out, or output.uri of its spec)"
         )
-    table = read_metadata_table(storage)
-    done = {str(i) for i in table.column("item_id").to_pylist()}
-    errors = read_errors_table(storage, exclude_ids=done)
+    rows = JobRows.from_storage(storage)  # the narrow columns of every item; pages read the rest as they go
+    errors = read_errors_table(storage, exclude_ids=rows.keys.column("item_id"))
     summary = read_summary(storage)
-    plots = write_plots(storage, table)
+    plots = write_plots(storage, rows.keys)
     pages = write_gallery(
-        storage, table, page_size=page_size, title=title, errors=errors, summary=summary, plot_keys=plots
+        storage, rows, page_size=page_size, title=title, errors=errors, summary=summary, plot_keys=plots
     )
     return {
         "gallery": storage.uri_for(page_key(1)),
         "pages": sum(1 for key in pages if key.startswith("gallery")),
         "errors_page": storage.uri_for(errors_page_key(1)) if errors_page_key(1) in pages else None,
         "plots": {name: storage.uri_for(key) for name, key in plots.items()},
-        "images": table.num_rows,
-        "references": (
-            len(set(table.column("reference_hash").to_pylist())) if "reference_hash" in table.column_names else 0
-        ),
-        "failed": len(failed_items(errors, done)),
+        "images": rows.n_items,
+        "shown": rows.n_shown,
+        "references": rows.n_references,
+        "failed": len(failed_items(errors, set())),
     }
 
 

@@ -86,6 +86,10 @@ class Storage(Protocol):
     def get_bytes(self, key: str) -> bytes:
         """The object's bytes; StorageError naming the root and key when it is missing."""
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes of the object from byte `start` (one member of a tar shard, without the rest);
+        StorageError when the object is missing or shorter than the range."""
+
     def exists(self, key: str) -> bool:
         """Whether an object is stored under `key`."""
 
@@ -113,6 +117,22 @@ def _check_key(key: str) -> str:
             f"or empty parts"
         )
     return key
+
+
+def _check_range(key: str, start: int, length: int) -> None:
+    if start < 0 or length < 0:
+        raise StorageError(f"invalid byte range of {key!r}: start {start}, length {length} (both must be >= 0)")
+
+
+def _whole_range(uri: str, key: str, start: int, length: int, data: bytes) -> bytes:
+    """`data` if it is the whole range asked for: a short read means the object is not what the caller's
+    index says (a shard replaced or truncated), which must not pass as an image."""
+    if len(data) != length:
+        raise StorageError(
+            f"object {key!r} in storage {uri} is shorter than the range asked for: bytes {start}..{start + length}, "
+            f"got {len(data)}"
+        )
+    return data
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,6 +230,19 @@ class LocalStorage:
             raise StorageError(f"no object {key!r} in storage {self.uri} (file {path} does not exist)") from None
         except OSError as e:
             raise StorageError(f"cannot read {path} (storage {self.uri}, key {key!r}): {e}") from e
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        _check_range(key, start, length)
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read(length)
+        except FileNotFoundError:
+            raise StorageError(f"no object {key!r} in storage {self.uri} (file {path} does not exist)") from None
+        except OSError as e:
+            raise StorageError(f"cannot read {path} (storage {self.uri}, key {key!r}): {e}") from e
+        return _whole_range(self.uri, key, start, length, data)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -459,6 +492,33 @@ class S3Storage:
                     f"no object {key!r} in storage {self.uri} ({self.uri_for(key)} does not exist)"
                 ) from None
             raise self._client_error("GET", key, e) from e
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """One ranged GET (``Range: bytes=start-end``): a shard's member costs its own size, not the shard's."""
+        from botocore.exceptions import ClientError
+
+        _check_range(key, start, length)
+        if length == 0:
+            return b""
+        try:
+            data = self._call(
+                "ranged GET",
+                self.uri_for(key),
+                lambda: self.client.get_object(
+                    Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}"
+                )["Body"].read(),
+            )
+        except ClientError as e:
+            if _code(e) in ("NoSuchKey", "404") or _status(e) == 404:
+                raise StorageError(
+                    f"no object {key!r} in storage {self.uri} ({self.uri_for(key)} does not exist)"
+                ) from None
+            if _status(e) == 416 or _code(e) == "InvalidRange":
+                raise StorageError(
+                    f"bytes {start}..{start + length} of {self.uri_for(key)} are past its end (storage {self.uri})"
+                ) from None
+            raise self._client_error("ranged GET", key, e) from e
+        return _whole_range(self.uri, key, start, length, data)
 
     def head(self, key: str) -> dict | None:
         """The object's HEAD answer (ContentLength, ETag, ...), or None when it does not exist."""

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .backends import Storage
@@ -40,6 +41,8 @@ METADATA_PREFIX = "metadata"
 ERRORS_PREFIX = "errors"
 SUMMARY_KEY = "summary.json"
 ERROR_STAGES = ("validate", "encode", "sample", "write")
+# Rows per row group of a compacted part: a page of the report decodes one row group, not the whole part.
+COMPACT_ROW_GROUP_ROWS = 65_536
 
 
 def image_key(item_id: str, ext: str = "png") -> str:
@@ -469,23 +472,41 @@ def read_metadata_table(storage: Storage) -> pa.Table:
     return _first_per_id(_concat(_read_parts(storage, METADATA_PREFIX), METADATA_SCHEMA))
 
 
-def read_errors_table(storage: Storage, exclude_ids: set[str] | None = None) -> pa.Table:
+def read_errors_table(
+    storage: Storage, exclude_ids: Iterable[str] | pa.Array | pa.ChunkedArray | None = None
+) -> pa.Table:
     """The error rows, without those whose item is in `exclude_ids`.
 
     By default `exclude_ids` is the set of committed item ids: an item that failed once and then
-    succeeded is not an error of the job. Pass an empty set to see every recorded failure.
+    succeeded is not an error of the job. Pass an empty set to see every recorded failure. An Arrow
+    array of ids is matched in Arrow (no Python string per committed item: the report of a million items).
     """
     table = _concat(_read_parts(storage, ERRORS_PREFIX), ERRORS_SCHEMA)
     if exclude_ids is None:
-        exclude_ids = set(read_item_ids(storage))
-    if not exclude_ids or not table.num_rows:
-        return table
-    keep = [item_id is None or item_id not in exclude_ids for item_id in table.column("item_id").to_pylist()]
-    return table.filter(pa.array(keep))
+        if not table.num_rows:
+            return table
+        exclude_ids = read_table_columns(storage, ["item_id"]).column("item_id")
+    return without_items(table, exclude_ids)
+
+
+def without_items(errors: pa.Table, item_ids: Iterable[str] | pa.Array | pa.ChunkedArray) -> pa.Table:
+    """`errors` without the rows of the items in `item_ids` (rows with no item id are kept)."""
+    if not isinstance(item_ids, (pa.Array, pa.ChunkedArray)):
+        item_ids = pa.array(list(item_ids), pa.string())
+    if not len(item_ids) or not errors.num_rows:
+        return errors
+    value_set = pa.chunked_array([item_ids] if isinstance(item_ids, pa.Array) else item_ids.chunks, item_ids.type)
+    drop = pc.is_in(errors.column("item_id").cast(pa.string()), value_set=value_set.combine_chunks().cast(pa.string()))
+    return errors.filter(pc.invert(pc.fill_null(drop, False)))
 
 
 def compact_parts(
-    storage: Storage, prefix: str = METADATA_PREFIX, *, target_rows: int = 1_000_000, min_parts: int = 8
+    storage: Storage,
+    prefix: str = METADATA_PREFIX,
+    *,
+    target_rows: int = 1_000_000,
+    min_parts: int = 8,
+    row_group_rows: int = COMPACT_ROW_GROUP_ROWS,
 ) -> list[str]:
     """Merge runs of small parts under `prefix` into parts of up to `target_rows` rows; the new keys.
 
@@ -495,7 +516,10 @@ def compact_parts(
     part it replaces, so part names keep commit order and "the first committed row wins" still holds;
     duplicate rows of an item inside a run are dropped. A merged part is written before the parts it
     replaces are deleted: a crash in between leaves the same rows twice, which readers de-duplicate.
-    Parts holding image bytes (embed_images) are left alone: they are large already.
+    Parts holding image bytes (embed_images) are left alone: they are large already. A merged part is written
+    in row groups of `row_group_rows`, so a reader that pages through it (the report, report/rows.py) decodes
+    a row group at a time, not a million rows. Error parts (``errors/``) keep every row: an item's several
+    failures are its history, not duplicates.
     """
     keys = [k for k in storage.list(prefix.strip("/") + "/") if k.endswith(".parquet")]
     if len(keys) < min_parts:
@@ -518,11 +542,13 @@ def compact_parts(
     for run in runs:
         if len(run) < 2:
             continue
-        merged = _first_per_id(pa.concat_tables([tables[i] for i in run], promote_options="default"))
+        merged = pa.concat_tables([tables[i] for i in run], promote_options="default")
+        if prefix.strip("/") != ERRORS_PREFIX:
+            merged = _first_per_id(merged)
         stamp = keys[run[0]].rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
         key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
         buf = io.BytesIO()
-        pq.write_table(merged.combine_chunks(), buf, compression="zstd")
+        pq.write_table(merged.combine_chunks(), buf, compression="zstd", row_group_size=row_group_rows)
         storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
         for i in run:
             storage.delete(keys[i])
@@ -532,6 +558,12 @@ def compact_parts(
         after = len(keys) - replaced + len(written)
         log.info("compacted %s: %d parts -> %d", storage.uri_for(prefix), len(keys), after)
     return written
+
+
+def compact_output_parts(storage: Storage) -> dict[str, list[str]]:
+    """`compact_parts` of both tables a job appends to, ``metadata/`` and ``errors/`` (a long job leaves many
+    small parts of each); prefix -> the merged parts written. Only the holder of the output's lease may call it."""
+    return {prefix: compact_parts(storage, prefix) for prefix in (METADATA_PREFIX, ERRORS_PREFIX)}
 
 
 def write_summary(storage: Storage, summary: dict) -> None:

@@ -251,3 +251,16 @@ def test_put_file_publishes_a_local_file_whole_and_consumes_it(storage, tmp_path
     assert storage.get_bytes("shards/a.tar") == data
     assert storage.list("shards/") == ["shards/a.tar"]
     assert not src.exists()
+
+
+def test_get_range_reads_the_bytes_asked_for_and_refuses_a_short_object(storage):
+    data = bytes(range(256)) * 40  # 10,240 bytes, every offset distinguishable
+    storage.put_bytes("shards/s.tar", data)
+    assert storage.get_range("shards/s.tar", 0, 5) == data[:5]
+    assert storage.get_range("shards/s.tar", 5000, 1234) == data[5000:6234]
+    assert storage.get_range("shards/s.tar", len(data) - 7, 7) == data[-7:]
+    assert storage.get_range("shards/s.tar", 100, 0) == b""
+    with pytest.raises(StorageError, match="shorter than the range"):
+        storage.get_range("shards/s.tar", len(data) - 7, 8)
+    with pytest.raises(StorageError, match="no object 'shards/missing.tar'"):
+        storage.get_range("shards/missing.tar", 0, 4)

@@ -422,3 +422,46 @@ def test_compaction_merges_small_parts_keeping_rows_and_the_first_commit(tmp_pat
     # Rows of different parts are not merged: the later commit of item 4 is still there, behind the first.
     assert sorted(read_item_ids(storage)) == sorted([f"item-{i:04d}" for i in range(80)] + ["item-0004"])
     assert compact_parts(storage, target_rows=80, min_parts=8) == []  # nothing small left to merge
+
+
+def test_error_parts_are_compacted_keeping_every_failure_of_an_item(tmp_path):
+    from snapref_ray.storage.metadata import ERRORS_PREFIX, compact_output_parts
+
+    storage = open_storage(str(tmp_path / "out"))
+    # A long job: an error part per flush, an item failing on several attempts, rows without an id.
+    recorded = []
+    for flush in range(12):
+        with ErrorWriter(storage, flush_rows=100, flush_seconds=0) as errors:
+            for attempt in (1, 2):
+                row = {
+                    "item_id": f"item-{flush % 5:04d}" if flush % 3 else None,
+                    "manifest_row": flush,
+                    "error": f"ValueError: flush {flush} attempt {attempt}",
+                    "stage": "sample",
+                    "attempt": attempt,
+                    "at": 1000.0 + flush * 10 + attempt,
+                }
+                errors.add(row)
+                recorded.append(row)
+    assert len(storage.list(f"{ERRORS_PREFIX}/")) == 12
+
+    written = compact_output_parts(storage)
+
+    assert written["metadata"] == [] and len(written[ERRORS_PREFIX]) == 1
+    assert storage.list(f"{ERRORS_PREFIX}/") == written[ERRORS_PREFIX]
+    # Every failure is still there, in commit order (the oracle: the rows as they were added).
+    assert read_errors_table(storage, exclude_ids=set()).to_pylist() == recorded
+
+
+def test_compacted_part_is_written_in_row_groups(tmp_path):
+    from snapref_ray.storage.metadata import compact_parts
+
+    storage = open_storage(str(tmp_path / "out"))
+    with MetadataWriter(storage, flush_rows=5, flush_seconds=0) as writer:
+        for i in range(50):
+            writer.add(make_row(i))
+    before = read_metadata_table(storage).to_pylist()
+    (key,) = compact_parts(storage, target_rows=1000, min_parts=2, row_group_rows=16)
+    f = pq.ParquetFile(storage.uri_for(key))
+    assert [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)] == [16, 16, 16, 2]
+    assert read_metadata_table(storage).to_pylist() == before
