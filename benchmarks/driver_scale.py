@@ -6,7 +6,7 @@
     python benchmarks/driver_scale.py manifest --items 1000000                      # whole vs chunks
     python benchmarks/driver_scale.py all --out result.json                         # what fits a laptop
 
-Every measurement runs in a fresh Python process, so its peak RSS (`ru_maxrss`) is its own:
+Every measurement runs in a fresh Python process, so its peak RSS (Linux VmHWM) is its own:
 
 - ``job``: the real `run_job` with the simulated renderer of benchmarks/orchestration.py (sleeps for GPU
   time, real PNGs, real storing and committing), 4 workers, 25 prompts per reference, a local output,
@@ -48,7 +48,11 @@ MiB = 2**20
 
 
 def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """VmHWM, this process's own peak: ru_maxrss would carry the parent's RSS at the fork (Linux keeps it across
+    exec)."""
+    from snapref_ray.render_service.memory import peak_resident_bytes
+
+    return peak_resident_bytes() / MiB
 
 
 def _cpu_s() -> float:

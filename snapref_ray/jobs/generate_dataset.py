@@ -45,6 +45,7 @@ from snapref_ray.jobs.job_summary import (
     job_throughput,
 )
 from snapref_ray.render_service.loading import adapter_kind
+from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.render_service.work_plan import WorkPlan
 from snapref_ray.storage.backends import Storage, open_storage
@@ -97,9 +98,10 @@ def worker_config(
 
 
 def _driver_usage() -> tuple[float, int]:
-    """(CPU seconds, peak RSS bytes) of this process so far; Linux reports ru_maxrss in KiB."""
+    """(CPU seconds, peak RSS bytes) of this process so far. The peak is Linux's VmHWM, the process's own:
+    ru_maxrss would carry the RSS of the process that started it (Linux keeps it across fork and exec)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
+    return usage.ru_utime + usage.ru_stime, peak_resident_bytes()
 
 
 def run_job(
@@ -142,6 +144,8 @@ def run_job(
         plan.close()
         summary = _summarise(spec, plan, output, run)  # 5. summary.json
         write_summary(output.storage, summary.to_json())
+        if not run.interrupted:
+            _compact(output.storage)  # while the lease is held: the report and the next run read few parts
         output.lease.release()
     if write_gallery:
         _write_gallery(spec)
@@ -446,6 +450,13 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: _Output, run: _Run) -> Job
         finished_at=now,
         runs=runs,
     )
+
+
+def _compact(storage: Storage) -> None:
+    try:
+        compact_output_parts(storage)
+    except Exception as e:  # the parts stay as they are, and the next run compacts them
+        log.warning("could not compact the output's parts: %s", e)
 
 
 def _write_gallery(spec: JobSpec) -> None:

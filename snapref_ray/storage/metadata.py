@@ -504,7 +504,7 @@ def compact_parts(
     storage: Storage,
     prefix: str = METADATA_PREFIX,
     *,
-    target_rows: int = 1_000_000,
+    target_rows: int = 250_000,
     min_parts: int = 8,
     row_group_rows: int = COMPACT_ROW_GROUP_ROWS,
 ) -> list[str]:
@@ -512,52 +512,63 @@ def compact_parts(
 
     A long job writes a part every `flush_rows` rows or `metadata_flush_seconds` (thousands of parts at a
     million items), and every resume and report lists and reads them all. Only the holder of the output's
-    lease may call this (the driver, before rendering). Each merged part takes the time stamp of the first
-    part it replaces, so part names keep commit order and "the first committed row wins" still holds;
+    lease may call this (the driver, before rendering and at the end). Each merged part takes the time stamp of
+    the first part it replaces, so part names keep commit order and "the first committed row wins" still holds;
     duplicate rows of an item inside a run are dropped. A merged part is written before the parts it
     replaces are deleted: a crash in between leaves the same rows twice, which readers de-duplicate.
-    Parts holding image bytes (embed_images) are left alone: they are large already. A merged part is written
-    in row groups of `row_group_rows`, so a reader that pages through it (the report, report/rows.py) decodes
-    a row group at a time, not a million rows. Error parts (``errors/``) keep every row: an item's several
-    failures are its history, not duplicates.
+    Parts holding image bytes (embed_images) are left alone: they are large already, and so are parts of at least
+    half of `target_rows`. A merged part is written in row groups of `row_group_rows`, so a reader that pages
+    through it (the report, report/rows.py) decodes a row group at a time, not the whole part. Error parts
+    (``errors/``) keep every row: an item's several failures are its history, not duplicates.
+
+    The parts are read in order, a few at a time, and each run is written as soon as it is complete: what is held
+    is one run (at most `target_rows` rows) and the parts being fetched, whatever the output's size.
     """
     keys = [k for k in storage.list(prefix.strip("/") + "/") if k.endswith(".parquet")]
     if len(keys) < min_parts:
         return []
+    written: list[str] = []
+    replaced = 0
+    run: list[tuple[str, pa.Table]] = []
+    run_rows = 0
+
+    def close_run() -> None:
+        nonlocal run, run_rows, replaced
+        if len(run) >= 2:
+            written.append(_write_merged(storage, prefix, run, row_group_rows))
+            replaced += len(run)
+        run, run_rows = [], 0
+
     with ThreadPoolExecutor(max_workers=8) as pool:
-        tables = list(pool.map(lambda k: pq.read_table(io.BytesIO(storage.get_bytes(k))), keys))
-    small = [t.num_rows < target_rows // 2 and IMAGE_COLUMN not in t.column_names for t in tables]
-    if sum(small) < min_parts:
-        return []
-    runs: list[list[int]] = [[]]
-    rows = 0
-    for i, is_small in enumerate(small):
-        if not is_small or rows + tables[i].num_rows > target_rows:
-            runs.append([])
-            rows = 0
-        if is_small:
-            runs[-1].append(i)
-            rows += tables[i].num_rows
-    written, replaced = [], 0
-    for run in runs:
-        if len(run) < 2:
-            continue
-        merged = pa.concat_tables([tables[i] for i in run], promote_options="default")
-        if prefix.strip("/") != ERRORS_PREFIX:
-            merged = _first_per_id(merged)
-        stamp = keys[run[0]].rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
-        key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
-        buf = io.BytesIO()
-        pq.write_table(merged.combine_chunks(), buf, compression="zstd", row_group_size=row_group_rows)
-        storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
-        for i in run:
-            storage.delete(keys[i])
-        written.append(key)
-        replaced += len(run)
+        for start in range(0, len(keys), 8):
+            batch = keys[start : start + 8]
+            for key, table in zip(batch, pool.map(lambda k: pq.read_table(io.BytesIO(storage.get_bytes(k))), batch)):
+                small = table.num_rows < target_rows // 2 and IMAGE_COLUMN not in table.column_names
+                if not small or run_rows + table.num_rows > target_rows:
+                    close_run()
+                if small:
+                    run.append((key, table))
+                    run_rows += table.num_rows
+    close_run()
     if written:
         after = len(keys) - replaced + len(written)
         log.info("compacted %s: %d parts -> %d", storage.uri_for(prefix), len(keys), after)
     return written
+
+
+def _write_merged(storage: Storage, prefix: str, run: list[tuple[str, pa.Table]], row_group_rows: int) -> str:
+    """One part for a run of parts (written, then the run's parts deleted); its key."""
+    merged = pa.concat_tables([table for _, table in run], promote_options="default")
+    if prefix.strip("/") != ERRORS_PREFIX:
+        merged = _first_per_id(merged)
+    stamp = run[0][0].rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
+    key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
+    buf = io.BytesIO()
+    pq.write_table(merged.combine_chunks(), buf, compression="zstd", row_group_size=row_group_rows)
+    storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
+    for part_key, _ in run:
+        storage.delete(part_key)
+    return key
 
 
 def compact_output_parts(storage: Storage) -> dict[str, list[str]]:

@@ -161,6 +161,7 @@ import json, resource, sys
 from snapref_ray.job_spec import JobSpec
 from snapref_ray.render_service.work_plan import WorkPlan
 from snapref_ray.storage.id_claims import ClaimedIds
+from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.storage.ledger import CommittedIds
 
 spec = JobSpec.model_validate(json.loads(sys.argv[1]))
@@ -169,7 +170,7 @@ with open("/proc/self/statm") as f:
 with WorkPlan.build(spec, adapter_kind="snapref") as plan:
     plan.skip_committed(CommittedIds.from_strings([]))
     read = sum(len(group) for group in plan.reference_groups())
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = peak_resident_bytes()  # VmHWM: ru_maxrss would carry pytest's RSS at the fork
 print(json.dumps({"items": plan.items, "read": read, "growth": peak - before}))
 """
 

@@ -424,6 +424,37 @@ def test_compaction_merges_small_parts_keeping_rows_and_the_first_commit(tmp_pat
     assert compact_parts(storage, target_rows=80, min_parts=8) == []  # nothing small left to merge
 
 
+def test_compaction_writes_each_run_before_it_reads_the_parts_after_it(tmp_path):
+    """What compaction holds is one run of parts, not the output: a run's merged part is written (and its parts
+    deleted) before parts past the next batch of fetches are read."""
+    from snapref_ray.storage.metadata import compact_parts
+
+    class Recording(LocalStorage):
+        events: list[tuple[str, str]] = []
+
+        def get_bytes(self, key):
+            self.events.append(("read", key))
+            return super().get_bytes(key)
+
+        def put_bytes(self, key, data, **kwargs):
+            self.events.append(("write", key))
+            return super().put_bytes(key, data, **kwargs)
+
+    storage = Recording(tmp_path / "out")
+    writer = MetadataWriter(storage, flush_rows=10, flush_seconds=0)
+    for i in range(400):  # 40 parts of 10 rows
+        writer.add(make_row(i))
+    writer.close()
+    before = read_metadata_table(storage)
+    Recording.events = []
+    written = compact_parts(storage, target_rows=50, min_parts=8)  # runs of 5 parts
+    assert len(written) == 8 and len(storage.list("metadata/")) == 8
+    reads = [k for e, k in Recording.events if e == "read"]
+    first_write = Recording.events.index(next(e for e in Recording.events if e[0] == "write"))
+    assert len(reads) == 40 and sum(e == "read" for e, _ in Recording.events[:first_write]) <= 8 + 5
+    assert read_metadata_table(storage).to_pylist() == before.to_pylist()
+
+
 def test_error_parts_are_compacted_keeping_every_failure_of_an_item(tmp_path):
     from snapref_ray.storage.metadata import ERRORS_PREFIX, compact_output_parts
 
