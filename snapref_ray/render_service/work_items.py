@@ -218,6 +218,14 @@ class ManifestValidator:
         self._settings_of_object: dict[int, int] = {}  # id(one of self.settings) -> index; they live as long
         self._resolved: dict[int, tuple[RenderSettings, int]] = {}  # id(asked settings) -> (them, resolved index)
 
+    def done(self) -> None:
+        """The manifest is read: drop what only validation needs (the claimed ids, the reference checks, the
+        group index); what reads the items back needs only `settings`."""
+        self.claimed = ClaimedIds()
+        self.checked.clear()
+        self._groups.clear()
+        self._resolved.clear()
+
     def reference_group(self, reference_hash: str) -> int:
         """The reference's place in the order of first use (0, 1, ...)."""
         return self._groups.setdefault(reference_hash, len(self._groups))
