@@ -14,31 +14,8 @@ import traceback
 from typing import Any
 
 from snapref_ray.storage.image_files import EXTENSIONS, ImageFormat, encode_rendered_image
-from snapref_ray.storage.metadata import METADATA_SCHEMA
+from snapref_ray.storage.metadata import METADATA_SCHEMA, SETTINGS_IN_METADATA
 
-# The metadata columns that are RenderSettings fields, in schema order.
-SETTINGS_IN_METADATA = tuple(
-    name
-    for name in METADATA_SCHEMA.names
-    if name
-    in {
-        "negative_prompt",
-        "width",
-        "height",
-        "steps",
-        "cfg",
-        "sampler",
-        "scheduler",
-        "mode",
-        "ref_weight",
-        "ref_guidance",
-        "ref_in_uncond",
-        "correction",
-        "ref_start",
-        "ref_end",
-        "ref_caption",
-    }
-)
 # Columns only a batch job fills (where its files went, its manifest row, the attempt that made them).
 JOB_COLUMNS = ("manifest_row", "reference_image_key", "image_key", "image_uri", "thumb_key", "upload_s", "attempt")
 

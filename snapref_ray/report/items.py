@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from snapref_ray.storage.metadata import SETTINGS_IN_METADATA
+
 __all__ = [
     "DISPLAY_COLUMNS",
     "THUMB_SIZE",
@@ -145,21 +147,8 @@ def _settings_text(r: Mapping) -> str:
     return "\n".join(line for line in lines if line)
 
 
-_SETTINGS_KEYS = (
-    "width",
-    "height",
-    "steps",
-    "cfg",
-    "sampler",
-    "scheduler",
-    "mode",
-    "ref_weight",
-    "ref_guidance",
-    "ref_in_uncond",
-    "correction",
-    "ref_start",
-    "ref_end",
-)
+# The settings a tile's hover text lists (the negative prompt has a line of its own; the caption is the reference's).
+_SETTINGS_KEYS = tuple(k for k in SETTINGS_IN_METADATA if k not in ("negative_prompt", "ref_caption"))
 
 
 @functools.lru_cache(maxsize=4096)

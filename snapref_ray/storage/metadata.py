@@ -106,6 +106,30 @@ METADATA_SCHEMA = pa.schema(
     ]
 )
 
+# The metadata columns that are RenderSettings fields, in schema order.
+SETTINGS_IN_METADATA = tuple(
+    name
+    for name in METADATA_SCHEMA.names
+    if name
+    in {
+        "negative_prompt",
+        "width",
+        "height",
+        "steps",
+        "cfg",
+        "sampler",
+        "scheduler",
+        "mode",
+        "ref_weight",
+        "ref_guidance",
+        "ref_in_uncond",
+        "correction",
+        "ref_start",
+        "ref_end",
+        "ref_caption",
+    }
+)
+
 ERRORS_SCHEMA = pa.schema(
     [
         pa.field("item_id", pa.string(), nullable=True),  # null where the row was too broken to get an id
