@@ -176,18 +176,20 @@ def test_interrupted_driver_resumes_and_renders_only_what_was_missing(tmp_path, 
 
 
 @pytest.mark.slow
-def test_killed_driver_sigkill_resumes_with_the_same_command_every_item_once(tmp_path, tiny_models):
-    """`kill -9` of the driver (no handler runs, buffered rows are lost), then the same command again."""
+@pytest.mark.parametrize("output_format", ["files", "webdataset"])
+def test_killed_driver_sigkill_resumes_with_the_same_command_every_item_once(tmp_path, tiny_models, output_format):
+    """`kill -9` of the driver (no handler runs, buffered rows are lost; its workers die with it, a webdataset
+    worker with its shard open), then the same command again."""
     manifest = _manifest(tmp_path, "m.csv", references=3, prompts=6)
     out = tmp_path / "out"
-    # Parts every 0.5 s, so that some items are committed when the driver dies.
+    # Parts every 0.5 s (shards of 2 items), so that some items are committed when the driver dies.
     spec = job_spec(
         manifest,
         tiny_models,
         str(out),
         defaults={"steps": 4},
         cluster={"max_batch": 1},
-        output={"metadata_flush_seconds": 0.5},
+        output={"metadata_flush_seconds": 0.5, "format": output_format, "shard_max_items": 2},
     )
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
@@ -231,8 +233,35 @@ def test_killed_driver_sigkill_resumes_with_the_same_command_every_item_once(tmp
         18 - len(committed),
         18,
     )
-    frame = _assert_exactly_once(str(out), expected).set_index("item_id")
+    if output_format == "files":
+        frame = _assert_exactly_once(str(out), expected).set_index("item_id")
+    else:
+        frame = _assert_each_item_in_one_committed_shard(out, expected).set_index("item_id")
     assert frame.loc[before.index, "finished_at"].tolist() == before.tolist()  # not rendered again
+
+
+def _assert_each_item_in_one_committed_shard(out: Path, expected: set[str]) -> pd.DataFrame:
+    """The shards listed are exactly those metadata/ commits, and every item is a member of exactly one of them
+    (read from the tars themselves), its image decoding."""
+    import tarfile
+
+    from snapref_ray.storage.metadata import read_metadata_table
+
+    storage = open_storage(str(out))
+    ids = read_item_ids(storage)
+    assert len(ids) == len(set(ids)) and set(ids) == expected
+    frame = read_metadata_table(storage).to_pandas()
+    tars = sorted(k for k in storage.list("shards/") if k.endswith(".tar"))
+    assert tars == sorted(set(frame["shard_key"]))  # no shard listed that metadata/ does not commit
+    members: list[str] = []
+    for key in tars:
+        with tarfile.open(out / key) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith(".png"):
+                    members.append(member.name.removesuffix(".png"))
+                    Image.open(tar.extractfile(member)).load()
+    assert sorted(members) == sorted(expected)  # each item in one committed shard
+    return frame
 
 
 def _part_time(key: str) -> float:
