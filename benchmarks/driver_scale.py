@@ -90,11 +90,10 @@ def _spec(manifest: Path, out: Path | str, models_dir: Path, fmt: str, workers: 
 
     return JobSpec.model_validate(
         {
-            **({"s3": s3} if s3 else {}),
             "model": {"models_dir": str(models_dir), "device": "cpu"},
             "manifest": str(manifest),
             "defaults": {"width": 256, "height": 256, "steps": 1, "cfg": 1.0, "sampler": "euler"},
-            "output": {"uri": str(out), "format": fmt, "shard_max_items": 10_000},
+            "output": {"uri": str(out), "format": fmt, "shard_max_items": 10_000, **({"s3": s3} if s3 else {})},
             "cluster": {
                 "num_workers": workers,
                 "max_batch": 8,
