@@ -68,10 +68,8 @@ class ClaimedIds:
         order = np.argsort(keys, kind="stable")
         self._runs.append((keys[order], first_rows[order]))
         while len(self._runs) >= 2 and len(self._runs[-2][0]) <= 2 * len(self._runs[-1][0]):
-            (a_keys, a_rows), (b_keys, b_rows) = self._runs[-2], self._runs.pop()
-            merged_keys = np.concatenate([a_keys, b_keys])
-            order = np.argsort(merged_keys, kind="stable")
-            self._runs[-1] = (merged_keys[order], np.concatenate([a_rows, b_rows])[order])
+            b = self._runs.pop()
+            self._runs[-1] = _merge(self._runs[-1], b)
         return owners
 
     def owner(self, item_id: str) -> int | None:
@@ -82,3 +80,17 @@ class ClaimedIds:
             if at < len(run_digests) and run_digests[at] == key[0]:
                 return int(run_rows[at])
         return None
+
+
+def _merge(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Two sorted runs with no digest in common as one: each of b's digests goes to where a binary search puts it
+    (plus the b's before it), a's fill the rest. No sort, and no copy beyond the merged run."""
+    (a_keys, a_rows), (b_keys, b_rows) = a, b
+    at = np.searchsorted(a_keys, b_keys) + np.arange(len(b_keys))
+    keys = np.empty(len(a_keys) + len(b_keys), dtype=a_keys.dtype)
+    rows = np.empty(len(keys), dtype=np.int32)
+    from_a = np.ones(len(keys), dtype=bool)
+    from_a[at] = False
+    keys[at], rows[at] = b_keys, b_rows
+    keys[from_a], rows[from_a] = a_keys, a_rows
+    return keys, rows
