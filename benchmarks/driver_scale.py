@@ -18,8 +18,9 @@ Every measurement runs in a fresh Python process, so its peak RSS (Linux VmHWM) 
   and as the resume of a finished job (every item already committed).
 - ``resume``: a fully committed ledger of N items (metadata parts of 100,000 rows of ids), read back as
   the committed set a resumed job skips: `ledger.committed_item_ids` (a sorted fixed-width numpy array)
-  against the Python ``set`` of ``str`` it replaced; also one `metadata.compact_parts` pass over
-  parts of 256 rows (what a long job leaves).
+  against the Python ``set`` of ``str`` it replaced.
+- ``compaction``: `metadata.compact_output_parts` over an output as a job leaves it (benchmarks/report_scale.py's
+  parts of 256 wide rows), its time and peak RSS.
 - ``manifest``: a CSV manifest read whole (`read_manifest`) against in chunks (`iter_manifest_chunks`).
 
 Prints one JSON object (and writes it to --out).
@@ -286,18 +287,25 @@ def one_resume(items: int, how: str) -> dict:
     }
 
 
-def one_compaction(parts: int, rows: int) -> dict:
+def one_compaction(items: int) -> dict:
+    """`compact_output_parts` over an output of `items` items as a job leaves it (benchmarks/report_scale.py's:
+    metadata parts of 256 rows from 4 workers, every column filled), in this process: its time and peak RSS."""
+    from benchmarks.report_scale import write_output
     from snapref_ray.storage.backends import open_storage
-    from snapref_ray.storage.metadata import compact_parts
+    from snapref_ray.storage.metadata import compact_output_parts
 
     with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
-        storage = open_storage(tmp)
-        _committed_ledger(storage, parts * rows, rows)
+        write_output(Path(tmp) / "out", items, "files")
+        storage = open_storage(str(Path(tmp) / "out"))
+        before = len(storage.list("metadata/"))
+        from snapref_ray.render_service.memory import reset_peak_resident
+
+        reset_peak_resident()  # the output's writing is not the compaction's
         t0 = time.time()
-        compact_parts(storage)
+        compact_output_parts(storage)
         return {
-            "parts_before": parts,
-            "rows": parts * rows,
+            "items": items,
+            "parts_before": before,
             "parts_after": len(storage.list("metadata/")),
             "seconds": round(time.time() - t0, 2),
             "peak_rss_mib": round(_peak_rss_mib(), 1),
@@ -372,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             "plan": lambda n, order, committed: one_plan(int(n), order, committed),
             "resume": lambda n, how: one_resume(int(n), how),
             "manifest": lambda n, how: one_manifest(int(n), how),
-            "compaction": lambda p, r: one_compaction(int(p), int(r)),
+            "compaction": lambda n: one_compaction(int(n)),
         }[kind]
         print(json.dumps(fn(*params)))
         return 0
@@ -407,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.items or [1_000_000]:
                 runs += [_in_process("manifest", str(n), how) for how in ("whole", "chunks")]
         elif what == "compaction":
-            runs.append(_in_process("compaction", "4000", "256"))
+            runs += [_in_process("compaction", str(n)) for n in args.items or [1_000_000]]
     result = {"machine": f"{os.cpu_count()} cores", "runs": runs}
     print(json.dumps(result, indent=2))
     if args.out:
