@@ -528,7 +528,7 @@ def compact_parts(
     storage: Storage,
     prefix: str = METADATA_PREFIX,
     *,
-    target_rows: int = 100_000,
+    target_rows: int = 50_000,
     min_parts: int = 8,
     row_group_rows: int = COMPACT_ROW_GROUP_ROWS,
 ) -> list[str]:
