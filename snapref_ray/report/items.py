@@ -34,6 +34,9 @@ THUMB_SIZE = 256
 _MAX_PROMPT = 1200
 _MAX_ERROR = 2000
 
+# The settings a tile's hover text lists (the negative prompt has a line of its own; the caption is the reference's).
+_SETTINGS_KEYS = tuple(k for k in SETTINGS_IN_METADATA if k not in ("negative_prompt", "ref_caption"))
+
 #: The metadata columns a gallery tile shows (caption, hover text, links); nothing else is read for a page.
 DISPLAY_COLUMNS = (
     "item_id",
@@ -44,19 +47,7 @@ DISPLAY_COLUMNS = (
     "prompt",
     "negative_prompt",
     "seed",
-    "width",
-    "height",
-    "steps",
-    "cfg",
-    "sampler",
-    "scheduler",
-    "mode",
-    "ref_weight",
-    "ref_guidance",
-    "ref_in_uncond",
-    "correction",
-    "ref_start",
-    "ref_end",
+    *_SETTINGS_KEYS,
     "image_key",
     "thumb_key",
     "adapter",
@@ -145,10 +136,6 @@ def _settings_text(r: Mapping) -> str:
     if r.get("negative_prompt"):
         lines.append("negative: " + clip(str(r["negative_prompt"]), 300))
     return "\n".join(line for line in lines if line)
-
-
-# The settings a tile's hover text lists (the negative prompt has a line of its own; the caption is the reference's).
-_SETTINGS_KEYS = tuple(k for k in SETTINGS_IN_METADATA if k not in ("negative_prompt", "ref_caption"))
 
 
 @functools.lru_cache(maxsize=4096)
