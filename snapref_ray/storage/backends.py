@@ -13,6 +13,8 @@ that has run for hours.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import mimetypes
 import os
@@ -29,6 +31,21 @@ from typing import Protocol, TypeVar, runtime_checkable
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# The monotonic time by which the calls of this context must have landed (None: the outage tolerance alone).
+# A driver commits only under a lease that is good until a known time; a write retried past it could land
+# after another driver took the output over (`bounded_by`, storage/job_output.py).
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("storage_deadline", default=None)
+
+
+@contextlib.contextmanager
+def bounded_by(seconds: float):
+    """S3 calls inside stop retrying `seconds` from now (StorageError), however long the outage tolerance is."""
+    token = _DEADLINE.set(time.monotonic() + max(seconds, 0.0))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
 
 
 class StorageError(IOError):
@@ -95,6 +112,10 @@ class Storage(Protocol):
 
     def list(self, prefix: str) -> list[str]:
         """Keys (relative to the root) that start with `prefix`, sorted."""
+
+    def copy(self, src: str, dst: str) -> None:
+        """Store the object `src` also under `dst` (server-side on S3: the bytes never pass through this process);
+        atomic like put_bytes. StorageError when `src` is missing."""
 
     def delete(self, key: str) -> None:
         """Remove `key`; a missing key is not an error."""
@@ -262,6 +283,32 @@ class LocalStorage:
                     keys.append(key)
         return sorted(keys)
 
+    def abandon_partial_writes(self, prefix: str) -> int:
+        """Delete the temporary files of writes that never finished under `prefix` (a killed writer's, up to a
+        shard's size each); how many. Only for a prefix whose writers are gone."""
+        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        removed = 0
+        for path in base.rglob(f".*{_TMP_MARK}*") if base.is_dir() else ():
+            if path.relative_to(self.root).as_posix().startswith(prefix.rsplit("/", 1)[0]):
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def copy(self, src: str, dst: str) -> None:
+        source, target = self._path(src), self._path(dst)
+        if not source.is_file():
+            raise StorageError(f"no object {src!r} in storage {self.uri} to copy to {dst!r} (file {source})")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}{_TMP_MARK}{uuid.uuid4().hex}")
+            try:
+                os.link(source, tmp)  # a second name for the same bytes: no copy of a 1 GB shard
+            except OSError:
+                shutil.copyfile(source, tmp)
+            os.replace(tmp, target)
+        except OSError as e:
+            raise StorageError(f"cannot copy {source} to {target} (storage {self.uri}): {e}") from e
+
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:
@@ -397,6 +444,12 @@ class S3Storage:
                     raise
                 now = time.monotonic()
                 deadline = deadline or now + self.options.outage_tolerance_s
+                bound = _DEADLINE.get()
+                if bound is not None and now >= bound:
+                    raise StorageError(
+                        f"{what} {where} did not land before the lease it was made under ran out "
+                        f"(endpoint {self.options.resolved().endpoint_url or 'AWS'}): {e}"
+                    ) from e
                 if now >= deadline:
                     raise StorageError(
                         f"{what} {where} failed for {self.options.outage_tolerance_s:g} s "
@@ -405,7 +458,7 @@ class S3Storage:
                 delay = min(0.25 * 2**attempt, 5.0) * (0.5 + random.random() / 2)
                 attempt += 1
                 log.warning("S3 %s %s: %s; retrying in %.1f s", what, where, e, delay)
-                time.sleep(min(delay, max(deadline - now, 0.0)))
+                time.sleep(min(delay, max(min(deadline, bound or deadline) - now, 0.0)))
                 continue
             # botocore's own retries ride out short outages inside one call; say so, with the count.
             retries = attempt + _botocore_retries(result)
@@ -458,6 +511,9 @@ class S3Storage:
         except ClientError as e:
             if _status(e) == 412 or _code(e) == "PreconditionFailed":
                 return retried and self.get_bytes(key) == data
+            if _status(e) == 409 or _code(e) == "ConditionalRequestConflict":
+                # AWS: another conditional create of this key is in progress. Not ours: the caller looks again.
+                return False
             raise self._client_error("conditional PUT", key, e) from e
 
     def put_file(self, key: str, path: str | os.PathLike) -> None:
@@ -564,6 +620,34 @@ class S3Storage:
             return sorted(self._call("LIST", f"s3://{self.bucket}/{root}{prefix}", list_all))
         except ClientError as e:
             raise StorageError(f"LIST s3://{self.bucket}/{root}{prefix} failed (storage {self.uri}): {e}") from e
+
+    def copy(self, src: str, dst: str) -> None:
+        """A server-side copy (boto3's managed copy: multipart for objects over its threshold)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._call(
+                "COPY",
+                f"{self.uri_for(src)} -> {self.uri_for(dst)}",
+                lambda: self.client.copy({"Bucket": self.bucket, "Key": self._key(src)}, self.bucket, self._key(dst)),
+            )
+        except ClientError as e:
+            if _code(e) in ("NoSuchKey", "404") or _status(e) == 404:
+                raise StorageError(f"no object {src!r} in storage {self.uri} to copy to {dst!r}") from None
+            raise self._client_error("COPY", src, e) from e
+
+    def abandon_partial_writes(self, prefix: str) -> int:
+        """Abort the unfinished multipart uploads under `prefix` (a killed worker leaves its parts stored and
+        billed); how many. Only for a prefix whose writers are gone."""
+        root = f"{self.prefix}/" if self.prefix else ""
+        aborted = 0
+        for page in self.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=root + prefix
+        ):
+            for upload in page.get("Uploads", ()):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+        return aborted
 
     def delete(self, key: str) -> None:
         from botocore.exceptions import ClientError

@@ -6,6 +6,7 @@ holds a lease and is SIGKILLed or SIGSTOPped.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -157,8 +158,8 @@ def test_a_waiting_driver_gets_the_lease_when_the_holder_releases(tmp_path):
     t.start()
     waiter = OutputLease.acquire(storage, job_id="waiter", duration_s=30, wait_s=60)
     t.join()
-    assert time.time() >= released_at[0]  # it waited for the release, not for the 30 s expiry
-    assert waiter.record.started_at >= released_at[0]
+    # It took the output after the release, and long before the holder's 30 s expiry: it waited for the release.
+    assert released_at[0] <= waiter.record.started_at < holder.record.expires_at
     waiter.release()
 
 
@@ -260,3 +261,187 @@ def test_a_driver_killed_on_this_machine_blocks_nothing(tmp_path):
     held = OutputLease.acquire(storage, job_id="live", duration_s=60)
     assert not current_lease(storage).holder_gone()
     held.release()
+
+
+# -- a lease that cannot be held twice (a clock the test moves; no sleeping) ---------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class IgnoresConditionalCreates:
+    """A store that drops If-None-Match (MinIO before 2024-05-07, GCS's S3 interface): every create is written."""
+
+    def __init__(self, storage: Storage):
+        self._storage = storage
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        self._storage.put_bytes(key, data)
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._storage, name)
+
+
+def test_a_store_that_ignores_conditional_creates_is_refused_in_one_line(where):
+    from snapref_ray.storage.lease import ConditionalCreateIgnored
+
+    storage = IgnoresConditionalCreates(_open(*where))
+    with pytest.raises(ConditionalCreateIgnored) as e:
+        OutputLease.acquire(storage, job_id="job", duration_s=30)
+    message = str(e.value)
+    assert "\n" not in message and "ignores conditional creates (If-None-Match: *)" in message
+    assert "MinIO RELEASE.2024-05-07 or later" in message
+    assert current_lease(storage) is None and storage.list("lease/") == []  # nothing taken, the probe removed
+
+
+def test_two_drivers_on_a_store_that_ignores_conditional_creates_never_both_hold_it(tmp_path):
+    # Without the probe (say it was skipped), the read-back after the create still leaves one holder: both write
+    # generation 0, the later write wins, and the driver that reads back another holder's record gives way.
+    inner = open_storage(str(tmp_path / "out"))
+    both_looked, both_wrote = threading.Barrier(2), threading.Barrier(2)
+    looked: set[int] = set()
+
+    class Racing(IgnoresConditionalCreates):
+        def list(self, prefix: str) -> list[str]:
+            keys = inner.list(prefix)
+            if threading.current_thread().name.startswith("driver-") and threading.get_ident() not in looked:
+                # each driver's first look finds the output free
+                looked.add(threading.get_ident())
+                both_looked.wait(timeout=10)
+            return keys
+
+        def put_if_absent(self, key: str, data: bytes) -> bool:
+            written = super().put_if_absent(key, data)
+            if key.startswith("lease/0"):
+                both_wrote.wait(timeout=10)  # neither reads back before both have written
+            return written
+
+    storage = Racing(inner)
+    held, refused = [], []
+
+    def driver(i: int) -> None:
+        try:
+            held.append(OutputLease.acquire(storage, job_id=f"job-{i}", duration_s=30, probe=False, renew=False))
+        except LeaseHeldError as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=driver, args=(i,), name=f"driver-{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (len(held), len(refused)) == (1, 1)
+    assert current_lease(inner).holder_id == held[0].record.holder_id
+    held[0].release()
+
+
+def test_renewal_compares_the_holder_and_a_record_overwritten_by_another_driver_is_lost(tmp_path):
+    storage = open_storage(str(tmp_path / "out"))
+    clock = Clock()
+    mine = OutputLease.acquire(storage, job_id="mine", duration_s=30, clock=clock, renew=False)
+    # Another driver rewrote the same generation (a store that ignored its conditional create).
+    other = json.loads(storage.get_bytes("lease/000000000000.json")) | {"holder_id": "other", "job_id": "other"}
+    storage.put_bytes("lease/000000000000.json", json.dumps(other).encode())
+    with pytest.raises(LeaseLostError, match="taken over by job other"):
+        mine.renew()
+    with pytest.raises(LeaseLostError):
+        mine.check()
+
+
+def test_a_lease_that_ran_out_with_no_rival_goes_on_as_the_next_generation(tmp_path):
+    storage = open_storage(str(tmp_path / "out"))
+    clock = Clock()
+    lease = OutputLease.acquire(storage, job_id="paused", duration_s=30, clock=clock, renew=False)
+    clock.now += 45  # paused past its expiry; nobody took the output
+    assert lease.check() == pytest.approx(30)  # renewed here, before any commit
+    assert (lease.record.generation, current_lease(storage).holder_id) == (1, lease.record.holder_id)
+    lease.release()
+
+
+def test_a_lease_that_ran_out_and_was_taken_over_is_lost_at_the_next_check(tmp_path):
+    storage = open_storage(str(tmp_path / "out"))
+    clock = Clock()
+    paused = OutputLease.acquire(storage, job_id="paused", duration_s=30, clock=clock, renew=False)
+    clock.now += 45
+    successor = OutputLease.acquire(storage, job_id="successor", duration_s=30, clock=clock, renew=False)
+    with pytest.raises(LeaseLostError, match="taken over by job successor"):
+        paused.check()
+    assert current_lease(storage).holder_id == successor.record.holder_id
+    successor.release()
+
+
+def test_an_expiry_counts_only_once_its_renewal_has_landed(tmp_path):
+    from snapref_ray.storage.backends import StorageError
+
+    clock = Clock()
+    failing = [False]
+    inner = open_storage(str(tmp_path / "out"))
+
+    class Flaky(IgnoresConditionalCreates):
+        def put_if_absent(self, key, data):
+            return inner.put_if_absent(key, data)
+
+        def put_bytes(self, key, data, content_type=None):
+            if failing[0]:
+                raise StorageError("the store is down")
+            inner.put_bytes(key, data, content_type)
+
+    lease = OutputLease.acquire(Flaky(inner), job_id="j", duration_s=30, clock=clock, renew=False)
+    before = lease.record.expires_at
+    clock.now += 10
+    failing[0] = True
+    with pytest.raises(StorageError):
+        lease.renew()
+    assert lease.record.expires_at == before  # not pushed ahead: the write never landed
+    failing[0] = False
+    lease.renew()
+    assert lease.record.expires_at == clock.now + 30 == current_lease(inner).expires_at
+    lease.release()
+
+
+def test_a_store_outage_with_no_rival_is_waited_out_not_failed(tmp_path):
+    from snapref_ray.storage.backends import StorageError
+
+    clock = Clock()
+    inner = open_storage(str(tmp_path / "out"))
+    down_for = [3]  # listings that fail before the store answers again
+
+    class Outage(IgnoresConditionalCreates):
+        def put_if_absent(self, key, data):
+            return inner.put_if_absent(key, data)
+
+        def list(self, prefix):
+            if down_for[0] > 0:
+                down_for[0] -= 1
+                clock.now += 20  # each failed try takes a while
+                raise StorageError("connection refused")
+            return inner.list(prefix)
+
+    lease = OutputLease.acquire(inner, job_id="j", duration_s=6, clock=clock, renew=False, probe=False)
+    lease = OutputLease(Outage(inner), lease.record, 6, clock=clock, renew=False)
+    clock.now += 10  # past its expiry, during the outage
+    assert lease.check() > 0 and down_for[0] == 0  # it waited the store out and holds the output still
+    assert current_lease(inner).holder_id == lease.record.holder_id
+
+
+def test_a_conflict_answer_to_a_conditional_create_means_look_again(monkeypatch):
+    from botocore.exceptions import ClientError
+
+    from snapref_ray.storage.backends import S3Options, S3Storage
+
+    class Client:
+        def put_object(self, **kwargs):
+            raise ClientError(
+                {"Error": {"Code": "ConditionalRequestConflict"}, "ResponseMetadata": {"HTTPStatusCode": 409}},
+                "PutObject",
+            )
+
+    monkeypatch.setattr(S3Storage, "client", property(lambda self: Client()))
+    storage = S3Storage("s3://bucket/out", S3Options(endpoint_url="http://127.0.0.1:9"))
+    assert storage.put_if_absent("lease/000000000001.json", b"{}") is False  # not an error: the caller reads again
