@@ -36,8 +36,6 @@ from snapref_ray.cluster.tasks import ShardReport, WorkerInfo
 from snapref_ray.cluster.worker import RenderWorker, WorkerConfig
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.memory_estimate import estimate_worker_memory
-from snapref_ray.storage.backends import open_storage
-from snapref_ray.storage.shards import settle_lost_shard
 
 log = logging.getLogger(__name__)
 
@@ -245,31 +243,31 @@ def kill(handle: ray.actor.ActorHandle) -> None:
         log.debug("could not kill worker: %s", e)
 
 
-RELEASE_COMMIT_TIMEOUT_S = 600.0  # a ~1 GB webdataset shard's upload, with room
+RELEASE_PUBLISH_TIMEOUT_S = 600.0  # a ~1 GB webdataset shard's upload, with room
 
 
-def release(handles: Sequence[ray.actor.ActorHandle], *, commit: bool = True) -> list[ShardReport | None]:
-    """Kill healthy workers the job no longer needs, with `commit` once each has committed what it holds (its open
+def release(handles: Sequence[ray.actor.ActorHandle], *, publish: bool = True) -> list[ShardReport | None]:
+    """Kill healthy workers the job no longer needs, with `publish` once each has staged what it holds (its open
     webdataset shard: storage/shards.py); a worker that cannot is killed anyway. Returns, per handle, the shards it
-    reported closed (None: it committed nothing, or could not; the caller's `ShardLedger` then gives that worker's
-    open shard back to render again). Without shards there is nothing to commit, and the driver's loop does not wait
-    on the workers."""
+    reported closed (None: it staged nothing, or could not; the caller's `ShardLedger` then gives that worker's
+    open shard back to render again, and a shard it staged after all is voided when the run ends). Without shards
+    there is nothing to publish, and the driver's loop does not wait on the workers."""
     reports: list[ShardReport | None] = [None] * len(handles)
     pending: dict[ray.ObjectRef, int] = {}
-    for i, handle in enumerate(handles) if commit else ():
+    for i, handle in enumerate(handles) if publish else ():
         try:
-            pending[handle.commit_outputs.remote()] = i
+            pending[handle.publish_outputs.remote()] = i
         except AttributeError:
             pass  # an actor that writes no outputs of its own (the scheduler's test doubles)
     if pending:
-        ready, late = ray.wait(list(pending), num_returns=len(pending), timeout=RELEASE_COMMIT_TIMEOUT_S)
+        ready, late = ray.wait(list(pending), num_returns=len(pending), timeout=RELEASE_PUBLISH_TIMEOUT_S)
         for ref in ready:
             try:
                 reports[pending[ref]] = ray.get(ref)
             except Exception as e:  # a dead worker, a store that refuses the shard
-                log.warning("a released worker did not commit its open shard: %s", e)
+                log.warning("a released worker did not stage its open shard: %s", e)
         if late:
-            log.warning("%d released worker(s) did not commit within %.0f s", len(late), RELEASE_COMMIT_TIMEOUT_S)
+            log.warning("%d released worker(s) did not stage within %.0f s", len(late), RELEASE_PUBLISH_TIMEOUT_S)
     for handle in handles:
         kill(handle)
     return reports
@@ -308,26 +306,20 @@ class PoolMembers:
         pool: WorkerPool | None,
         config: SchedulerConfig,
         stats: SchedulerStats,
+        commit_shard: Callable[[str], bool] | None = None,
     ) -> None:
         self.members = [Member(h, i) for h, i in zip(handles, infos)]
         self.pool, self.config, self.stats = pool, config, stats
-        # Items in the workers' open webdataset shards; a worker that goes gives its open shard back to render.
-        self.shards = ShardLedger(self._shard_committed)
+        # Items in the workers' open webdataset shards, committed by the driver (`commit_shard`) once staged; a
+        # worker that goes gives its open shard back to render.
+        self.shards = ShardLedger(commit_shard)
         self.started = pool is None or pool.plan.min_workers <= len(self.members)
         self._t_run = time.monotonic()
 
     @property
-    def commits_outputs(self) -> bool:
-        """Whether a worker holds outputs to commit before it is released (webdataset shards)."""
+    def publishes_outputs(self) -> bool:
+        """Whether a worker holds outputs to stage before it is released (webdataset shards)."""
         return self.pool is None or self.pool.config.output_format == "webdataset"
-
-    def _shard_committed(self, shard_key: str) -> bool:
-        """Whether a lost worker committed this shard before it could say so; if not, its orphan files go (only
-        webdataset workers have shards)."""
-        if self.pool is None:
-            return False  # workers the caller started: no output of theirs known here
-        config = self.pool.config
-        return settle_lost_shard(open_storage(config.output_uri, config.s3), shard_key)
 
     def _released(self, indices: Sequence[int], reports: Sequence[ShardReport | None]) -> None:
         """Released workers' commits go to the ledger; whatever a worker still held open is lost with it."""
@@ -411,7 +403,7 @@ class PoolMembers:
         released = []
         for index, member in enumerate(self.members):
             if member.live and not keep(index):
-                self._released([index], release([member.handle], commit=self.commits_outputs))
+                self._released([index], release([member.handle], publish=self.publishes_outputs))
                 member.retired = member.released = True
                 member.available = False
                 member.probe_due = None
@@ -437,7 +429,7 @@ class PoolMembers:
         if self.pool is not None:
             self.pool.cancel_starting()
         indices = [i for i, m in enumerate(self.members) if not m.released and not m.retired]
-        self._released(indices, release([self.members[i].handle for i in indices], commit=self.commits_outputs))
+        self._released(indices, release([self.members[i].handle for i in indices], publish=self.publishes_outputs))
         for member in self.members:
             if member.retired and not member.released:
                 kill(member.handle)

@@ -88,17 +88,21 @@ class BatchScheduler:
         pool: WorkerPool | None = None,
         on_worker: Callable[[ray.actor.ActorHandle, WorkerInfo], None] | None = None,
         on_event: Callable[[SchedulerEvent], None] | None = None,
+        fence: Callable[[], object] | None = None,
+        commit_shard: Callable[[str], bool] | None = None,
     ) -> None:
         self.config = config
         self.on_done, self.on_progress = on_done, on_progress
         self.on_worker = on_worker  # called for each worker that joins (monitoring, failure tests)
         self.on_event = on_event
+        # The output's lease, checked once per step (raises LeaseLostError): a driver that lost the output stops.
+        self.fence = fence
         self.stats = SchedulerStats()
         # Reference-stream runs per reference hash, as reported by the workers.
         self.encodes_by_reference: Counter[str] = Counter()
         self.calls = InFlight()
         self.placement = Placement(config, self.stats)
-        self.members = PoolMembers(workers, infos, pool, config, self.stats)
+        self.members = PoolMembers(workers, infos, pool, config, self.stats, commit_shard)
         self.recovery = Recovery(
             config,
             self.stats,
@@ -144,6 +148,8 @@ class BatchScheduler:
 
     def _loop(self, remaining: int) -> None:
         while remaining > 0:
+            if self.fence is not None:
+                self.fence()
             unassigned = self.placement.unassigned_work()
             for index in self.members.scale(unassigned, self._keeps_worker):
                 self.placement.forget_worker(index, drop_refkvs=False)
@@ -219,7 +225,8 @@ class BatchScheduler:
         self._next_task_id += 1
         self._emit("render_sending", index, ref, batch, refkv_node=assignment.fetch_from)
         handle = [assignment.refkv] if assignment.refkv is not None else None
-        future = member.handle.render.remote(task, handle)
+        # No Ray retry of a render on a restarted actor: the driver requeues a lost call's items itself, once.
+        future = member.handle.render.options(max_task_retries=0).remote(task, handle)
         self.calls.send(future, Call(CallKind.RENDER, index, ref, task, assignment.refkv))
         ref.in_flight += 1
         self.stats.dispatched_batches += 1

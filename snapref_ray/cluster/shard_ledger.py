@@ -1,21 +1,17 @@
 """Which rendered items wait in a worker's open webdataset shard, and what becomes of them.
 
-With `output.format: webdataset` a worker commits its rows itself, with its shard (storage/shards.py): a row
-that comes back from a render sits in the worker's open shard, not yet in the output. The driver counts such an
-item done only when the worker reports the shard committed (`ShardReport`, with each answer and with
-`commit_outputs` at release). A shard that never will be (its worker's process died with it open, its publish
-failed, its release commit failed) gives its items back to be rendered again in the same run, without charging
-an attempt (`Cause.SHARD_LOST`).
+With `output.format: webdataset` a row that comes back from a render sits in its worker's open shard, not yet in the
+output. A worker stages a shard when it closes it (storage/shards.py) and says so with its next answer
+(`ShardReport`, with each render and with `publish_outputs` at release); the driver commits it then (`commit`, the
+output's `commit_shard`, under the lease) and counts its items done. A shard that never will be committed (its
+worker's process died with it open or staged but unreported, staging failed, or the commit found it voided) gives
+its items back to be rendered again in the same run, without charging an attempt (`Cause.SHARD_LOST`); what such a
+shard left under ``staging/`` is voided when the run ends, so it can never be committed later.
 
 A worker's process is told by its `writer` id (cluster/tasks.py `ShardReport`): a restarted actor (Ray restarts it
-in place, and may retry a call on it) has a fresh, empty ShardWriter, so a new writer for a worker means the old
-one's open shard is gone. A shard may be reported closed before every one of its rows has come back (the actor runs
-two calls at once, and either may fill the shard): the ledger remembers a closed shard until that many rows came.
-
-Not covered here: a worker that dies after a render call filled and published a shard but before that call
-answered. The driver requeues (or Ray retries) the call's items, and those of them already in the published shard
-are rendered a second time (the shard's other items are found committed, `is_committed`). Closing that window takes
-publishing out of the render call (the driver asking for each full shard's commit as a call of its own).
+in place) has a fresh, empty ShardWriter, so a new writer for a worker means the old one's open shard is gone. A
+shard may be reported closed before every one of its rows has come back (the actor runs two calls at once, and
+either may fill the shard): the ledger remembers a closed shard until that many rows came.
 
 What it holds is bounded by the work in flight: at most workers x shard_max_items entries in open shards.
 No Ray here: the loop (cluster/scheduler.py) feeds it and takes what `take()` settled.
@@ -67,12 +63,12 @@ class _ClosedShard:
 
 
 class ShardLedger:
-    """Per worker, the items in its open shards; see the module docstring. `is_committed(shard_key)` looks in the
-    output for a shard a lost worker may have committed before it could say so, and clears what of it was published
-    if not (storage/shards.py `settle_lost_shard`; None: not looked for)."""
+    """Per worker, the items in its open shards; see the module docstring. `commit(shard_key)` commits a staged
+    shard and says whether it is committed (the job output's `commit_shard`; None: a staged shard counts as
+    committed, for tests of the ledger alone)."""
 
-    def __init__(self, is_committed: Callable[[str], bool] | None = None) -> None:
-        self.is_committed = is_committed
+    def __init__(self, commit: Callable[[str], bool] | None = None) -> None:
+        self.commit = commit
         self._writers: dict[int, str] = {}  # worker index -> the writer (process) it answered from last
         self._open: dict[str, _OpenShard] = {}  # shard key -> items waiting for its commit
         self._closed: dict[str, _ClosedShard] = {}  # closed shards some of whose rows have not come back yet
@@ -107,9 +103,10 @@ class ShardLedger:
         """A worker's answer said which shards it closed since its last one."""
         self.writer_seen(worker, report.writer)
         for shard in report.closed:
-            if not shard.committed:
-                log.warning("shard %s was not committed (%s); its items render again", shard.key, shard.error)
-            self._close(shard.key, shard.committed, shard.items)
+            if not shard.staged:
+                log.warning("shard %s could not be staged (%s); its items render again", shard.key, shard.error)
+            committed = shard.staged and (self.commit is None or self.commit(shard.key))
+            self._close(shard.key, committed, shard.items)
 
     def writer_seen(self, worker: int, writer: str) -> None:
         """`worker` answered from `writer` (a render, a commit, a probe): a writer other than its last means its
@@ -123,14 +120,14 @@ class ShardLedger:
         self._writers[worker] = writer
 
     def lose(self, worker: int) -> None:
-        """The worker's process is gone (retired, killed at release, restarted): its open shards never commit,
-        unless it committed one before it could say so (`is_committed`)."""
+        """The worker's process is gone (retired, killed at release, restarted): its open shards are never committed
+        (one it staged without saying so is voided at the end of the run)."""
         writer = self._writers.pop(worker, None)
         if writer is None:
             return
         self._dead.add(writer)
         for key in [k for k, s in self._open.items() if s.writer == writer]:
-            self._close(key, self._committed_in_output(key), None)
+            self._close(key, False, None)
 
     def take(self) -> Settled:
         """What was settled since the last call: items to count done, items to render again."""
@@ -144,12 +141,3 @@ class ShardLedger:
         rows_left = None if rows is None else rows - len(entries)
         if rows_left is None or rows_left > 0:
             self._closed[key] = _ClosedShard(committed, rows_left)
-
-    def _committed_in_output(self, key: str) -> bool:
-        if self.is_committed is None:
-            return False
-        try:
-            return self.is_committed(key)
-        except Exception as e:  # cannot tell: render them again, else the job could never count them
-            log.warning("could not tell whether shard %s was committed (%s); its items render again", key, e)
-            return False

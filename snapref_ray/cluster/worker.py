@@ -29,9 +29,8 @@ from snapref_ray.render_service.references import Reference
 from snapref_ray.render_service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMemory, RenderService
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import make_thumbnail
-from snapref_ray.storage.lease import check_holder
 from snapref_ray.storage.metadata import image_key, reference_image_key, thumb_key
-from snapref_ray.storage.shards import ShardWriter, wants_thumbnail
+from snapref_ray.storage.shards import ShardWriter, remove_dead_workers_temporaries, wants_thumbnail
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,6 @@ class WorkerConfig:
     shard_max_bytes: int = 1_000_000_000
     shard_max_items: int = 10_000
     thumbnail_every: int = 1000  # webdataset: a thumbnail for about one item in this many
-    lease_holder_id: str | None = None  # the driver's output lease: shards are committed only while it holds it
 
 
 def load_worker_renderer(config: WorkerConfig):
@@ -92,19 +90,13 @@ class RenderWorker:
         self.writer = OutputWriter(config.output_threads)
         self.shards = (
             ShardWriter(
-                self.storage,
-                name=self.worker_id,
-                max_bytes=config.shard_max_bytes,
-                max_items=config.shard_max_items,
-                guard=(
-                    functools.partial(check_holder, self.storage, config.lease_holder_id)
-                    if config.lease_holder_id
-                    else None
-                ),
+                self.storage, name=self.worker_id, max_bytes=config.shard_max_bytes, max_items=config.shard_max_items
             )
             if config.output_format == "webdataset"
             else None
         )
+        if self.shards is not None:
+            remove_dead_workers_temporaries()  # temporary tars of workers killed on this node
         self._stored_references: set[str] = set()
         self.metrics = job_metrics()
         self.tags = {"worker": self.worker_id}
@@ -163,17 +155,18 @@ class RenderWorker:
             self.metrics.encodes.inc(1, self.tags)
         return kv, EncodeInfo(task.reference_hash, kv.nbytes, kv.encode_seconds, self.worker_id, source == "encoded")
 
-    def commit_outputs(self) -> ShardReport | None:
-        """Commit the open webdataset shard (the driver calls this before it releases the worker); the shards
-        closed since the last answer, this one included (None without shards). Raises when the publish fails."""
+    def publish_outputs(self) -> ShardReport | None:
+        """Stage the open webdataset shard (the driver calls this before it releases the worker, and commits what
+        it staged); the shards closed since the last answer, this one included (None without shards). Raises when
+        staging fails."""
         if self.shards is None:
             return None
-        self.shards.commit()
+        self.shards.close()
         return self._shard_report()
 
     def render(self, task: RenderTask, refkv_handle: list | None = None) -> list[ItemOutcome]:
         """Render a batch and store its images; returns one outcome per item, the first with the shards closed
-        since the last answer (webdataset: the driver counts an item done when its shard is committed).
+        since the last answer (webdataset: the driver commits a staged shard and counts its items done then).
 
         `refkv_handle` is `[ObjectRef]` (wrapped so Ray does not fetch it eagerly): it is only
         read when the RefKV is not already in this worker's device cache.
@@ -300,7 +293,7 @@ class RenderWorker:
             upload_s=time.perf_counter() - t0,
             attempt=task.attempts.get(item.item_id, 1),
         )
-        if self.shards is not None:  # committed with its shard, not by the driver
+        if self.shards is not None:  # staged with its shard; the driver commits the shard
             row = self.shards.add(row, image, image_extension(fmt), item.prompt)
         return ItemOutcome(item.item_id, row=row)
 

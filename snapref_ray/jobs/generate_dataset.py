@@ -1,9 +1,10 @@
 """Dataset generation: a job spec in, images + Parquet metadata + errors + summary + gallery out.
 
-`run_job` reads as its phases: 1. validate every row -> 2. claim the output (same spec, or append) -> 3. plan
-what is left (committed items skipped) -> 4. render: workers with reference affinity, rows committed as images
-land -> 5. summarise (summary.json, a `JobSummary`), then the gallery. Interrupting (Ctrl-C, a killed driver)
-loses nothing committed; running the same spec again renders only what is missing.
+`run_job` reads as its phases: 1. validate every row -> 2. take the output (storage/job_output.py: the lease,
+the claim, what earlier drivers left settled) -> 3. plan what is left (committed items skipped) -> 4. render:
+workers with reference affinity publish, this driver commits -> 5. summarise (summary.json, a `JobSummary`), then
+the gallery. Interrupting (Ctrl-C, a killed driver) loses nothing committed; running the same spec again renders
+only what is missing. Every write to the output goes through the `JobOutput`, under its lease.
 """
 
 from __future__ import annotations
@@ -48,18 +49,11 @@ from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.render_service.work_plan import WorkPlan
-from snapref_ray.storage.backends import Storage, open_storage
-from snapref_ray.storage.lease import OutputLease
-from snapref_ray.storage.ledger import CommittedIds, claim_output, committed_item_ids, job_fingerprint
-from snapref_ray.storage.metadata import (
-    ErrorWriter,
-    MetadataWriter,
-    compact_output_parts,
-    read_errors_table,
-    read_summary,
-    write_summary,
-)
-from snapref_ray.storage.shards import remove_orphan_shards
+from snapref_ray.storage.backends import open_storage
+from snapref_ray.storage.job_output import JobOutput, OutputSettings
+from snapref_ray.storage.lease import LeaseLostError
+from snapref_ray.storage.ledger import job_fingerprint
+from snapref_ray.storage.metadata import read_errors_table
 from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)
@@ -127,26 +121,25 @@ def run_job(
     run = _Run(started_at=time.time())
     plan = _validate(spec, progress=progress)  # 1. every row, before any worker starts (spilled to local disk)
     try:
-        output = _claim(spec)  # 2. the output is this spec's (or appended to), and what it holds already
+        output = _take_output(spec)  # 2. the lease, the claim (same spec, or append), what earlier runs left
     except BaseException:
         plan.close()
         raise
     hooks = _Hooks(progress, renderer_factory, warmup, on_progress, on_workers, on_event)
     try:
         _plan(spec, plan, output)  # 3. what is left to render; invalid rows recorded once
-        _render(spec, plan, output, run, hooks)  # 4. workers, schedule, commits
+        _render(spec, plan, output, run, hooks)  # 4. workers publish, this driver commits
     except KeyboardInterrupt:
         run.interrupted = True
         log.warning("interrupted: committing what is done; run the same spec again to resume")
         raise
+    except LeaseLostError:
+        output.abandon()  # another driver holds the output now: nothing more is written to it
+        raise
     finally:
-        output.close()
         plan.close()
-        summary = _summarise(spec, plan, output, run)  # 5. summary.json
-        write_summary(output.storage, summary.to_json())
-        if not run.interrupted:
-            _compact(output.storage)  # while the lease is held: the report and the next run read few parts
-        output.lease.release()
+        summary = _summarise(spec, plan, output, run)  # 5. summary.json, then compaction, under the lease
+        output.finish(summary.to_json(), compact=not run.interrupted)
     if write_gallery:
         _write_gallery(spec)
     log.info("done: %s", json.dumps({k: summary[k] for k in _LOGGED}))
@@ -166,23 +159,6 @@ class _Hooks:
     on_progress: Callable[[int], None] | None
     on_workers: Callable[[list, list], None] | None
     on_event: Callable[[SchedulerEvent], None] | None
-
-
-@dataclass
-class _Output:
-    """The job's output as this run holds it: the storage, its fingerprint, what earlier runs left, the writers."""
-
-    storage: Storage
-    fingerprint: str
-    lease: OutputLease  # one driver per output (storage/lease.py), held from before done_before is read
-    done_before: CommittedIds
-    earlier_runs: list[RunFigures]
-    metadata: MetadataWriter
-    errors: ErrorWriter
-
-    def close(self) -> None:
-        self.metadata.close()
-        self.errors.close()
 
 
 @dataclass
@@ -234,44 +210,35 @@ def _validate(spec: JobSpec, *, progress: bool = False) -> WorkPlan:
     return plan
 
 
-def _claim(spec: JobSpec) -> _Output:
-    """Phase 2: claim the output for this spec (the same spec resumes; `append` adds to another's) and read what
-    earlier runs committed."""
-    storage = open_storage(spec.output.uri, spec.s3_options())
+def _take_output(spec: JobSpec) -> JobOutput:
+    """Phase 2: the output, held by this driver (storage/job_output.py): the same spec resumes, `append` adds to
+    another job's output; what earlier runs committed is read."""
     fingerprint = job_fingerprint(spec_fingerprint(spec))
-    claim_output(storage, fingerprint, spec_fingerprint(spec), append=spec.output.append)
-    lease = OutputLease.acquire(storage, duration_s=spec.output.lease_seconds, wait_s=spec.output.lease_wait_seconds)
-    if spec.output.format == "webdataset":
-        remove_orphan_shards(storage)  # shards a killed worker published but never committed
-    compact_output_parts(storage)  # metadata and errors parts stay few and large as the job grows (storage/metadata.py)
-    return _Output(
-        storage,
-        fingerprint,
-        lease,
-        committed_item_ids(storage),
-        _earlier_runs(storage),
-        MetadataWriter(
-            storage,
-            embed_images=spec.output.embed_images,
-            flush_seconds=spec.output.metadata_flush_seconds,
-            guard=lease.check,  # a driver that lost the output to another one commits nothing more
-        ),
-        ErrorWriter(storage),
+    settings = OutputSettings(
+        fingerprint=fingerprint,
+        spec=spec_fingerprint(spec),
+        append=spec.output.append,
+        webdataset=spec.output.format == "webdataset",
+        embed_images=spec.output.embed_images,
+        flush_seconds=spec.output.metadata_flush_seconds,
+        lease_seconds=spec.output.lease_seconds,
+        lease_wait_seconds=spec.output.lease_wait_seconds,
     )
+    return JobOutput.open(open_storage(spec.output.uri, spec.s3_options()), settings)
 
 
-def _earlier_runs(storage: Storage) -> list[RunFigures]:
-    """The runs an earlier summary.json recorded; none when there is none, or it cannot be read (a driver killed
-    while writing it): the job's figures then start again from this run, and nothing else is lost."""
+def _earlier_runs(output: JobOutput) -> list[RunFigures]:
+    """The runs an earlier summary.json recorded (none when it cannot be read: see JobOutput)."""
     try:
-        earlier = read_summary(storage)
-        return RunFigures.from_earlier_summary(earlier) if earlier else []
-    except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError and pydantic's ValidationError are ValueErrors
-        log.warning("%s cannot be read (%s); its earlier runs are not counted", storage.uri_for("summary.json"), e)
+        return RunFigures.from_earlier_summary(output.earlier_summary) if output.earlier_summary else []
+    except (ValueError, TypeError, KeyError) as e:  # pydantic's ValidationError is a ValueError
+        log.warning(
+            "%s cannot be read (%s); its earlier runs are not counted", output.storage.uri_for("summary.json"), e
+        )
         return []
 
 
-def _plan(spec: JobSpec, plan: WorkPlan, output: _Output) -> None:
+def _plan(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> None:
     """Phase 3: the items not committed yet (a bit per item of the plan); the invalid rows go to errors/, once per
     output (a resumed job validates the same manifest again)."""
     plan.skip_committed(output.done_before)  # one vectorised lookup per chunk of ids
@@ -288,21 +255,21 @@ def _plan(spec: JobSpec, plan: WorkPlan, output: _Output) -> None:
     for e in plan.all_errors():
         message = f"{'field ' + repr(e.field) + ': ' if e.field else ''}{e.error}"
         if (e.manifest_row, e.item_id, message) not in recorded:
-            output.errors.record(message, "validate", item_id=e.item_id, manifest_row=e.manifest_row)
+            output.record_error(message, "validate", item_id=e.item_id, manifest_row=e.manifest_row)
 
 
-def _render(spec: JobSpec, plan: WorkPlan, output: _Output, run: _Run, hooks: _Hooks) -> None:
-    """Phase 4: start the pool, run the schedule over the plan's references, commit each image's row as it lands;
-    the workers are killed however it ends."""
+def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: _Hooks) -> None:
+    """Phase 4: start the pool, run the schedule over the plan's references, commit each image's row (each staged
+    shard) as it lands; the workers are killed however it ends."""
     if not plan.to_render:
         return
-    pool = _start_pool(spec, plan, run, hooks, lease_holder_id=output.lease.record.holder_id)
+    pool = _start_pool(spec, plan, run, hooks)
     bar = _progress_bar(plan.items, plan.committed) if hooks.progress else None
     callbacks = [f for f in (bar.update if bar else None, hooks.on_progress) if f is not None]
 
     def done(outcome: ItemOutcome, item: WorkItem) -> None:
         run.image_done(outcome)
-        _commit(output.metadata, output.storage, spec, outcome)
+        _commit(output, spec, outcome)
 
     def joined(handle, info: WorkerInfo) -> None:
         if info.cold_start:
@@ -315,11 +282,13 @@ def _render(spec: JobSpec, plan: WorkPlan, output: _Output, run: _Run, hooks: _H
         [],
         scheduler_config(spec),
         on_done=done,
-        on_failed=lambda outcome, item, attempt: _record_failure(output.errors, outcome, item, attempt),
+        on_failed=lambda outcome, item, attempt: _record_failure(output, outcome, item, attempt),
         on_progress=(lambda n: [f(n) for f in callbacks]) if callbacks else None,
         pool=pool,
         on_worker=joined,
         on_event=hooks.on_event,
+        fence=output.fence,
+        commit_shard=output.commit_shard,
     )
     run.encodes_by_reference = scheduler.encodes_by_reference
     run.stats = scheduler.stats  # interrupted or failed: what was done still counts
@@ -349,7 +318,7 @@ def scheduler_config(spec: JobSpec) -> SchedulerConfig:
     )
 
 
-def _start_pool(spec: JobSpec, plan: WorkPlan, run: _Run, hooks: _Hooks, *, lease_holder_id: str) -> WorkerPool:
+def _start_pool(spec: JobSpec, plan: WorkPlan, run: _Run, hooks: _Hooks) -> WorkerPool:
     """Connect to Ray and size the pool: GPU or CPU workers, how many, and the memory each asks for (at the job's
     largest image and max_batch)."""
     c = spec.cluster
@@ -382,11 +351,10 @@ def _start_pool(spec: JobSpec, plan: WorkPlan, run: _Run, hooks: _Hooks, *, leas
     config = worker_config(
         spec, warmup=hooks.warmup, memory_budget_bytes=None if pool_plan.use_gpu else memory_bytes, plan=plan
     )
-    config = dataclasses.replace(config, lease_holder_id=lease_holder_id)  # workers commit shards only under it
     return WorkerPool(config, pool_plan, hooks.renderer_factory)
 
 
-def _summarise(spec: JobSpec, plan: WorkPlan, output: _Output, run: _Run) -> JobSummary:
+def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> JobSummary:
     """Phase 5: this run's figures, and the job's over every run on this output."""
     stats = run.stats or SchedulerStats()
     now = time.time()
@@ -403,13 +371,13 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: _Output, run: _Run) -> Job
         startup_seconds=round(run.startup_seconds, 3),
         render_seconds=round(run.render_seconds, 3),
     )
-    runs = [*output.earlier_runs, this_run]
+    runs = [*_earlier_runs(output), this_run]
     references = plan.references_to_render
     measured = stats.measured_transfer_bytes_per_s
     return JobSummary(
         manifest=spec.manifest,
         output=spec.output.uri,
-        config_hash=output.fingerprint,
+        config_hash=output.settings.fingerprint,
         manifest_rows=plan.rows,
         invalid_rows=plan.invalid_rows,  # a row with two errors is one invalid row
         items=plan.items,
@@ -452,13 +420,6 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: _Output, run: _Run) -> Job
     )
 
 
-def _compact(storage: Storage) -> None:
-    try:
-        compact_output_parts(storage)
-    except Exception as e:  # the parts stay as they are, and the next run compacts them
-        log.warning("could not compact the output's parts: %s", e)
-
-
 def _write_gallery(spec: JobSpec) -> None:
     from snapref_ray.report import write_report
 
@@ -474,14 +435,14 @@ def _recorded_validation_errors(storage) -> set[tuple]:
     return {(r["manifest_row"], r["item_id"], r["error"]) for r in rows if r["stage"] == "validate"}
 
 
-def _commit(metadata: MetadataWriter, storage, spec: JobSpec, outcome: ItemOutcome) -> None:
+def _commit(output: JobOutput, spec: JobSpec, outcome: ItemOutcome) -> None:
     if outcome.row.get("shard_key"):
-        return  # committed by its worker, with its shard (storage/shards.py)
-    image_bytes = storage.get_bytes(outcome.row["image_key"]) if spec.output.embed_images else None
-    metadata.add(outcome.row, image_bytes)
+        return  # its rows went into metadata/ with its shard, when the shard was committed (JobOutput.commit_shard)
+    image_bytes = output.storage.get_bytes(outcome.row["image_key"]) if spec.output.embed_images else None
+    output.commit_row(outcome.row, image_bytes)
 
 
-def _record_failure(errors: ErrorWriter, outcome: ItemOutcome, item: WorkItem, attempt: int) -> None:
+def _record_failure(output: JobOutput, outcome: ItemOutcome, item: WorkItem, attempt: int) -> None:
     log.error(
         "item %s (manifest row %d) failed after %d attempt(s): %s",
         item.item_id,
@@ -490,7 +451,7 @@ def _record_failure(errors: ErrorWriter, outcome: ItemOutcome, item: WorkItem, a
         outcome.error,
     )
     job_metrics().errors.inc(1, {"stage": _STAGES.get(outcome.stage, outcome.stage)})
-    errors.record(
+    output.record_error(
         outcome.error or "unknown error",
         _STAGES.get(outcome.stage, outcome.stage),
         item_id=item.item_id,

@@ -18,6 +18,7 @@ keys). Readers de-duplicate by item_id, keeping the first committed row.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -32,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .backends import Storage
+from .backends import Storage, bounded_by
 from .id_claims import ClaimedIds
 
 log = logging.getLogger(__name__)
@@ -271,9 +272,10 @@ class _PartWriter:
             pq.write_table(pa.Table.from_pylist(rows, schema=self.schema), buf, compression="zstd")
             key = _part_key(self.prefix)
             try:
-                if self.guard is not None:
-                    self.guard()
-                self.storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
+                # The guard (the output's lease) says how long this commit may take to land.
+                left = self.guard() if self.guard is not None else None
+                with bounded_by(left) if isinstance(left, (int, float)) else contextlib.nullcontext():
+                    self.storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
             except Exception:
                 with self._lock:
                     self._rows[:0] = rows
@@ -378,8 +380,11 @@ class ErrorWriter(_PartWriter):
         schema: pa.Schema = ERRORS_SCHEMA,
         flush_rows: int = 256,
         flush_seconds: float = 30.0,
+        guard: Callable[[], object] | None = None,
     ):
-        super().__init__(storage, prefix=prefix, schema=schema, flush_rows=flush_rows, flush_seconds=flush_seconds)
+        super().__init__(
+            storage, prefix=prefix, schema=schema, flush_rows=flush_rows, flush_seconds=flush_seconds, guard=guard
+        )
 
     def add(self, row: dict) -> None:
         """Queue one error row (all ERRORS_SCHEMA columns)."""

@@ -7,21 +7,25 @@ thousand images, in the layout the `webdataset` library and Hugging Face `datase
     shards/<shard>.tar        members <item_id>.png (or .webp/.jpg), <item_id>.json (the metadata
                               record), <item_id>.txt (the prompt); closed at max_bytes or max_items
     shards/<shard>.parquet    the shard's index: item_id, member names, byte offset and size in the tar
-    metadata/part-*.parquet   one part per shard, the rows with `shard_key` and `shard_member`
+    metadata/part-*.parquet   the shard's rows, with `shard_key` and `shard_member`
+    commits/<shard>.json      the shard's fate, decided once: committed or void
 
-A worker closes its shard at `max_bytes` or `max_items`, and commits the open one when the driver releases
-it (cluster/pool.py `release`: no work left for it, or the job ended). It tells the driver which shards it
-closed (`ShardWriter.drain`) with each answer: the driver counts an item done only once its shard is committed,
-and renders the items of a shard that never will be (its worker died with it open) again in the same run
-(cluster/shard_ledger.py).
+Workers publish, the driver commits (the shape of Ray Data's Datasink). A worker closes its shard at
+`max_bytes` or `max_items`, or when the driver releases it, and *stages* it: the tar, its index and its
+metadata rows go under ``staging/``, where no reader looks (`ShardWriter`). It tells the driver which shards it
+staged with its answers (`ClosedShard`), and only the driver, holding the output's lease, commits one
+(`commit_shard`): it decides the shard's fate with one conditional create of ``commits/<shard>.json``, then
+moves the tar and the index into ``shards/`` and the rows into ``metadata/`` — rows last, so that no metadata
+row ever names an image that is not in ``shards/``.
 
-Exactly once, as for single files: a shard is written to a temporary file and published whole (a rename
-on a local folder, a multipart upload on S3), then its index, then its metadata part, which is the commit
-(resume skips the ids in metadata/). A worker that dies with a shard open leaves nothing visible: the
-temporary file is never published and its items are not in metadata/, so the next run renders them
-again. A tar published without its metadata part (a death between the two writes) is an orphan;
-`remove_orphan_shards`, called by the next driver while it holds the output's lease, deletes it before
-anything is rendered again, so a reader never sees an item twice.
+The decision is the only thing a late writer can race for, and the store lets one of them win: a driver that
+settles what an earlier one left (`settle_staged_shards`, with the lease, before it reads what is committed)
+creates the same key with the verdict "void" for every staged shard it finds undecided, and deletes it; a
+shard decided "committed" whose move was cut short is moved the rest of the way. A paused driver that wakes
+up and tries to commit a shard that was voided loses the conditional create and commits nothing; a shard it
+had decided is finished by whoever comes next. So ``shards/*.tar`` holds committed shards only, each
+committed item is in exactly one of them, and ``metadata/`` names no image that is missing — whatever is
+killed or paused when. The decisions are never compacted or deleted (one small object per shard).
 """
 
 from __future__ import annotations
@@ -36,19 +40,21 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .backends import LocalStorage, Storage
+from .backends import LocalStorage, Storage, StorageError
 from .metadata import METADATA_PREFIX, METADATA_SCHEMA, part_key, read_table_columns
 
 log = logging.getLogger(__name__)
 
 SHARDS_PREFIX = "shards"
+STAGING_PREFIX = "staging"  # what workers staged, waiting for the driver's commit; never read by readers
+COMMITS_PREFIX = "commits"  # one decision per shard: committed or void (conditional create)
+COMMITTED, VOID = "committed", "void"
 DEFAULT_SHARD_BYTES = 1_000_000_000
 DEFAULT_SHARD_ITEMS = 10_000
 
@@ -91,22 +97,47 @@ def wants_thumbnail(item_id: str, every: int) -> bool:
 
 @dataclass(frozen=True)
 class ClosedShard:
-    """A shard a writer closed: committed (published with its metadata part), or dropped because its publish
-    failed (its items must render again)."""
+    """A shard a writer closed: staged (its tar, index and rows under ``staging/``, for the driver to commit), or
+    dropped because staging it failed (its items must render again)."""
 
-    key: str
+    key: str  # where it goes once committed: ``shards/<stem>.tar``
     items: int  # rows it held: a driver waits for that many rows of it before it forgets the key
-    committed: bool
-    error: str = ""  # why a publish failed
+    staged: bool
+    error: str = ""  # why staging failed
+
+
+_TEMP_PREFIX = "snapref-shard-"
+
+
+def remove_dead_workers_temporaries(directory: str | None = None) -> list[Path]:
+    """Delete the temporary tars that workers killed on this machine left in the temp folder (up to a shard's size
+    each); a file is a dead worker's when the pid in its name is gone. Called as a worker starts."""
+    removed = []
+    for path in Path(directory or tempfile.gettempdir()).glob(f"{_TEMP_PREFIX}*-*.tar"):
+        pid = path.name.removeprefix(_TEMP_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class _OpenShard:
     def __init__(self, storage: Storage, key: str):
         self.key = key
         if isinstance(storage, LocalStorage):
-            self.path = storage.temp_path_for(key)  # beside the target: publishing is one rename
+            self.path = storage.temp_path_for(staging_key(key))  # beside the target: publishing is one rename
         else:
-            fd, name = tempfile.mkstemp(prefix="snapref-shard-", suffix=".tar")
+            fd, name = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", suffix=".tar")
             os.close(fd)
             self.path = Path(name)
         self.tar = tarfile.open(self.path, "w")  # GNU format: long member names are fine
@@ -132,11 +163,11 @@ class _OpenShard:
 
 
 class ShardWriter:
-    """One worker's open shard: `add` items (thread-safe), `commit` publishes it; closed at a size or count.
+    """One worker's open shard: `add` items (thread-safe), `close` stages it; closed at a size or count too.
 
     `name` keeps shards of different workers apart (a worker id); every shard also gets a random suffix,
-    so a restarted worker never reuses a name. `guard` is called before each shard is published and
-    raises to refuse it (the shard is then dropped and its items render again).
+    so a restarted worker never reuses a name. Staging is all a worker does: the driver commits
+    (`commit_shard`), and no check of the lease is needed here.
     """
 
     def __init__(
@@ -146,7 +177,6 @@ class ShardWriter:
         name: str,
         max_bytes: int = DEFAULT_SHARD_BYTES,
         max_items: int = DEFAULT_SHARD_ITEMS,
-        guard: Callable[[], None] | None = None,
     ):
         if max_bytes < 1 or max_items < 1:
             raise ValueError(f"shard limits must be >= 1, got max_bytes={max_bytes}, max_items={max_items}")
@@ -154,18 +184,18 @@ class ShardWriter:
         self.name = name
         self.max_bytes = max_bytes
         self.max_items = max_items
-        self.guard = guard  # called before a shard is published; raises to refuse (lease.check_holder)
-        self.shards_committed: list[str] = []
+        self.shards_staged: list[str] = []
         self._closed: list[ClosedShard] = []  # since the last `drain`
         self._open: _OpenShard | None = None
         self._seq = 0
         self._lock = threading.Lock()  # guards _open: members of one item go in together
-        self._commit_lock = threading.Lock()  # shards are published one at a time, in order
+        self._stage_lock = threading.Lock()  # shards are staged one at a time, in order
 
     def add(self, row: dict, image: bytes, image_ext: str, prompt: str) -> dict:
         """Put an item's image, record and prompt into the open shard; the row, with its shard columns.
 
-        The item is committed only when its shard is (`commit`, or the shard filling up)."""
+        The item is committed only when the driver commits its shard, once it is staged (`close`, or the shard
+        filling up)."""
         key = shard_member_key(row["item_id"])
         full = None
         with self._lock:
@@ -201,16 +231,16 @@ class ShardWriter:
             if len(shard.rows) >= self.max_items or shard.nbytes >= self.max_bytes:
                 full, self._open = shard, None
         if full is not None:
-            self._publish(full)
+            self._stage(full)
         return row
 
-    def commit(self) -> str | None:
-        """Publish the open shard now (nothing if none is open); its key."""
+    def close(self) -> str | None:
+        """Stage the open shard now (nothing if none is open); its key."""
         with self._lock:
             shard, self._open = self._open, None
         if shard is None:
             return None
-        self._publish(shard)
+        self._stage(shard)
         return shard.key
 
     @property
@@ -220,40 +250,40 @@ class ShardWriter:
             return len(self._open.rows) if self._open else 0
 
     def drain(self) -> list[ClosedShard]:
-        """The shards closed (committed, or dropped by a failed publish) since the last call."""
-        with self._commit_lock:
+        """The shards closed (staged, or dropped by a failed staging) since the last call."""
+        with self._stage_lock:
             closed, self._closed = self._closed, []
         return closed
 
-    def _publish(self, shard: _OpenShard) -> None:
-        with self._commit_lock:
+    def _stage(self, shard: _OpenShard) -> None:
+        """The tar first, the rows last: a staged rows file means the whole shard is staged."""
+        with self._stage_lock:
             try:
                 shard.tar.close()
-                if self.guard is not None:
-                    self.guard()
-                self.storage.put_file(shard.key, shard.path)
+                self.storage.put_file(staging_key(shard.key), shard.path)
                 index = pa.Table.from_pylist(shard.index, schema=SHARD_INDEX_SCHEMA)
-                self.storage.put_bytes(_index_key(shard.key), _parquet(index), "application/vnd.apache.parquet")
-                rows = pa.Table.from_pylist(shard.rows, schema=SHARD_METADATA_SCHEMA)
-                # The commit: the rows name the shard; resume skips them, readers list them.
                 self.storage.put_bytes(
-                    part_key(METADATA_PREFIX, suffix=_stem(shard.key)), _parquet(rows), "application/vnd.apache.parquet"
+                    staging_key(_index_key(shard.key)), _parquet(index), "application/vnd.apache.parquet"
+                )
+                rows = pa.Table.from_pylist(shard.rows, schema=SHARD_METADATA_SCHEMA)
+                self.storage.put_bytes(
+                    staging_key(_rows_key(shard.key)), _parquet(rows), "application/vnd.apache.parquet"
                 )
             except BaseException as e:
                 shard.path.unlink(missing_ok=True)
                 self._closed.append(ClosedShard(shard.key, len(shard.rows), False, f"{type(e).__name__}: {e}"[:300]))
                 raise
-            self.shards_committed.append(shard.key)
+            self.shards_staged.append(shard.key)
             self._closed.append(ClosedShard(shard.key, len(shard.rows), True))
-            log.info("committed shard %s (%d items)", self.storage.uri_for(shard.key), len(shard.rows))
+            log.info("staged shard %s (%d items)", self.storage.uri_for(staging_key(shard.key)), len(shard.rows))
 
     def abandon(self) -> None:
-        """Drop the open shard without publishing it (what a worker's death does; its items render again)."""
+        """Drop the open shard without staging it (what a worker's death does; its items render again)."""
         with self._lock:
             shard, self._open = self._open, None
         if shard is not None:
             shard.discard()
-            with self._commit_lock:
+            with self._stage_lock:
                 self._closed.append(ClosedShard(shard.key, len(shard.rows), False, "abandoned"))
 
 
@@ -265,10 +295,131 @@ def _index_key(shard_key: str) -> str:
     return shard_key.removesuffix(".tar") + ".parquet"
 
 
+def _rows_key(shard_key: str) -> str:
+    return shard_key.removesuffix(".tar") + ".rows.parquet"
+
+
+def staging_key(key: str) -> str:
+    """Where a worker stages the object that becomes `key` (``shards/x.tar`` -> ``staging/x.tar``)."""
+    return f"{STAGING_PREFIX}/{key.rsplit('/', 1)[-1]}"
+
+
+def decision_key(shard_key: str) -> str:
+    return f"{COMMITS_PREFIX}/{_stem(shard_key)}.json"
+
+
 def _parquet(table: pa.Table) -> bytes:
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     return buf.getvalue()
+
+
+_DECIDE_TRIES = 20
+
+
+def decide(storage: Storage, shard_key: str, verdict: str, *, by: str = "") -> str:
+    """The shard's fate: `verdict` if this call decides it (a conditional create of ``commits/<shard>.json``),
+    else the verdict already recorded. Of a committer and a sweeper racing, the store lets exactly one win."""
+    key = decision_key(shard_key)
+    body = json.dumps({"shard": shard_key, "verdict": verdict, "by": by, "at": time.time()}, sort_keys=True).encode()
+    for attempt in range(_DECIDE_TRIES):
+        if storage.put_if_absent(key, body):
+            return verdict
+        try:
+            return str(json.loads(storage.get_bytes(key))["verdict"])
+        except StorageError:
+            # AWS answers 409 while another conditional create of the key is in progress: look again shortly.
+            time.sleep(min(0.05 * 2**attempt, 2.0))
+        except (ValueError, KeyError, TypeError) as e:
+            raise StorageError(f"{storage.uri_for(key)} is not a shard decision: {e}") from e
+    raise StorageError(f"could not read or create {storage.uri_for(key)} after {_DECIDE_TRIES} tries")
+
+
+def verdict(storage: Storage, shard_key: str) -> str | None:
+    """The recorded fate of a shard (None: not decided yet)."""
+    try:
+        return str(json.loads(storage.get_bytes(decision_key(shard_key)))["verdict"])
+    except StorageError:
+        return None
+
+
+def commit_shard(storage: Storage, shard_key: str, *, by: str = "") -> bool:
+    """Commit a staged shard (the driver, holding the output's lease): decide it, then move its tar and index into
+    ``shards/`` and its rows into ``metadata/``. False (and its staged files deleted) when it had been voided by a
+    driver that took the output over: its items must render again.
+
+    Once decided committed it stays committed: a move that fails here is finished by `settle_staged_shards` (at the
+    end of the run, or by the next one). A decision whose answer was lost is read back (or voided, if it never
+    landed), so the caller never renders again the items of a shard that is committed."""
+    try:
+        decided = decide(storage, shard_key, COMMITTED, by=by)
+    except StorageError as e:
+        log.warning("could not decide shard %s (%s); reading back what the store holds", shard_key, e)
+        decided = decide(storage, shard_key, VOID, by=by)  # our create landed: this reads COMMITTED back
+    if decided != COMMITTED:
+        _drop_staged(storage, shard_key)
+        return False
+    try:
+        _move_into_place(storage, shard_key)
+    except StorageError as e:
+        log.warning("shard %s is committed; moving it into place failed (%s): the job's end finishes it", shard_key, e)
+        return True
+    log.info("committed shard %s", storage.uri_for(shard_key))
+    return True
+
+
+def _move_into_place(storage: Storage, shard_key: str) -> None:
+    """Finish a committed shard's move, from wherever it was cut short: tar, index, rows (each copied, then its
+    staged file deleted). A staged rows file means its rows are not in metadata/ yet."""
+    for final in (shard_key, _index_key(shard_key)):
+        staged = staging_key(final)
+        if storage.exists(staged):
+            storage.copy(staged, final)
+            storage.delete(staged)
+        elif not storage.exists(final):
+            raise StorageError(f"shard {storage.uri_for(shard_key)} was committed but {final!r} is nowhere")
+    staged_rows = staging_key(_rows_key(shard_key))
+    if storage.exists(staged_rows):
+        storage.copy(staged_rows, part_key(METADATA_PREFIX, suffix=_stem(shard_key)))
+        storage.delete(staged_rows)
+
+
+def _drop_staged(storage: Storage, shard_key: str) -> None:
+    for final in (shard_key, _index_key(shard_key), _rows_key(shard_key)):
+        storage.delete(staging_key(final))
+
+
+@dataclass
+class StagedSettled:
+    """What `settle_staged_shards` did: shards whose commit it finished, shards it voided."""
+
+    committed: list[str]
+    voided: list[str]
+
+
+def settle_staged_shards(storage: Storage, *, by: str = "") -> StagedSettled:
+    """Decide every staged shard nobody decided (void: its items render again) and finish the moves of those
+    decided committed. Only the lease holder calls it, when no worker of its own has a shard staged but not
+    reported: before it reads what the output holds, and once its workers are gone. Staged files that land later
+    (a paused driver's worker) are settled by the next call; readers never see them."""
+    stems: dict[str, str] = {}
+    for key in storage.list(STAGING_PREFIX + "/"):
+        name = key.rsplit("/", 1)[-1]
+        stem = name.removesuffix(".tar").removesuffix(".parquet").removesuffix(".rows")
+        stems.setdefault(stem, f"{SHARDS_PREFIX}/{stem}.tar")
+    settled = StagedSettled([], [])
+    for shard_key in stems.values():
+        if decide(storage, shard_key, VOID, by=by) == COMMITTED:
+            _move_into_place(storage, shard_key)
+            settled.committed.append(shard_key)
+        else:
+            log.warning("voided staged shard %s: it was never committed (its items render again)", shard_key)
+            _drop_staged(storage, shard_key)
+            settled.voided.append(shard_key)
+    abandon = getattr(storage, "abandon_partial_writes", None)
+    if abandon is not None:  # a killed worker's temporary tar (local) or multipart upload (S3)
+        abandon(STAGING_PREFIX + "/")
+    return settled
 
 
 def committed_shards(storage: Storage) -> list[str]:
@@ -279,44 +430,11 @@ def committed_shards(storage: Storage) -> list[str]:
     return sorted({k for k in table.column("shard_key").to_pylist() if k})
 
 
-def shard_is_committed(storage: Storage, shard_key: str) -> bool:
-    """Whether a shard's metadata part (its commit) is in the output. Lists metadata/: call it on a loss, not per
-    item."""
-    suffix = f"-{_stem(shard_key)}.parquet"
-    return any(k.endswith(suffix) for k in storage.list(METADATA_PREFIX + "/"))
-
-
-def settle_lost_shard(storage: Storage, shard_key: str) -> bool:
-    """A shard whose writer is gone before it said what became of it: whether it was committed (a death between
-    the publish and the answer). If not, what of it was published (a death between the tar and the metadata part)
-    is deleted now, as `remove_orphan_shards` would on the next run, so that no reader of this run's output sees it.
-    Call only once the writer's process is known dead, while holding the output's lease."""
-    if shard_is_committed(storage, shard_key):
-        return True
-    for key in (_index_key(shard_key), shard_key):
-        if storage.exists(key):
-            log.warning("removing %s: its shard was never committed (its items render again)", storage.uri_for(key))
-            storage.delete(key)
-    return False
-
-
-def remove_orphan_shards(storage: Storage) -> list[str]:
-    """Delete published shards (and their indexes) that no metadata row names: a worker died between
-    publishing the tar and committing its rows. Call only while holding the output's lease, before
-    rendering; returns the keys deleted."""
-    listed = [k for k in storage.list(SHARDS_PREFIX + "/") if k.endswith(".tar")]
-    if not listed:
-        return []
-    committed = set(committed_shards(storage))
-    orphans = [k for k in listed if k not in committed]
-    for key in orphans:
-        log.warning("removing shard %s: its items were never committed (they render again)", storage.uri_for(key))
-        storage.delete(_index_key(key))
-        storage.delete(key)
-    return orphans
-
-
 __all__ = [
+    "COMMITTED",
+    "COMMITS_PREFIX",
+    "STAGING_PREFIX",
+    "VOID",
     "ClosedShard",
     "DEFAULT_SHARD_BYTES",
     "DEFAULT_SHARD_ITEMS",
@@ -324,10 +442,13 @@ __all__ = [
     "SHARD_INDEX_SCHEMA",
     "SHARD_METADATA_SCHEMA",
     "ShardWriter",
+    "commit_shard",
     "committed_shards",
-    "remove_orphan_shards",
-    "settle_lost_shard",
-    "shard_is_committed",
+    "decide",
+    "remove_dead_workers_temporaries",
+    "settle_staged_shards",
+    "staging_key",
+    "verdict",
     "shard_member_key",
     "wants_thumbnail",
 ]

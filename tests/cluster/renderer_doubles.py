@@ -76,3 +76,52 @@ class PoisonPrompt:
 
     def __call__(self, config: WorkerConfig):
         return _PoisonRenderer(load_worker_renderer(config), self.marker)
+
+
+@dataclass(frozen=True)
+class ExitAfterStagingAShard:
+    """The real renderer, in a worker that exits (`os._exit`, as a kill would) right after it staged its first full
+    webdataset shard inside a render call, before that call answers: the window in which a shard exists that the
+    driver never hears of. Once per job: the `marker` file (created as it exits) keeps the restarted actor alive."""
+
+    marker: str
+
+    def __call__(self, config: WorkerConfig):
+        import os
+        from pathlib import Path
+
+        from snapref_ray.storage import shards
+
+        marker = Path(self.marker)
+        stage = shards.ShardWriter._stage
+
+        def stage_then_exit(writer, shard) -> None:
+            stage(writer, shard)
+            if not marker.exists():
+                marker.write_text(shard.key)
+                os._exit(1)
+
+        shards.ShardWriter._stage = stage_then_exit  # this worker process only
+        return load_worker_renderer(config)
+
+
+@dataclass(frozen=True)
+class SlowStaging:
+    """The real renderer, in a worker whose webdataset staging takes `seconds` longer (a slow store, a 1 GB upload):
+    a release that gives up waiting kills it while it still stages."""
+
+    seconds: float
+
+    def __call__(self, config: WorkerConfig):
+        import time
+
+        from snapref_ray.storage import shards
+
+        stage = shards.ShardWriter._stage
+
+        def slow_stage(writer, shard) -> None:
+            time.sleep(self.seconds)
+            stage(writer, shard)
+
+        shards.ShardWriter._stage = slow_stage  # this worker process only
+        return load_worker_renderer(config)

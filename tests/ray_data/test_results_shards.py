@@ -16,7 +16,7 @@ from PIL import Image
 from snapref_ray.data.results import read_item_images
 from snapref_ray.storage.backends import LocalStorage, StorageError, open_storage
 from snapref_ray.storage.metadata import METADATA_SCHEMA, read_metadata_table
-from snapref_ray.storage.shards import ShardWriter
+from snapref_ray.storage.shards import ShardWriter, commit_shard
 
 N_ITEMS = 11
 
@@ -44,8 +44,10 @@ def write_shards(storage) -> None:
             writers[i % 2].add(row, buf.getvalue(), "webp", row["prompt"])
         else:
             writers[i % 2].add(row, png(i), "png", row["prompt"])
-    for writer in writers:
-        writer.commit()
+    for writer in writers:  # each worker stages its open shard; the driver commits what they staged
+        writer.close()
+        for shard in writer.drain():
+            commit_shard(storage, shard.key)
 
 
 class CountingStorage(LocalStorage):

@@ -13,7 +13,7 @@ from snapref_ray.report import write_report
 from snapref_ray.report.gallery import page_key
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import reference_image_key, thumb_key
-from snapref_ray.storage.shards import ShardWriter, wants_thumbnail
+from snapref_ray.storage.shards import ShardWriter, commit_shard, wants_thumbnail
 from tests.report.test_gallery import Dom, encode, item_colour, metadata_row
 
 N_REFS, PER_REF, EVERY = 4, 15, 4
@@ -36,8 +36,10 @@ def write_shard_job(root, *, n_refs: int = N_REFS, per_ref: int = PER_REF, every
             if sampled:
                 storage.put_bytes(row["thumb_key"], encode(img, "JPEG"))
             writers[ref % 2].add(row, encode(img, "PNG"), "png", row["prompt"])
-    for writer in writers:
-        writer.commit()
+    for writer in writers:  # each worker stages its open shard; the driver commits what they staged
+        writer.close()
+        for shard in writer.drain():
+            commit_shard(storage, shard.key)
     return storage
 
 

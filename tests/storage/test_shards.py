@@ -1,6 +1,7 @@
-"""WebDataset shards: written by ShardWriter to a local folder and to S3 (SeaweedFS on 127.0.0.1), read back
-by the readers users have (the `webdataset` library, Hugging Face `datasets`), and exactly once when the
-writing process is SIGKILLed with a shard open."""
+"""WebDataset shards: staged by ShardWriter (a worker), committed by `commit_shard` (the driver), on a local folder
+and on S3 (SeaweedFS on 127.0.0.1); read back by the readers users have (the `webdataset` library, Hugging Face
+`datasets`); exactly once when the writing process is SIGKILLed with a shard open, and when a committing driver and
+a driver settling what it left race for the same shard."""
 
 from __future__ import annotations
 
@@ -22,10 +23,16 @@ from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.ledger import committed_item_ids
 from snapref_ray.storage.metadata import METADATA_SCHEMA, read_item_ids, read_metadata_table
 from snapref_ray.storage.shards import (
+    COMMITTED,
+    VOID,
+    ClosedShard,
     ShardWriter,
+    commit_shard,
     committed_shards,
-    remove_orphan_shards,
+    decide,
+    settle_staged_shards,
     shard_member_key,
+    verdict,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +44,15 @@ def _row(item_id: str) -> dict:
 
 def _image(item_id: str) -> bytes:
     return f"not really a png: {item_id}".encode() * 3
+
+
+def _commit_closed(storage, writer: ShardWriter) -> list[str]:
+    """What the driver does with a worker's answer: commit each shard it staged; the keys committed."""
+    return [c.key for c in writer.drain() if c.staged and commit_shard(storage, c.key)]
+
+
+def _tars(storage) -> list[str]:
+    return [k for k in storage.list("shards/") if k.endswith(".tar")]
 
 
 def _members(path: Path) -> dict[str, bytes]:
@@ -56,11 +72,15 @@ def test_items_go_into_shards_closed_at_a_count_with_an_index_and_metadata(stora
     ids = [f"item-{i:02d}" for i in range(7)]
     writer = ShardWriter(storage, name="w1", max_items=3)
     rows = [writer.add(_row(i), _image(i), "png", f"prompt of {i}") for i in ids]
-    assert len(writer.shards_committed) == 2 and writer.pending == 1
+    assert len(writer.shards_staged) == 2 and writer.pending == 1
+    assert read_item_ids(storage) == [] and _tars(storage) == []  # staged: nothing a reader sees yet
+    assert _commit_closed(storage, writer) == writer.shards_staged
     assert read_item_ids(storage) == ids[:6]  # the open shard's item is not committed yet
-    writer.commit()
-    shards = writer.shards_committed
+    writer.close()
+    _commit_closed(storage, writer)
+    shards = writer.shards_staged
     assert len(shards) == 3 and committed_shards(storage) == sorted(shards)
+    assert storage.list("staging/") == [] and all(verdict(storage, k) == COMMITTED for k in shards)
     assert [k for k in storage.list("shards/") if k.endswith(".tar")] == sorted(shards)
     seen = {}
     for shard in shards:
@@ -96,8 +116,10 @@ def test_the_readers_users_have_see_every_item_once(tmp_path):
     other = ShardWriter(storage, name="w2", max_items=3)  # a second worker
     for i in ids[4:]:
         other.add(_row(i), _image(i), "png", f"prompt of {i}")
-    writer.commit()
-    other.commit()
+    writer.close()
+    other.close()
+    _commit_closed(storage, writer)
+    _commit_closed(storage, other)
     urls = sorted(str(tmp_path / "out" / k) for k in storage.list("shards/") if k.endswith(".tar"))
     assert len(urls) == 3
     samples = list(webdataset.WebDataset(urls, shardshuffle=False))
@@ -122,12 +144,15 @@ _WRITER = textwrap.dedent(
     import sys
     from snapref_ray.storage.backends import open_storage
     from snapref_ray.storage.metadata import METADATA_SCHEMA
-    from snapref_ray.storage.shards import ShardWriter
+    from snapref_ray.storage.shards import ShardWriter, commit_shard
 
-    writer = ShardWriter(open_storage(sys.argv[1]), name="doomed", max_items=3)
+    storage = open_storage(sys.argv[1])
+    writer = ShardWriter(storage, name="doomed", max_items=3)
     for i in range(5):
         item = f"item-{i:02d}"
         writer.add(dict.fromkeys(METADATA_SCHEMA.names) | {"item_id": item}, item.encode(), "png", item)
+    (first,) = writer.drain()
+    commit_shard(storage, first.key)  # the driver committed the full shard
     print("added", flush=True)
     sys.stdin.readline()
     """
@@ -158,83 +183,169 @@ def test_a_worker_killed_mid_shard_leaves_nothing_visible_and_a_rerun_makes_ever
     for i in ids:
         if i not in committed_item_ids(storage):
             rerun.add(_row(i), i.encode(), "png", i)
-    rerun.commit()
+    rerun.close()
+    _commit_closed(storage, rerun)
     urls = sorted(str(out / k) for k in storage.list("shards/") if k.endswith(".tar"))
     keys = [s["__key__"] for s in webdataset.WebDataset(urls, shardshuffle=False)]
     assert sorted(keys) == ids  # every item in exactly one committed shard
     assert sorted(read_item_ids(storage)) == ids
 
 
-def test_a_shard_published_without_its_commit_is_removed_before_a_rerun(storage):
+def _assert_exactly_once(storage, tmp_path) -> list[str]:
+    """What a user reads: every metadata row's image is a member of the tar it names; every committed item is in
+    exactly one tar of shards/; no tar there holds an uncommitted item. The committed ids."""
+    committed = read_item_ids(storage)
+    members: dict[str, list[str]] = {}
+    for key in _tars(storage):
+        local = tmp_path / f"read-{uuid.uuid4().hex}.tar"
+        local.write_bytes(storage.get_bytes(key))
+        for name in _members(local):
+            if name.endswith(".png"):
+                members.setdefault(name.removesuffix(".png"), []).append(key)
+    table = read_metadata_table(storage).to_pylist()
+    assert all(r["shard_key"] in members.get(r["item_id"], []) for r in table), "a row names an image no tar holds"
+    assert all(len(where) == 1 for where in members.values()), f"items in two tars: {members}"
+    assert sorted(members) == sorted(committed), "a tar in shards/ holds an uncommitted item"
+    return committed
+
+
+def test_a_sweep_that_wins_the_race_voids_the_shard_and_the_late_commit_commits_nothing(storage, tmp_path):
     writer = ShardWriter(storage, name="w1", max_items=2)
-    for i in ("a", "b", "c", "d"):
+    for i in ("a", "b"):
         writer.add(_row(i), _image(i), "png", i)
-    first, second = writer.shards_committed
-    # The worker died between publishing the second tar and committing its rows.
-    (part,) = [k for k in storage.list("metadata/") if second.rsplit("/", 1)[-1].removesuffix(".tar") in k]
-    storage.delete(part)
-    assert remove_orphan_shards(storage) == [second]
-    assert [k for k in storage.list("shards/")] == sorted([first, first.removesuffix(".tar") + ".parquet"])
-    assert sorted(committed_item_ids(storage)) == ["a", "b"]
+    (staged,) = writer.drain()  # the driver got the answer, then paused before committing it
+    settled = settle_staged_shards(storage, by="the new holder")  # a driver that took the output over
+    assert settled.voided == [staged.key] and settled.committed == []
+    assert storage.list("staging/") == [] and verdict(storage, staged.key) == VOID
+    assert commit_shard(storage, staged.key) is False  # the paused driver wakes up: the store says no
+    assert read_item_ids(storage) == [] and _tars(storage) == []
+    assert _assert_exactly_once(storage, tmp_path) == []
 
 
-def test_a_worker_whose_driver_lost_the_lease_commits_no_shard(tmp_path):
-    import functools
+def test_a_commit_that_wins_the_race_is_finished_by_the_sweep(storage, tmp_path):
+    writer = ShardWriter(storage, name="w1", max_items=2)
+    for i in ("a", "b"):
+        writer.add(_row(i), _image(i), "png", i)
+    (staged,) = writer.drain()
+    # The committing driver decided, then was paused before it moved anything into place.
+    assert decide(storage, staged.key, COMMITTED, by="the paused driver") == COMMITTED
+    settled = settle_staged_shards(storage, by="the new holder")
+    assert settled.committed == [staged.key] and settled.voided == []
+    assert _assert_exactly_once(storage, tmp_path) == ["a", "b"]
+    assert storage.list("staging/") == []
+    # The paused driver resumes its commit: nothing is doubled, nothing lost.
+    assert commit_shard(storage, staged.key) is True
+    assert _assert_exactly_once(storage, tmp_path) == ["a", "b"]
 
-    from snapref_ray.storage.lease import LeaseLostError, OutputLease, check_holder
+
+def test_a_commit_cut_short_after_the_tar_moved_is_finished_rows_last(tmp_path):
+    storage = open_storage(str(tmp_path / "out"))
+    writer = ShardWriter(storage, name="w1", max_items=2)
+    for i in ("a", "b"):
+        writer.add(_row(i), _image(i), "png", i)
+    (staged,) = writer.drain()
+    decide(storage, staged.key, COMMITTED)
+    # The tar and its index moved, then the driver died: the rows are still staged, so metadata/ names nothing yet.
+    for name in (staged.key, staged.key.removesuffix(".tar") + ".parquet"):
+        storage.copy("staging/" + name.rsplit("/", 1)[-1], name)
+        storage.delete("staging/" + name.rsplit("/", 1)[-1])
+    assert read_item_ids(storage) == []
+    settle_staged_shards(storage)
+    assert _assert_exactly_once(storage, tmp_path) == ["a", "b"]
+
+
+def test_committer_and_sweeper_racing_from_threads_never_lose_or_double_an_item(tmp_path):
+    import threading
 
     storage = open_storage(str(tmp_path / "out"))
-    stalled = OutputLease.acquire(storage, job_id="stalled", duration_s=30)
-    writer = ShardWriter(storage, name="w1", guard=functools.partial(check_holder, storage, stalled.record.holder_id))
-    writer.add(_row("a"), _image("a"), "png", "a")
-    assert writer.commit() is not None  # its driver holds the output: committed
-    writer.add(_row("b"), _image("b"), "png", "b")
-    stalled.release()  # (as good as) taken over: another driver holds the output now
-    successor = OutputLease.acquire(storage, job_id="successor", duration_s=30)
-    with pytest.raises(LeaseLostError, match="taken over by job successor"):
-        writer.commit()
-    successor.release()
-    assert sorted(committed_item_ids(storage)) == ["a"]
-    assert len([k for k in storage.list("shards/") if k.endswith(".tar")]) == 1
-    assert not [p for p in (tmp_path / "out" / "shards").iterdir() if ".tmp-" in p.name]  # no leftover spool
+    writer = ShardWriter(storage, name="w1", max_items=1)
+    ids = [f"item-{i:02d}" for i in range(24)]
+    for i in ids:
+        writer.add(_row(i), _image(i), "png", i)
+    staged = writer.drain()
+    results: dict[str, bool] = {}
+    barrier = threading.Barrier(2)
+
+    def committer() -> None:
+        barrier.wait()
+        for shard in staged:
+            results[shard.key] = commit_shard(storage, shard.key)
+
+    def sweeper() -> None:
+        barrier.wait()
+        for _ in range(3):
+            settle_staged_shards(storage)
+
+    threads = [threading.Thread(target=committer), threading.Thread(target=sweeper)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    settle_staged_shards(storage)
+    committed = _assert_exactly_once(storage, tmp_path)
+    # What the committer was told is what the output holds: a shard it counted committed is, the others are not.
+    for shard in staged:
+        assert results[shard.key] == (verdict(storage, shard.key) == COMMITTED)
+    assert len(committed) == sum(results.values())
 
 
-def test_the_writer_tells_which_shards_it_closed_and_whether_each_was_committed(tmp_path):
-    from snapref_ray.storage.shards import ClosedShard, shard_is_committed
+def test_compaction_does_not_make_a_committed_shard_look_uncommitted(tmp_path):
+    from snapref_ray.storage.metadata import compact_output_parts
 
     storage = open_storage(str(tmp_path / "out"))
-    refusing = [False]
+    writer = ShardWriter(storage, name="w1", max_items=1)
+    ids = [f"item-{i}" for i in range(8)]
+    for i in ids:
+        writer.add(_row(i), _image(i), "png", i)
+    staged = writer.drain()
+    for shard in staged[:4]:
+        commit_shard(storage, shard.key)
+    for shard in staged[4:]:  # decided, then the driver died: their files are still staged
+        decide(storage, shard.key, COMMITTED)
+    (part,) = [k for k in storage.list("metadata/") if "compact" not in k][:1]
+    for i in range(4):  # eight parts (copies of one: the same rows, which readers keep once): compaction merges them
+        storage.put_bytes(f"metadata/part-00000000T00000000000{i}Z-filler.parquet", storage.get_bytes(part))
+    assert compact_output_parts(storage)["metadata"]
+    assert not [k for k in storage.list("metadata/") if staged[0].key.rsplit("/", 1)[-1][:-4] in k]  # renamed
+    settle_staged_shards(storage)  # the next driver: finishes the four, deletes nothing committed
+    for shard in staged:  # and a commit retried after all that changes nothing
+        assert commit_shard(storage, shard.key) is True
+    assert len(_tars(storage)) == 8
+    assert _assert_exactly_once(storage, tmp_path) == ids
 
-    def guard() -> None:
-        if refusing[0]:
-            raise PermissionError("lease lost")
 
-    writer = ShardWriter(storage, name="w1", max_items=2, guard=guard)
+def test_the_writer_tells_which_shards_it_staged_and_which_it_could_not(tmp_path):
+    storage = open_storage(str(tmp_path / "out"))
+    failing = [False]
+
+    class Refusing(type(storage)):
+        def put_bytes(self, key, data, content_type=None):
+            if failing[0]:
+                raise PermissionError("the store refused it")
+            super().put_bytes(key, data, content_type)
+
+    refusing = Refusing(storage.root)
+    writer = ShardWriter(refusing, name="w1", max_items=2)
     for i in range(3):
         writer.add(_row(f"item-{i}"), _image(f"item-{i}"), "png", "p")
-    (first,) = writer.shards_committed
+    (first,) = writer.shards_staged
     assert writer.drain() == [ClosedShard(first, 2, True)] and writer.drain() == []
-    assert shard_is_committed(storage, first)
-    refusing[0] = True
+    failing[0] = True
     with pytest.raises(PermissionError):
-        writer.commit()
+        writer.close()
     (refused,) = writer.drain()
-    assert (refused.items, refused.committed, refused.error) == (1, False, "PermissionError: lease lost")
-    assert not shard_is_committed(storage, refused.key)
+    assert (refused.items, refused.staged, refused.error) == (1, False, "PermissionError: the store refused it")
+    assert commit_shard(storage, first) is True
+    assert read_item_ids(storage) == ["item-0", "item-1"]
 
 
-def test_a_lost_writers_shard_is_kept_when_committed_and_its_orphan_files_go_when_not(tmp_path):
-    from snapref_ray.storage.shards import settle_lost_shard
+def test_temporary_tars_of_dead_workers_are_removed(tmp_path):
+    from snapref_ray.storage.shards import remove_dead_workers_temporaries
 
-    storage = open_storage(str(tmp_path / "out"))
-    writer = ShardWriter(storage, name="w1")
-    writer.add(_row("item-0"), _image("item-0"), "png", "p")
-    committed = writer.commit()
-    # What a writer killed between its tar and its metadata part leaves: the tar and the index, no commit.
-    orphan = "shards/w2-000001-0123abcd.tar"
-    storage.put_bytes(orphan, b"a tar")
-    storage.put_bytes("shards/w2-000001-0123abcd.parquet", b"an index")
-    assert settle_lost_shard(storage, committed) is True
-    assert settle_lost_shard(storage, orphan) is False
-    assert settle_lost_shard(storage, "shards/w3-000001-never0pub.tar") is False  # nothing was published
-    assert storage.list("shards/") == sorted([committed, committed.removesuffix(".tar") + ".parquet"])
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp_path / f"snapref-shard-{dead.stdout.strip()}-abc.tar"
+    mine = tmp_path / f"snapref-shard-{os.getpid()}-def.tar"
+    left.write_bytes(b"x" * 10)
+    mine.write_bytes(b"y")
+    assert remove_dead_workers_temporaries(str(tmp_path)) == [left]
+    assert mine.exists() and not left.exists()
