@@ -422,14 +422,15 @@ class PoolMembers:
         kill(self.members[index].handle)
         self.shards.lose(index)
 
-    def release_all(self) -> None:
+    def release_all(self, *, publish: bool = True) -> None:
         """Kill every worker not released yet and the actors still starting (the job ended, however it ended):
         a driver that runs several jobs, or was interrupted, must not keep them, and the autoscaler can only
         remove idle nodes."""
         if self.pool is not None:
             self.pool.cancel_starting()
         indices = [i for i, m in enumerate(self.members) if not m.released and not m.retired]
-        self._released(indices, release([self.members[i].handle for i in indices], publish=self.publishes_outputs))
+        handles = [self.members[i].handle for i in indices]
+        self._released(indices, release(handles, publish=publish and self.publishes_outputs))
         for member in self.members:
             if member.retired and not member.released:
                 kill(member.handle)

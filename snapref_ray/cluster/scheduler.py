@@ -123,10 +123,12 @@ class BatchScheduler:
         """The RefKVs the driver holds now (one per open reference): what the object store must keep."""
         return self.placement.open_refkvs()
 
-    def release_workers(self) -> None:
-        """Kill the job's workers and the actors still starting (see `PoolMembers.release_all`)."""
-        self.members.release_all()
-        self._settle_shards(loop_ended=True)
+    def release_workers(self, *, publish: bool = True) -> None:
+        """Kill the job's workers and the actors still starting (see `PoolMembers.release_all`); `publish=False`
+        (the driver lost the output) kills them without asking them to stage what they hold."""
+        self.members.release_all(publish=publish)
+        if publish:
+            self._settle_shards(loop_ended=True)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self, work: Sequence[WorkItem] | PlannedWork) -> SchedulerStats:

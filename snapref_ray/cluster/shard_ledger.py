@@ -10,8 +10,9 @@ shard left under ``staging/`` is voided when the run ends, so it can never be co
 
 A worker's process is told by its `writer` id (cluster/tasks.py `ShardReport`): a restarted actor (Ray restarts it
 in place) has a fresh, empty ShardWriter, so a new writer for a worker means the old one's open shard is gone. A
-shard may be reported closed before every one of its rows has come back (the actor runs two calls at once, and
-either may fill the shard): the ledger remembers a closed shard until that many rows came.
+shard may be reported staged before every one of its rows has come back (the actor runs two calls at once, and
+either may fill the shard): it is committed only once they all have, so a shard holding items of a call that never
+answers is never committed (that call's items render again).
 
 What it holds is bounded by the work in flight: at most workers x shard_max_items entries in open shards.
 No Ray here: the loop (cluster/scheduler.py) feeds it and takes what `take()` settled.
@@ -51,53 +52,48 @@ class Settled:
 
 
 @dataclass
-class _OpenShard:
+class _Shard:
+    """A shard some of whose rows came back: open, or staged and waiting for the rest of its rows."""
+
     writer: str
     entries: list[Rendered] = field(default_factory=list)
-
-
-@dataclass
-class _ClosedShard:
-    committed: bool
-    rows_left: int | None  # rows of it still to come back; None: not known (found committed in the output)
+    staged_rows: int | None = None  # the rows it holds, once its worker reported it staged
 
 
 class ShardLedger:
     """Per worker, the items in its open shards; see the module docstring. `commit(shard_key)` commits a staged
     shard and says whether it is committed (the job output's `commit_shard`; None: a staged shard counts as
-    committed, for tests of the ledger alone)."""
+    committed, for tests of the ledger alone).
+
+    A staged shard is committed only once every one of its rows has come back in an answer. The actor runs two
+    calls at once, and a shard may hold items of a call that has not answered yet: if that call never answers (its
+    worker died), its items render again, so the shard must never be committed — it is lost with its worker."""
 
     def __init__(self, commit: Callable[[str], bool] | None = None) -> None:
         self.commit = commit
         self._writers: dict[int, str] = {}  # worker index -> the writer (process) it answered from last
-        self._open: dict[str, _OpenShard] = {}  # shard key -> items waiting for its commit
-        self._closed: dict[str, _ClosedShard] = {}  # closed shards some of whose rows have not come back yet
+        self._shards: dict[str, _Shard] = {}  # shard key -> its items that came back, waiting for its commit
+        self._lost: set[str] = set()  # shards never to be committed: rows of them that come back late are lost
         self._dead: set[str] = set()  # writers whose process is gone, with their open shards
         self._settled = Settled()
 
     @property
     def waiting(self) -> int:
-        """Items rendered into open shards, not committed yet."""
-        return sum(len(s.entries) for s in self._open.values())
+        """Items rendered into shards, not committed yet."""
+        return sum(len(s.entries) for s in self._shards.values())
 
     def waiting_on(self, worker: int) -> int:
         writer = self._writers.get(worker)
-        return sum(len(s.entries) for s in self._open.values() if s.writer == writer) if writer else 0
+        return sum(len(s.entries) for s in self._shards.values() if s.writer == writer) if writer else 0
 
     def rendered(self, writer: str, shard_key: str, entry: Rendered) -> None:
         """A row came back in `shard_key`, written by `writer` (the answer's `ShardReport.writer`)."""
         self.writer_seen(entry.worker, writer)
-        closed = self._closed.get(shard_key)
-        if closed is not None:  # reported closed before this row came back
-            (self._settled.done if closed.committed else self._settled.lost).append(entry)
-            if closed.rows_left is not None:
-                closed.rows_left -= 1
-                if closed.rows_left <= 0:
-                    del self._closed[shard_key]
-        elif writer in self._dead:  # a late answer of a process that died with this shard open
+        if shard_key in self._lost or writer in self._dead:  # a late row of a shard that will never be committed
             self._settled.lost.append(entry)
-        else:
-            self._open.setdefault(shard_key, _OpenShard(writer)).entries.append(entry)
+            return
+        self._shards.setdefault(shard_key, _Shard(writer)).entries.append(entry)
+        self._commit_when_whole(shard_key)
 
     def report(self, worker: int, report: ShardReport) -> None:
         """A worker's answer said which shards it closed since its last one."""
@@ -105,8 +101,10 @@ class ShardLedger:
         for shard in report.closed:
             if not shard.staged:
                 log.warning("shard %s could not be staged (%s); its items render again", shard.key, shard.error)
-            committed = shard.staged and (self.commit is None or self.commit(shard.key))
-            self._close(shard.key, committed, shard.items)
+                self._settle(shard.key, committed=False)
+                continue
+            self._shards.setdefault(shard.key, _Shard(report.writer)).staged_rows = shard.items
+            self._commit_when_whole(shard.key)
 
     def writer_seen(self, worker: int, writer: str) -> None:
         """`worker` answered from `writer` (a render, a commit, a probe): a writer other than its last means its
@@ -120,24 +118,28 @@ class ShardLedger:
         self._writers[worker] = writer
 
     def lose(self, worker: int) -> None:
-        """The worker's process is gone (retired, killed at release, restarted): its open shards are never committed
-        (one it staged without saying so is voided at the end of the run)."""
+        """The worker's process is gone (retired, killed at release, restarted): its shards not committed yet never
+        will be (one it staged is voided at the end of the run)."""
         writer = self._writers.pop(worker, None)
         if writer is None:
             return
         self._dead.add(writer)
-        for key in [k for k, s in self._open.items() if s.writer == writer]:
-            self._close(key, False, None)
+        for key in [k for k, s in self._shards.items() if s.writer == writer]:
+            self._settle(key, committed=False)
 
     def take(self) -> Settled:
         """What was settled since the last call: items to count done, items to render again."""
         settled, self._settled = self._settled, Settled()
         return settled
 
-    def _close(self, key: str, committed: bool, rows: int | None) -> None:
-        shard = self._open.pop(key, None)
+    def _commit_when_whole(self, key: str) -> None:
+        shard = self._shards[key]
+        if shard.staged_rows is not None and len(shard.entries) >= shard.staged_rows:
+            self._settle(key, committed=self.commit is None or self.commit(key))
+
+    def _settle(self, key: str, *, committed: bool) -> None:
+        shard = self._shards.pop(key, None)
         entries = shard.entries if shard else []
         (self._settled.done if committed else self._settled.lost).extend(entries)
-        rows_left = None if rows is None else rows - len(entries)
-        if rows_left is None or rows_left > 0:
-            self._closed[key] = _ClosedShard(committed, rows_left)
+        if not committed:
+            self._lost.add(key)

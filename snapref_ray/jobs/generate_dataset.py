@@ -293,14 +293,18 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
     run.encodes_by_reference = scheduler.encodes_by_reference
     run.stats = scheduler.stats  # interrupted or failed: what was done still counts
     t_schedule = time.time()
+    lost = False
     try:
         scheduler.run(PlannedWork(plan.reference_groups(), plan.to_render))
+    except LeaseLostError:
+        lost = True  # another driver holds the output: the workers are not asked to publish what they hold
+        raise
     finally:
         # Start-up ends when min_workers are ready (inside run); rendering is the rest.
         waited = scheduler.stats.seconds_to_start
         run.startup_seconds = t_schedule - run.started_at + waited
         run.render_seconds = time.time() - t_schedule - waited
-        scheduler.release_workers()
+        scheduler.release_workers(publish=not lost)
         if bar:
             bar.close()
 

@@ -258,8 +258,8 @@ class _PartWriter:
         while not self._stop.wait(self.flush_seconds):
             try:
                 self.flush()
-            except Exception:
-                log.exception("periodic flush of %s failed; will retry", self.storage.uri_for(self.prefix))
+            except Exception as e:  # the rows stay buffered; the owner's next flush (or close) raises it for good
+                log.warning("periodic flush of %s failed (%s); will retry", self.storage.uri_for(self.prefix), e)
 
     def flush(self) -> None:
         """Write the buffered rows as one part now (nothing if the buffer is empty)."""

@@ -107,20 +107,26 @@ class ExitAfterStagingAShard:
 
 @dataclass(frozen=True)
 class SlowStaging:
-    """The real renderer, in a worker whose webdataset staging takes `seconds` longer (a slow store, a 1 GB upload):
-    a release that gives up waiting kills it while it still stages."""
+    """The real renderer, in a worker whose first webdataset staging of the job takes `seconds` longer (a slow
+    store, a 1 GB upload): a release that gives up waiting kills it while it still stages. Once per job (the
+    `marker` file)."""
 
     seconds: float
+    marker: str
 
     def __call__(self, config: WorkerConfig):
         import time
+        from pathlib import Path
 
         from snapref_ray.storage import shards
 
         stage = shards.ShardWriter._stage
+        marker = Path(self.marker)
 
         def slow_stage(writer, shard) -> None:
-            time.sleep(self.seconds)
+            if not marker.exists():
+                marker.write_text(shard.key)
+                time.sleep(self.seconds)
             stage(writer, shard)
 
         shards.ShardWriter._stage = slow_stage  # this worker process only
