@@ -173,9 +173,25 @@ def render_spec(args: argparse.Namespace):
 
 def cmd_render(args: argparse.Namespace) -> int:
     spec = render_spec(args)
+    probe_s3_places(spec)
     if args.dry_run:
         return _dry_run(spec)
     return _run_job_from_the_command_line(spec, progress=_progress_bar(args), verbose=args.verbose)
+
+
+def probe_s3_places(spec) -> None:
+    """One quick request to each s3:// place the job reads or writes (manifest, models, output), before anything
+    starts: no credentials or an endpoint that does not answer is one line (storage/backends.py `probe_s3`), not a
+    traceback or minutes of retries. Once the job runs, its calls ride out outages (S3Options.outage_tolerance_s)."""
+    from snapref_ray.storage.backends import probe_s3
+
+    s3 = spec.s3_options()
+    if spec.manifest.startswith("s3://"):
+        probe_s3(spec.manifest, s3, is_object=True)
+    if (spec.model.models_dir or "").startswith("s3://"):
+        probe_s3(spec.model.models_dir, s3)
+    if spec.output.uri.startswith("s3://"):
+        probe_s3(spec.output.uri, s3)
 
 
 def _dry_run(spec) -> int:
