@@ -115,8 +115,9 @@ def test_the_docs_webdataset_block_reads_every_item_without_a_warning(tmp_path):
     writer = ShardWriter(storage, name="w1", max_items=3)
     for i in ids:
         writer.add(_row(i), _image(i), "png", f"prompt of {i}")
-    writer.commit()
-    urls = sorted(str(tmp_path / "out" / k) for k in storage.list("shards/") if k.endswith(".tar"))
+    writer.close()
+    assert len(_commit_closed(storage, writer)) == 2
+    urls = sorted(str(tmp_path / "out" / k) for k in _tars(storage))
     code = block("docs/jobs.md", "jobs-webdataset")
     assert code.count('["out/shards/a.tar", ...]') == 1
     scope: dict = {}
