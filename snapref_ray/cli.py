@@ -173,9 +173,25 @@ def render_spec(args: argparse.Namespace):
 
 def cmd_render(args: argparse.Namespace) -> int:
     spec = render_spec(args)
+    probe_s3_places(spec)
     if args.dry_run:
         return _dry_run(spec)
     return _run_job_from_the_command_line(spec, progress=_progress_bar(args), verbose=args.verbose)
+
+
+def probe_s3_places(spec) -> None:
+    """One quick request to each s3:// place the job reads or writes (manifest, models, output), before anything
+    starts: no credentials or an endpoint that does not answer is one line (storage/backends.py `probe_s3`), not a
+    traceback or minutes of retries. Once the job runs, its calls ride out outages (S3Options.outage_tolerance_s)."""
+    from snapref_ray.storage.backends import probe_s3
+
+    s3 = spec.s3_options()
+    if spec.manifest.startswith("s3://"):
+        probe_s3(spec.manifest, s3, is_object=True)
+    if (spec.model.models_dir or "").startswith("s3://"):
+        probe_s3(spec.model.models_dir, s3)
+    if spec.output.uri.startswith("s3://"):
+        probe_s3(spec.output.uri, s3)
 
 
 def _dry_run(spec) -> int:
@@ -300,11 +316,43 @@ or input that renders nothing (every row invalid, an output of another job, a wo
 
 
 class _Parser(argparse.ArgumentParser):
-    """Every (sub)command's help shows the flags' defaults and keeps the examples' line breaks."""
+    """Every (sub)command's help shows the flags' defaults and keeps the examples' line breaks; a flag it does not
+    know is refused by the subcommand that was given, with the closest of that subcommand's own flags."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            parser = _chosen_subparser(self, namespace)
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(unknown, parser)}")
+        return namespace
+
+
+def _chosen_subparser(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)command parser the arguments chose (`snapref-ray adapter inspect` -> inspect's)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(namespace, action.dest, None) or "")
+            if chosen is not None:
+                return _chosen_subparser(chosen, namespace)
+    return parser
+
+
+def _did_you_mean(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """` (did you mean --steps?)` for the first unknown flag close to one of `parser`'s own (argparse in Python
+    3.11 has no such hint), else ""."""
+    import difflib
+
+    flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.7)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def _version() -> str:

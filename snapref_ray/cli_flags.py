@@ -123,8 +123,13 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_spec_from(args: argparse.Namespace, base: ModelSpec | None = None) -> ModelSpec:
-    """The ModelSpec of the flags, over `base` (a spec file's `model:`) when there is one."""
+    """The ModelSpec of the flags, over `base` (a spec file's `model:`) when there is one. `--compile-cache` where
+    nothing compiles is a usage error: the flag would otherwise be ignored without a word."""
     overrides = model_overrides(args)
-    if base is None:
-        return ModelSpec.model_validate(overrides)
-    return ModelSpec.model_validate({**base.model_dump(), **overrides})
+    spec = ModelSpec.model_validate(overrides if base is None else {**base.model_dump(), **overrides})
+    if "compile_cache" in overrides and not spec.compile:
+        raise ValueError(
+            f"--compile-cache {overrides['compile_cache']} is where compiled graphs are shared, and nothing compiles:"
+            " add --compile (model.compile: true in a spec), or leave --compile-cache out"
+        )
+    return spec

@@ -446,6 +446,12 @@ def test_endpoint_block_as_written_on_a_free_port(workdir):
     # ...and it drained to its end: Ray's own SIGTERM handling once aborted the server mid-drain (a stack dump,
     # then bash's "Aborted" for the job, exit 134).
     assert "SIGTERM received" not in result.stdout and "Aborted" not in result.stdout, result.stdout[-3000:]
+    # The terminal holds the server's own two lines; Ray's and Serve's (~50 at start, a shutdown race's "Task
+    # ServeController.graceful_shutdown failed") are in the log the first line names.
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert [line.split(" ")[0] for line in lines] == ["serving", "stopping:"], result.stdout[-3000:]
+    log = Path(lines[0].split("; log: ")[1].split("; ")[0])
+    assert "(ServeController pid=" in log.read_text() and "Started a local Ray instance" in log.read_text()
 
 
 @pytest.mark.slow

@@ -8,7 +8,10 @@ Ray is up) hands each line to that logger instead. The autoscaler's lines also g
 `on_autoscaler_line` (cluster/feasibility.py reads its infeasible-request reports), diverted or not.
 
 This sits on Ray's driver-side dispatcher of those streams (`ray._private.worker.global_worker_stdstream_dispatcher`,
-Ray 2.60), the one place they pass through; its printing handler is put back by `divert_to(None)`.
+Ray 2.60), the one place they pass through; its printing handler is put back by `divert_to(None)`. The messages of
+Ray's error channel (an actor killed while a call to it was pending, e.g. Serve's controller at shutdown) do not
+pass through it: the thread that prints them calls `ray._private.worker.print_to_stdstream` itself, which is
+diverted too while a logger is set.
 """
 
 from __future__ import annotations
@@ -55,6 +58,25 @@ def install() -> None:
     if _target is not None and any(name == _RAY_PRINT_HANDLER for name, _ in dispatcher.handlers):
         dispatcher.remove_handler(_RAY_PRINT_HANDLER)
         _removed_printer = True
+    _divert_error_channel()
+
+
+def _divert_error_channel() -> None:
+    """Ray's error-channel thread prints through the module's `print_to_stdstream`: while a logger is set, the
+    messages go to `_on_output` instead (the dispatcher's own printer holds the original function, untouched)."""
+    import ray._private.worker as worker
+
+    if not callable(getattr(worker, "print_to_stdstream", None)):  # another Ray: its messages stay where it prints
+        return
+    original = getattr(worker.print_to_stdstream, "__wrapped__", worker.print_to_stdstream)
+
+    @functools.wraps(original)
+    def print_or_divert(data, ignore_prefix: bool):
+        if _target is None:
+            return original(data, ignore_prefix=ignore_prefix)
+        return _on_output(data)
+
+    worker.print_to_stdstream = print_or_divert
 
 
 def settle(quiet_s: float = 1.0, max_s: float = 3.0) -> None:

@@ -28,6 +28,7 @@ caches in one blob) where all workers see it:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -36,6 +37,7 @@ import os
 import tarfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -153,9 +155,13 @@ class CompileCache:
             try:
                 blob, kernels = self._unpack(name, self.storage.get_bytes(name))
                 _extract_kernels(kernels)
-                info = torch.compiler.load_cache_artifacts(blob)
+                with _torch_deserialize_warning() as torch_said:
+                    info = torch.compiler.load_cache_artifacts(blob)
                 if info is None:
-                    raise ValueError("torch could not deserialize the artifacts (corrupt or another torch)")
+                    raise ValueError(
+                        "torch could not deserialize the artifacts (corrupt or another torch)"
+                        + (f": {torch_said[0]}" if torch_said else "")
+                    )
                 self.known |= _artifact_ids(info)
             except Exception as e:  # a cache must never stop a worker: anything wrong means "compile"
                 result.skipped[name] = f"{type(e).__name__}: {e}"
@@ -211,6 +217,33 @@ class CompileCache:
             diff = {k: (written_for.get(k), v) for k, v in expected.items() if written_for.get(k) != v}
             raise ValueError(f"written for another key (found, expected): {diff}")
         return rest[:size], rest[size:]
+
+
+# torch logs this WARNING, with a traceback, for a mega-cache blob it cannot read, then returns None; `load` names
+# the artifact and torch's reason in its own one warning instead.
+_TORCH_CACHE_LOGGER = "torch.compiler._cache"
+_TORCH_DESERIALIZE_FAILED = "Failed to un-pickle cache artifacts"
+
+
+@contextlib.contextmanager
+def _torch_deserialize_warning() -> Iterator[list[str]]:
+    """Within the block, torch's "Failed to un-pickle cache artifacts" warning is kept off every handler (the user,
+    the log) and its exception, as one line, appended to the list yielded."""
+    said: list[str] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        if record.getMessage() != _TORCH_DESERIALIZE_FAILED:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        said.append(f"{type(error).__name__}: {error}" if error is not None else _TORCH_DESERIALIZE_FAILED)
+        return False
+
+    logger = logging.getLogger(_TORCH_CACHE_LOGGER)
+    logger.addFilter(keep)
+    try:
+        yield said
+    finally:
+        logger.removeFilter(keep)
 
 
 def _inductor_cache_dir() -> Path:

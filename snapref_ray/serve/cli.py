@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import tempfile
 import threading
 from pathlib import Path
 
@@ -36,9 +37,20 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument(
         "--config", help="JSON or YAML file of ServeConfig fields (model, limits, replicas, batching); flags win"
     )
+    p.add_argument(
+        "--log",
+        metavar="FILE",
+        help="where Ray's and Serve's own lines go, appended (default: snapref-ray-serve-PORT.log in the temporary"
+        " folder); the terminal keeps the server's lines, warnings and errors",
+    )
     add_model_flags(p)
     p.set_defaults(func=cmd_serve)
     return p
+
+
+def log_path(args: argparse.Namespace) -> str:
+    """--log, else snapref-ray-serve-PORT.log in the temporary folder (one per port: two servers never mix lines)."""
+    return args.log or os.path.join(tempfile.gettempdir(), f"snapref-ray-serve-{args.port}.log")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -66,18 +78,27 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from snapref_ray.job_console import explain_ray_token_warning
-    from snapref_ray.serve.app import deploy_local, http_front, local_topology, start_local_serve, stop_local
-    from snapref_ray.serve.direct_ingress import haproxy_binary
+    from snapref_ray.job_console import ray_start_failures_in_one_line, serve_console
+    from snapref_ray.serve import app  # noqa: F401  (Ray Serve sets its logger up on import: before ours)
 
     config = config_from_args(args)
     config.check_security()
+    check_model_files(config)  # else every replica fails to load it, in pages of nested tracebacks
     check_port_free(config.host, config.port)  # else Serve fails deep inside Ray, with four tracebacks
-    explain_ray_token_warning()  # Ray's "Token authentication is enabled" warning: what it means, at INFO
     stop = threading.Event()
     _stop_on_signals(stop)
+    # Ray's and Serve's lines (~50 of them at start, warnings meant for a multi-node cluster among them) go to the
+    # log; the terminal keeps the line that says where the server answers, and errors.
+    with serve_console(log_path(args), verbose=args.verbose) as log_file, ray_start_failures_in_one_line():
+        return _serve_until_stopped(config, stop, log_file)
+
+
+def _serve_until_stopped(config: ServeConfig, stop: threading.Event, log_file: str) -> int:
+    from snapref_ray.serve.app import deploy_local, http_front, local_topology, start_local_serve, stop_local
+    from snapref_ray.serve.direct_ingress import haproxy_binary
+
+    url = start_local_serve(config)  # where it fails, the Ray it started stops with serve_console
     try:
-        url = start_local_serve(config)
         # `ray.init` puts its own SIGTERM handling in place (a SystemExit, and a stack dump and abort from its
         # core worker): a `kill` then ended the server with exit 134 while its replicas were still draining.
         # Ours again, before the replicas start: a stop asked for while they load drains once they are up.
@@ -90,12 +111,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             else "Serve's proxy -> ingress"
         )
         front += " that renders" if local_topology() == "fused" else " -> renderers"
-        print(f"serving on {url} ({auth}; {front}); API docs at {url}/docs; Ctrl-C stops", flush=True)
+        print(f"serving on {url} ({auth}; {front}); API docs at {url}/docs; log: {log_file}; Ctrl-C stops", flush=True)
         stop.wait()
     finally:
         print("stopping: replicas finish what they hold", flush=True)
         stop_local()
     return 0
+
+
+def check_model_files(config: ServeConfig) -> None:
+    """The check `render`'s driver makes before any worker starts (jobs/generate_dataset.py): the model folder and
+    its files are found, and the adapter's header is read (ModelFilesError, StorageError: one line, exit 2)."""
+    from snapref_ray.render_service.loading import adapter_kind
+
+    adapter_kind(config.model, s3=config.s3_options())
 
 
 class PortInUse(ValueError):

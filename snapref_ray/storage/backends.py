@@ -7,8 +7,10 @@ committed or absent.
 
 S3 calls survive short outages: botocore retries each request (``retry_mode``/``max_attempts``), and
 on top of that connection errors and 5xx answers are retried with backoff for up to
-``outage_tolerance_s``, so that an object store restarting for a few seconds does not fail a job
-that has run for hours.
+``outage_tolerance_s`` (120 s), so that an object store restarting for a few seconds does not fail a job
+that has run for hours. Before a job runs, `probe_s3` sends one request with short timeouts and no retry, so
+that a mistake (no credentials, a wrong endpoint, a store that is down) is one line at once rather than minutes
+of retries.
 """
 
 from __future__ import annotations
@@ -341,27 +343,101 @@ def s3_client(opts: S3Options | None = None):
         with _clients_lock:
             client = _clients.get(key)
             if client is None:
-                import boto3
-                from botocore.config import Config
-
-                config = Config(
-                    retries={"mode": opts.retry_mode, "max_attempts": opts.max_attempts},
-                    connect_timeout=10,
-                    read_timeout=60,
-                    # SeaweedFS/MinIO are addressed by path; AWS accepts it too.
-                    s3={"addressing_style": "path"} if opts.endpoint_url else None,
-                )
-                # A Session per client: the default session is not thread-safe.
-                client = boto3.session.Session().client(
-                    "s3",
-                    endpoint_url=opts.endpoint_url,
-                    region_name=opts.region or ("us-east-1" if opts.endpoint_url else None),
-                    aws_access_key_id=opts.access_key,
-                    aws_secret_access_key=opts.secret_key,
-                    config=config,
-                )
+                retries = {"mode": opts.retry_mode, "max_attempts": opts.max_attempts}
+                client = _new_client(opts, retries=retries, connect_timeout=10, read_timeout=60)
                 _clients[key] = client
     return client
+
+
+def _new_client(opts: S3Options, *, retries: dict, connect_timeout: float, read_timeout: float):
+    """A boto3 S3 client for resolved `opts` with these retries and timeouts."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        retries=retries,
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        # SeaweedFS/MinIO are addressed by path; AWS accepts it too.
+        s3={"addressing_style": "path"} if opts.endpoint_url else None,
+    )
+    # A Session per client: the default session is not thread-safe.
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=opts.endpoint_url,
+        region_name=opts.region or ("us-east-1" if opts.endpoint_url else None),
+        aws_access_key_id=opts.access_key,
+        aws_secret_access_key=opts.secret_key,
+        config=config,
+    )
+
+
+# The first request's limits (`probe_s3`): a store that has not connected within PROBE_CONNECT_TIMEOUT_S or
+# answered within PROBE_READ_TIMEOUT_S is taken as a mistake to report, not an outage to wait out.
+PROBE_CONNECT_TIMEOUT_S = 5.0
+PROBE_READ_TIMEOUT_S = 10.0
+
+_CREDENTIALS_HINT = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or run where an instance role provides them"
+)
+
+
+def probe_s3(uri: str, s3: S3Options | None = None, *, is_object: bool = False) -> None:
+    """One request to `uri` (a HEAD of the object when `is_object`, else a LIST of one key under the prefix), with
+    the short timeouts above and no retry: StorageError, in one line, when there are no credentials, the endpoint
+    does not answer, the store refuses the credentials or the bucket does not exist.
+
+    A missing object is not reported here: the caller's read says it in its own words. Callers probe once,
+    before a job starts; the job's own calls then have the long outage tolerance (`S3Options.outage_tolerance_s`).
+    """
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectionClosedError,
+        CredentialRetrievalError,
+        NoCredentialsError,
+        PartialCredentialsError,
+        ReadTimeoutError,
+    )
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    opts = (s3 or S3Options()).resolved()
+    endpoint = opts.endpoint_url or "AWS"
+    bucket, _, key = uri[len("s3://") :].partition("/")
+    if not uri.startswith("s3://") or not bucket:
+        raise StorageError(f"expected s3://bucket[/key], got {uri!r}")
+    client = _new_client(
+        opts,
+        retries={"mode": "standard", "total_max_attempts": 1},
+        connect_timeout=PROBE_CONNECT_TIMEOUT_S,
+        read_timeout=PROBE_READ_TIMEOUT_S,
+    )
+    try:
+        if is_object:
+            client.head_object(Bucket=bucket, Key=key)
+        else:
+            client.list_objects_v2(Bucket=bucket, Prefix=key.strip("/"), MaxKeys=1)
+    except (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError) as e:
+        raise StorageError(f"no S3 credentials for {uri} ({e}): {_CREDENTIALS_HINT}") from None
+    except (BotoConnectionError, ReadTimeoutError, ConnectionClosedError) as e:
+        raise StorageError(
+            f"the S3 endpoint {endpoint} did not answer a first request for {uri} within"
+            f" {PROBE_CONNECT_TIMEOUT_S:g} s to connect and {PROBE_READ_TIMEOUT_S:g} s to answer ({e}): check"
+            " AWS_ENDPOINT_URL and that the store is up"
+        ) from None
+    except ClientError as e:
+        code, status = _code(e), _status(e)
+        if is_object and status == 404:
+            return
+        if code == "NoSuchBucket":
+            raise StorageError(f"bucket {bucket!r} does not exist at {endpoint} ({uri})") from None
+        if status in (401, 403):
+            raise StorageError(
+                f"the S3 endpoint {endpoint} refused the credentials for {uri} ({code or status}): {_CREDENTIALS_HINT}"
+            ) from None
+        raise StorageError(f"a first request for {uri} at {endpoint} failed: {e}") from None
+    except BotoCoreError as e:  # a malformed endpoint URL, a missing region: a setting to fix
+        raise StorageError(f"a first request for {uri} at {endpoint} failed: {e}") from None
 
 
 _RETRYABLE_CODES = {

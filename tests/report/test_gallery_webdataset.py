@@ -84,6 +84,16 @@ def test_every_page_says_the_gallery_is_a_sample_and_counts_every_item(shard_job
     assert f"<dt>images</dt><dd>{n_items}</dd>" in first and f"<dd>{shown} (a sample)</dd>" in first
 
 
+def test_a_job_whose_sample_is_empty_says_how_many_images_it_has_and_not_that_it_has_none(tmp_path):
+    storage = write_shard_job(tmp_path, n_refs=2, per_ref=4, every=0)  # thumbnail_every 0: no previews at all
+    assert storage.list("thumbs/") == []
+    result = write_report(str(tmp_path))
+    assert (result["images"], result["shown"]) == (8, 0)
+    html = (tmp_path / "gallery.html").read_text()
+    assert "The job has 8 images and none has a preview file, so the gallery shows none" in html
+    assert "No images in this job yet" not in html
+
+
 def test_files_job_has_no_sample_note(tmp_path):
     from tests.report.test_gallery import write_job
 

@@ -14,6 +14,7 @@ import sys
 import tarfile
 import textwrap
 import uuid
+import warnings
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -34,6 +35,7 @@ from snapref_ray.storage.shards import (
     shard_member_key,
     verdict,
 )
+from tests.doc_blocks import block
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,6 +104,28 @@ def test_items_go_into_shards_closed_at_a_count_with_an_index_and_metadata(stora
     by_id = {r["item_id"]: r for r in table.to_pylist()}
     assert all(by_id[i]["shard_key"] == seen[i] and by_id[i]["shard_member"] == f"{i}.png" for i in ids)
     assert [r["shard_key"] for r in rows] == [seen[i] for i in ids]
+
+
+def test_the_docs_webdataset_block_reads_every_item_without_a_warning(tmp_path):
+    """docs/jobs.md's `wds.WebDataset(...)` line as written (the shards' paths put in), warnings as errors:
+    webdataset >= 1.0 warns when `shardshuffle` is not given."""
+    pytest.importorskip("webdataset")
+    storage = open_storage(str(tmp_path / "out"))
+    ids = [f"item-{i:02d}" for i in range(5)]
+    writer = ShardWriter(storage, name="w1", max_items=3)
+    for i in ids:
+        writer.add(_row(i), _image(i), "png", f"prompt of {i}")
+    writer.close()
+    assert len(_commit_closed(storage, writer)) == 2
+    urls = sorted(str(tmp_path / "out" / k) for k in _tars(storage))
+    code = block("docs/jobs.md", "jobs-webdataset")
+    assert code.count('["out/shards/a.tar", ...]') == 1
+    scope: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(code.replace('["out/shards/a.tar", ...]', repr(urls)), scope)
+        keys = [sample["__key__"] for sample in scope["samples"]]
+    assert keys == ids  # in the order of the shards given, each item once
 
 
 @pytest.mark.slow  # importing `datasets` is most of it
