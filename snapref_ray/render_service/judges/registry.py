@@ -30,7 +30,7 @@ from snapref_ray.render_service.judges.near_duplicate import near_duplicate_pass
 from snapref_ray.render_service.judges.sanity import sanity_passes, score_sanity
 from snapref_ray.render_service.judges.scores import Judgement, JudgeScores
 from snapref_ray.render_service.judges.spec import CheckName, JudgeSpec
-from snapref_ray.render_service.references import Reference, RefKVKey
+from snapref_ray.render_service.references import Reference, RefKVKey, check_reference
 from snapref_ray.requests import RenderError, RenderSettings
 
 # Per check: does a render with these scores pass it (the threshold's one rule, also for a driver re-checking).
@@ -66,6 +66,26 @@ class JudgeTarget:
     prompt: str
     settings: RenderSettings  # as rendered
     latent_nonfinite: float | None  # fraction of the final latent not finite (None: not measured)
+
+
+def judge_call(spec: JudgeSpec | None, read: Callable[[str], bytes]) -> JudgeCall | None:
+    """The `JudgeCall` a door makes of a spec (None for none): its contrast reference, a path or URI, read
+    with `read` and checked now, before any device work."""
+    if spec is None:
+        return None
+    gap = spec.identity_gap
+    if gap is None or gap.contrast_reference is None:
+        return JudgeCall(spec)
+    source = gap.contrast_reference
+    try:
+        data = read(source)
+        check_reference([data], "single", [source], None)
+    except Exception as e:  # unreadable or not an image: the field is at fault, whatever the reason
+        raise RenderError(
+            f"judge.identity_gap.contrast_reference {source}: {e}", field="judge.identity_gap.contrast_reference"
+        ) from None
+    # Keyed for default settings here; the service re-keys it for each render's size and caption.
+    return JudgeCall(spec, contrast=Reference.of_images([data], "single", RenderSettings(), [source]))
 
 
 def check_call(call: JudgeCall, has_reference: bool) -> None:

@@ -22,19 +22,20 @@ LUMA_WEIGHTS = np.array([0.299, 0.587, 0.114])
 
 def score_sanity(images: Sequence[Image.Image], latent_nonfinite: Sequence[float | None]) -> list[dict[str, float]]:
     """Per image: `sanity_nonfinite`, `sanity_std`, `sanity_luminance`, `sanity_clipped` (scores.JudgeScores)."""
+    levels_256 = np.arange(256, dtype=np.float64)
     out = []
     for image, nonfinite in zip(images, latent_nonfinite):
-        rgb_HW3 = np.asarray(image.convert("RGB"))
-        values_N3 = rgb_HW3.reshape(-1, 3)
-        # float64 moments of the uint8 values: exact enough at any size, ~3x faster than np.std's copies.
-        mean_3 = values_N3.mean(axis=0, dtype=np.float64)
-        square_3 = np.einsum("ij,ij->j", values_N3, values_N3, dtype=np.float64) / len(values_N3)
-        std_3 = np.sqrt(np.maximum(square_3 - mean_3**2, 0.0))
-        clipped = np.count_nonzero((values_N3 == 0) | (values_N3 == 255)) / values_N3.size
+        # Every statistic is a function of the 8-bit channel histograms, which PIL counts in C in one pass
+        # (a few ms at 832x1216, against ~30 ms for numpy's float moments): exact, not sampled.
+        counts_3L = np.asarray(image.convert("RGB").histogram(), dtype=np.float64).reshape(3, 256)
+        pixels = counts_3L[0].sum()
+        mean_3 = counts_3L @ levels_256 / pixels
+        var_3 = counts_3L @ levels_256**2 / pixels - mean_3**2
+        clipped = (counts_3L[:, 0].sum() + counts_3L[:, 255].sum()) / (3 * pixels)
         out.append(
             {
                 "sanity_nonfinite": float(nonfinite) if nonfinite is not None else 0.0,
-                "sanity_std": float(std_3.max()),
+                "sanity_std": float(np.sqrt(np.maximum(var_3, 0.0)).max()),
                 "sanity_luminance": float(mean_3 @ LUMA_WEIGHTS),
                 "sanity_clipped": float(clipped),
             }

@@ -74,14 +74,14 @@ class IdentityGapCheck(_Check):
     """The model's own identity check: the render's denoising loss with a different reference minus with
     its own (snapref_ray/evaluation.py's loss), averaged over a few fixed noise levels and noise seeds."""
 
-    sigmas: tuple[float, ...] = Field(
-        (0.3, 0.6, 0.9),
+    sigmas: list[float] = Field(
+        [0.3, 0.6, 0.9],
         min_length=1,
         description="Noise levels in (0, 1]. Three spread over the schedule: 2 references x 3 sigmas x 1"
         " seed = 6 DiT row-forwards, a tenth of a 30-step CFG render's 60.",
     )
-    noise_seeds: tuple[int, ...] = Field(
-        (0,),
+    noise_seeds: list[int] = Field(
+        [0],
         min_length=1,
         description="Noise seeds, each shared by every sigma and both references (paired: the noise cancels"
         " in the difference). More seeds cost forwards in proportion and shrink the score's noise.",
