@@ -519,3 +519,9 @@ def test_every_door_gives_the_same_scores(case, server, endpoint):
     assert scores["near_duplicate"] == 64 and scores["embedding"] is None
     assert None not in (scores["identity_gap"], scores["sanity_std"], scores["sanity_luminance"])
     assert expected["verdicts"]["identity_gap"] == (scores["identity_gap"] > 0)
+
+    # A judge that cannot run is refused naming its field, before any device work.
+    for wrong, status in (({}, 400), ({"contrast_reference": "0" * 64}, 404)):
+        with pytest.raises(ClientError) as refused:
+            endpoint.render(PROMPT, seed=SEED, reference_id=ids[0], judge={"identity_gap": wrong}, **SETTINGS)
+        assert (refused.value.status, refused.value.field) == (status, "judge.identity_gap.contrast_reference")
