@@ -158,15 +158,16 @@ class Judges:
 
     def _embedding(self, check, images, reference: Reference) -> list[dict]:
         key = (check.kind, check.model)
+        ref_key = (*key, reference.hash)
+        feats = self._reference_feats.get(ref_key)
+        # The reference's files are read before the device is held (at the endpoint they come over the network).
+        files = reference.load() if feats is None else None
         with self._device():
             embedder = self._embedders.get(key)
             if embedder is None:
                 embedder = self._embedders[key] = load_embedder(check, self.renderer.device)
-            ref_key = (*key, reference.hash)
-            feats = self._reference_feats.get(ref_key)
             if feats is None:
-                feats = embedder.features(reference_images(reference.load()))
-                self._reference_feats[ref_key] = feats
+                feats = self._reference_feats[ref_key] = embedder.features(reference_images(files))
                 while len(self._reference_feats) > REFERENCE_FEATURES_CACHED:
                     self._reference_feats.popitem(last=False)
             self._reference_feats.move_to_end(ref_key)

@@ -203,3 +203,21 @@ def test_ccip_without_its_package_says_which_package_is_missing(service, own):
     with pytest.raises(RenderError, match="dghs-imgutils") as refused:
         service.render(_requests(PROMPTS[:1]), reference=_reference(own, "own"), judge=JudgeCall(spec))
     assert refused.value.field == "judge.embedding.kind"
+
+
+def test_a_reference_is_embedded_once_for_all_its_renders(service, own, tmp_path):
+    """The reference's files are read for its RefKV and once for its embedding; its next batch reads neither."""
+    folder = _save_tiny_dinov2(tmp_path / "dinov2")
+    loads = []
+
+    def load() -> list[bytes]:
+        loads.append(1)
+        return [own]
+
+    reference = Reference(_reference(own, "own").key, "single", ("own",), load)
+    call = JudgeCall(JudgeSpec.model_validate({"embedding": {"model": str(folder)}}))
+    first = service.render(_requests(PROMPTS[:1]), reference=reference, judge=call)
+    assert len(loads) == 2  # the encode, the embedding
+    again = service.render(_requests(PROMPTS[:1]), reference=reference, judge=call)
+    assert len(loads) == 2
+    assert again[0].judgement == first[0].judgement
