@@ -54,10 +54,11 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
         from PIL import Image
 
         init = Image.open(args.init_image)
+    judge = _judge_call(args.judge)
     requests = [RenderRequest(prompt=args.prompt, seed=args.seed + i, settings=settings) for i in range(args.n)]
     bar, update = _progress("sampling")
     with bar:
-        rendered = service.render(requests, reference=reference, init_image=init, progress=update)
+        rendered = service.render(requests, reference=reference, init_image=init, progress=update, judge=judge)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fmt = _format_of(out)
@@ -69,7 +70,30 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
             f"{path}  seed {image.request.seed}  sample {t['sample_s']:.2f} s  decode {t['decode_s']:.2f} s"
             + (f"  reference encode {t['encode_s']:.2f} s" if reference else "")
         )
+        if image.judgement is not None:
+            print(f"  judged: {_describe_judgement(image.judgement)}")
     return 0
+
+
+def _judge_call(text: str | None):
+    """--judge: check names (`sanity,near_duplicate`, each with its defaults) or a JSON object of settings."""
+    if text is None:
+        return None
+    from snapref_ray.render_service.judges.registry import judge_call
+    from snapref_ray.render_service.judges.spec import JudgeSpec
+
+    try:
+        spec = JudgeSpec.model_validate_json(text) if text.lstrip().startswith("{") else JudgeSpec.of_names(text)
+    except ValueError as e:  # pydantic's ValidationError is one
+        raise ValueError(f"--judge: {e}") from None
+    return judge_call(spec, lambda path: _read_file(path, "judge.identity_gap.contrast_reference"))
+
+
+def _describe_judgement(judgement) -> str:
+    """`accepted` or `rejected by ...`, then every score the judges recorded (name=value)."""
+    verdict = "accepted" if judgement.accepted else "rejected by " + ",".join(judgement.rejected_by)
+    scores = judgement.scores.model_dump(exclude_none=True)
+    return verdict + "".join(f"  {k}={v:.6g}" if isinstance(v, float) else f"  {k}={v}" for k, v in scores.items())
 
 
 def _reference(args: argparse.Namespace, settings: RenderSettings, adapter_kind: str | None):
@@ -400,6 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reference2", help="second character's reference, stitched to the right of --reference")
     p.add_argument("--init-image", help="input image for img2img (use with --denoise < 1)")
+    p.add_argument(
+        "--judge",
+        help="judge each image and print its scores: check names (sanity,near_duplicate,identity_gap,embedding:"
+        " their defaults) or a JSON object of their settings (docs/judging.md)",
+    )
     add_model_flags(p, models_required=True)
     add_settings_flags(p)
     p.set_defaults(func=cmd_txt2img)

@@ -69,6 +69,7 @@ class RenderResult:
     timings: dict[str, float] = field(default_factory=dict)
     reference_id: str | None = None
     skipped_forwards: int | None = None  # DiT forwards the step cache skipped for this image (None: cache off)
+    latent_nonfinite: float | None = None  # fraction of its final latent that is NaN/inf (the judges' sanity check)
 
 
 def refuse_reference_adapter_as_lora(path: str | Path) -> None:
@@ -360,13 +361,16 @@ class Renderer:
         sample_s = time.perf_counter() - t1
 
         t2 = time.perf_counter()
+        # Measured on the latent, before the decode turns a NaN into a black pixel (render_service/judges/sanity.py).
+        nonfinite = (~torch.isfinite(x)).flatten(1).float().mean(dim=1).tolist()
         images = self.decode(x)
         decode_s = time.perf_counter() - t2
         timings = {"text_s": text_s, "sample_s": sample_s, "decode_s": decode_s, "steps": float(s.steps)}
         ref_id = refkv.reference_id if refkv is not None else prepared.reference_id if prepared else None
         skipped = cache.skipped if cache is not None else [None] * n
         return [
-            RenderResult(img, req, dict(timings), ref_id, skips) for img, req, skips in zip(images, requests, skipped)
+            RenderResult(img, req, dict(timings), ref_id, skips, bad)
+            for img, req, skips, bad in zip(images, requests, skipped, nonfinite)
         ]
 
     def denoise_rows(

@@ -145,7 +145,9 @@ def case(request, tiny_models: Path, tmp_path_factory) -> Case:
     return Case(kind, model, tiny_models / "reference.png", second, unreadable, folder)
 
 
-def _txt2img(case: Case, out: Path, verdict: Verdict | None = None, *, with_lora: bool = True) -> tuple[int, str]:
+def _txt2img(
+    case: Case, out: Path, verdict: Verdict | None = None, *, with_lora: bool = True, extra: tuple[str, ...] = ()
+) -> tuple[int, str]:
     """(exit status, what it printed: stdout and stderr) of `snapref-ray txt2img` for `verdict` (None: plain)."""
     import contextlib
 
@@ -170,7 +172,7 @@ def _txt2img(case: Case, out: Path, verdict: Verdict | None = None, *, with_lora
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
             code = cli.main(
                 ["txt2img", *flags, *references, "--prompt", PROMPT, "--seed", str(SEED), *setting_flags]
-                + ["--out", str(out)]
+                + ["--out", str(out), *extra]
             )
     finally:
         torch.set_num_threads(before)
@@ -459,3 +461,67 @@ def test_a_ray_data_actor_fits_its_batches_into_the_memory_it_asked_ray_for(serv
         assert budget == asked
     finally:
         ray.kill(actor)
+
+
+def test_every_door_gives_the_same_scores(case, server, endpoint):
+    """The judges (render_service/judges/) at txt2img, Ray Data and the endpoint: the same render gets the same
+    scores and verdicts at each door (its PNG's `snapref` chunk, Ray Data's columns, the endpoint's JSON), and the
+    pHash is imagehash's own of the pixels."""
+    import imagehash
+    import ray
+
+    from snapref_ray.data import SnapRefRenderer
+
+    folder = case.folder
+    judge = {"sanity": {}, "near_duplicate": {}, "identity_gap": {"sigmas": [0.5], "contrast_reference": ""}}
+    judge["identity_gap"]["contrast_reference"] = str(case.second)
+
+    code, printed = _txt2img(case, folder / "judged.png", extra=("--judge", json.dumps(judge)))
+    assert code == 0, printed
+    cli_png = (folder / "judged.png").read_bytes()
+    expected = read_image_info(cli_png)["judgement"]
+    assert "judged: " in printed and f"phash={expected['scores']['phash']}" in printed
+
+    (row,) = (
+        ray.data.from_items([_manifest_row(case, None)])
+        .map_batches(
+            SnapRefRenderer,
+            fn_constructor_kwargs={"model": case.model.model_dump(), "defaults": SETTINGS, "judge": judge},
+            compute=ray.data.ActorPoolStrategy(size=1),
+            num_cpus=1,
+            batch_size=1,
+            udf_modifying_row_count=False,
+        )
+        .take_all()
+    )
+    assert row["error"] is None, row["error"]
+
+    ids = [endpoint.upload_reference(f.read_bytes()) for f in (case.reference, case.second)]
+    served_judge = {**judge, "identity_gap": {**judge["identity_gap"], "contrast_reference": ids[1]}}
+    answer = endpoint.render(
+        PROMPT, seed=SEED, response_format="json", reference_id=ids[0], judge=served_judge, **SETTINGS
+    )
+    (image,) = answer["images"]
+    served_png = base64.b64decode(image["png_base64"])
+
+    assert np.array_equal(_pixels(row["image"]), _pixels(cli_png)) and np.array_equal(
+        _pixels(served_png), _pixels(cli_png)
+    )
+    assert read_image_info(row["image"])["judgement"] == expected
+    assert read_image_info(served_png)["judgement"] == expected
+    assert image["judgement"] == expected
+    scores = expected["scores"]
+    columns = {name.removeprefix("score_"): row[name] for name in row if name.startswith("score_")}
+    assert columns == {k: v for k, v in scores.items() if k != "phash"}
+    assert (row["phash"], row["accepted"]) == (scores["phash"], expected["accepted"])
+    # The oracle, apart from the judges: imagehash on the decoded pixels; no kept set given, so 64; every score set.
+    assert scores["phash"] == str(imagehash.phash(Image.open(io.BytesIO(cli_png))))
+    assert scores["near_duplicate"] == 64 and scores["embedding"] is None
+    assert None not in (scores["identity_gap"], scores["sanity_std"], scores["sanity_luminance"])
+    assert expected["verdicts"]["identity_gap"] == (scores["identity_gap"] > 0)
+
+    # A judge that cannot run is refused naming its field, before any device work.
+    for wrong, status in (({}, 400), ({"contrast_reference": "0" * 64}, 404)):
+        with pytest.raises(ClientError) as refused:
+            endpoint.render(PROMPT, seed=SEED, reference_id=ids[0], judge={"identity_gap": wrong}, **SETTINGS)
+        assert (refused.value.status, refused.value.field) == (status, "judge.identity_gap.contrast_reference")

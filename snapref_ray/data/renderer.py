@@ -13,7 +13,8 @@ Output: the input's own columns pass through, then `OUTPUT_SCHEMA`: the job's me
 (`METADATA_SCHEMA`, built by the same row builder: the item id a job would give the row, the settings as
 rendered; the columns only a job has are null), `image` (PNG bytes with the same `parameters` and
 `snapref` chunks as job outputs), `error`/`error_stage`, and per-actor cache counters. A bad row never
-raises: it comes back with `error` set and no image.
+raises: it comes back with `error` set and no image. With `judge=` (a `JudgeSpec`), `JUDGED_SCHEMA`: the
+same and one `score_<name>` column per score, `phash` and `accepted` (render_service/judges/).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from snapref_ray.data.batches import batch_rows
 from snapref_ray.job_spec import S3Spec
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.batching import batch_key, group_batches
+from snapref_ray.render_service.judges.scores import JUDGEMENT_COLUMNS, judgement_columns
+from snapref_ray.render_service.judges.spec import JudgeSpec
 from snapref_ray.render_service.records import describe_error, encode_output, metadata_row
 from snapref_ray.render_service.references import Reference, check_reference
 from snapref_ray.render_service.rows import (
@@ -48,6 +51,7 @@ from snapref_ray.render_service.work_items import item_id_for
 from snapref_ray.requests import RenderRequest, RenderSettings, RowDefaults
 from snapref_ray.storage.backends import read_uri
 from snapref_ray.storage.metadata import METADATA_SCHEMA
+from snapref_ray.uris import resolve_relative
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,11 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("actor_encodes", pa.int64()),  # this actor's reference encodes so far (after this batch)
         pa.field("actor_cache_hits", pa.int64()),  # this actor's RefKV cache hits so far
     ]
+)
+# A judged pipeline's rows: the scores (floats; the pHash distance in bits), the hash as 16 hex digits, the verdict.
+_JUDGE_TYPES = {"score_near_duplicate": pa.int32(), "phash": pa.string(), "accepted": pa.bool_()}
+JUDGED_SCHEMA = pa.schema(
+    list(OUTPUT_SCHEMA) + [pa.field(name, _JUDGE_TYPES.get(name, pa.float64())) for name in JUDGEMENT_COLUMNS]
 )
 
 
@@ -87,6 +96,8 @@ class SnapRefRenderer:
     `max_batch` as in a job's `cluster:`; `s3` as `output.s3` (credentials from the AWS environment).
     `references_base` resolves relative reference paths (default: the actor's working directory, which
     on a local Ray is the driver's, on a cluster the runtime_env's `working_dir`).
+    `judge` (a `JudgeSpec` or its mapping) scores every image and adds the `JUDGED_SCHEMA` columns; its
+    identity gap's `contrast_reference` path resolves as a row's reference does.
     `renderer_factory(ModelSpec)` replaces the real model loader (benchmarks use a simulated GPU).
     """
 
@@ -103,7 +114,9 @@ class SnapRefRenderer:
         allow_empty_prompt: bool = False,
         memory_budget_bytes: int | None = None,
         renderer_factory: Callable | None = None,
+        judge: dict | JudgeSpec | None = None,
     ) -> None:
+        from snapref_ray.render_service.judges.registry import judge_call
         from snapref_ray.render_service.loading import load_renderer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -124,6 +137,11 @@ class SnapRefRenderer:
             empty_prompt_hint="pass allow_empty_prompt=True to allow it",
         )
         self.max_batch = max_batch
+        self.judge = judge_call(
+            JudgeSpec.model_validate(judge) if judge is not None else None,
+            lambda path: read_uri(resolve_relative(path, self.rules.base), self.s3),
+        )
+        self.schema = JUDGED_SCHEMA if self.judge is not None else OUTPUT_SCHEMA
         renderer = (
             renderer_factory(spec) if renderer_factory else load_renderer(spec, s3=self.s3, cache_dir=model_cache_dir)
         )
@@ -157,7 +175,7 @@ class SnapRefRenderer:
     def __call__(self, batch: Any) -> pa.Table:
         rows, columns = batch_rows(batch)
         self._hint_unknown_columns(list(columns))
-        out: list[dict[str, Any]] = [_empty_row(row) for row in rows]
+        out: list[dict[str, Any]] = [_empty_row(row, self.schema) for row in rows]
         stats = self.service.cache.stats
         with self._lock:
             started = time.time()
@@ -181,7 +199,7 @@ class SnapRefRenderer:
             stats.hits,
             self.service.cache.nbytes / 1e6,
         )
-        return _output_table(columns, out)
+        return _output_table(columns, out, self.schema)
 
     # -- steps ----------------------------------------------------------------------------------
     def _validate(self, rows: list[dict], out: list[dict]) -> list[_Row]:
@@ -252,7 +270,7 @@ class SnapRefRenderer:
                 _fail(out[r.index], describe_error(e), "encode")
             return
         try:
-            rendered = self.service.render(requests, reference=read)
+            rendered = self.service.render(requests, reference=read, judge=self.judge)
         except Exception as e:
             for r in group:
                 _fail(out[r.index], describe_error(e), "sample")
@@ -281,6 +299,8 @@ class SnapRefRenderer:
             except Exception as e:
                 _fail(row, describe_error(e), "write")
                 continue
+            if self.judge is not None:
+                row.update(judgement_columns(image.judgement))
             row.update(
                 refkv_cache_hit=read.source == "cache", batch_id=batch_id, batch_index=position, batch_size=len(group)
             )
@@ -324,11 +344,11 @@ def _assigned_memory() -> int | None:
     return None
 
 
-def _empty_row(row: dict) -> dict[str, Any]:
+def _empty_row(row: dict, schema: pa.Schema) -> dict[str, Any]:
     """An output row holding the input's own values of output columns (prompt, seed, settings) where they fit
     the column's type, so that an error row still shows what was asked; a rendered row overwrites them."""
-    out: dict[str, Any] = dict.fromkeys(OUTPUT_SCHEMA.names)
-    for field in OUTPUT_SCHEMA:
+    out: dict[str, Any] = dict.fromkeys(schema.names)
+    for field in schema:
         value = row.get(field.name)
         if value is not None and _fits(value, field.type):
             out[field.name] = value
@@ -351,10 +371,10 @@ def _fail(row: dict, message: str, stage: str) -> None:
     row.update(error=message, error_stage=stage, image=None)
 
 
-def _output_table(columns: dict[str, pa.Array | pa.ChunkedArray], out: list[dict]) -> pa.Table:
-    """The input's own columns (those not named like an output column), then OUTPUT_SCHEMA's."""
-    ours = pa.Table.from_pylist(out, schema=OUTPUT_SCHEMA)
-    passed = {name: col for name, col in columns.items() if name not in OUTPUT_SCHEMA.names}
+def _output_table(columns: dict[str, pa.Array | pa.ChunkedArray], out: list[dict], schema: pa.Schema) -> pa.Table:
+    """The input's own columns (those not named like an output column), then `schema`'s (OUTPUT_SCHEMA's)."""
+    ours = pa.Table.from_pylist(out, schema=schema)
+    passed = {name: col for name, col in columns.items() if name not in schema.names}
     if not passed:
         return ours
     table = pa.table(passed)

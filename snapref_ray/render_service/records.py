@@ -38,6 +38,9 @@ def encode_output(
     info = {"forward_batch": rendered.forward_batch, **(extra_info or {})}
     if rendered.skipped_forwards is not None:
         info["skipped_forwards"] = rendered.skipped_forwards
+    judgement = getattr(rendered, "judgement", None)
+    if judgement is not None:  # the judges' scores and verdicts travel with the image (render_service/judges/)
+        info["judgement"] = judgement.model_dump(mode="json")
     return encode_rendered_image(
         rendered.image,
         prompt=request.prompt,

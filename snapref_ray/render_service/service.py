@@ -11,6 +11,8 @@ the CLI's flags). The service owns, once:
 - the memory fit: how many images one forward may hold at a resolution (memory.py), and splitting a
   forward that ran out of device memory,
 - the device: one render or encode at a time, and the progress a health check reads,
+- the judges (render_service/judges/): a render asked to be judged comes back with its scores and
+  verdicts, computed here right after the decode, over the batch, where the images already are,
 - the reference: a door hands it a `Reference` (render_service/references.py) and the service decides what the
   render reads: the images themselves with `recompute_reference_every_step` (that baseline runs the
   reference stream at every step), else a RefKV from the cache, from `Reference.fetch` or encoded here.
@@ -30,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from PIL import Image
 
@@ -44,6 +46,10 @@ from snapref_ray.render_service.references import Reference, RefKVKey
 from snapref_ray.render_service.refkv_cache import RefKVCache
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.storage.backends import S3Options
+
+if TYPE_CHECKING:
+    from snapref_ray.render_service.judges.registry import JudgeCall, Judges
+    from snapref_ray.render_service.judges.scores import Judgement
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +74,8 @@ class Rendered:
     reference_hash: str | None
     skipped_forwards: int | None = None  # DiT forwards the step cache skipped for it (None: cache off)
     reference_source: ReferenceSource | None = None  # where what it read came from (None: no reference)
+    latent_nonfinite: float | None = None  # fraction of its final latent that was NaN/inf (None: not measured)
+    judgement: Judgement | None = None  # its judges' scores and verdicts (None: not judged)
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,7 @@ class RenderService:
         self._device = threading.Lock()
         self._health = _Health()
         self._cold_start = ColdStartClock(float(getattr(renderer, "load_seconds", 0.0)))
+        self._judges: Judges | None = None
 
     @classmethod
     def load(
@@ -288,6 +297,7 @@ class RenderService:
         init_image: Image.Image | None = None,
         max_batch: int | None = None,
         progress: Callable[[int, int], None] | None = None,
+        judge: JudgeCall | Sequence[JudgeCall | None] | None = None,
     ) -> list[Rendered]:
         """Render requests that may share a forward (same settings but prompts and seeds), in forwards of
         the largest batch that fits, at most `max_batch` images each.
@@ -296,10 +306,19 @@ class RenderService:
         it is). A forward that runs out of device memory is split in half and retried, down to one image,
         and the smaller batch is kept for that resolution; one image that does not fit raises
         `RenderOutOfMemory`.
+
+        `judge` (one `JudgeCall` for every request, or one per request, None for those not judged): the
+        images come back with `judgement` set, scored right after the batch's decode (judges/registry.py).
         """
         requests = [r.model_copy(update={"settings": self.resolve(r.settings)}) for r in requests]
         if not requests:
             return []
+        calls = _judge_calls(judge, len(requests))
+        if any(calls):
+            from snapref_ray.render_service.judges.registry import check_call
+
+            for call in {id(c): c for c in calls if c is not None}.values():
+                check_call(call, reference is not None)
         s = requests[0].settings
         for i, r in enumerate(requests[1:], start=1):
             if r.settings.batch_key() != s.batch_key():
@@ -359,11 +378,37 @@ class RenderService:
                     reference_hash=read.reference.hash if read is not None else None,
                     skipped_forwards=getattr(out, "skipped_forwards", None),
                     reference_source=read.source if read is not None else None,
+                    latent_nonfinite=getattr(out, "latent_nonfinite", None),
                 )
                 for out in outputs
             ]
             start += len(chunk)
+        if any(calls):
+            self._judge(results, calls, read.reference if read is not None else None)
         return results
+
+    def _judge(self, results: list[Rendered], calls: list[JudgeCall | None], reference: Reference | None) -> None:
+        """Set each judged result's `judgement`: the results of one call are scored as one batch."""
+        from snapref_ray.render_service.judges.registry import Judges, JudgeTarget
+
+        if self._judges is None:
+            self._judges = Judges(
+                self.renderer,
+                lambda ref: self._refkv(ref.key, ref.layout, ref.load, ref.sources, ref.fetch)[0],
+                lambda: self.device("judge"),
+            )
+        groups: dict[int, list[int]] = {}
+        for i, call in enumerate(calls):
+            if call is not None:
+                groups.setdefault(id(call), []).append(i)
+        for indices in groups.values():
+            call = calls[indices[0]]
+            targets = [
+                JudgeTarget(r.image, r.request.prompt, r.request.settings, r.latent_nonfinite)
+                for r in (results[i] for i in indices)
+            ]
+            for i, judgement in zip(indices, self._judges.judge(targets, call, reference)):
+                results[i].judgement = judgement
 
     def _out_of_memory(self, s: RenderSettings, key: FitKey, error: BaseException) -> RenderOutOfMemory:
         device = self.renderer.device
@@ -404,6 +449,15 @@ class RenderService:
         if self._health.busy_since is None:
             return 0.0
         return time.monotonic() - self._health.last_progress
+
+
+def _judge_calls(judge, n: int) -> list:
+    """`render`'s `judge` as one entry per request."""
+    if judge is None or not isinstance(judge, Sequence):
+        return [judge] * n
+    if len(judge) != n:
+        raise ValueError(f"judge: {len(judge)} calls for {n} requests")
+    return list(judge)
 
 
 def rows_per_image(settings: RenderSettings, reads_reference: bool) -> int:

@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from snapref_ray.render_service.judges.scores import Judgement
+from snapref_ray.render_service.judges.spec import JudgeSpec
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.serve.config import ServeLimits
 from snapref_ray.serve.errors import ApiError
@@ -75,6 +77,11 @@ class RenderBody(RenderSettings):
         description="png (one image, image/png) or json (base64 images + metadata). Default: the Accept"
         " header, else png for n = 1 and json for n > 1.",
     )
+    judge: JudgeSpec | None = Field(
+        None,
+        description="Judge each image (docs/judging.md): the JSON answer gives each image's scores and verdicts;"
+        " judge.identity_gap.contrast_reference is a reference_id here.",
+    )
 
     def settings(self, **overrides) -> RenderSettings:
         """The RenderSettings part of the body (with `overrides` applied)."""
@@ -114,6 +121,7 @@ class ImageOut(BaseModel):
     png_base64: str = Field(
         ..., description="The PNG file (with A1111 `parameters` and `snapref` JSON chunks), base64."
     )
+    judgement: Judgement | None = Field(None, description="Its scores and verdicts when the request set `judge`.")
 
 
 class RenderResponse(BaseModel):

@@ -328,6 +328,8 @@ class Ingress(OpenAIImageRoutes):
             settings,
             reference,
             ref_megapixels_set="ref_megapixels" in body.model_fields_set,
+            judge=body.judge,
+            contrast=await self._contrast_reference(body),
         )
         called = time.perf_counter()
         reply = await self._render(call)
@@ -335,6 +337,14 @@ class Ingress(OpenAIImageRoutes):
         # call_s - replica_s is the hop to the renderer and back; total_s - call_s the ingress's own work.
         reply.timings.update(call_s=finished - called, total_s=finished - started)
         return reply
+
+    async def _contrast_reference(self, body: RenderBody) -> UploadedReference | None:
+        """The identity-gap judge's other reference, named here by its reference_id (None when not asked)."""
+        gap = body.judge.identity_gap if body.judge is not None else None
+        if gap is None or gap.contrast_reference is None:
+            return None
+        infos = await self._describe([gap.contrast_reference], ["judge.identity_gap.contrast_reference"])
+        return self._reference_of(infos, "single", body)
 
     # -- docs -------------------------------------------------------------------------------
     def _docs_auth(self, request: Request) -> None:
@@ -566,8 +576,9 @@ class Ingress(OpenAIImageRoutes):
                 width=reply.settings.width,
                 height=reply.settings.height,
                 png_base64=base64.b64encode(png).decode("ascii"),
+                judgement=judgement,
             )
-            for seed, png in zip(reply.seeds, reply.pngs)
+            for seed, png, judgement in zip(reply.seeds, reply.pngs, reply.judgements or [None] * len(reply.pngs))
         ]
         return RenderResponse(
             images=images,

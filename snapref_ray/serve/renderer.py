@@ -32,6 +32,7 @@ list sizes the routing table. `check_health` fails when the device has been busy
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from ray import serve
 
 from snapref_ray.render_service.batching import batch_key, take_batch
+from snapref_ray.render_service.judges.spec import JudgeSpec
 from snapref_ray.render_service.references import Reference, ReferenceIdentity, RefKVKey, check_reference
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.config import ServeConfig
@@ -72,6 +74,8 @@ class RenderCall:
     settings: RenderSettings
     reference: UploadedReference | None = None
     ref_megapixels_set: bool = False  # the request chose ref_megapixels (else the upload's value applies)
+    judge: JudgeSpec | None = None  # judge its images (render_service/judges/)
+    contrast: UploadedReference | None = None  # the identity gap's other reference (judge.identity_gap)
 
     def batch_key(self) -> tuple:
         """Calls with equal keys can share one batched forward."""
@@ -92,6 +96,7 @@ class RenderReply:
     cache_hit: bool | None
     replica: str
     cache: dict[str, int] = field(default_factory=dict)
+    judgements: list = field(default_factory=list)  # per image, its Judgement when the call set `judge`
 
 
 @dataclass
@@ -100,6 +105,7 @@ class _Waiting:
     read: object | None  # the service's ReferenceRead; typed loosely so this module imports without torch
     future: asyncio.Future
     arrived: float = field(default_factory=time.perf_counter)
+    judge: object | None = None  # the service's JudgeCall for its images (None: not judged)
 
     @property
     def images(self) -> int:
@@ -179,15 +185,14 @@ class ReplicaRenderer:
         log a client's mistake as a failed request with a traceback."""
         read = None
         try:
-            call = RenderCall(
-                call.prompt, call.seeds, self.service.resolve(call.settings), call.reference, call.ref_megapixels_set
-            )
+            call = dataclasses.replace(call, settings=self.service.resolve(call.settings))
+            judge = self._judge_call(call)
             if call.reference is not None:
                 # The layout check every door runs (render_service/references.py), before the files are fetched.
                 check_reference((), call.reference.identity.layout, (), self.service.adapter_kind)
                 read = await self._read_reference(call.reference, call.settings)
             loop = asyncio.get_running_loop()
-            waiting = await self._submit(_Waiting(call, read, loop.create_future()))
+            waiting = await self._submit(_Waiting(call, read, loop.create_future(), judge=judge))
             return await waiting.future
         except ApiError as e:
             return e
@@ -212,17 +217,34 @@ class ReplicaRenderer:
                 f" (stall_timeout_s={self._config.stall_timeout_s})"
             )
 
+    def _judge_call(self, call: RenderCall):
+        """The service's JudgeCall for `call` (None when it asks for no judge), checked before any device work."""
+        if call.judge is None:
+            return None
+        from snapref_ray.render_service.judges.registry import JudgeCall, check_call
+
+        contrast = self._stored(call.contrast) if call.contrast is not None else None
+        judge = JudgeCall(call.judge, contrast=contrast)
+        check_call(judge, call.reference is not None)
+        return judge
+
     # -- references -------------------------------------------------------------------------
-    async def _read_reference(self, uploaded: UploadedReference, settings: RenderSettings):
-        """The service's ReferenceRead of `uploaded` for `settings`; the files are fetched from the ReferenceStore
-        only if the service asks for them (on its thread, through this replica's event loop)."""
+    def _stored(self, uploaded: UploadedReference) -> Reference:
+        """`uploaded` as the service takes a reference: its files fetched from the ReferenceStore when the service
+        asks for them (on its thread, through this replica's event loop)."""
         loop = asyncio.get_running_loop()
-        reference = Reference(
+        return Reference(
             uploaded.key,
             uploaded.identity.layout,
             tuple(f"reference {h[:12]}" for h in uploaded.identity.member_hashes),
             lambda: asyncio.run_coroutine_threadsafe(self._fetch(uploaded), loop).result(),
         )
+
+    async def _read_reference(self, uploaded: UploadedReference, settings: RenderSettings):
+        """The service's ReferenceRead of `uploaded` for `settings`; the files are fetched from the ReferenceStore
+        only if the service asks for them."""
+        loop = asyncio.get_running_loop()
+        reference = self._stored(uploaded)
         read = self.service.cached_read(reference, settings)
         if read is not None:  # the common case, answered on the event loop without a thread hop
             return read
@@ -284,7 +306,8 @@ class ReplicaRenderer:
         ]
         started = time.perf_counter()
         read = group[0].read  # the group shares its reference key (batch_key), so one read serves it
-        rendered = self.service.render(requests, reference=read, progress=self.service.tick)
+        judge = [w.judge for w in group for _ in w.call.seeds]
+        rendered = self.service.render(requests, reference=read, progress=self.service.tick, judge=judge)
         batch_id = uuid.uuid4().hex[:12]
         replies, i = [], 0
         for w in group:
@@ -322,6 +345,7 @@ class ReplicaRenderer:
                     w.read.source == "cache" if w.read is not None else None,
                     self._replica,
                     self._cache_stats(),
+                    [r.judgement for r in mine],
                 )
             )
         return replies

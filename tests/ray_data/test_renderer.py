@@ -177,3 +177,31 @@ def test_constructor_checks_arguments_by_the_job_spec_rules(tiny_models, tmp_pat
             (bare / path.name).symlink_to(path)
     with pytest.raises(ValueError, match="no reference adapter loaded"):
         SnapRefRenderer({"models_dir": str(bare), "device": "cpu"})
+
+
+def test_a_judged_pipeline_adds_every_score_column(tiny_models, refs):
+    """judge=: JUDGED_SCHEMA's columns; a rendered row's scores are those of its own image, recomputed apart
+    (imagehash on the PNG's pixels, numpy statistics); a row that failed has no scores."""
+    import imagehash
+
+    from snapref_ray.data.renderer import JUDGED_SCHEMA
+
+    folder, paths = refs
+    judged = SnapRefRenderer(
+        {"models_dir": str(tiny_models), "device": "cpu"},
+        defaults=FAST_SETTINGS,
+        references_base=str(folder),
+        judge={"sanity": {}, "near_duplicate": {"max_distance": 64}},  # 64: every image counts as a duplicate
+    )
+    out = judged(pa.table({"reference": ["red.png", "missing.png"], "prompt": ["1girl, a", "1girl, b"]}))
+    assert out.column_names == ["reference", *JUDGED_SCHEMA.names]
+    good, bad = out.to_pylist()
+    pixels = np.asarray(Image.open(io.BytesIO(good["image"])).convert("RGB")).astype(np.float64)
+    assert good["phash"] == str(imagehash.phash(Image.open(io.BytesIO(good["image"]))))
+    assert good["score_near_duplicate"] == 64  # no kept set: as far as 64 bits go
+    assert good["score_sanity_std"] == pytest.approx(max(pixels[..., c].std() for c in range(3)))
+    assert good["score_sanity_luminance"] == pytest.approx((pixels @ [0.299, 0.587, 0.114]).mean())
+    assert good["score_sanity_nonfinite"] == 0.0 and good["score_identity_gap"] is None
+    assert good["accepted"] is False  # at or below max_distance 64: every score recorded, the verdict says no
+    assert read_image_info(good["image"])["judgement"]["scores"]["phash"] == good["phash"]
+    assert bad["error"] is not None and all(bad[name] is None for name in JUDGED_SCHEMA.names[-9:])
