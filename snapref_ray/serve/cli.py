@@ -66,7 +66,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from snapref_ray.job_console import explain_ray_token_warning
+    from snapref_ray.ray_token_note import explain_ray_token_warning
     from snapref_ray.serve.app import deploy_local, http_front, local_topology, start_local_serve, stop_local
     from snapref_ray.serve.direct_ingress import haproxy_binary
 
