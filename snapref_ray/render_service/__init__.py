@@ -15,6 +15,8 @@ from snapref_ray.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "check_reference": "references",
+    "CheckedImage": "references",
+    "ReferenceImageError": "references",
     "reference_hash": "references",
     "Reference": "references",
     "ReferenceIdentity": "references",

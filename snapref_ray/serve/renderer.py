@@ -41,7 +41,13 @@ from dataclasses import dataclass, field
 from ray import serve
 
 from snapref_ray.render_service.batching import batch_key, take_batch
-from snapref_ray.render_service.references import Reference, ReferenceIdentity, RefKVKey, check_reference
+from snapref_ray.render_service.references import (
+    Reference,
+    ReferenceIdentity,
+    ReferenceImageError,
+    RefKVKey,
+    check_reference,
+)
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
@@ -109,7 +115,6 @@ class _Waiting:
 def _as_api_error(e: ValueError, call: RenderCall) -> ApiError | None:
     """The service's input errors (a bad reference image, an impossible setting, an image that does not
     fit) as the answer they deserve; None for others."""
-    from snapref_ray.adapter.images import ReferenceImageError
     from snapref_ray.engine import RenderError
     from snapref_ray.render_service import RenderOutOfMemory
 
