@@ -154,7 +154,7 @@ class ReplicaRenderer:
             memory_budget_bytes=config.memory_per_replica or None,
         )
         if config.model.compile and config.warmup_sizes:  # ready (this constructor returns) only once warm
-            self.service.warmup(config.warmup_sizes, range(1, config.max_batch_size + 1))
+            self.service.warmup(config.warmup_sizes, range(1, config.max_batch + 1))
         # Encodes and renders run in these threads so the event loop stays free for routing,
         # batching and health checks; the service keeps the device to one of them at a time.
         self._pool = ThreadPoolExecutor(
