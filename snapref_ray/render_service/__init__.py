@@ -23,7 +23,7 @@ _EXPORTS = {
     "ReferenceInput": "references",
     "RefKVKey": "references",
     "ReferenceRead": "service",
-    "Rendered": "service",
+    "RenderedImage": "service",
     "RenderOutOfMemory": "service",
     "RenderService": "service",
 }
