@@ -149,7 +149,7 @@ def run_job(
         output.lease.release()
     if write_gallery:
         _write_gallery(spec)
-    log.info("done: %s", json.dumps({k: summary[k] for k in _LOGGED}))
+    log.info("done: %s", json.dumps({k: getattr(summary, k) for k in _LOGGED}))
     return summary
 
 
