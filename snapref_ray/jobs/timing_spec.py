@@ -1,6 +1,6 @@
 """The timing table's spec: one case (size, steps, sampler, prompt, seed, reference) and the settings to compare.
 
-The rows it may name are the catalogue's (timing_settings.py); the job that measures them is timing_table.py.
+The rows it may name are the catalogue's (timing_catalogue.py); the job that measures them is timing_table.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import ClassVar
 from pydantic import Field, field_validator
 
 from snapref_ray.job_spec import ClusterSpec, OutputSpec, SpecFile, load_spec_file
-from snapref_ray.jobs.timing_settings import SETTING_NAMES
+from snapref_ray.jobs.timing_catalogue import SETTING_NAMES
 from snapref_ray.model_spec import LoRASpec, ModelSpec
 from snapref_ray.requests import Sampler
 from snapref_ray.storage.backends import S3Options

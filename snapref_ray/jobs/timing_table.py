@@ -6,8 +6,9 @@ settings are measured interleaved (every repetition runs each setting once, in a
 so drift in clocks or load spreads over all of them, and the table reports medians. Ratios are
 computed from those medians against the no-reference row.
 
-The parts: the spec (timing_spec.py), the catalogue of rows (timing_settings.py), the actor that
-measures (timing_worker.py), the figures and the Markdown (timing_report.py); this module runs them.
+The parts: the spec (timing_spec.py), the catalogue of rows as data (timing_catalogue.py) and the rows
+of one spec (timing_settings.py), the actor that measures (timing_worker.py), the figures and the
+Markdown (timing_report.py); this module runs them.
 """
 
 from __future__ import annotations
