@@ -38,7 +38,7 @@ def local_job(ray_cluster_s3, job_inputs, tiny_models, tmp_path_factory):
 def test_local_job_renders_every_good_row(local_job):
     spec, summary, out = local_job
     assert {
-        k: summary[k]
+        k: getattr(summary, k)
         for k in (
             "manifest_rows",
             "invalid_rows",
