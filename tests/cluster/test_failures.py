@@ -385,7 +385,7 @@ def test_an_item_whose_own_render_raises_fails_after_its_attempts_and_only_it(tm
     (error,) = read_errors_table(open_storage(str(out))).to_pylist()
     assert (error["item_id"], error["stage"], error["attempt"]) == (_poison_id(spec), "sample", 3)
     assert error["error"].startswith("FloatingPointError: NaN in the sampled latents of '1girl, poison'"), error
-    assert summary.attempts == {"max_attempts": 3, "charged": 3, "retried_items": 2, "failed_items": 1}
+    assert summary.attempts.model_dump() == {"max_attempts": 3, "charged": 3, "retried_items": 2, "failed_items": 1}
     assert {cause: n for cause, n in summary.requeues.items() if n and cause != "budget"} == {}
 
 
