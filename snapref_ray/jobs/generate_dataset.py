@@ -142,7 +142,7 @@ def run_job(
         output.finish(summary.to_json(), compact=not run.interrupted)
     if write_gallery:
         _write_gallery(spec)
-    log.info("done: %s", json.dumps({k: summary[k] for k in _LOGGED}))
+    log.info("done: %s", json.dumps({k: getattr(summary, k) for k in _LOGGED}))
     return summary
 
 

@@ -149,11 +149,6 @@ class JobSummary(BaseModel):
         """summary.json's content."""
         return self.model_dump(mode="json")
 
-    def __getitem__(self, key: str) -> Any:
-        """Read a key as summary.json holds it (`summary["requeues"]["node_lost"]`): code written against the file
-        reads the returned summary the same way."""
-        return self.to_json()[key]
-
 
 def job_throughput(runs: list[RunFigures]) -> dict[str, float]:
     """The job's time and throughput over the runs that had work (a run with nothing to render adds nothing)."""

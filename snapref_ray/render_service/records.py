@@ -1,7 +1,7 @@
 """One output record: what every image the project writes says about how it was made.
 
 A job's metadata row, a Ray Data output row, an image's PNG chunks (`parameters` and `snapref`) and the
-endpoint's JSON answer all come from a `Rendered` (service.py), whose request holds the settings as
+endpoint's JSON answer all come from a `RenderedImage` (service.py), whose request holds the settings as
 rendered — the adapter kind's defaults filled in — so the same render records the same facts through
 every front door. The job and Ray Data share one row builder and one schema (`METADATA_SCHEMA`); the
 columns only a job has (where it stored the image, the manifest row, the attempt) are null in Ray Data.

@@ -249,7 +249,7 @@ def job_output(ray_s3_env, s3_server, inputs, tiny_models, tmp_path_factory):
     out = f"s3://{BUCKET}/run1"  # docs/ray-data.md's read_results example reads this
     spec = job_spec(manifest, tiny_models, out)
     summary = run_job(spec, progress=False, write_gallery=False)
-    assert summary["images_total"] == 4
+    assert summary.images_total == 4
     storage = open_storage(out, s3_server.s3_options())
     first = sorted(k for k in storage.list("metadata/") if k.endswith(".parquet"))[0]
     part = pq.read_table(io.BytesIO(storage.get_bytes(first)))

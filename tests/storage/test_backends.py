@@ -6,7 +6,6 @@ import pickle
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -90,12 +89,25 @@ def test_put_if_absent_race_has_one_winner(storage):
     assert storage.get_bytes("marker").startswith(b"writer ")
 
 
-def test_uri_for(storage):
-    if isinstance(storage, LocalStorage):
-        assert storage.uri_for("images/a.png") == str(Path(storage.uri) / "images" / "a.png")
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_uri_for_names_where_the_object_is(kind, request, tmp_path):
+    """The oracle is not the formula: the URI is the root this test opened plus the key, and a reader that is
+    not the storage layer (the file system, a bare S3 client) finds the written bytes there."""
+    if kind == "local":
+        storage = open_storage(str(tmp_path / "out"))
+        storage.put_bytes("images/a.png", b"the bytes")
+        uri = storage.uri_for("images/a.png")
+        assert uri == str(tmp_path) + "/out/images/a.png"
+        assert open(uri, "rb").read() == b"the bytes"
     else:
-        assert storage.uri_for("images/a.png") == f"{storage.uri}/images/a.png"
-        assert storage.uri.startswith("s3://snapref-test/contract-")
+        server = request.getfixturevalue("s3_server")
+        prefix = f"contract-{uuid.uuid4().hex[:8]}"
+        storage = open_storage(f"s3://{server.bucket}/{prefix}", server.s3_options())
+        storage.put_bytes("images/a.png", b"the bytes")
+        uri = storage.uri_for("images/a.png")
+        assert uri == f"s3://snapref-test/{prefix}/images/a.png"
+        body = server.client().get_object(Bucket="snapref-test", Key=f"{prefix}/images/a.png")["Body"].read()
+        assert body == b"the bytes"
 
 
 def test_pickles_for_ray_workers(storage):
