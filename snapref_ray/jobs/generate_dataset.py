@@ -53,7 +53,6 @@ from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.job_output import JobOutput, OutputSettings
 from snapref_ray.storage.lease import LeaseLostError
 from snapref_ray.storage.ledger import job_fingerprint
-from snapref_ray.storage.metadata import read_errors_table
 from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)
@@ -251,7 +250,7 @@ def _plan(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> None:
         plan.to_render,
         plan.references_to_render,
     )
-    recorded = _recorded_validation_errors(output.storage) if plan.error_count else set()
+    recorded = output.recorded_validation_errors() if plan.error_count else set()
     for e in plan.all_errors():
         message = f"{'field ' + repr(e.field) + ': ' if e.field else ''}{e.error}"
         if (e.manifest_row, e.item_id, message) not in recorded:
@@ -269,7 +268,7 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
 
     def done(outcome: ItemOutcome, item: WorkItem) -> None:
         run.image_done(outcome)
-        _commit(output, spec, outcome)
+        _commit(output, outcome)
 
     def joined(handle, info: WorkerInfo) -> None:
         if info.cold_start:
@@ -433,17 +432,10 @@ def _write_gallery(spec: JobSpec) -> None:
         log.warning("could not write the gallery: %s", e)
 
 
-def _recorded_validation_errors(storage) -> set[tuple]:
-    table = read_errors_table(storage, exclude_ids=set())
-    rows = table.select(["manifest_row", "item_id", "error", "stage"]).to_pylist()
-    return {(r["manifest_row"], r["item_id"], r["error"]) for r in rows if r["stage"] == "validate"}
-
-
-def _commit(output: JobOutput, spec: JobSpec, outcome: ItemOutcome) -> None:
+def _commit(output: JobOutput, outcome: ItemOutcome) -> None:
     if outcome.row.get("shard_key"):
         return  # its rows went into metadata/ with its shard, when the shard was committed (JobOutput.commit_shard)
-    image_bytes = output.storage.get_bytes(outcome.row["image_key"]) if spec.output.embed_images else None
-    output.commit_row(outcome.row, image_bytes)
+    output.commit_row(outcome.row)
 
 
 def _record_failure(output: JobOutput, outcome: ItemOutcome, item: WorkItem, attempt: int) -> None:

@@ -29,7 +29,14 @@ from typing import Any
 from .backends import Storage, bounded_by
 from .lease import DEFAULT_LEASE_SECONDS, LeaseLostError, OutputLease
 from .ledger import CommittedIds, claim_output, committed_item_ids
-from .metadata import ErrorWriter, MetadataWriter, compact_output_parts, read_summary, write_summary
+from .metadata import (
+    ErrorWriter,
+    MetadataWriter,
+    compact_output_parts,
+    read_errors_table,
+    read_summary,
+    write_summary,
+)
 from .shards import commit_shard, settle_staged_shards
 
 log = logging.getLogger(__name__)
@@ -104,8 +111,10 @@ class JobOutput:
             yield
 
     # -- commits ----------------------------------------------------------------------------------------------
-    def commit_row(self, row: dict, image_bytes: bytes | None = None) -> None:
-        """An item whose image a worker stored (``files``): its metadata row, written with the next part."""
+    def commit_row(self, row: dict) -> None:
+        """An item whose image a worker stored (``files``): its metadata row, written with the next part (with the
+        image's bytes too under ``embed_images``, read back from where the worker stored it)."""
+        image_bytes = self.storage.get_bytes(row["image_key"]) if self.settings.embed_images else None
         self.metadata.add(row, image_bytes)
 
     def commit_shard(self, shard_key: str) -> bool:
@@ -116,6 +125,13 @@ class JobOutput:
 
     def record_error(self, error: str, stage: str, **where: Any) -> None:
         self.errors.record(error, stage, **where)
+
+    def recorded_validation_errors(self) -> set[tuple]:
+        """(manifest_row, item_id, error) of the invalid rows earlier runs recorded: each is recorded once per
+        output, however often the job is resumed."""
+        table = read_errors_table(self.storage, exclude_ids=set())
+        rows = table.select(["manifest_row", "item_id", "error", "stage"]).to_pylist()
+        return {(r["manifest_row"], r["item_id"], r["error"]) for r in rows if r["stage"] == "validate"}
 
     # -- the end ----------------------------------------------------------------------------------------------
     def finish(self, summary: dict, *, compact: bool = True) -> None:
