@@ -164,6 +164,8 @@ def render_spec(args: argparse.Namespace):
         spec = quick_spec(target, args.out, model=model_spec_from(args), workers=args.workers, **overrides)
     if args.append:
         spec = spec.model_copy(update={"output": spec.output.model_copy(update={"append": True})})
+    if args.rerender_changed:
+        spec = spec.model_copy(update={"output": spec.output.model_copy(update={"rerender_changed": True})})
     if args.wait_for_lease is not None:
         spec = spec.model_copy(
             update={"output": spec.output.model_copy(update={"lease_wait_seconds": args.wait_for_lease})}
@@ -395,6 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--append",
         action="store_true",
         help="add this job's images to an output that holds another job's (else that is refused)",
+    )
+    p.add_argument(
+        "--rerender-changed",
+        action="store_true",
+        help="render again the rows whose explicit id the output holds with other content (else refused)",
     )
     p.add_argument(
         "--dry-run",

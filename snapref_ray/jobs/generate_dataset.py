@@ -47,8 +47,9 @@ from snapref_ray.jobs.job_summary import (
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.work_items import WorkItem
-from snapref_ray.render_service.work_plan import WorkPlan
+from snapref_ray.render_service.work_plan import WorkPlan, plan_against_output
 from snapref_ray.storage.backends import Storage, open_storage
+from snapref_ray.storage.item_contents import ItemContentError
 from snapref_ray.storage.lease import OutputLease
 from snapref_ray.storage.ledger import CommittedIds, claim_output, committed_item_ids, job_fingerprint
 from snapref_ray.storage.metadata import (
@@ -132,6 +133,7 @@ def run_job(
         plan.close()
         raise
     hooks = _Hooks(progress, renderer_factory, warmup, on_progress, on_workers, on_event)
+    refused = False
     try:
         _plan(spec, plan, output)  # 3. what is left to render; invalid rows recorded once
         _render(spec, plan, output, run, hooks)  # 4. workers, schedule, commits
@@ -139,13 +141,17 @@ def run_job(
         run.interrupted = True
         log.warning("interrupted: committing what is done; run the same spec again to resume")
         raise
+    except ItemContentError:  # refused before anything was written: summary.json and the parts stay as they were
+        refused = True
+        raise
     finally:
         output.close()
         plan.close()
-        summary = _summarise(spec, plan, output, run)  # 5. summary.json
-        write_summary(output.storage, summary.to_json())
-        if not run.interrupted:
-            _compact(output.storage)  # while the lease is held: the report and the next run read few parts
+        if not refused:
+            summary = _summarise(spec, plan, output, run)  # 5. summary.json
+            write_summary(output.storage, summary.to_json())
+            if not run.interrupted:
+                _compact(output.storage)  # while the lease is held: the report and the next run read few parts
         output.lease.release()
     if write_gallery:
         _write_gallery(spec)
@@ -274,7 +280,15 @@ def _earlier_runs(storage: Storage) -> list[RunFigures]:
 def _plan(spec: JobSpec, plan: WorkPlan, output: _Output) -> None:
     """Phase 3: the items not committed yet (a bit per item of the plan); the invalid rows go to errors/, once per
     output (a resumed job validates the same manifest again)."""
-    plan.skip_committed(output.done_before)  # one vectorised lookup per chunk of ids
+    # Explicit ids committed with other content, or by another job, are refused (or rendered again); then one
+    # vectorised lookup per chunk of ids (render_service/work_plan.py, storage/item_contents.py).
+    plan_against_output(
+        plan,
+        output.storage,
+        output.done_before,
+        fingerprint=output.fingerprint,
+        rerender_changed=spec.output.rerender_changed,
+    )
     log.info(
         "%d manifest rows -> %d items (%d invalid rows); %d already committed, %d to render (%d references)",
         plan.rows,
@@ -402,6 +416,7 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: _Output, run: _Run) -> Job
         driver_peak_rss_bytes=_driver_usage()[1],
         startup_seconds=round(run.startup_seconds, 3),
         render_seconds=round(run.render_seconds, 3),
+        manifest_sha256=plan.manifest_sha256,
     )
     runs = [*output.earlier_runs, this_run]
     references = plan.references_to_render
@@ -417,6 +432,7 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: _Output, run: _Run) -> Job
         images_this_run=stats.done_items,
         skipped_already_done=plan.committed,
         failed_items=stats.failed_items,
+        committed_not_in_manifest=plan.committed_not_in_manifest,
         attempts=AttemptFigures(
             max_attempts=spec.cluster.max_attempts,
             charged=stats.attempts_charged,

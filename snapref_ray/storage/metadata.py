@@ -13,7 +13,8 @@ Under the output root::
 A metadata row is the commit of its item: the caller adds it only after the image (and thumbnail)
 are stored, so every listed image exists. A part is written in one atomic PUT under a unique name, so
 a crash loses at most the rows not yet flushed (those items are rendered again on resume, to the same
-keys). Readers de-duplicate by item_id, keeping the first committed row.
+keys). Readers de-duplicate by item_id, keeping the first committed row of the item's latest content
+(`winning_rows`: a retried item keeps its first row, an explicit id re-rendered with new content its new one).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -63,6 +65,9 @@ def reference_image_key(reference_hash: str) -> str:
 METADATA_SCHEMA = pa.schema(
     [
         ("item_id", pa.string()),
+        # The id the item has without an explicit id (a hash of reference, prompt, seed, settings): equal to item_id
+        # unless the manifest row gave one; a resume compares it (storage/item_contents.py). Null in older parts.
+        ("content_id", pa.string()),
         ("manifest_row", pa.int64()),
         ("reference_uris", pa.list_(pa.string())),
         ("reference_hash", pa.string()),
@@ -470,14 +475,35 @@ def _concat(tables: Iterable[pa.Table], empty: pa.Schema) -> pa.Table:
     return pa.concat_tables(tables, promote_options="default")
 
 
+def winning_rows(
+    item_ids: pa.Array | pa.ChunkedArray, content_ids: pa.Array | pa.ChunkedArray | None = None
+) -> np.ndarray | None:
+    """Positions (in commit order) of the row each item is read from; None when every item_id is unique.
+
+    The rule every reader follows: an item's row is the first committed row *of its latest content*, the content id
+    of its last committed row. A retried item committed twice (the same content) keeps its first row, as before
+    content ids existed; an explicit id re-rendered with new content (`output.rerender_changed`) is read from its
+    new row. Rows without a content id (older parts) count as one content of their own."""
+    n = len(item_ids)
+    if not n or pc.count_distinct(item_ids, mode="all").as_py() == n:
+        return None
+    positions = pa.array(np.arange(n, dtype=np.int64))
+    table = pa.table({"item_id": item_ids, "_pos": positions})
+    if content_ids is not None and content_ids.null_count < len(content_ids):
+        content = pc.fill_null(content_ids, "")
+        last = table.group_by("item_id", use_threads=False).aggregate([("_pos", "max")])
+        latest = pa.table({"item_id": last.column("item_id"), "_latest": content.take(last.column("_pos_max"))})
+        table = table.append_column("_content", content).join(latest, "item_id", use_threads=False)
+        table = table.filter(pc.equal(table.column("_content"), table.column("_latest")))
+    first = table.group_by("item_id", use_threads=False).aggregate([("_pos", "min")]).column("_pos_min")
+    return np.sort(first.to_numpy())
+
+
 def _first_per_id(table: pa.Table) -> pa.Table:
-    seen: set = set()
-    keep = []
-    for i, item_id in enumerate(table.column("item_id").to_pylist()):
-        if item_id not in seen:
-            seen.add(item_id)
-            keep.append(i)
-    return table if len(keep) == table.num_rows else table.take(keep)
+    """One row per item_id, the one `winning_rows` picks, in commit order."""
+    content = table.column("content_id") if "content_id" in table.column_names else None
+    keep = winning_rows(table.column("item_id"), content)
+    return table if keep is None else table.take(pa.array(keep))
 
 
 def read_item_ids(storage: Storage, prefix: str = METADATA_PREFIX) -> list[str]:
@@ -489,7 +515,8 @@ def read_item_ids(storage: Storage, prefix: str = METADATA_PREFIX) -> list[str]:
 
 
 def read_metadata_table(storage: Storage) -> pa.Table:
-    """Every committed metadata row, de-duplicated by item_id (the first committed row wins).
+    """Every committed metadata row, de-duplicated by item_id (`winning_rows`: the first committed row of the
+    item's latest content wins).
 
     An empty METADATA_SCHEMA table if nothing is committed.
     """
@@ -543,7 +570,8 @@ def compact_parts(
     Parts holding image bytes (embed_images) are left alone: they are large already, and so are parts of at least
     half of `target_rows`. A merged part is written in row groups of `row_group_rows`, so a reader that pages
     through it (the report, report/rows.py) decodes a row group at a time, not the whole part. Error parts
-    (``errors/``) keep every row: an item's several failures are its history, not duplicates.
+    (``errors/``) keep every row but exact copies: an item's several failures are its history, not duplicates,
+    while a row equal in every column to another is what an interrupted compaction left twice.
 
     The parts are read in order, a few at a time, and each run is written as soon as it is complete: what is held
     is one run (at most `target_rows` rows) and the parts being fetched, whatever the output's size.
@@ -583,8 +611,7 @@ def compact_parts(
 def _write_merged(storage: Storage, prefix: str, run: list[tuple[str, pa.Table]], row_group_rows: int) -> str:
     """One part for a run of parts (written, then the run's parts deleted); its key."""
     merged = pa.concat_tables([table for _, table in run], promote_options="default")
-    if prefix.strip("/") != ERRORS_PREFIX:
-        merged = _first_per_id(merged)
+    merged = _without_copies(merged) if prefix.strip("/") == ERRORS_PREFIX else _first_per_id(merged)
     stamp = run[0][0].rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
     key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
     buf = io.BytesIO()
@@ -593,6 +620,20 @@ def _write_merged(storage: Storage, prefix: str, run: list[tuple[str, pa.Table]]
     for part_key, _ in run:
         storage.delete(part_key)
     return key
+
+
+def _without_copies(errors: pa.Table) -> pa.Table:
+    """`errors` without the rows that repeat an earlier row in every column, in commit order.
+
+    An item's several failures differ in their time (`at`) and attempt, so they are all kept; a row equal to
+    another in every column is a copy, left by a compaction interrupted between writing its merged part and
+    deleting the parts it merged (the next compaction merges the two again)."""
+    columns = errors.column_names
+    if not errors.num_rows:
+        return errors
+    keyed = errors.append_column("_pos", pa.array(np.arange(errors.num_rows, dtype=np.int64)))
+    first = keyed.group_by(columns, use_threads=False).aggregate([("_pos", "min")]).column("_pos_min").to_numpy()
+    return errors if len(first) == errors.num_rows else errors.take(pa.array(np.sort(first)))
 
 
 def compact_output_parts(storage: Storage) -> dict[str, list[str]]:

@@ -38,6 +38,7 @@ def make_row(i: int, **overrides) -> dict:
     item_id = f"item-{i:04d}"
     row = {
         "item_id": item_id,
+        "content_id": f"{i:020x}",
         "manifest_row": i,
         "reference_uris": [f"refs/char{i % 3}.png", "refs/extra.png"],
         "reference_hash": f"{i % 3:064x}",
@@ -108,6 +109,7 @@ def _pyarrow_fs(storage, request):
 def test_schema_columns_exactly():
     assert METADATA_SCHEMA.names == [
         "item_id",
+        "content_id",
         "manifest_row",
         "reference_uris",
         "reference_hash",
