@@ -566,7 +566,8 @@ def compact_parts(
     lease may call this (the driver, before rendering and at the end). Each merged part takes the time stamp of
     the first part it replaces, so part names keep commit order and "the first committed row wins" still holds;
     duplicate rows of an item inside a run are dropped. A merged part is written before the parts it
-    replaces are deleted: a crash in between leaves the same rows twice, which readers de-duplicate.
+    replaces are deleted, and names them: a crash in between leaves the same rows twice (readers of metadata
+    de-duplicate), and the next compaction deletes the parts it names that are still there before merging.
     Parts holding image bytes (embed_images) are left alone: they are large already, and so are parts of at least
     half of `target_rows`. A merged part is written in row groups of `row_group_rows`, so a reader that pages
     through it (the report, report/rows.py) decodes a row group at a time, not the whole part. Error parts
@@ -576,13 +577,15 @@ def compact_parts(
     The parts are read in order, a few at a time, and each run is written as soon as it is complete: what is held
     is one run (at most `target_rows` rows) and the parts being fetched, whatever the output's size.
     """
-    keys = [k for k in storage.list(prefix.strip("/") + "/") if k.endswith(".parquet")]
+    keys = sorted((k for k in storage.list(prefix.strip("/") + "/") if k.endswith(".parquet")), key=_read_order)
     if len(keys) < min_parts:
         return []
     written: list[str] = []
     replaced = 0
     run: list[tuple[str, pa.Table]] = []
     run_rows = 0
+    listed = set(keys)
+    superseded: set[str] = set()  # parts an earlier merged part holds already (its compaction was interrupted)
 
     def close_run() -> None:
         nonlocal run, run_rows, replaced
@@ -591,10 +594,23 @@ def compact_parts(
             replaced += len(run)
         run, run_rows = [], 0
 
+    def read(key: str) -> pa.Table:
+        return pq.read_table(io.BytesIO(storage.get_bytes(key)))
+
     with ThreadPoolExecutor(max_workers=8) as pool:
         for start in range(0, len(keys), 8):
-            batch = keys[start : start + 8]
-            for key, table in zip(batch, pool.map(lambda k: pq.read_table(io.BytesIO(storage.get_bytes(k))), batch)):
+            batch = [k for k in keys[start : start + 8] if k not in superseded]
+            for key, table in zip(batch, pool.map(read, batch)):
+                if key in superseded:
+                    continue
+                leftovers = (_replaced_parts(table) & listed) - superseded - {key}
+                if leftovers:  # finish the interrupted compaction: their rows are in this part already
+                    log.info("%s replaces %d part(s) still listed: deleting them", key, len(leftovers))
+                    superseded |= leftovers
+                    run = [(k, t) for k, t in run if k not in leftovers]
+                    run_rows = sum(t.num_rows for _, t in run)
+                    for leftover in sorted(leftovers):
+                        storage.delete(leftover)
                 small = table.num_rows < target_rows // 2 and IMAGE_COLUMN not in table.column_names
                 if not small or run_rows + table.num_rows > target_rows:
                     close_run()
@@ -602,16 +618,37 @@ def compact_parts(
                     run.append((key, table))
                     run_rows += table.num_rows
     close_run()
-    if written:
-        after = len(keys) - replaced + len(written)
+    if written or superseded:
+        after = len(keys) - len(superseded) - replaced + len(written)
         log.info("compacted %s: %d parts -> %d", storage.uri_for(prefix), len(keys), after)
     return written
 
 
+# A merged part's Parquet key-value metadata: the keys of the parts it replaces (JSON), so that a compaction
+# interrupted between writing it and deleting them is finished by the next one (compact_parts).
+_REPLACES = b"snapref.replaces"
+
+
+def _read_order(key: str) -> tuple[str, bool, str]:
+    """Parts in commit (name) order, but a merged part before the other parts of its time stamp: it takes the stamp
+    of the first part it replaced, so it is read before every part it replaced."""
+    name = key.rsplit("/", 1)[-1]
+    fields = name.split("-")
+    return (fields[1] if len(fields) > 2 else name, "-compact-" not in name, name)
+
+
+def _replaced_parts(table: pa.Table) -> set[str]:
+    raw = (table.schema.metadata or {}).get(_REPLACES)
+    return set(json.loads(raw)) if raw else set()
+
+
 def _write_merged(storage: Storage, prefix: str, run: list[tuple[str, pa.Table]], row_group_rows: int) -> str:
-    """One part for a run of parts (written, then the run's parts deleted); its key."""
-    merged = pa.concat_tables([table for _, table in run], promote_options="default")
+    """One part for a run of parts (written, naming them in its metadata; then the run's parts deleted); its key."""
+    merged = pa.concat_tables([table.replace_schema_metadata(None) for _, table in run], promote_options="default")
     merged = _without_copies(merged) if prefix.strip("/") == ERRORS_PREFIX else _first_per_id(merged)
+    merged = merged.replace_schema_metadata(
+        {**(run[0][1].schema.metadata or {}), _REPLACES: json.dumps([k for k, _ in run]).encode()}
+    )
     stamp = run[0][0].rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
     key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
     buf = io.BytesIO()
