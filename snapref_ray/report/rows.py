@@ -5,8 +5,9 @@ its gallery. So the report reads the metadata parts twice:
 
 1. `JobRows.scan` reads only `KEY_COLUMNS` (ids, order, timings), one part at a time, and keeps them
    as Arrow and NumPy columns (tens of bytes per item): the first committed row of each item_id's latest
-   content wins, as in every reader of the output (storage/metadata.py `winning_rows`); the gallery order (references by their
-   first manifest row, then rows) is one Arrow sort; charts, counts and the header use these columns.
+   content wins, as in every reader of the output (storage/metadata.py `winning_rows`); the gallery order
+   (references by their first manifest row, then rows) is one Arrow sort; charts, counts and the header use
+   these columns.
 2. `JobRows.page` returns the `DISPLAY_COLUMNS` of the items at some positions of that order, read per
    row group of the parts that hold them through a cache of at most ``cache_rows`` rows. A job's items
    are committed roughly in gallery order (the driver hands out items by reference, in manifest order),

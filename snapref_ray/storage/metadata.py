@@ -600,23 +600,25 @@ def compact_parts(
     with ThreadPoolExecutor(max_workers=8) as pool:
         for start in range(0, len(keys), 8):
             batch = [k for k in keys[start : start + 8] if k not in superseded]
+            leftovers: set[str] = set()
             for key, table in zip(batch, pool.map(read, batch)):
                 if key in superseded:
                     continue
-                leftovers = (_replaced_parts(table) & listed) - superseded - {key}
-                if leftovers:  # finish the interrupted compaction: their rows are in this part already
-                    log.info("%s replaces %d part(s) still listed: deleting them", key, len(leftovers))
-                    superseded |= leftovers
-                    run = [(k, t) for k, t in run if k not in leftovers]
+                named = (_replaced_parts(table) & listed) - superseded - {key}
+                if named:  # finish the interrupted compaction: their rows are in this part already
+                    log.info("%s replaces %d part(s) still listed: deleting them", key, len(named))
+                    superseded |= named
+                    leftovers |= named
+                    run = [(k, t) for k, t in run if k not in named]
                     run_rows = sum(t.num_rows for _, t in run)
-                    for leftover in sorted(leftovers):
-                        storage.delete(leftover)
                 small = table.num_rows < target_rows // 2 and IMAGE_COLUMN not in table.column_names
                 if not small or run_rows + table.num_rows > target_rows:
                     close_run()
                 if small:
                     run.append((key, table))
                     run_rows += table.num_rows
+            for leftover in sorted(leftovers):  # once this batch's reads are done (they may have been among them)
+                storage.delete(leftover)
     close_run()
     if written or superseded:
         after = len(keys) - len(superseded) - replaced + len(written)
