@@ -18,11 +18,17 @@ from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_metadata_table
 from tests.service.test_work_plan import expected_id
-from tests.test_cli_exit_codes import EXAMPLES, SMALL, error_lines, ray_env, snapref  # noqa: F401 (fixture)
+from tests.test_cli_exit_codes import EXAMPLES, SMALL, error_lines, snapref
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REFS = [str(EXAMPLES / "example_refs" / name) for name in ("silver_hair_girl.png", "brown_hair_boy.png")]
+
+
+@pytest.fixture
+def ray_env(local_ray_job) -> dict[str, str]:
+    """A driver's environment for the session's local Ray."""
+    return {**local_ray_job.driver_env(), "RAY_ADDRESS": local_ray_job.address}
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:
