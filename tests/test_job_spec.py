@@ -99,6 +99,7 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
         "image_format": "png",
         "embed_images": False,
         "append": False,
+        "rerender_changed": False,
         "s3": {"endpoint_url": None, "region": None, "retry_mode": "adaptive", "max_attempts": 10},
         "metadata_flush_seconds": 30.0,
         "format": "files",
