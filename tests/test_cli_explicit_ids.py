@@ -70,11 +70,12 @@ def test_explicit_ids_keep_their_content(ray_env, tiny_models, tmp_path):
     rows[1]["prompt"] = "1boy, rooftop, sunset"
     write_rows(manifest, rows)
     before = (out / "summary.json").read_bytes(), sorted(p.name for p in (out / "metadata").iterdir())
-    status, printed = snapref(*render, env=ray_env)
-    assert status == 2, printed
-    (line,) = error_lines(printed)
-    assert "1 row(s) (1 item(s)): row 2 (id 'b-0') give explicit ids that output" in line
-    assert "--rerender-changed" in line
+    for dry_run in ([], ["--dry-run"]):  # the dry run refuses what the run would
+        status, printed = snapref(*render, *dry_run, env=ray_env)
+        assert status == 2, printed
+        (line,) = error_lines(printed)
+        assert "1 row(s) (1 item(s)): row 2 (id 'b-0') give explicit ids that output" in line
+        assert "--rerender-changed" in line
     assert ((out / "summary.json").read_bytes(), sorted(p.name for p in (out / "metadata").iterdir())) == before
 
     # --rerender-changed: that item alone is rendered again; readers and its image file say the new prompt.
