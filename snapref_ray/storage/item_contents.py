@@ -58,7 +58,7 @@ def read_committed_contents(storage: Storage, fingerprint: str) -> CommittedCont
     contents: list[np.ndarray] = []
     foreign: list[pa.Array] = []
     named = False
-    for table in iter_part_columns(storage, ["item_id", "content_id", JOB_COLUMN]):
+    for table in iter_part_columns(storage, ["item_id", "content_id", JOB_COLUMN], parallel=2):
         item_id = pa.concat_arrays(table.column("item_id").chunks) if table.num_rows else pa.array([], pa.string())
         content = table.column("content_id").combine_chunks().cast(pa.string())
         job = table.column(JOB_COLUMN).combine_chunks().cast(pa.string())
@@ -85,14 +85,21 @@ def _latest_content(ids: list[np.ndarray], contents: list[np.ndarray]) -> tuple[
     """The unique ids (sorted) and, for each, the content of its last row (the parts come in commit order)."""
     if not ids:
         return CommittedIds(np.array([], dtype="S1")), np.array([], dtype="S1")
+    # One array at a time, each list dropped as it is joined: the peak is about twice the packed ids and contents.
     width = max(a.dtype.itemsize for a in ids)
     all_ids = np.concatenate([a.astype(f"S{width}", copy=False) for a in ids])
+    ids.clear()
+    order = np.argsort(all_ids, kind="stable")  # commit order kept among an id's rows
+    all_ids = all_ids[order]
     content_width = max(a.dtype.itemsize for a in contents)
     all_contents = np.concatenate([a.astype(f"S{content_width}", copy=False) for a in contents])
-    order = np.argsort(all_ids, kind="stable")  # commit order kept among an id's rows
-    all_ids, all_contents = all_ids[order], all_contents[order]
+    contents.clear()
+    all_contents = all_contents[order]
+    del order
     last = np.ones(len(all_ids), dtype=bool)
     last[:-1] = all_ids[:-1] != all_ids[1:]
+    if last.all():  # each id committed once (the common case): no copies
+        return CommittedIds(all_ids), all_contents
     return CommittedIds(all_ids[last]), all_contents[last]
 
 
