@@ -577,7 +577,7 @@ def compact_parts(
     The parts are read in order, a few at a time, and each run is written as soon as it is complete: what is held
     is one run (at most `target_rows` rows) and the parts being fetched, whatever the output's size.
     """
-    keys = sorted((k for k in storage.list(prefix.strip("/") + "/") if k.endswith(".parquet")), key=_read_order)
+    keys = [k for k in storage.list(prefix.strip("/") + "/") if k.endswith(".parquet")]
     if len(keys) < min_parts:
         return []
     written: list[str] = []
@@ -605,6 +605,8 @@ def compact_parts(
                 if key in superseded:
                     continue
                 named = (_replaced_parts(table) & listed) - superseded - {key}
+                # A merged part has the stamp of the first part it replaced, which may sort just before it (and so
+                # be in the open run): the rest sort after it.
                 if named:  # finish the interrupted compaction: their rows are in this part already
                     log.info("%s replaces %d part(s) still listed: deleting them", key, len(named))
                     superseded |= named
@@ -629,14 +631,6 @@ def compact_parts(
 # A merged part's Parquet key-value metadata: the keys of the parts it replaces (JSON), so that a compaction
 # interrupted between writing it and deleting them is finished by the next one (compact_parts).
 _REPLACES = b"snapref.replaces"
-
-
-def _read_order(key: str) -> tuple[str, bool, str]:
-    """Parts in commit (name) order, but a merged part before the other parts of its time stamp: it takes the stamp
-    of the first part it replaced, so it is read before every part it replaced."""
-    name = key.rsplit("/", 1)[-1]
-    fields = name.split("-")
-    return (fields[1] if len(fields) > 2 else name, "-compact-" not in name, name)
 
 
 def _replaced_parts(table: pa.Table) -> set[str]:

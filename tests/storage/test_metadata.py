@@ -533,6 +533,47 @@ def test_an_interrupted_errors_compaction_leaves_no_doubled_rows_after_the_next(
     assert len(storage.list(f"{ERRORS_PREFIX}/")) == 1
 
 
+def test_a_merged_part_is_read_before_the_parts_it_replaced_whatever_their_names(tmp_path):
+    """A merged part takes the time stamp of the first part it replaced, and that part's name may sort before it
+    (`part-<stamp>-0a1b...` < `part-<stamp>-compact-...`): read in name order, that part joins the run before the
+    merged part, and must leave it, not be merged again, since the merged part holds its rows."""
+    from snapref_ray.storage.metadata import ERRORS_PREFIX, ERRORS_SCHEMA, compact_parts
+
+    storage = open_storage(str(tmp_path / "out"))
+
+    def rows(n: int, at: float) -> list[dict]:
+        return [
+            {"item_id": f"i{at}-{k}", "manifest_row": k, "error": "e", "stage": "sample", "attempt": 1, "at": at + k}
+            for k in range(n)
+        ]
+
+    def put(name: str, table_rows: list[dict], replaces: list[str] | None = None) -> str:
+        table = pa.Table.from_pylist(table_rows, schema=ERRORS_SCHEMA)
+        if replaces is not None:
+            table = table.replace_schema_metadata({b"snapref.replaces": json.dumps(replaces).encode()})
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        key = f"{ERRORS_PREFIX}/{name}.parquet"
+        storage.put_bytes(key, buf.getvalue())
+        return key
+
+    first = put("part-20260101T000000000000Z-00aa", rows(3, 0.0))  # before the merged part that replaced it
+    replaced = [first] + [put(f"part-20260101T00000{k}000000Z-{k}bbb", rows(3, 10.0 * k)) for k in range(1, 8)]
+    # The interrupted compaction's merged part: all 24 rows, large (not merged again at target_rows=40).
+    merged = put(
+        "part-20260101T000000000000Z-compact-ffff",
+        [r for k in range(8) for r in rows(3, 10.0 * k)],
+        replaces=replaced,
+    )
+    put("part-20251231T000000000000Z-9ccc", rows(2, -10.0))  # an earlier small part, before them all
+    expected = sorted(map(str, rows(2, -10.0) + [r for k in range(8) for r in rows(3, 10.0 * k)]))
+
+    compact_parts(storage, ERRORS_PREFIX, target_rows=40, min_parts=2)
+
+    assert sorted(map(str, read_errors_table(storage, exclude_ids=set()).to_pylist())) == expected
+    assert merged in storage.list(f"{ERRORS_PREFIX}/") and not set(replaced) & set(storage.list(f"{ERRORS_PREFIX}/"))
+
+
 def test_an_errors_compaction_drops_exact_copies_and_keeps_every_failure(tmp_path):
     """Parts whose rows another part holds too (left by a compaction interrupted before this version, whose merged
     part does not name what it replaced): merging them keeps one of each row, and every distinct failure."""
