@@ -533,7 +533,7 @@ def test_an_interrupted_errors_compaction_leaves_no_doubled_rows_after_the_next(
     assert len(storage.list(f"{ERRORS_PREFIX}/")) == 1
 
 
-def test_a_merged_part_is_read_before_the_parts_it_replaced_whatever_their_names(tmp_path):
+def test_a_replaced_part_that_sorts_before_its_merged_part_is_not_merged_again(tmp_path):
     """A merged part takes the time stamp of the first part it replaced, and that part's name may sort before it
     (`part-<stamp>-0a1b...` < `part-<stamp>-compact-...`): read in name order, that part joins the run before the
     merged part, and must leave it, not be merged again, since the merged part holds its rows."""
