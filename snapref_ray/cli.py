@@ -164,8 +164,9 @@ def render_spec(args: argparse.Namespace):
         spec = quick_spec(target, args.out, model=model_spec_from(args), workers=args.workers, **overrides)
     if args.append:
         spec = spec.model_copy(update={"output": spec.output.model_copy(update={"append": True})})
-    if args.rerender_changed:
-        spec = spec.model_copy(update={"output": spec.output.model_copy(update={"rerender_changed": True})})
+    if args.rerender_changed:  # validated: it does not go with every output format
+        output = type(spec.output).model_validate({**spec.output.model_dump(), "rerender_changed": True})
+        spec = spec.model_copy(update={"output": output})
     if args.wait_for_lease is not None:
         spec = spec.model_copy(
             update={"output": spec.output.model_copy(update={"lease_wait_seconds": args.wait_for_lease})}

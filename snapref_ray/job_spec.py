@@ -175,6 +175,11 @@ class OutputSpec(_Section):
     def _embed_needs_files(self) -> OutputSpec:
         if self.format == "webdataset" and self.embed_images:
             raise ValueError("embed_images needs format: files (a webdataset shard holds the images already)")
+        if self.format == "webdataset" and self.rerender_changed:
+            raise ValueError(
+                "rerender_changed needs format: files (the shard that holds an id's old image cannot drop it, so the "
+                "id would be in two shards); give the edited rows new ids"
+            )
         return self
 
 

@@ -20,8 +20,6 @@ from snapref_ray.storage.metadata import read_metadata_table
 from tests.service.test_work_plan import expected_id
 from tests.test_cli_exit_codes import EXAMPLES, SMALL, error_lines, snapref
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
 REFS = [str(EXAMPLES / "example_refs" / name) for name in ("silver_hair_girl.png", "brown_hair_boy.png")]
 
 
@@ -43,6 +41,8 @@ def summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_explicit_ids_keep_their_content(ray_env, tiny_models, tmp_path):
     rows = [
         {"id": "a", "reference": REFS[0], "prompt": "1girl, cafe", "seed": 1},
@@ -109,3 +109,16 @@ def test_explicit_ids_keep_their_content(ray_env, tiny_models, tmp_path):
     assert "by another job appended to it" in line
     assert ((out / "summary.json").read_bytes(), sorted(p.name for p in (out / "metadata").iterdir())) == before
     assert len(read_metadata_table(open_storage(str(out)))) == 3
+
+
+def test_rerender_changed_is_refused_for_a_webdataset_output(tmp_path):
+    """A shard cannot drop an id's old image: the flag is a usage error there, in one line, before anything runs."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"model: {{models_dir: {tmp_path / 'models'}}}\nmanifest: {tmp_path / 'm.csv'}\n"
+        f"output: {{uri: {tmp_path / 'out'}, format: webdataset}}\n"
+    )
+    status, printed = snapref("render", str(spec), "--rerender-changed")
+    assert status == 2, printed
+    (line,) = error_lines(printed)
+    assert "rerender_changed needs format: files" in line and not (tmp_path / "out").exists()
