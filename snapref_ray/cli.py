@@ -188,6 +188,9 @@ def render_spec(args: argparse.Namespace):
         spec = quick_spec(target, args.out, model=model_spec_from(args), workers=args.workers, **overrides)
     if args.append:
         spec = spec.model_copy(update={"output": spec.output.model_copy(update={"append": True})})
+    if args.rerender_changed:  # validated: it does not go with every output format
+        output = type(spec.output).model_validate({**spec.output.model_dump(), "rerender_changed": True})
+        spec = spec.model_copy(update={"output": output})
     if args.wait_for_lease is not None:
         spec = spec.model_copy(
             update={"output": spec.output.model_copy(update={"lease_wait_seconds": args.wait_for_lease})}
@@ -472,6 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--append",
         action="store_true",
         help="add this job's images to an output that holds another job's (else that is refused)",
+    )
+    p.add_argument(
+        "--rerender-changed",
+        action="store_true",
+        help="render again the rows whose explicit id the output holds with other content (else refused)",
     )
     p.add_argument(
         "--dry-run",

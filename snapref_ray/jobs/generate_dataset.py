@@ -48,7 +48,7 @@ from snapref_ray.jobs.job_summary import (
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.work_items import WorkItem
-from snapref_ray.render_service.work_plan import WorkPlan
+from snapref_ray.render_service.work_plan import WorkPlan, plan_against_output
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.job_output import JobOutput, OutputSettings
 from snapref_ray.storage.lease import LeaseLostError
@@ -120,7 +120,7 @@ def run_job(
     run = _Run(started_at=time.time())
     plan = _validate(spec, progress=progress)  # 1. every row, before any worker starts (spilled to local disk)
     try:
-        output = _take_output(spec)  # 2. the lease, the claim (same spec, or append), what earlier runs left
+        output = _take_output(spec, plan)  # 2. the lease, what earlier runs left, the items checked, the claim
     except BaseException:
         plan.close()
         raise
@@ -209,9 +209,11 @@ def _validate(spec: JobSpec, *, progress: bool = False) -> WorkPlan:
     return plan
 
 
-def _take_output(spec: JobSpec) -> JobOutput:
+def _take_output(spec: JobSpec, plan: WorkPlan) -> JobOutput:
     """Phase 2: the output, held by this driver (storage/job_output.py): the same spec resumes, `append` adds to
-    another job's output; what earlier runs committed is read."""
+    another job's output; what earlier runs committed is read, and the plan's explicit ids are checked against it
+    before the claim writes anything: ids committed with other content, or by another job, are refused in one line
+    (or rendered again with `rerender_changed`; render_service/work_plan.py, storage/item_contents.py)."""
     fingerprint = job_fingerprint(spec_fingerprint(spec))
     settings = OutputSettings(
         fingerprint=fingerprint,
@@ -223,7 +225,17 @@ def _take_output(spec: JobSpec) -> JobOutput:
         lease_seconds=spec.output.lease_seconds,
         lease_wait_seconds=spec.output.lease_wait_seconds,
     )
-    return JobOutput.open(open_storage(spec.output.uri, spec.s3_options()), settings)
+
+    def admit(output: JobOutput) -> None:
+        plan_against_output(
+            plan,
+            output.storage,
+            output.done_before,
+            fingerprint=fingerprint,
+            rerender_changed=spec.output.rerender_changed,
+        )
+
+    return JobOutput.open(open_storage(spec.output.uri, spec.s3_options()), settings, admit=admit)
 
 
 def _earlier_runs(output: JobOutput) -> list[RunFigures]:
@@ -240,7 +252,7 @@ def _earlier_runs(output: JobOutput) -> list[RunFigures]:
 def _plan(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> None:
     """Phase 3: the items not committed yet (a bit per item of the plan); the invalid rows go to errors/, once per
     output (a resumed job validates the same manifest again)."""
-    plan.skip_committed(output.done_before)  # one vectorised lookup per chunk of ids
+    # The committed items were marked when the output was taken (`admit` in _take_output).
     log.info(
         "%d manifest rows -> %d items (%d invalid rows); %d already committed, %d to render (%d references)",
         plan.rows,
@@ -373,6 +385,7 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         driver_peak_rss_bytes=_driver_usage()[1],
         startup_seconds=round(run.startup_seconds, 3),
         render_seconds=round(run.render_seconds, 3),
+        manifest_sha256=plan.manifest_sha256,
     )
     runs = [*_earlier_runs(output), this_run]
     references = plan.references_to_render
@@ -388,6 +401,7 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         images_this_run=stats.done_items,
         skipped_already_done=plan.committed,
         failed_items=stats.failed_items,
+        committed_not_in_manifest=plan.committed_not_in_manifest,
         attempts=AttemptFigures(
             max_attempts=spec.cluster.max_attempts,
             charged=stats.attempts_charged,

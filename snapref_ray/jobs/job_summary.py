@@ -31,6 +31,9 @@ class RunFigures(BaseModel):
         " what one driver costs per item, apart from the workers.",
     )
     driver_peak_rss_bytes: int | None = Field(None, description="The driver process's peak resident memory.")
+    manifest_sha256: str | None = Field(
+        None, description="sha256 of the manifest's bytes as this run read them: which version of it the run rendered."
+    )
 
     @staticmethod
     def from_earlier_summary(summary: dict) -> list[RunFigures]:
@@ -103,6 +106,11 @@ class JobSummary(BaseModel):
     images_this_run: int
     skipped_already_done: int = Field(description="Items committed by earlier runs, not rendered again.")
     failed_items: int = Field(description="Items this run gave up on (errors/ holds their reasons).")
+    committed_not_in_manifest: int | None = Field(
+        None,
+        description="Committed items of this job that no manifest row produces any more (rows removed, ids changed);"
+        " they stay in the output. None where the output holds other jobs' items and its rows do not say whose.",
+    )
     attempts: AttemptFigures
     requeues: dict[str, int] = Field(description="Items requeued without an attempt, by cause; `budget`: the cap.")
     interrupted: bool

@@ -13,6 +13,7 @@ import time
 import traceback
 from typing import Any
 
+from snapref_ray.render_service.work_items import content_id_for
 from snapref_ray.storage.image_files import EXTENSIONS, ImageFormat, encode_rendered_image
 from snapref_ray.storage.metadata import METADATA_SCHEMA, SETTINGS_IN_METADATA
 
@@ -79,6 +80,10 @@ def metadata_row(
     row.update({name: getattr(settings, name) for name in SETTINGS_IN_METADATA})
     row.update(
         item_id=item_id,
+        # What the image is made of, beside its id (equal to it unless the manifest row gave an explicit id).
+        content_id=content_id_for(rendered.reference_hash, request.prompt, request.seed, settings)
+        if rendered.reference_hash is not None
+        else None,
         reference_uris=list(reference_uris),
         reference_hash=rendered.reference_hash,
         prompt=request.prompt,

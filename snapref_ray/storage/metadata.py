@@ -13,7 +13,8 @@ Under the output root::
 A metadata row is the commit of its item: the caller adds it only after the image (and thumbnail)
 are stored, so every listed image exists. A part is written in one atomic PUT under a unique name, so
 a crash loses at most the rows not yet flushed (those items are rendered again on resume, to the same
-keys). Readers de-duplicate by item_id, keeping the first committed row.
+keys). Readers de-duplicate by item_id, keeping the first committed row of the item's latest content
+(`winning_rows`: a retried item keeps its first row, an explicit id re-rendered with new content its new one).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -64,6 +66,9 @@ def reference_image_key(reference_hash: str) -> str:
 METADATA_SCHEMA = pa.schema(
     [
         ("item_id", pa.string()),
+        # The id the item has without an explicit id (a hash of reference, prompt, seed, settings): equal to item_id
+        # unless the manifest row gave one; a resume compares it (storage/item_contents.py). Null in older parts.
+        ("content_id", pa.string()),
         ("manifest_row", pa.int64()),
         ("reference_uris", pa.list_(pa.string())),
         ("reference_hash", pa.string()),
@@ -475,14 +480,35 @@ def _concat(tables: Iterable[pa.Table], empty: pa.Schema) -> pa.Table:
     return pa.concat_tables(tables, promote_options="default")
 
 
+def winning_rows(
+    item_ids: pa.Array | pa.ChunkedArray, content_ids: pa.Array | pa.ChunkedArray | None = None
+) -> np.ndarray | None:
+    """Positions (in commit order) of the row each item is read from; None when every item_id is unique.
+
+    The rule every reader follows: an item's row is the first committed row *of its latest content*, the content id
+    of its last committed row. A retried item committed twice (the same content) keeps its first row, as before
+    content ids existed; an explicit id re-rendered with new content (`output.rerender_changed`) is read from its
+    new row. Rows without a content id (older parts) count as one content of their own."""
+    n = len(item_ids)
+    if not n or pc.count_distinct(item_ids, mode="all").as_py() == n:
+        return None
+    positions = pa.array(np.arange(n, dtype=np.int64))
+    table = pa.table({"item_id": item_ids, "_pos": positions})
+    if content_ids is not None and content_ids.null_count < len(content_ids):
+        content = pc.fill_null(content_ids, "")
+        last = table.group_by("item_id", use_threads=False).aggregate([("_pos", "max")])
+        latest = pa.table({"item_id": last.column("item_id"), "_latest": content.take(last.column("_pos_max"))})
+        table = table.append_column("_content", content).join(latest, "item_id", use_threads=False)
+        table = table.filter(pc.equal(table.column("_content"), table.column("_latest")))
+    first = table.group_by("item_id", use_threads=False).aggregate([("_pos", "min")]).column("_pos_min")
+    return np.sort(first.to_numpy())
+
+
 def _first_per_id(table: pa.Table) -> pa.Table:
-    seen: set = set()
-    keep = []
-    for i, item_id in enumerate(table.column("item_id").to_pylist()):
-        if item_id not in seen:
-            seen.add(item_id)
-            keep.append(i)
-    return table if len(keep) == table.num_rows else table.take(keep)
+    """One row per item_id, the one `winning_rows` picks, in commit order."""
+    content = table.column("content_id") if "content_id" in table.column_names else None
+    keep = winning_rows(table.column("item_id"), content)
+    return table if keep is None else table.take(pa.array(keep))
 
 
 def read_item_ids(storage: Storage, prefix: str = METADATA_PREFIX) -> list[str]:
@@ -494,7 +520,8 @@ def read_item_ids(storage: Storage, prefix: str = METADATA_PREFIX) -> list[str]:
 
 
 def read_metadata_table(storage: Storage) -> pa.Table:
-    """Every committed metadata row, de-duplicated by item_id (the first committed row wins).
+    """Every committed metadata row, de-duplicated by item_id (`winning_rows`: the first committed row of the
+    item's latest content wins).
 
     An empty METADATA_SCHEMA table if nothing is committed.
     """
@@ -544,11 +571,13 @@ def compact_parts(
     lease may call this (the driver, before rendering and at the end). Each merged part takes the time stamp of
     the first part it replaces, so part names keep commit order and "the first committed row wins" still holds;
     duplicate rows of an item inside a run are dropped. A merged part is written before the parts it
-    replaces are deleted: a crash in between leaves the same rows twice, which readers de-duplicate.
+    replaces are deleted, and names them: a crash in between leaves the same rows twice (readers of metadata
+    de-duplicate), and the next compaction deletes the parts it names that are still there before merging.
     Parts holding image bytes (embed_images) are left alone: they are large already, and so are parts of at least
     half of `target_rows`. A merged part is written in row groups of `row_group_rows`, so a reader that pages
     through it (the report, report/rows.py) decodes a row group at a time, not the whole part. Error parts
-    (``errors/``) keep every row: an item's several failures are its history, not duplicates.
+    (``errors/``) keep every row but exact copies: an item's several failures are its history, not duplicates,
+    while a row equal in every column to another is what an interrupted compaction left twice.
 
     The parts are read in order, a few at a time, and each run is written as soon as it is complete: what is held
     is one run (at most `target_rows` rows) and the parts being fetched, whatever the output's size.
@@ -560,6 +589,8 @@ def compact_parts(
     replaced = 0
     run: list[tuple[str, pa.Table]] = []
     run_rows = 0
+    listed = set(keys)
+    superseded: set[str] = set()  # parts an earlier merged part holds already (its compaction was interrupted)
 
     def close_run() -> None:
         nonlocal run, run_rows, replaced
@@ -568,28 +599,57 @@ def compact_parts(
             replaced += len(run)
         run, run_rows = [], 0
 
+    def read(key: str) -> pa.Table:
+        return pq.read_table(io.BytesIO(storage.get_bytes(key)))
+
     with ThreadPoolExecutor(max_workers=8) as pool:
         for start in range(0, len(keys), 8):
-            batch = keys[start : start + 8]
-            for key, table in zip(batch, pool.map(lambda k: pq.read_table(io.BytesIO(storage.get_bytes(k))), batch)):
+            batch = [k for k in keys[start : start + 8] if k not in superseded]
+            leftovers: set[str] = set()
+            for key, table in zip(batch, pool.map(read, batch)):
+                if key in superseded:
+                    continue
+                named = (_replaced_parts(table) & listed) - superseded - {key}
+                # A merged part has the stamp of the first part it replaced, which may sort just before it (and so
+                # be in the open run): the rest sort after it.
+                if named:  # finish the interrupted compaction: their rows are in this part already
+                    log.info("%s replaces %d part(s) still listed: deleting them", key, len(named))
+                    superseded |= named
+                    leftovers |= named
+                    run = [(k, t) for k, t in run if k not in named]
+                    run_rows = sum(t.num_rows for _, t in run)
                 small = table.num_rows < target_rows // 2 and IMAGE_COLUMN not in table.column_names
                 if not small or run_rows + table.num_rows > target_rows:
                     close_run()
                 if small:
                     run.append((key, table))
                     run_rows += table.num_rows
+            for leftover in sorted(leftovers):  # once this batch's reads are done (they may have been among them)
+                storage.delete(leftover)
     close_run()
-    if written:
-        after = len(keys) - replaced + len(written)
+    if written or superseded:
+        after = len(keys) - len(superseded) - replaced + len(written)
         log.info("compacted %s: %d parts -> %d", storage.uri_for(prefix), len(keys), after)
     return written
 
 
+# A merged part's Parquet key-value metadata: the keys of the parts it replaces (JSON), so that a compaction
+# interrupted between writing it and deleting them is finished by the next one (compact_parts).
+_REPLACES = b"snapref.replaces"
+
+
+def _replaced_parts(table: pa.Table) -> set[str]:
+    raw = (table.schema.metadata or {}).get(_REPLACES)
+    return set(json.loads(raw)) if raw else set()
+
+
 def _write_merged(storage: Storage, prefix: str, run: list[tuple[str, pa.Table]], row_group_rows: int) -> str:
-    """One part for a run of parts (written, then the run's parts deleted); its key."""
-    merged = pa.concat_tables([table for _, table in run], promote_options="default")
-    if prefix.strip("/") != ERRORS_PREFIX:
-        merged = _first_per_id(merged)
+    """One part for a run of parts (written, naming them in its metadata; then the run's parts deleted); its key."""
+    merged = pa.concat_tables([table.replace_schema_metadata(None) for _, table in run], promote_options="default")
+    merged = _without_copies(merged) if prefix.strip("/") == ERRORS_PREFIX else _first_per_id(merged)
+    merged = merged.replace_schema_metadata(
+        {**(run[0][1].schema.metadata or {}), _REPLACES: json.dumps([k for k, _ in run]).encode()}
+    )
     stamp = run[0][0].rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
     key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
     buf = io.BytesIO()
@@ -598,6 +658,20 @@ def _write_merged(storage: Storage, prefix: str, run: list[tuple[str, pa.Table]]
     for part_key, _ in run:
         storage.delete(part_key)
     return key
+
+
+def _without_copies(errors: pa.Table) -> pa.Table:
+    """`errors` without the rows that repeat an earlier row in every column, in commit order.
+
+    An item's several failures differ in their time (`at`) and attempt, so they are all kept; a row equal to
+    another in every column is a copy, left by a compaction interrupted between writing its merged part and
+    deleting the parts it merged (the next compaction merges the two again)."""
+    columns = errors.column_names
+    if not errors.num_rows:
+        return errors
+    keyed = errors.append_column("_pos", pa.array(np.arange(errors.num_rows, dtype=np.int64)))
+    first = keyed.group_by(columns, use_threads=False).aggregate([("_pos", "min")]).column("_pos_min").to_numpy()
+    return errors if len(first) == errors.num_rows else errors.take(pa.array(np.sort(first)))
 
 
 def compact_output_parts(storage: Storage) -> dict[str, list[str]]:
