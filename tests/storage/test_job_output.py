@@ -60,6 +60,7 @@ def test_a_driver_that_lost_the_output_writes_nothing_more(tmp_path):
 
 def test_what_an_earlier_driver_left_staged_is_settled_before_the_committed_ids_are_read(tmp_path):
     storage = open_storage(str(tmp_path / "out"))
+    JobOutput.open(storage, _settings(webdataset=True)).finish({})  # the earlier driver's run claimed it
     writer = ShardWriter(storage, name="w", max_items=1)
     writer.add(_row("decided"), b"png 1", "png", "p")
     writer.add(_row("undecided"), b"png 2", "png", "p")
