@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import numpy as np
@@ -44,8 +45,9 @@ METADATA_PREFIX = "metadata"
 ERRORS_PREFIX = "errors"
 SUMMARY_KEY = "summary.json"
 ERROR_STAGES = ("validate", "encode", "sample", "write")
-# Rows per row group of a compacted part: a page of the report decodes one row group, not the whole part.
-COMPACT_ROW_GROUP_ROWS = 65_536
+# Rows per row group of a compacted part: a page of the report decodes one row group, not the whole part, and
+# compaction holds one row group's rows decoded while it writes (the rest of its run stays compressed).
+COMPACT_ROW_GROUP_ROWS = 8_192
 
 
 def image_key(item_id: str, ext: str = "png") -> str:
@@ -587,7 +589,7 @@ def compact_parts(
         return []
     written: list[str] = []
     replaced = 0
-    run: list[tuple[str, pa.Table]] = []
+    run: list[_Part] = []
     run_rows = 0
     listed = set(keys)
     superseded: set[str] = set()  # parts an earlier merged part holds already (its compaction was interrupted)
@@ -599,31 +601,31 @@ def compact_parts(
             replaced += len(run)
         run, run_rows = [], 0
 
-    def read(key: str) -> pa.Table:
-        return pq.read_table(io.BytesIO(storage.get_bytes(key)))
+    def read(key: str) -> _Part:
+        return _Part.read(storage, key)
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         for start in range(0, len(keys), 8):
             batch = [k for k in keys[start : start + 8] if k not in superseded]
             leftovers: set[str] = set()
-            for key, table in zip(batch, pool.map(read, batch)):
+            for key, part in zip(batch, pool.map(read, batch)):
                 if key in superseded:
                     continue
-                named = (_replaced_parts(table) & listed) - superseded - {key}
+                named = (_replaced_parts(part.schema) & listed) - superseded - {key}
                 # A merged part has the stamp of the first part it replaced, which may sort just before it (and so
                 # be in the open run): the rest sort after it.
                 if named:  # finish the interrupted compaction: their rows are in this part already
                     log.info("%s replaces %d part(s) still listed: deleting them", key, len(named))
                     superseded |= named
                     leftovers |= named
-                    run = [(k, t) for k, t in run if k not in named]
-                    run_rows = sum(t.num_rows for _, t in run)
-                small = table.num_rows < target_rows // 2 and IMAGE_COLUMN not in table.column_names
-                if not small or run_rows + table.num_rows > target_rows:
+                    run = [p for p in run if p.key not in named]
+                    run_rows = sum(p.rows for p in run)
+                small = part.rows < target_rows // 2 and IMAGE_COLUMN not in part.schema.names
+                if not small or run_rows + part.rows > target_rows:
                     close_run()
                 if small:
-                    run.append((key, table))
-                    run_rows += table.num_rows
+                    run.append(part)
+                    run_rows += part.rows
             for leftover in sorted(leftovers):  # once this batch's reads are done (they may have been among them)
                 storage.delete(leftover)
     close_run()
@@ -638,25 +640,92 @@ def compact_parts(
 _REPLACES = b"snapref.replaces"
 
 
-def _replaced_parts(table: pa.Table) -> set[str]:
-    raw = (table.schema.metadata or {}).get(_REPLACES)
+def _replaced_parts(schema: pa.Schema) -> set[str]:
+    raw = (schema.metadata or {}).get(_REPLACES)
     return set(json.loads(raw)) if raw else set()
 
 
-def _write_merged(storage: Storage, prefix: str, run: list[tuple[str, pa.Table]], row_group_rows: int) -> str:
-    """One part for a run of parts (written, naming them in its metadata; then the run's parts deleted); its key."""
-    merged = pa.concat_tables([table.replace_schema_metadata(None) for _, table in run], promote_options="default")
-    merged = _without_copies(merged) if prefix.strip("/") == ERRORS_PREFIX else _first_per_id(merged)
-    merged = merged.replace_schema_metadata(
-        {**(run[0][1].schema.metadata or {}), _REPLACES: json.dumps([k for k, _ in run]).encode()}
+@dataclass(frozen=True)
+class _Part:
+    """A part as compaction holds it while its run fills: its bytes as stored (compressed), its row count and schema;
+    decoded only when the merged part is written, one at a time."""
+
+    key: str
+    data: bytes
+    rows: int
+    schema: pa.Schema
+
+    @classmethod
+    def read(cls, storage: Storage, key: str) -> _Part:
+        data = storage.get_bytes(key)
+        f = pq.ParquetFile(io.BytesIO(data))
+        return cls(key, data, f.metadata.num_rows, f.schema_arrow)
+
+    def table(self, columns: list[str] | None = None) -> pa.Table:
+        return pq.read_table(io.BytesIO(self.data), columns=columns)
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with `schema`'s columns in its order: a column an older part lacks is null."""
+    columns = [
+        table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+        for f in schema
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _write_merged(storage: Storage, prefix: str, run: list[_Part], row_group_rows: int) -> str:
+    """One part for a run of parts (written, naming them in its metadata; then the run's parts deleted); its key.
+
+    Which rows survive is decided on the id columns alone (`winning_rows`); the parts are then decoded one at a time
+    and written a row group at a time, so what is held decoded is a row group, not the run."""
+    schema = pa.unify_schemas([p.schema.remove_metadata() for p in run], promote_options="default")
+    schema = schema.with_metadata(
+        {**(run[0].schema.metadata or {}), _REPLACES: json.dumps([p.key for p in run]).encode()}
     )
-    stamp = run[0][0].rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
-    key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
+    if prefix.strip("/") == ERRORS_PREFIX:  # narrow rows: the whole run, to drop exact copies
+        tables = [_without_copies(pa.concat_tables([_conform(p.table(), schema) for p in run]))]
+        keep = None
+    else:
+        tables = (_conform(p.table(), schema) for p in run)
+        ids = pa.chunked_array([p.table(["item_id"]).column("item_id") for p in run], pa.string())
+        contents = (
+            pa.chunked_array(
+                [
+                    p.table(["content_id"]).column("content_id")
+                    if "content_id" in p.schema.names
+                    else pa.nulls(p.rows, pa.string())
+                    for p in run
+                ],
+                pa.string(),
+            )
+            if "content_id" in schema.names
+            else None
+        )
+        keep = winning_rows(ids, contents)
     buf = io.BytesIO()
-    pq.write_table(merged.combine_chunks(), buf, compression="zstd", row_group_size=row_group_rows)
+    with pq.ParquetWriter(buf, schema, compression="zstd") as writer:
+        pending: list[pa.Table] = []
+        held = offset = 0
+        for table in tables:
+            if keep is not None:
+                mine = keep[(keep >= offset) & (keep < offset + table.num_rows)] - offset
+                offset += table.num_rows
+                table = table.take(pa.array(mine))
+            pending.append(table)
+            held += table.num_rows
+            while held >= row_group_rows:
+                merged = pa.concat_tables(pending).combine_chunks()
+                writer.write_table(merged.slice(0, row_group_rows), row_group_size=row_group_rows)
+                rest = merged.slice(row_group_rows)
+                pending, held = [rest], rest.num_rows
+        if held:
+            writer.write_table(pa.concat_tables(pending).combine_chunks(), row_group_size=row_group_rows)
+    stamp = run[0].key.rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
+    key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
     storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
-    for part_key, _ in run:
-        storage.delete(part_key)
+    for part in run:
+        storage.delete(part.key)
     return key
 
 
