@@ -271,7 +271,7 @@ def _run_job_from_the_command_line(
         print(memory)
     if gallery_note:
         print(f"gallery: {_join(spec.output.uri, 'gallery.html')}; log: {log_file}")
-    errors_at = f"{_join(spec.output.uri, 'errors/')} and {_join(spec.output.uri, 'errors.html')}"
+    errors_at = f"{_join(spec.output.uri, 'errors')}/ and {_join(spec.output.uri, 'errors.html')}"
     for line in not_rendered_lines(summary, errors_at=errors_at, allow_invalid=allow_invalid):
         print(line)
     return exit_status(summary, allow_invalid=allow_invalid)
