@@ -62,11 +62,11 @@ def test_an_unreadable_earlier_summary_starts_the_figures_again(tmp_path):
     from snapref_ray.storage.backends import open_storage
 
     storage = open_storage(str(tmp_path))
-    assert _earlier_runs(storage) == ([], [])  # a new output
+    assert _earlier_runs(storage) == []  # a new output
     (tmp_path / "summary.json").write_text('{"runs": [{"images": 3')  # a driver killed while writing it
-    assert _earlier_runs(storage) == ([], [])
+    assert _earlier_runs(storage) == []
     (tmp_path / "summary.json").write_text('{"runs": [' + run(3, wall=9.0, render=6.0).model_dump_json() + "]}")
-    assert _earlier_runs(storage) == ([run(3, wall=9.0, render=6.0)], [])
+    assert _earlier_runs(storage) == [run(3, wall=9.0, render=6.0)]
 
 
 # -- the outcome of a run: its exit status and its last lines (snapref_ray/jobs/job_outcome.py) ----------------------
