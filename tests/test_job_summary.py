@@ -132,7 +132,7 @@ def test_a_run_that_renders_nothing_says_so_and_an_appended_output_counts_every_
         " valid row was rendered by an earlier run"
     )
     appended = outcome(items=3, job_images=3, images_total=11)
-    assert summary_line(appended).startswith("11 images in /out, 3 of them this job's (3 this run, ")
+    assert summary_line(appended).startswith("11 images in /out, 3 of them this manifest's (3 this run, ")
 
 
 def test_each_jobs_part_of_an_output_is_kept_and_this_jobs_replaced():

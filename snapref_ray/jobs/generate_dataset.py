@@ -184,6 +184,7 @@ class _Run:
     step_cache: StepCacheFigures = field(default_factory=StepCacheFigures)  # images rendered with the step cache on
     cold_starts: dict[str, dict] = field(default_factory=dict)  # per worker, as it reported when ready
     failures: list[NotRendered] = field(default_factory=list)  # the first items that failed for good (the summary's)
+    replaced: int = 0  # images that replaced one the output held under the same id (rerender_changed)
 
     def item_failed(self, outcome: ItemOutcome, item: WorkItem) -> None:
         if len(self.failures) < NOT_RENDERED_KEPT:
@@ -294,6 +295,8 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
 
     def done(outcome: ItemOutcome, item: WorkItem) -> None:
         run.image_done(outcome)
+        if plan.rerendered and item.item_id in output.done_before:
+            run.replaced += 1  # an edited row rendered again: the output held its id already (images_total)
         _commit(output, outcome)
 
     def joined(handle, info: WorkerInfo) -> None:
@@ -438,8 +441,8 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         manifest_rows=plan.rows,
         invalid_rows=plan.invalid_rows,  # a row with two errors is one invalid row
         items=plan.items,
-        # The whole output: what earlier runs of any job committed, and this run's (never among them).
-        images_total=len(output.done_before or ()) + stats.done_items,
+        # The whole output: what earlier runs of any job committed, and this run's new ids.
+        images_total=len(output.done_before or ()) + stats.done_items - run.replaced,
         job_images=job_images,
         images_this_run=stats.done_items,
         skipped_already_done=plan.committed,

@@ -37,7 +37,7 @@ def summary_line(summary: JobSummary) -> str:
     figures, and the throughput (or, for a run that found everything done, that it rendered nothing)."""
     where = f"{summary.images_total:,} images in {summary.output}"
     if summary.job_images != summary.images_total:
-        where += f", {summary.job_images:,} of them this job's"
+        where += f", {summary.job_images:,} of them this manifest's"
     counts = (
         f"{summary.images_this_run:,} this run, {summary.skipped_already_done:,} already there, "
         f"{plural(summary.failed_items, 'failed item')}, {plural(summary.invalid_rows, 'invalid row')}"
