@@ -197,7 +197,7 @@ print(json.dumps({
     "pages": result["pages"],
     "images": result["images"],
     "shown": result.get("shown"),
-    "failed": result["failed"],
+    "failed": result["failed_items"] if "failed_items" in result else result["failed"],  # before the split
     "references": result["references"],
 }))
 """

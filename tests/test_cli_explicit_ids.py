@@ -105,8 +105,9 @@ def test_explicit_ids_keep_their_content(ray_env, tiny_models, tmp_path):
     status, printed = snapref(*appended, env=ray_env)
     assert status == 2, printed
     (line,) = error_lines(printed)
-    assert "1 row(s) (1 item(s)): row 1 (id 'a-0') give explicit ids that output" in line
-    assert "by another job appended to it" in line
+    # The rows name their job (the metadata's `job` column): the id is known to be the other job's.
+    assert "1 row(s) (1 item(s)): row 1 (id 'a-0') give ids that another job on output" in line
+    assert "the ids of one output's jobs must not overlap" in line
     assert ((out / "summary.json").read_bytes(), sorted(p.name for p in (out / "metadata").iterdir())) == before
     assert len(read_metadata_table(open_storage(str(out)))) == 3
 

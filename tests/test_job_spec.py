@@ -50,7 +50,7 @@ def test_example_spec_loads_with_paths_beside_it():
     spec = load_job_spec(str(REPO / "snapref_ray" / "examples" / "example_spec.yaml"))
     assert spec.manifest == str(REPO / "snapref_ray" / "examples" / "example_manifest.csv")
     assert spec.model.models_dir == str(REPO / "tiny")
-    assert spec.output.uri == str(REPO / "demo-output")
+    assert spec.output.uri == str(REPO / "out" / "example")
     assert (spec.defaults.width, spec.defaults.height, spec.defaults.steps, spec.defaults.sampler) == (
         256,
         256,

@@ -59,6 +59,7 @@ class WorkerConfig:
     shard_max_bytes: int = 1_000_000_000
     shard_max_items: int = 10_000
     thumbnail_every: int = 1000  # webdataset: a thumbnail for about one item in this many
+    job: str | None = None  # the job's fingerprint, in every metadata row (an appended output holds several jobs)
 
 
 def load_worker_renderer(config: WorkerConfig):
@@ -292,6 +293,7 @@ class RenderWorker:
             thumb_key=thumb,
             upload_s=time.perf_counter() - t0,
             attempt=task.attempts.get(item.item_id, 1),
+            job=self.config.job,
         )
         if self.shards is not None:  # staged with its shard; the driver commits the shard
             row = self.shards.add(row, image, image_extension(fmt), item.prompt)

@@ -35,14 +35,19 @@ from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, Sched
 from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.job_spec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
+from snapref_ray.jobs.job_outcome import exit_status
 from snapref_ray.jobs.job_plan import check_something_to_render
 from snapref_ray.jobs.job_summary import (
+    NOT_RENDERED_KEPT,
     AttemptFigures,
+    JobPart,
     JobSummary,
+    NotRendered,
     RefKVDecisions,
     RunFigures,
     StepCacheFigures,
     TransferRate,
+    job_parts,
     job_throughput,
 )
 from snapref_ray.render_service.loading import adapter_kind
@@ -87,6 +92,7 @@ def worker_config(
         shard_max_bytes=spec.output.shard_max_bytes,
         shard_max_items=spec.output.shard_max_items,
         thumbnail_every=spec.output.thumbnail_every,
+        job=job_fingerprint(spec_fingerprint(spec)),  # each metadata row names its job (an output may hold several)
     )
 
 
@@ -177,6 +183,15 @@ class _Run:
     memory_request: dict = field(default_factory=dict)  # what each worker asked Ray for, and the estimate behind it
     step_cache: StepCacheFigures = field(default_factory=StepCacheFigures)  # images rendered with the step cache on
     cold_starts: dict[str, dict] = field(default_factory=dict)  # per worker, as it reported when ready
+    failures: list[NotRendered] = field(default_factory=list)  # the first items that failed for good (the summary's)
+    replaced: int = 0  # images that replaced one the output held under the same id (rerender_changed)
+
+    def item_failed(self, outcome: ItemOutcome, item: WorkItem) -> None:
+        if len(self.failures) < NOT_RENDERED_KEPT:
+            reason = outcome.error or "unknown error"
+            self.failures.append(
+                NotRendered(kind="failed item", manifest_row=item.manifest_row, item_id=item.item_id, reason=reason)
+            )
 
     def image_done(self, outcome: ItemOutcome) -> None:
         row = outcome.row
@@ -280,6 +295,8 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
 
     def done(outcome: ItemOutcome, item: WorkItem) -> None:
         run.image_done(outcome)
+        if plan.rerendered and item.item_id in output.done_before:
+            run.replaced += 1  # an edited row rendered again: the output held its id already (images_total)
         _commit(output, outcome)
 
     def joined(handle, info: WorkerInfo) -> None:
@@ -293,7 +310,10 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
         [],
         scheduler_config(spec),
         on_done=done,
-        on_failed=lambda outcome, item, attempt: _record_failure(output, outcome, item, attempt),
+        on_failed=lambda outcome, item, attempt: (
+            run.item_failed(outcome, item),
+            _record_failure(output, outcome, item, attempt),
+        ),
         on_progress=(lambda n: [f(n) for f in callbacks]) if callbacks else None,
         pool=pool,
         on_worker=joined,
@@ -369,11 +389,20 @@ def _start_pool(spec: JobSpec, plan: WorkPlan, run: _Run, hooks: _Hooks) -> Work
     return WorkerPool(config, pool_plan, hooks.renderer_factory)
 
 
+def _earlier_jobs(output: JobOutput) -> list[JobPart]:
+    """The jobs' parts an earlier summary.json recorded (none when it cannot be read)."""
+    try:
+        return JobPart.from_earlier_summary(output.earlier_summary) if output.earlier_summary else []
+    except (ValueError, TypeError, KeyError):  # told once, by _earlier_runs
+        return []
+
+
 def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> JobSummary:
     """Phase 5: this run's figures, and the job's over every run on this output."""
     stats = run.stats or SchedulerStats()
     now = time.time()
     this_run = RunFigures(
+        job=output.settings.fingerprint,
         started_at=run.started_at,
         finished_at=now,
         items_to_render=plan.to_render,
@@ -388,6 +417,21 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         manifest_sha256=plan.manifest_sha256,
     )
     runs = [*_earlier_runs(output), this_run]
+    job_images = plan.committed + stats.done_items
+    this_job = JobPart(
+        job=output.settings.fingerprint,
+        manifest=spec.manifest,
+        manifest_rows=plan.rows,
+        invalid_rows=plan.invalid_rows,
+        items=plan.items,
+        images=job_images,
+        failed_items=stats.failed_items,
+        finished_at=now,
+    )
+    invalid = [
+        NotRendered(kind="invalid row", manifest_row=e.manifest_row, item_id=e.item_id, reason=_reason(e))
+        for e in _first_per_row(plan.errors_head, NOT_RENDERED_KEPT)
+    ]
     references = plan.references_to_render
     measured = stats.measured_transfer_bytes_per_s
     return JobSummary(
@@ -397,11 +441,14 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         manifest_rows=plan.rows,
         invalid_rows=plan.invalid_rows,  # a row with two errors is one invalid row
         items=plan.items,
-        images_total=plan.committed + stats.done_items,
+        # The whole output: what earlier runs of any job committed, and this run's new ids.
+        images_total=len(output.done_before or ()) + stats.done_items - run.replaced,
+        job_images=job_images,
         images_this_run=stats.done_items,
         skipped_already_done=plan.committed,
         failed_items=stats.failed_items,
         committed_not_in_manifest=plan.committed_not_in_manifest,
+        not_rendered=[*invalid, *run.failures],
         attempts=AttemptFigures(
             max_attempts=spec.cluster.max_attempts,
             charged=stats.attempts_charged,
@@ -433,8 +480,24 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         ),
         scheduler=asdict(run.stats) if run.stats else None,
         finished_at=now,
+        jobs=job_parts(_earlier_jobs(output), this_job),
         runs=runs,
     )
+
+
+def _reason(error) -> str:
+    """A row error as the errors table records it: `field 'x': why`."""
+    return f"{'field ' + repr(error.field) + ': ' if error.field else ''}{error.error}"
+
+
+def _first_per_row(errors: list, n: int) -> list:
+    """The first error of each of the first `n` invalid rows (a row with two errors is one invalid row)."""
+    seen: dict[int, object] = {}
+    for error in errors:
+        if len(seen) >= n:
+            break
+        seen.setdefault(error.manifest_row, error)
+    return list(seen.values())
 
 
 def _write_gallery(spec: JobSpec) -> None:
@@ -494,11 +557,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=JOB_USAGE)
     parser.add_argument("spec", help="job spec YAML (local or s3://)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    parser.add_argument("--allow-invalid", action="store_true", help="exit 0 when only invalid rows were left out")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def job() -> int:
         summary = run_job(load_job_spec(args.spec), progress=not args.no_progress)
-        return 1 if summary.failed_items else 0
+        return exit_status(summary, allow_invalid=args.allow_invalid)
 
     return run_reporting_usage_errors(job)

@@ -17,8 +17,17 @@ from snapref_ray.render_service.work_items import content_id_for
 from snapref_ray.storage.image_files import EXTENSIONS, ImageFormat, encode_rendered_image
 from snapref_ray.storage.metadata import METADATA_SCHEMA, SETTINGS_IN_METADATA
 
-# Columns only a batch job fills (where its files went, its manifest row, the attempt that made them).
-JOB_COLUMNS = ("manifest_row", "reference_image_key", "image_key", "image_uri", "thumb_key", "upload_s", "attempt")
+# Columns only a batch job fills (where its files went, its manifest row, the attempt that made them, the job).
+JOB_COLUMNS = (
+    "manifest_row",
+    "reference_image_key",
+    "image_key",
+    "image_uri",
+    "thumb_key",
+    "upload_s",
+    "attempt",
+    "job",
+)
 
 
 def image_extension(fmt: ImageFormat) -> str:

@@ -111,6 +111,9 @@ METADATA_SCHEMA = pa.schema(
         ("attempt", pa.int32()),
         ("started_at", pa.float64()),
         ("finished_at", pa.float64()),
+        # The fingerprint of the job that rendered the row (job.json): an output appended to holds several jobs,
+        # whose manifest_row values overlap. Null in Ray Data's rows and in parts written before the column existed.
+        ("job", pa.string()),
     ]
 )
 

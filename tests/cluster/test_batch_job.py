@@ -174,8 +174,25 @@ def test_another_spec_is_refused_unless_appending(local_job, job_inputs, tiny_mo
     job = read_job(open_storage(str(out)))
     assert job["fingerprint"] == first.config_hash
     assert [a["fingerprint"] for a in job["appended"]] == [summary.config_hash]
-    # The original spec still resumes on the shared output: nothing left to do.
-    assert run_job(spec, progress=False, write_gallery=False).images_this_run == 0
+    # The summary describes the whole output, and each job's part of it; every run and every row names its job.
+    jobs = (first.config_hash, summary.config_hash)
+    assert (summary.images_total, summary.job_images, summary.items) == (11, 2, 2)
+    assert [(part.job, part.images, part.invalid_rows) for part in summary.jobs] == [
+        (jobs[0], 9, 5),
+        (jobs[1], 2, 0),
+    ]
+    assert summary.runs[-1].job == jobs[1] and {r.job for r in summary.runs} == set(jobs)
+    rows = pq.read_table(out / "metadata", columns=["job", "manifest_row"]).to_pylist()
+    assert sorted((r["job"], r["manifest_row"]) for r in rows) == sorted(
+        [(jobs[0], row) for row in range(1, 10)] + [(jobs[1], 1), (jobs[1], 2)]
+    )  # manifest rows 1 and 2 are in both jobs: the job tells them apart
+    # The original job still resumes on the shared output (its spec there: the output is no part of the job's
+    # fingerprint): nothing left to do, and the summary is still of all of the output.
+    resumed = run_job(
+        job_spec(job_inputs.bad_rows_manifest, tiny_models, str(out)), progress=False, write_gallery=False
+    )
+    assert (resumed.images_this_run, resumed.images_total, resumed.job_images) == (0, 11, 9)
+    assert [part.job for part in resumed.jobs] == list(jobs)
 
 
 @pytest.mark.slow

@@ -224,7 +224,7 @@ def test_two_actors_and_their_cache_counters(rendered):
 
 def test_docs_block_is_the_one_that_ran():
     code = readme_block()
-    assert "SnapRefRenderer" in code and 'write_parquet("s3://my-bucket/renders/")' in code
+    assert "SnapRefRenderer" in code and 'write_parquet("s3://my-bucket/renders/", mode="overwrite")' in code
     assert "ActorPoolStrategy" in code and "concurrency=" not in code  # Ray 2.60: `concurrency` is deprecated
 
 

@@ -78,6 +78,7 @@ def make_row(i: int, **overrides) -> dict:
         "attempt": 1,
         "started_at": 1_800_000_000.5 + i,
         "finished_at": 1_800_000_003.25 + i,
+        "job": "f" * 64,
     }
     row.update(overrides)
     return row
@@ -149,6 +150,7 @@ def test_schema_columns_exactly():
         "attempt",
         "started_at",
         "finished_at",
+        "job",
     ]
     assert METADATA_SCHEMA.field("reference_uris").type == pa.list_(pa.string())
     assert METADATA_SCHEMA.field("width").type == pa.int32() and METADATA_SCHEMA.field("cfg").type == pa.float32()
