@@ -60,13 +60,20 @@ def test_a_summary_written_before_runs_existed_counts_as_one_run():
 def test_an_unreadable_earlier_summary_starts_the_figures_again(tmp_path):
     from snapref_ray.jobs.generate_dataset import _earlier_runs
     from snapref_ray.storage.backends import open_storage
+    from snapref_ray.storage.job_output import JobOutput, OutputSettings
 
-    storage = open_storage(str(tmp_path))
-    assert _earlier_runs(storage) == []  # a new output
+    def earlier_runs() -> list:
+        output = JobOutput.open(open_storage(str(tmp_path)), OutputSettings(fingerprint="f", spec={}))
+        try:
+            return _earlier_runs(output)
+        finally:
+            output.abandon()
+
+    assert earlier_runs() == []  # a new output
     (tmp_path / "summary.json").write_text('{"runs": [{"images": 3')  # a driver killed while writing it
-    assert _earlier_runs(storage) == []
+    assert earlier_runs() == []
     (tmp_path / "summary.json").write_text('{"runs": [' + run(3, wall=9.0, render=6.0).model_dump_json() + "]}")
-    assert _earlier_runs(storage) == [run(3, wall=9.0, render=6.0)]
+    assert earlier_runs() == [run(3, wall=9.0, render=6.0)]
 
 
 # -- the outcome of a run: its exit status and its last lines (snapref_ray/jobs/job_outcome.py) ----------------------
