@@ -13,11 +13,22 @@ import time
 import traceback
 from typing import Any
 
+from snapref_ray.render_service.judges.scores import judgement_columns
 from snapref_ray.storage.image_files import EXTENSIONS, ImageFormat, encode_rendered_image
 from snapref_ray.storage.metadata import METADATA_SCHEMA, SETTINGS_IN_METADATA
 
 # Columns only a batch job fills (where its files went, its manifest row, the attempt that made them).
-JOB_COLUMNS = ("manifest_row", "reference_image_key", "image_key", "image_uri", "thumb_key", "upload_s", "attempt")
+JOB_COLUMNS = (
+    "manifest_row",
+    "reference_image_key",
+    "image_key",
+    "image_uri",
+    "thumb_key",
+    "upload_s",
+    "attempt",
+    "render_of",  # a judged job's: the item this render is of, and which of its renders (0: the first)
+    "render_index",
+)
 
 
 def image_extension(fmt: ImageFormat) -> str:
@@ -98,6 +109,9 @@ def metadata_row(
         finished_at=time.time(),
         **job_columns,
     )
+    judgement = getattr(rendered, "judgement", None)
+    if judgement is not None:  # the worker's scores and verdict (a job's driver re-decides near_duplicate)
+        row.update(judgement_columns(judgement), rejected_by=",".join(judgement.rejected_by) or None)
     return {name: row[name] for name in METADATA_SCHEMA.names}
 
 

@@ -104,8 +104,26 @@ METADATA_SCHEMA = pa.schema(
         ("attempt", pa.int32()),
         ("started_at", pa.float64()),
         ("finished_at", pa.float64()),
+        # A judged job's columns (docs/judging.md), null when the job does not judge. Each render is a row:
+        # `render_of` is the item it renders (its manifest item id), `render_index` 0 for the item's first render.
+        ("render_of", pa.string()),
+        ("render_index", pa.int32()),
+        # The judges' scores (render_service/judges/scores.py JUDGEMENT_COLUMNS), null for a check not asked for.
+        ("score_sanity_nonfinite", pa.float64()),
+        ("score_sanity_std", pa.float64()),
+        ("score_sanity_luminance", pa.float64()),
+        ("score_sanity_clipped", pa.float64()),
+        ("score_near_duplicate", pa.int32()),  # Hamming bits to the nearest image kept for the reference before it
+        ("score_identity_gap", pa.float64()),
+        ("score_embedding", pa.float64()),
+        ("phash", pa.string()),  # 16 hex digits
+        ("accepted", pa.bool_()),  # kept: at most one accepted row per render_of
+        ("rejected_by", pa.string()),  # the checks it failed, comma-separated ("quota": its reference was full)
     ]
 )
+
+# The judged job's columns of METADATA_SCHEMA (null in a job that does not judge; Ray Data adds its own).
+JUDGE_METADATA_COLUMNS = tuple(METADATA_SCHEMA.names[METADATA_SCHEMA.names.index("render_of") :])
 
 # The metadata columns that are RenderSettings fields, in schema order.
 SETTINGS_IN_METADATA = tuple(

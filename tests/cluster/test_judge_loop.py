@@ -1,0 +1,147 @@
+"""The judged job's loop (jobs/judge_loop.py): tiny models, the session's local Ray, real outputs.
+
+A manifest whose rows share one seed renders near-duplicates on random weights (the prompt barely moves a tiny
+model's image; checked below, not assumed). The driver rejects them against its reference's kept set, renders them
+again with the seeds of the documented sequence, and stops a reference at its quota. Oracles computed apart from
+the code under test: pHash distances recomputed with `imagehash` on the stored images, the seed sequence from its
+documented formula (sha256 of "<seed>:<k>"), counts from the metadata as a user reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import imagehash
+import pytest
+from PIL import Image
+
+from snapref_ray.jobs.generate_dataset import run_job
+from snapref_ray.storage.backends import open_storage
+from snapref_ray.storage.metadata import read_metadata_table
+from tests.cluster.conftest import job_spec, make_reference_png, write_manifest
+
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(600)]
+
+PROMPTS = ["1girl, city", "1girl, beach", "1girl, forest", "1girl, snow", "1girl, night", "1girl, rain"]
+SEED = 7
+
+
+def _manifest(folder: Path, references: int = 2, prompts: int = 6) -> Path:
+    rows = []
+    for r in range(references):
+        ref = make_reference_png(folder / "refs" / f"ref{r}.png", (70 * r % 256, 90, 200 - 60 * r))
+        rows += [
+            {"reference": ref.relative_to(folder).as_posix(), "prompt": p, "seed": SEED} for p in PROMPTS[:prompts]
+        ]
+    return write_manifest(folder / "m.csv", rows)
+
+
+def _spec(tmp_path: Path, models: Path, *, judge: dict, output: dict | None = None, **kw):
+    return job_spec(
+        _manifest(tmp_path, **kw),
+        models,
+        str(tmp_path / "out"),
+        cluster={"num_workers": 1, "max_batch": 2},
+        output=output or {},
+        judge=judge,
+    )
+
+
+def _documented_seed(seed: int, k: int) -> int:
+    """docs/judging.md: render k > 0 of an item with seed s uses the first 8 bytes of sha256("s:k"), top bit off."""
+    return seed if k == 0 else int.from_bytes(hashlib.sha256(f"{seed}:{k}".encode()).digest()[:8], "big") & (2**63 - 1)
+
+
+def _images(storage, rows: list[dict], tmp_path: Path) -> dict[str, Image.Image]:
+    """Each row's image as a user reads it: its file, or its member of the tar its row names."""
+    images = {}
+    tars: dict[str, tarfile.TarFile] = {}
+    for row in rows:
+        if row.get("shard_key"):
+            key = row["shard_key"]
+            if key not in tars:
+                local = tmp_path / key.replace("/", "_")
+                local.write_bytes(storage.get_bytes(key))
+                tars[key] = tarfile.open(local)
+            data = tars[key].extractfile(row["shard_member"] or f"{row['item_id']}.png").read()
+        elif row.get("image_key"):
+            data = storage.get_bytes(row["image_key"])
+        else:
+            continue
+        images[row["item_id"]] = Image.open(io.BytesIO(data)).convert("RGB")
+    return images
+
+
+def _check_loop(storage, tmp_path: Path, *, max_distance: int, max_renders: int, quota: int | None) -> list[dict]:
+    """The loop's promises, read back from the output (see the module docstring); returns the rows."""
+    rows = read_metadata_table(storage).to_pylist()
+    ids = [r["item_id"] for r in rows]
+    assert len(ids) == len(set(ids)), "a render committed twice"
+    images = _images(storage, rows, tmp_path)
+    by_item: dict[str, list[dict]] = {}
+    for row in rows:
+        by_item.setdefault(row["render_of"], []).append(row)
+    for item, renders in by_item.items():
+        renders.sort(key=lambda r: r["render_index"])
+        assert [r["render_index"] for r in renders] == list(range(len(renders))), f"{item}: a render missing"
+        assert sum(r["accepted"] for r in renders) <= 1, f"{item}: two accepted renders"
+        assert all(not r["accepted"] for r in renders[:-1]), f"{item}: rendered again after a kept render"
+        assert len(renders) <= max_renders
+        base = renders[0]["seed"]
+        for r in renders:  # the recorded, documented seed sequence; the row id names the render
+            assert r["seed"] == _documented_seed(base, r["render_index"])
+            assert r["item_id"] == (item if r["render_index"] == 0 else f"{item}-r{r['render_index']}")
+            assert r["phash"] == str(imagehash.phash(images[r["item_id"]]))
+    kept: dict[str, list[str]] = {}
+    for row in rows:
+        if row["accepted"]:
+            kept.setdefault(row["reference_hash"], []).append(row["item_id"])
+    for ref, kept_ids in kept.items():  # every kept set pairwise apart, by the library itself
+        hashes = [imagehash.phash(images[i]) for i in kept_ids]
+        for a, b in itertools.combinations(hashes, 2):
+            assert a - b > max_distance, f"reference {ref[:8]}: two kept images {a - b} bits apart"
+        if quota is not None:
+            assert len(kept_ids) <= quota
+    for row in rows:  # a near-duplicate reject lies within max_distance of an image kept before it
+        if row["rejected_by"] and "near_duplicate" in row["rejected_by"]:
+            assert row["score_near_duplicate"] <= max_distance and not row["accepted"]
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["files", "webdataset"])
+def test_near_duplicates_are_rejected_and_rendered_again_with_the_documented_seeds(tiny_models, tmp_path, fmt):
+    judge = {"near_duplicate": {"max_distance": 10}, "max_renders_per_item": 3}
+    spec = _spec(tmp_path, tiny_models, judge=judge, output={"format": fmt, "shard_max_items": 3})
+    summary = run_job(spec, progress=False, write_gallery=False)
+    storage = open_storage(spec.output.uri)
+    rows = _check_loop(storage, tmp_path, max_distance=10, max_renders=3, quota=None)
+    first = [r for r in rows if r["render_index"] == 0]
+    assert len(first) == 12
+    # The manifest does render near-duplicates (one seed, several prompts): the premise of the test.
+    assert any("near_duplicate" in (r["rejected_by"] or "") for r in first)
+    assert any(r["render_index"] > 0 for r in rows), "no reject was rendered again"
+    figures = summary["judge"]
+    assert figures["renders"] == len(rows)
+    assert figures["kept"] == sum(r["accepted"] for r in rows)
+    assert figures["rejected_by"]["near_duplicate"] == sum("near_duplicate" in (r["rejected_by"] or "") for r in rows)
+    assert figures["renders_per_kept_image"] == round(len(rows) / figures["kept"], 4)
+
+
+@pytest.mark.slow
+def test_the_quota_stops_a_reference_and_skips_its_items(tiny_models, tmp_path):
+    judge = {"near_duplicate": {"max_distance": -1}, "kept_per_reference": 2}  # -1: scores only, every render kept
+    spec = _spec(tmp_path, tiny_models, judge=judge)
+    summary = run_job(spec, progress=False, write_gallery=False)
+    rows = _check_loop(open_storage(spec.output.uri), tmp_path, max_distance=-1, max_renders=3, quota=2)
+    kept = Counter(r["reference_hash"] for r in rows if r["accepted"])
+    assert sorted(kept.values()) == [2, 2], "each reference keeps exactly its quota"
+    quota_rejects = sum(r["rejected_by"] == "quota" for r in rows)
+    assert len(rows) == 4 + quota_rejects  # a render that came in after its reference filled is a row too
+    assert summary["judge"]["items_skipped_by_quota"] == 12 - 4
+    assert summary["judge"]["references_at_quota"] == 2
