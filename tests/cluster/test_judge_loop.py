@@ -9,21 +9,30 @@ documented formula (sha256 of "<seed>:<k>"), counts from the metadata as a user 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import itertools
+import os
+import signal
+import subprocess
+import sys
 import tarfile
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 import imagehash
 import pytest
+import ray
+import yaml
 from PIL import Image
 
 from snapref_ray.jobs.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
-from snapref_ray.storage.metadata import read_metadata_table
-from tests.cluster.conftest import job_spec, make_reference_png, write_manifest
+from snapref_ray.storage.metadata import read_item_ids, read_metadata_table, read_summary
+from tests.cluster.conftest import REPO, expected_item_ids, job_spec, make_reference_png, write_manifest
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(600)]
 
@@ -110,6 +119,9 @@ def _check_loop(storage, tmp_path: Path, *, max_distance: int, max_renders: int,
     for row in rows:  # a near-duplicate reject lies within max_distance of an image kept before it
         if row["rejected_by"] and "near_duplicate" in row["rejected_by"]:
             assert row["score_near_duplicate"] <= max_distance and not row["accepted"]
+    if quota is None:  # the loop ran out: each item kept one render, or made all it may
+        for item, renders in by_item.items():
+            assert renders[-1]["accepted"] or len(renders) == max_renders, f"{item}: left unfinished"
     return rows
 
 
@@ -143,5 +155,107 @@ def test_the_quota_stops_a_reference_and_skips_its_items(tiny_models, tmp_path):
     assert sorted(kept.values()) == [2, 2], "each reference keeps exactly its quota"
     quota_rejects = sum(r["rejected_by"] == "quota" for r in rows)
     assert len(rows) == 4 + quota_rejects  # a render that came in after its reference filled is a row too
+    assert len(rows) < 12, "the queued items of a full reference were rendered anyway"
     assert summary["judge"]["items_skipped_by_quota"] == 12 - 4
     assert summary["judge"]["references_at_quota"] == 2
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_loop_loses_no_kept_image_and_keeps_none_twice(tiny_models, tmp_path):
+    judge = {"near_duplicate": {"max_distance": 10}, "max_renders_per_item": 3}
+    spec = job_spec(
+        _manifest(tmp_path),
+        tiny_models,
+        str(tmp_path / "out"),
+        defaults={"steps": 3},
+        cluster={"num_workers": 2, "max_batch": 1},
+        judge=judge,
+    )
+    handles, infos = [], []
+    first_commit = threading.Event()
+    killed: dict[str, int] = {}
+
+    def kill_a_worker() -> None:
+        if first_commit.wait(120):
+            killed["pid"] = ray.get(handles[0].pid.remote(), timeout=60)
+            os.kill(killed["pid"], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_a_worker, daemon=True)
+    killer.start()
+    summary = run_job(
+        spec,
+        progress=False,
+        write_gallery=False,
+        on_workers=lambda h, i: (handles.extend(h), infos.extend(i)),
+        on_progress=lambda n: first_commit.set(),
+    )
+    killer.join(timeout=60)
+    assert killed["pid"] in {i.pid for i in infos} and summary["failed_items"] == 0
+    rows = _check_loop(open_storage(spec.output.uri), tmp_path, max_distance=10, max_renders=3, quota=None)
+    assert {r["render_of"] for r in rows} == expected_item_ids(spec)
+    assert summary["judge"]["renders"] == len(rows)
+
+
+def _driver_env() -> dict[str, str]:
+    return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONPATH": str(REPO)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["files", "webdataset"])
+def test_a_killed_driver_resumes_the_loop_its_kept_sets_and_quotas(tiny_models, tmp_path, fmt):
+    """`kill -9` of a judged job's driver once some renders are committed, then the same command: the resume reads
+    the kept sets, quotas and pending re-renders back from the committed rows; no committed render is made again."""
+    judge = {"near_duplicate": {"max_distance": 10}, "max_renders_per_item": 3, "kept_per_reference": 4}
+    spec = job_spec(
+        _manifest(tmp_path, references=3),
+        tiny_models,
+        str(tmp_path / "out"),
+        defaults={"steps": 4},
+        cluster={"num_workers": 1, "max_batch": 1},
+        output={"metadata_flush_seconds": 0.5, "format": fmt, "shard_max_items": 2},
+        judge=judge,
+    )
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    command = [sys.executable, "-m", "jobs.generate_dataset", str(spec_file), "--no-progress"]
+    storage = open_storage(spec.output.uri)
+    out = Path(spec.output.uri)
+    with open(tmp_path / "driver.log", "wb") as log:
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=_driver_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and proc.poll() is None:
+                if (out / "metadata").is_dir() and len(read_item_ids(storage)) >= 4:
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None, "the job ended before it was killed:\n" + (tmp_path / "driver.log").read_text()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    before = {r["item_id"]: r for r in read_metadata_table(storage).to_pylist()}
+    assert len(before) >= 4
+
+    resumed = subprocess.run(command, cwd=REPO, env=_driver_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = _check_loop(storage, tmp_path, max_distance=10, max_renders=3, quota=4)
+    by_id = {r["item_id"]: r for r in rows}
+    for item_id, row in before.items():  # committed before the kill: not rendered again, verdict unchanged
+        assert by_id[item_id]["finished_at"] == row["finished_at"]
+        assert by_id[item_id]["accepted"] == row["accepted"]
+    assert {r["render_of"] for r in rows} <= expected_item_ids(spec)
+    kept = Counter(r["reference_hash"] for r in rows if r["accepted"])
+    assert all(n <= 4 for n in kept.values())
+    figures = read_summary(storage)["judge"]
+    assert (figures["renders"], figures["kept"]) == (len(rows), sum(r["accepted"] for r in rows))
+    # Every item ended: kept, out of renders, or its reference full.
+    for item in expected_item_ids(spec):
+        renders = sorted((r for r in rows if r["render_of"] == item), key=lambda r: r["render_index"])
+        ref = next(r["reference_hash"] for r in rows if r["render_of"] == item) if renders else None
+        assert not renders or renders[-1]["accepted"] or len(renders) == 3 or kept[ref] == 4
