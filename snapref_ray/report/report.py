@@ -10,9 +10,11 @@ report neither creates the folder nor leaves an empty gallery in it.
 from __future__ import annotations
 
 import difflib
+from dataclasses import asdict
 from pathlib import Path
 
 from snapref_ray.report.gallery import DEFAULT_TITLE, errors_page_key, failed_items, page_key, write_gallery
+from snapref_ray.report.judging import SCORES_KEY, read_judged, write_judging
 from snapref_ray.report.plots import write_plots
 from snapref_ray.report.rows import JobRows
 from snapref_ray.storage.backends import open_storage
@@ -43,7 +45,8 @@ def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str =
     ``pages`` (number of gallery pages), ``errors_page`` (URI of the first page of failed
     items, None when nothing failed), ``plots`` (plot name -> URI) and the counts
     ``images``, ``shown`` (items the gallery draws: every one, or a webdataset job's sample),
-    ``references`` and ``failed``. The metadata is read a page at a time (report/rows.py).
+    ``references`` and ``failed``; ``judging``, a judged job's counts (report/judging.py), else None. The
+    metadata is read a page at a time (report/rows.py).
     Raises :class:`NoJobOutputError` when ``output_uri`` is missing or holds none of
     ``job.json``, ``summary.json``, ``metadata/``.
     """
@@ -59,10 +62,22 @@ def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str =
     errors = read_errors_table(storage, exclude_ids=rows.keys.column("item_id"))
     summary = read_summary(storage)
     plots = write_plots(storage, rows.keys)
+    judged = read_judged(storage)  # a judged job's columns only (None: the job did not judge)
+    judging = write_judging(storage, judged) if judged is not None else None
+    if judging is not None:
+        plots = {**plots, "scores": SCORES_KEY}
     pages = write_gallery(
-        storage, rows, page_size=page_size, title=title, errors=errors, summary=summary, plot_keys=plots
+        storage,
+        rows,
+        page_size=page_size,
+        title=title,
+        errors=errors,
+        summary=summary,
+        plot_keys=plots,
+        judging=judging,
     )
     return {
+        "judging": asdict(judging) if judging is not None else None,
         "gallery": storage.uri_for(page_key(1)),
         "pages": sum(1 for key in pages if key.startswith("gallery")),
         "errors_page": storage.uri_for(errors_page_key(1)) if errors_page_key(1) in pages else None,

@@ -143,6 +143,30 @@ def test_near_duplicates_are_rejected_and_rendered_again_with_the_documented_see
     assert figures["kept"] == sum(r["accepted"] for r in rows)
     assert figures["rejected_by"]["near_duplicate"] == sum("near_duplicate" in (r["rejected_by"] or "") for r in rows)
     assert figures["renders_per_kept_image"] == round(len(rows) / figures["kept"], 4)
+    _check_report(spec, rows)
+
+
+def _check_report(spec, rows: list[dict]) -> None:
+    """The report's counts against the metadata, and the rejected renders in the gallery beside the kept ones."""
+    from snapref_ray.report import write_report
+
+    report = write_report(spec.output.uri)["judging"]
+    assert (report["renders"], report["kept"]) == (len(rows), sum(r["accepted"] for r in rows))
+    per_ref = Counter((r["reference_hash"], r["accepted"]) for r in rows)
+    assert {(x["reference_hash"], True): x["kept"] for x in report["references"]} == {
+        k: v for k, v in per_ref.items() if k[1]
+    }
+    assert sum(x["rejected"] for x in report["references"]) == sum(not r["accepted"] for r in rows)
+    checks = Counter(c for r in rows if r["rejected_by"] for c in r["rejected_by"].split(","))
+    assert report["rejected_by"] == dict(checks)
+    storage = open_storage(spec.output.uri)
+    page = storage.get_bytes("gallery.html").decode()
+    shown = [r for r in rows if r["thumb_key"]]
+    assert page.count('class="scene rejected"') == sum(not r["accepted"] for r in shown) > 0
+    assert page.count('data-verdict="kept"') == sum(r["accepted"] for r in shown)
+    assert "renders / kept image" in page and "GPU-s / kept image" in page
+    svg = storage.get_bytes("report/scores.svg").decode()
+    assert 'id="score-near_duplicate-kept-0"' in svg and 'id="score-near_duplicate-rejected-0"' in svg
 
 
 @pytest.mark.slow
