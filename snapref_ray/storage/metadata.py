@@ -245,7 +245,8 @@ class _PartWriter:
 
     def _check_row(self, row: dict) -> None:
         names = set(self.schema.names)
-        missing, unknown = names - row.keys(), row.keys() - names
+        # A judged job's columns may be left out (null): a row of a job that does not judge need not name them.
+        missing, unknown = names - row.keys() - set(JUDGE_METADATA_COLUMNS), row.keys() - names
         if missing or unknown:
             raise ValueError(
                 f"{self.prefix} row {row.get('item_id')!r}: missing columns {sorted(missing)}, unknown "
