@@ -164,6 +164,8 @@ def one_job(
             step_s=step_s,
             refkv_bytes=256 * 1024,
             image_side=64,
+            # Noise, not a flat fill: a flat image is what the sanity check rejects (judged or not, the same images).
+            noise_images=True,
             black_fraction=float(reject) if judged else 0.0,
         )
         cpu0, t0 = _cpu_s(), time.time()

@@ -105,7 +105,8 @@ def _check_loop(storage, tmp_path: Path, *, max_distance: int, max_renders: int,
         for r in renders:  # the recorded, documented seed sequence; the row id names the render
             assert r["seed"] == _documented_seed(base, r["render_index"])
             assert r["item_id"] == (item if r["render_index"] == 0 else f"{item}-r{r['render_index']}")
-            assert r["phash"] == str(imagehash.phash(images[r["item_id"]]))
+            if r["item_id"] in images:  # (a rejected render whose image was not kept has none)
+                assert r["phash"] == str(imagehash.phash(images[r["item_id"]]))
     kept: dict[str, list[str]] = {}
     for row in rows:
         if row["accepted"]:
@@ -128,8 +129,9 @@ def _check_loop(storage, tmp_path: Path, *, max_distance: int, max_renders: int,
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["files", "webdataset"])
 def test_near_duplicates_are_rejected_and_rendered_again_with_the_documented_seeds(tiny_models, tmp_path, fmt):
-    judge = {"near_duplicate": {"max_distance": 10}, "max_renders_per_item": 3}
-    spec = _spec(tmp_path, tiny_models, judge=judge, output={"format": fmt, "shard_max_items": 3})
+    # The identity gap runs too (its contrast: another reference of the job), scoring without rejecting.
+    judge = {"near_duplicate": {"max_distance": 10}, "identity_gap": {"min_gap": -1e9}, "max_renders_per_item": 3}
+    spec = _spec(tmp_path, tiny_models, judge=judge, output={"format": fmt, "shard_max_items": 3, "thumbnail_every": 1})
     summary = run_job(spec, progress=False, write_gallery=False)
     storage = open_storage(spec.output.uri)
     rows = _check_loop(storage, tmp_path, max_distance=10, max_renders=3, quota=None)
@@ -138,6 +140,8 @@ def test_near_duplicates_are_rejected_and_rendered_again_with_the_documented_see
     # The manifest does render near-duplicates (one seed, several prompts): the premise of the test.
     assert any("near_duplicate" in (r["rejected_by"] or "") for r in first)
     assert any(r["render_index"] > 0 for r in rows), "no reject was rendered again"
+    assert all(r["score_identity_gap"] is not None for r in rows)
+    assert all(r["score_sanity_std"] is None for r in rows)  # a check not asked for: null
     figures = summary["judge"]
     assert figures["renders"] == len(rows)
     assert figures["kept"] == sum(r["accepted"] for r in rows)
@@ -171,10 +175,16 @@ def _check_report(spec, rows: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_the_quota_stops_a_reference_and_skips_its_items(tiny_models, tmp_path):
-    judge = {"near_duplicate": {"max_distance": -1}, "kept_per_reference": 2}  # -1: scores only, every render kept
+    # -1: scores only, every render kept but for the quota; a rejected render's image is not kept.
+    judge = {"near_duplicate": {"max_distance": -1}, "kept_per_reference": 2, "keep_rejected_images": False}
     spec = _spec(tmp_path, tiny_models, judge=judge)
     summary = run_job(spec, progress=False, write_gallery=False)
-    rows = _check_loop(open_storage(spec.output.uri), tmp_path, max_distance=-1, max_renders=3, quota=2)
+    storage = open_storage(spec.output.uri)
+    rows = _check_loop(storage, tmp_path, max_distance=-1, max_renders=3, quota=2)
+    for row in rows:  # kept: its image and thumbnail; rejected: its row and scores, no image
+        assert (row["image_key"] is not None) == row["accepted"] and row["phash"] is not None
+        assert storage.exists(f"images/{row['item_id']}.png") == row["accepted"]
+        assert storage.exists(f"thumbs/{row['item_id']}.jpg") == row["accepted"]
     kept = Counter(r["reference_hash"] for r in rows if r["accepted"])
     assert sorted(kept.values()) == [2, 2], "each reference keeps exactly its quota"
     quota_rejects = sum(r["rejected_by"] == "quota" for r in rows)
