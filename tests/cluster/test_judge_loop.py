@@ -192,6 +192,11 @@ def test_the_quota_stops_a_reference_and_skips_its_items(tiny_models, tmp_path):
     assert len(rows) < 12, "the queued items of a full reference were rendered anyway"
     assert summary["judge"]["items_skipped_by_quota"] == 12 - 4
     assert summary["judge"]["references_at_quota"] == 2
+    # A rerun continues the quotas: the items of a full reference are skipped again, nothing renders.
+    again = run_job(spec, progress=False, write_gallery=False)
+    assert again["images_this_run"] == 0 and again["judge"]["renders"] == len(rows)
+    assert again["judge"]["items_skipped_by_quota"] == 12 - len({r["render_of"] for r in rows})
+    assert read_metadata_table(storage).num_rows == len(rows)
 
 
 @pytest.mark.slow
