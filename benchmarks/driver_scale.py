@@ -178,12 +178,12 @@ def one_job(
             top = key.split("/", 1)[0] if "/" in key else "."
             by_folder[top] = by_folder.get(top, 0) + 1
         objects = sum(by_folder.values())
-        renders = summary["images_this_run"]
-        assert (renders == items or judged) and summary["failed_items"] == 0, summary
+        renders = summary.images_this_run
+        assert (renders == items or judged) and summary.failed_items == 0, summary
         cpu1, t1 = _cpu_s(), time.time()
         resumed = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
         resume_cpu, resume_wall = _cpu_s() - cpu1, time.time() - t1
-        assert resumed["images_this_run"] == 0
+        assert resumed.images_this_run == 0
     return {
         "items": items,
         "format": fmt,
@@ -194,11 +194,11 @@ def one_job(
         "driver_peak_rss_mib": round(peak_job, 1),
         "judge_reject": reject,
         "renders": renders,
-        "judge": summary["judge"],
+        "judge": summary.judge,
         "driver_cpu_ms_per_item": round(1000 * cpu / items, 3),
         "driver_cpu_ms_per_render": round(1000 * cpu / renders, 3),
         "wall_ms_per_item": round(1000 * wall / items, 3),
-        "encodes_per_reference": summary["encodes_per_reference"],
+        "encodes_per_reference": summary.encodes_per_reference,
         "objects_written": objects,
         "objects_per_1000_images": round(1000 * objects / items, 2),
         "objects_by_folder": dict(sorted(by_folder.items())),

@@ -150,22 +150,22 @@ def run_one(
         "weights": run.weights,
         "compiled": run.compiled,
         "weighted_rows_per_step": run.weighted_rows(),
-        "failed_items": summary["failed_items"],
-        "forward_batches": summary["forward_batches"],
+        "failed_items": summary.failed_items,
+        "forward_batches": summary.forward_batches,
         "model_load_seconds": max((w.load_seconds for w in workers), default=None),
         # The worker's cold start (render_service/cold_start.py): compile s, graphs built vs loaded, warm-up,
         # first image.
         "cold_start": summary.cold_start[0] if summary.cold_start else None,
     }
     errors = read_errors_table(storage).column("error").to_pylist()
-    if errors or summary["images_this_run"] != recipe.images:
+    if errors or summary.images_this_run != recipe.images:
         record["errors"] = errors[:3]
-        record["error"] = f"{summary['images_this_run']} of {recipe.images} images rendered"
+        record["error"] = f"{summary.images_this_run} of {recipe.images} images rendered"
         return record
     png_s = png_encode_seconds(storage.get_bytes(rows[0]["image_key"]))
     record.update(
         time_breakdown(
-            summary,
+            summary.to_json(),  # summary.json's content, which time_breakdown reads
             rows,
             read_call_log(call_log),
             job_steps=recipe.steps,

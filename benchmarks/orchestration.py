@@ -287,11 +287,11 @@ def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, o
     with Sampler() as sampler:
         summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False, on_workers=workers_ready)
         cpu = _cpu_seconds() - marks["cpu0"]
-    sched = summary["scheduler"]
+    sched = summary.scheduler
     gpu_seconds = sched["dispatched_batches"] * args.steps * args.step_s + sched["reference_encodes"] * args.encode_s
-    render_s = summary["render_seconds"]
-    done = summary["images_this_run"]
-    assert done == images and summary["failed_items"] == 0, summary
+    render_s = summary.render_seconds
+    done = summary.images_this_run
+    assert done == images and summary.failed_items == 0, summary
     shutil.rmtree(folder, ignore_errors=True)
     return {
         "workers": workers,
@@ -302,15 +302,15 @@ def run_one(workers: int, prompts: int, args, models_dir: Path, root: Path, *, o
         "references": references,
         "batches": sched["dispatched_batches"],
         "render_seconds": round(render_s, 3),
-        "worker_start_seconds": round(summary["startup_seconds"], 2),
+        "worker_start_seconds": round(summary.startup_seconds, 2),
         "images_per_s": round(done / render_s, 3),
         "workers_busy": round(gpu_seconds / (workers * render_s), 4),
         "driver_cpu_ms_per_image": round(1000 * max(0.0, cpu - sampler.own_cpu) / done, 3),
         "peak_object_store_mib": round(sampler.peak_store / MiB, 2),
         "peak_driver_rss_mib": round(sampler.peak_rss / MiB, 1),
         "driver_rss_before_mib": round(rss_before / MiB, 1),
-        "encodes_per_reference": summary["encodes_per_reference"],
-        "max_encodes_per_reference": summary["max_encodes_per_reference"],
+        "encodes_per_reference": summary.encodes_per_reference,
+        "max_encodes_per_reference": summary.max_encodes_per_reference,
         "object_store_fetches": sched["fetches"],
         "peak_open_references": sched["peak_open_references"],
     }

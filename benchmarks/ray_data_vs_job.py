@@ -153,14 +153,14 @@ def run_job_runner(manifest: Path, models_dir: Path, out: Path, args) -> dict:
     wall = time.perf_counter() - t0
     return {
         "runner": "job",
-        "images": summary["images_this_run"],
-        "failed": summary["failed_items"],
+        "images": summary.images_this_run,
+        "failed": summary.failed_items,
         "wall_s": round(wall, 3),
-        "images_per_s": round(summary["images_this_run"] / wall, 3),
-        "reference_encodes": summary["reference_encodes"],
-        "encodes_per_reference": round(summary["encodes_per_reference"], 3),
-        "max_encodes_per_reference": summary["max_encodes_per_reference"],
-        "render_seconds": round(summary["render_seconds"], 3),
+        "images_per_s": round(summary.images_this_run / wall, 3),
+        "reference_encodes": summary.reference_encodes,
+        "encodes_per_reference": round(summary.encodes_per_reference, 3),
+        "max_encodes_per_reference": summary.max_encodes_per_reference,
+        "render_seconds": round(summary.render_seconds, 3),
         **_span(pq.read_table(str(out / "metadata"), columns=["started_at", "finished_at"])),
     }
 

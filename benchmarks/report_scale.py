@@ -60,6 +60,7 @@ def _part(rows: list[int], worker: int, fmt: str, thumb_every: int):
     settings = json.dumps({"steps": 30, "cfg": 4.5, "sampler": "er_sde", "scheduler": "simple", "width": 1024})
     columns = {
         "item_id": ids,
+        "content_id": [f"{i * 2654435761 % 16**20:020x}" for i in rows],  # the ids are explicit ones: 20 hex digits
         "manifest_row": rows,
         "reference_uris": [[f"s3://bucket/references/character_{i // PROMPTS_PER_REFERENCE}.png"] for i in rows],
         "reference_hash": refs,
@@ -196,7 +197,7 @@ print(json.dumps({
     "pages": result["pages"],
     "images": result["images"],
     "shown": result.get("shown"),
-    "failed": result["failed"],
+    "failed": result["failed_items"] if "failed_items" in result else result["failed"],  # before the split
     "references": result["references"],
 }))
 """

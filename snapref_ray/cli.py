@@ -10,6 +10,7 @@ from pathlib import Path
 
 from snapref_ray.cli_flags import HelpFormatter, add_model_flags, add_settings_flags, model_spec_from, settings_from
 from snapref_ray.eval_cli import add_eval_parsers
+from snapref_ray.jobs.job_outcome import exit_status, not_rendered_lines, plural, summary_line
 from snapref_ray.jobs.job_summary import JobSummary
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.cli import add_serve_parser
@@ -186,9 +187,16 @@ def render_spec(args: argparse.Namespace):
             if getattr(args, name, None) is not None
         }
         spec = quick_spec(target, args.out, model=model_spec_from(args), workers=args.workers, **overrides)
+    if args.strict and args.allow_invalid:
+        raise ValueError("--strict refuses to start on an invalid row and --allow-invalid accepts them: give one")
+    if args.strict:
+        spec = spec.model_copy(update={"strict": True})
     spec = _with_judge_flags(spec, args)
     if args.append:
         spec = spec.model_copy(update={"output": spec.output.model_copy(update={"append": True})})
+    if args.rerender_changed:  # validated: it does not go with every output format
+        output = type(spec.output).model_validate({**spec.output.model_dump(), "rerender_changed": True})
+        spec = spec.model_copy(update={"output": output})
     if args.wait_for_lease is not None:
         spec = spec.model_copy(
             update={"output": spec.output.model_copy(update={"lease_wait_seconds": args.wait_for_lease})}
@@ -230,8 +238,10 @@ def cmd_render(args: argparse.Namespace) -> int:
     spec = render_spec(args)
     probe_s3_places(spec)
     if args.dry_run:
-        return _dry_run(spec)
-    return _run_job_from_the_command_line(spec, progress=_progress_bar(args), verbose=args.verbose)
+        return _dry_run(spec, allow_invalid=args.allow_invalid)
+    return _run_job_from_the_command_line(
+        spec, progress=_progress_bar(args), verbose=args.verbose, allow_invalid=args.allow_invalid
+    )
 
 
 def probe_s3_places(spec) -> None:
@@ -249,8 +259,9 @@ def probe_s3_places(spec) -> None:
         probe_s3(spec.output.uri, s3)
 
 
-def _dry_run(spec) -> int:
-    """Validate, count and read the output's ledger; render nothing, write nothing."""
+def _dry_run(spec, *, allow_invalid: bool = False) -> int:
+    """Validate, count and read the output's ledger; render nothing, write nothing. The exit status is the one the
+    run would end with for its invalid rows (1 unless --allow-invalid)."""
     from snapref_ray.jobs.job_plan import check_something_to_render, plan_job
 
     plan = plan_job(spec)
@@ -259,12 +270,21 @@ def _dry_run(spec) -> int:
     check_something_to_render(spec.manifest, plan)
     if plan.owner == "another job":
         raise OutputOfAnotherJob(f"output {plan.output} belongs to another job: add --append, or choose another --out")
+    if plan.invalid_rows and not allow_invalid:
+        print(
+            f"dry run: {plural(plan.invalid_rows, 'invalid row')} would not be rendered: fix them in the manifest, or"
+            " add --allow-invalid to accept them; exit status 1"
+        )
+        return 1
     return 0
 
 
-def _run_job_from_the_command_line(spec, *, progress: bool, verbose: bool, gallery_note: bool = True) -> int:
+def _run_job_from_the_command_line(
+    spec, *, progress: bool, verbose: bool, gallery_note: bool = True, allow_invalid: bool = False
+) -> int:
     """run_job with job.log in the output and Ray's output kept off the terminal; the summary lines; the exit
-    status: 0 when every item is rendered, 1 when some failed (their errors are in errors/)."""
+    status (jobs/job_outcome.py): 0 when every row is in the output, 1 when rows were left out (failed items, or
+    invalid rows unless `allow_invalid`), each of the first few named, with where the rest are."""
     from snapref_ray.job_console import job_console
     from snapref_ray.jobs.generate_dataset import run_job
     from snapref_ray.storage.ledger import OutputConflictError
@@ -276,26 +296,20 @@ def _run_job_from_the_command_line(spec, *, progress: bool, verbose: bool, galle
             raise OutputOfAnotherJob(
                 str(e).replace("pass append=True", "add --append (output.append: true in a spec)")
             ) from None
-    _print_summary(summary)
+    print(summary_line(summary))
     memory = _memory_line(summary)
     if memory:
         print(memory)
     if gallery_note:
         print(f"gallery: {_join(spec.output.uri, 'gallery.html')}; log: {log_file}")
-    return 1 if summary.failed_items else 0
+    errors_at = f"{_join(spec.output.uri, 'errors')}/ and {_join(spec.output.uri, 'errors.html')}"
+    for line in not_rendered_lines(summary, errors_at=errors_at, allow_invalid=allow_invalid):
+        print(line)
+    return exit_status(summary, allow_invalid=allow_invalid)
 
 
 def _join(uri: str, name: str) -> str:
     return uri.rstrip("/") + "/" + name if uri.startswith("s3://") else str(Path(uri).resolve() / name)
-
-
-def _print_summary(summary: JobSummary) -> None:
-    print(
-        f"{summary.images_total} images in {summary.output} ({summary.images_this_run} this run, "
-        f"{summary.skipped_already_done} already there, {summary.failed_items} failed, "
-        f"{summary.invalid_rows} invalid rows); {summary.images_per_hour:.0f} images/hour, "
-        f"{summary.encodes_per_reference:.2f} encodes per reference"
-    )
 
 
 def _memory_line(summary: JobSummary) -> str | None:
@@ -333,7 +347,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from snapref_ray.tiny import make_tiny
 
     out = Path(args.out).resolve()
-    models = out / "tiny-models"
+    # Beside the output, not inside it: the output is the dataset, and `make-tiny tiny` (the README's next step)
+    # writes the same files to the same default folder.
+    models = Path(args.models).resolve()
     if not (models / "dit.safetensors").exists():
         make_tiny(models)
     spec = load_job_spec(str(Path(__file__).parent / "examples" / "example_spec.yaml"))
@@ -360,14 +376,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 RENDER_EXAMPLES = """examples:
   snapref-ray make-tiny tiny
-  snapref-ray render snapref_ray/examples/example_manifest.csv --models tiny --out out/run1 --width 256 --height 256
+  snapref-ray render snapref_ray/examples/example_manifest.csv --models tiny --out out/run1 \\
+      --width 256 --height 256 --steps 4                                    # README's job: the same output
   snapref-ray render manifest.csv --models tiny --out out/run1 --dry-run    # validate and count, render nothing
   snapref-ray render more.csv --models tiny --out out/run1 --append         # add another job's images to run1
   snapref-ray render job.yaml                                               # a job spec (docs/jobs.md)
 
-exit status: 0 every item rendered (or already there); 1 some items failed (errors/ says why); 2 a usage error
-or input that renders nothing (every row invalid, an output of another job, a worker no node can hold);
-130 interrupted (Ctrl-C: what was committed stays, run the same command again to resume)."""
+exit status: 0 every row rendered (or already there; with --allow-invalid, every valid row); 1 rows left out:
+failed items (run it again to retry them) or invalid rows (the first few are named; errors/ has them all);
+2 a usage error or input that renders nothing (every row invalid, --strict and an invalid row, an output of
+another job, a worker no node can hold); 130 interrupted (Ctrl-C: what was committed stays, run the same
+command again to resume)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -505,9 +524,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="add this job's images to an output that holds another job's (else that is refused)",
     )
     p.add_argument(
+        "--rerender-changed",
+        action="store_true",
+        help="render again the rows whose explicit id the output holds with other content (else refused)",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="validate the manifest, count items, invalid rows and what the output already holds; render nothing",
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="refuse to start when any row is invalid (exit 2; `strict: true`)"
+    )
+    p.add_argument(
+        "--allow-invalid",
+        action="store_true",
+        help="exit 0 when every valid row is rendered: the invalid rows are accepted (else they make it exit 1)",
     )
     p.add_argument(
         "--wait-for-lease",
@@ -534,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="make the tiny models and render the bundled example on a local Ray")
     p.add_argument("--out", default="demo-output", help="output folder")
+    p.add_argument("--models", default="tiny", help="the tiny models' folder (made there when it holds none)")
     _add_progress_flag(p)
     p.set_defaults(func=cmd_demo)
 

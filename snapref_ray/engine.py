@@ -47,7 +47,7 @@ from snapref_ray.sampling.ref_guidance import Combiner, Row, StepPlan, plan_step
 from snapref_ray.sampling.samplers import sample
 from snapref_ray.sampling.schedules import get_sigmas
 from snapref_ray.sampling.step_cache import StepCacheState
-from snapref_ray.storage.backends import S3Options
+from snapref_ray.storage.backends import S3Options, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,8 @@ class Renderer:
         # compile_cache: where compiled graphs are shared between workers (models/compile_cache.py).
         cache = None
         if compile and compile_cache is not None:
-            cache = CompileCache(compile_cache, CompileKey.for_dit(self.dit, quantize or "none"), s3=s3)
+            key = CompileKey.for_dit(self.dit, quantize or "none")
+            cache = CompileCache(compile_cache, key, open_store=lambda location: open_storage(location, s3))
         self.forward: Callable[..., torch.Tensor] = compile_forward(self.dit, cache=cache) if compile else self.dit
         self.model_id = (
             f"{Path(files.dit).name}"

@@ -39,7 +39,7 @@ def _absolute(path: str | None) -> str | None:
 
 def timing_spec_from_args(args: argparse.Namespace):
     """The TimingSpec of a `snapref-ray timing` command line (a spec file, then flags on top)."""
-    from snapref_ray.jobs.timing_table import TimingSpec, load_timing_spec
+    from snapref_ray.jobs.timing_spec import TimingSpec, load_timing_spec
     from snapref_ray.model_spec import ModelSpec
 
     if args.spec:
@@ -82,7 +82,8 @@ def timing_spec_from_args(args: argparse.Namespace):
 
 
 def cmd_timing(args: argparse.Namespace) -> int:
-    from snapref_ray.jobs.timing_table import RESULT_MD, format_markdown, run_timing
+    from snapref_ray.jobs.timing_report import format_markdown
+    from snapref_ray.jobs.timing_table import RESULT_MD, run_timing
 
     spec = timing_spec_from_args(args)
     summary = run_timing(spec)

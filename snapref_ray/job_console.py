@@ -23,36 +23,11 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from snapref_ray.cluster import ray_output
+from snapref_ray.ray_token_note import explain_ray_token_warning
 
 LOG_NAME = "job.log"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _RAY_OUTPUT_LOGGER = "snapref_ray.ray_output"  # Ray's processes' lines, to the file only
-
-_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
-_TOKEN_WARNING = "Token authentication is enabled for this Ray cluster"
-TOKEN_NOTE = (
-    "Ray's token authentication is on for the local Ray this command started (Ray 2.60's default; the token is in"
-    " ~/.ray/auth_token): it guards Ray's own ports, nothing needs doing. Joining a cluster needs"
-    " RAY_AUTH_MODE=token (docs/clusters.md)."
-)
-
-
-class _ExplainTokenWarning(logging.Filter):
-    """Ray's "Token authentication is enabled ... Set RAY_AUTH_MODE=disabled to opt out" warning, which every start
-    of a local Ray prints and which reads like something to act on, as the INFO line that says what it means."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith(_TOKEN_WARNING):
-            record.msg, record.args = TOKEN_NOTE, ()
-            record.levelno, record.levelname = logging.INFO, "INFO"
-        return True
-
-
-def explain_ray_token_warning() -> None:
-    """Rewrite Ray's token-auth warning into TOKEN_NOTE from now on (idempotent)."""
-    logger = logging.getLogger(_TOKEN_LOGGER)
-    if not any(isinstance(f, _ExplainTokenWarning) for f in logger.filters):
-        logger.addFilter(_ExplainTokenWarning())
 
 
 class RayDidNotStart(TimeoutError):

@@ -118,6 +118,12 @@ class OutputSpec(_Section):
         description="Allow a spec that differs from the one that made the output to add to it; off so that "
         "one output holds one configuration.",
     )
+    rerender_changed: bool = Field(
+        False,
+        description="Render again the rows whose explicit `id` the output already holds with other content (an "
+        "edited row): their new images replace the old. Off, such a run is refused naming the rows, so that an id "
+        "never silently keeps an image its row no longer describes.",
+    )
     s3: S3Spec = Field(default_factory=S3Spec, description="S3 client settings, used for every s3:// URI of the job.")
     metadata_flush_seconds: float = Field(
         30.0,
@@ -170,6 +176,11 @@ class OutputSpec(_Section):
     def _embed_needs_files(self) -> OutputSpec:
         if self.format == "webdataset" and self.embed_images:
             raise ValueError("embed_images needs format: files (a webdataset shard holds the images already)")
+        if self.format == "webdataset" and self.rerender_changed:
+            raise ValueError(
+                "rerender_changed needs format: files (the shard that holds an id's old image cannot drop it, so the "
+                "id would be in two shards); give the edited rows new ids"
+            )
         return self
 
 

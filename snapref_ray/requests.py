@@ -171,8 +171,11 @@ class RenderSettings(BaseModel):
     @classmethod
     def _side(cls, v: int, info) -> int:
         if v % PIXELS_PER_TOKEN or not MIN_SIDE <= v <= MAX_SIDE:
+            # A server validates with its own cap in the context ("max_side"): the message states the bound it
+            # enforces, not the model's (it checks a side between the two against its limits itself).
+            top = min(MAX_SIDE, (info.context or {}).get("max_side", MAX_SIDE))
             raise ValueError(
-                f"{info.field_name} must be a multiple of {PIXELS_PER_TOKEN} between {MIN_SIDE} and {MAX_SIDE}, got {v}"
+                f"{info.field_name} must be a multiple of {PIXELS_PER_TOKEN} between {MIN_SIDE} and {top}, got {v}"
             )
         return v
 

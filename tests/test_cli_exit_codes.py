@@ -1,7 +1,8 @@
 """`snapref-ray` in the situations a new user meets, run as a user runs it (a subprocess): each ends in one or two
 lines that say why and an exit status a shell script can test, never a traceback.
 
-0: every item rendered; 1: some failed; 2: a usage error or input that renders nothing (every row invalid, the
+0: every row rendered (with --allow-invalid: every valid row); 1: rows left out (failed items, invalid rows), the
+first named; 2: a usage error or input that renders nothing (every row invalid, --strict and an invalid row, the
 output of another job, a port in use, a worker no node type can hold); 130: Ctrl-C.
 
 The cases that need no Ray (bad input is found before Ray starts) run first; the rest are drivers of the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -52,6 +54,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 def error_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("error: ")]
+
+
+def said(out: str) -> list[str]:
+    """What the command printed, less its log lines (on the terminal too when it is not a terminal: --no-progress)."""
+    return [line for line in out.splitlines() if not re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ", line)]
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +110,31 @@ def test_serve_on_a_port_in_use_exits_2(tiny_models):
     ]
 
 
+def test_strict_on_the_quick_form_refuses_an_invalid_row_before_ray_starts(tiny_models, tmp_path):
+    manifest = with_a_missing_reference(tmp_path / "manifest.csv")
+    out = tmp_path / "out"
+    status, printed = snapref("render", str(manifest), "--models", str(tiny_models), "--out", str(out), "--strict")
+    assert status == 2, printed
+    assert error_lines(printed) == [
+        f"error: manifest {manifest}: 1 invalid row(s) and the job is strict; nothing was rendered: row 3, field"
+        f" 'reference': reference file not found: {manifest.parent / 'missing.png'}"
+    ]
+    assert "Started a local Ray instance" not in (out / "job.log").read_text() and not (out / "metadata").exists()
+    status, printed = snapref("render", str(manifest), "--models", str(tiny_models), "--out", str(out), "--strict",
+                              "--allow-invalid")  # fmt: skip
+    assert status == 2 and error_lines(printed) == [
+        "error: --strict refuses to start on an invalid row and --allow-invalid accepts them: give one"
+    ]
+
+
+def with_a_missing_reference(path: Path) -> Path:
+    """Two good rows and, in row 3, a reference file that is not there."""
+    write_manifest(path, ["1girl, cafe", "1boy, park"])
+    with path.open("a", newline="") as f:
+        csv.writer(f).writerow([str(path.parent / "missing.png"), "1girl, beach", 2])
+    return path
+
+
 def test_version():
     from importlib.metadata import version
 
@@ -145,6 +177,41 @@ def first_job(ray_env, tiny_models, tmp_path_factory) -> tuple[Path, Path, str]:
     )  # fmt: skip
     assert status == 0, printed
     return manifest, out, printed
+
+
+@pytest.mark.slow
+def test_a_job_that_leaves_an_invalid_row_out_names_it_and_exits_1_unless_allowed(ray_env, tiny_models, tmp_path):
+    """The row, its reason, the count and where the rest are; the same words and counts in summary.json and the
+    gallery. Run again with --allow-invalid: nothing left to render, said so (no throughput of an earlier run), 0."""
+    manifest, out = with_a_missing_reference(tmp_path / "manifest.csv"), tmp_path / "out"
+    command = ["render", str(manifest), "--models", str(tiny_models), "--out", str(out), "--device", "cpu"]
+    command += ["--workers", "1", *SMALL]
+    status, printed = snapref(*command, env=ray_env)
+    assert status == 1, printed
+    lines = said(printed)
+    assert lines[0].startswith(f"2 images in {out} (2 this run, 0 already there, 0 failed items, 1 invalid row); ")
+    reason = f"field 'reference': reference file not found: {tmp_path / 'missing.png'}"
+    assert lines[-2:] == [
+        f"invalid row 3: {reason}",
+        f"not rendered: 1 invalid row (the first above; every one in {out / 'errors'}/ and {out / 'errors.html'});"
+        " fix the invalid rows in the manifest, or add --allow-invalid to accept them; exit status 1",
+    ]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["invalid_rows"], summary["failed_items"], summary["images_total"]) == (1, 0, 2)
+    assert summary["not_rendered"] == [{"kind": "invalid row", "manifest_row": 3, "item_id": None, "reason": reason}]
+    gallery = (out / "gallery.html").read_text()
+    assert "<dt>invalid rows</dt><dd>1</dd>" in gallery and "<dt>failed items</dt><dd>0</dd>" in gallery
+    assert "<dt>failed</dt>" not in gallery
+
+    status, printed = snapref(*command, "--allow-invalid", env=ray_env)
+    assert status == 0, printed
+    lines = said(printed)
+    assert lines[0] == (
+        f"2 images in {out} (0 this run, 2 already there, 0 failed items, 1 invalid row); nothing left to render:"
+        " every valid row was rendered by an earlier run"
+    )
+    assert lines[-1].endswith("the invalid rows are accepted (--allow-invalid); exit status 0")
+    assert lines[-2] == f"invalid row 3: {reason}"
 
 
 @pytest.mark.slow

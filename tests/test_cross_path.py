@@ -329,7 +329,7 @@ def test_txt2img_job_ray_data_and_the_endpoint_agree(case, job, ray_data, endpoi
     code, _ = _txt2img(case, folder / "txt2img.png")
     assert code == 0
     cli_png = (folder / "txt2img.png").read_bytes()
-    assert job["summary"]["failed_items"] == 0
+    assert job["summary"].failed_items == 0
     job_png, job_row = job["images"][""], job["rows"][""]
     data_row = ray_data[""]
     assert data_row["error"] is None, data_row["error"]
@@ -373,8 +373,8 @@ def test_every_door_gives_each_input_the_same_verdict(case, job, ray_data, endpo
     verdicts = VERDICTS[kind]
     rendered = [v for v in verdicts if v.refused is None]
     summary = job["summary"]
-    assert (summary["images_this_run"], summary["failed_items"]) == (1 + len(rendered), 0)
-    assert summary["invalid_rows"] == len(verdicts) - len(rendered)
+    assert (summary.images_this_run, summary.failed_items) == (1 + len(rendered), 0)
+    assert summary.invalid_rows == len(verdicts) - len(rendered)
 
     for v in verdicts:
         code, printed = _txt2img(case, folder / f"{v.name}.png", v)

@@ -50,7 +50,7 @@ def test_example_spec_loads_with_paths_beside_it():
     spec = load_job_spec(str(REPO / "snapref_ray" / "examples" / "example_spec.yaml"))
     assert spec.manifest == str(REPO / "snapref_ray" / "examples" / "example_manifest.csv")
     assert spec.model.models_dir == str(REPO / "tiny")
-    assert spec.output.uri == str(REPO / "demo-output")
+    assert spec.output.uri == str(REPO / "out" / "example")
     assert (spec.defaults.width, spec.defaults.height, spec.defaults.steps, spec.defaults.sampler) == (
         256,
         256,
@@ -99,6 +99,7 @@ def test_minimal_spec_takes_the_documented_defaults(tmp_path):
         "image_format": "png",
         "embed_images": False,
         "append": False,
+        "rerender_changed": False,
         "s3": {"endpoint_url": None, "region": None, "retry_mode": "adaptive", "max_attempts": 10},
         "metadata_flush_seconds": 30.0,
         "format": "files",
@@ -353,6 +354,8 @@ def test_output_format_and_the_lease_settings():
     assert "format" not in spec_fingerprint(base_spec(output={"lease_seconds": 30, "thumbnail_every": 7}))
     with pytest.raises(ValueError, match="embed_images needs format: files"):
         base_spec(output={"format": "webdataset", "embed_images": True})
+    with pytest.raises(ValueError, match="rerender_changed needs format: files"):
+        base_spec(output={"format": "webdataset", "rerender_changed": True})
     with pytest.raises(ValueError, match="output.format"):
         base_spec(output={"format": "tfrecord"})
     with pytest.raises(ValueError, match="lease_seconds"):

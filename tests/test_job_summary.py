@@ -60,10 +60,102 @@ def test_a_summary_written_before_runs_existed_counts_as_one_run():
 def test_an_unreadable_earlier_summary_starts_the_figures_again(tmp_path):
     from snapref_ray.jobs.generate_dataset import _earlier_runs
     from snapref_ray.storage.backends import open_storage
+    from snapref_ray.storage.job_output import JobOutput, OutputSettings
 
-    storage = open_storage(str(tmp_path))
-    assert _earlier_runs(storage) == []  # a new output
+    def earlier_runs() -> list:
+        output = JobOutput.open(open_storage(str(tmp_path)), OutputSettings(fingerprint="f", spec={}))
+        try:
+            return _earlier_runs(output)
+        finally:
+            output.abandon()
+
+    assert earlier_runs() == []  # a new output
     (tmp_path / "summary.json").write_text('{"runs": [{"images": 3')  # a driver killed while writing it
-    assert _earlier_runs(storage) == []
+    assert earlier_runs() == []
     (tmp_path / "summary.json").write_text('{"runs": [' + run(3, wall=9.0, render=6.0).model_dump_json() + "]}")
-    assert _earlier_runs(storage) == [run(3, wall=9.0, render=6.0)]
+    assert earlier_runs() == [run(3, wall=9.0, render=6.0)]
+
+
+# -- the outcome of a run: its exit status and its last lines (snapref_ray/jobs/job_outcome.py) ----------------------
+
+
+def outcome(*, items: int, job_images: int, invalid_rows: int = 0, failed: int = 0, to_render: int = 1, **more):
+    """A summary with the fields the outcome reads (the rest are the job flow's: tests/test_cli_exit_codes.py)."""
+    from snapref_ray.jobs.job_summary import JobSummary
+
+    last = run(job_images, wall=10.0, render=5.0, to_render=to_render)
+    fields = dict(output="/out", images_total=job_images, images_this_run=job_images, skipped_already_done=0)
+    fields |= dict(images_per_hour=360.0, encodes_per_reference=1.0, not_rendered=[], runs=[last])
+    return JobSummary.model_construct(
+        items=items, job_images=job_images, invalid_rows=invalid_rows, failed_items=failed, **fields | more
+    )
+
+
+def test_the_exit_status_is_0_only_when_every_row_is_in_the_output():
+    from snapref_ray.jobs.job_outcome import exit_status
+
+    assert exit_status(outcome(items=8, job_images=8)) == 0
+    assert exit_status(outcome(items=8, job_images=7, failed=1)) == 1  # a failed item
+    assert exit_status(outcome(items=8, job_images=7, failed=1), allow_invalid=True) == 1  # is never "accepted"
+    assert exit_status(outcome(items=8, job_images=7)) == 1  # an item not committed (a lost shard) is left out too
+    assert exit_status(outcome(items=8, job_images=8, invalid_rows=1)) == 1  # an invalid row
+    assert exit_status(outcome(items=8, job_images=8, invalid_rows=1), allow_invalid=True) == 0
+
+
+def test_the_lines_name_what_was_left_out_and_the_exit_status():
+    from snapref_ray.jobs.job_outcome import not_rendered_lines, summary_line
+    from snapref_ray.jobs.job_summary import NotRendered
+
+    left_out = [
+        NotRendered(kind="invalid row", manifest_row=3, item_id=None, reason="field 'reference': no such file"),
+        NotRendered(kind="failed item", manifest_row=5, item_id="abc", reason="RuntimeError: boom"),
+    ]
+    summary = outcome(items=8, job_images=7, invalid_rows=1, failed=1, not_rendered=left_out)
+    assert summary_line(summary) == (
+        "7 images in /out (7 this run, 0 already there, 1 failed item, 1 invalid row); 360 images/hour,"
+        " 1.00 encodes per reference"
+    )
+    assert not_rendered_lines(summary, errors_at="/out/errors/") == [
+        "invalid row 3: field 'reference': no such file",
+        "failed item abc (manifest row 5): RuntimeError: boom",
+        "not rendered: 1 invalid row and 1 failed item (the first above; every one in /out/errors/); fix the invalid"
+        " rows in the manifest, or add --allow-invalid to accept them; run the same command again to retry the failed"
+        " items; exit status 1",
+    ]
+    accepted = outcome(items=8, job_images=8, invalid_rows=2, not_rendered=left_out[:1])
+    assert not_rendered_lines(accepted, errors_at="E", allow_invalid=True)[-1] == (
+        "not rendered: 2 invalid rows (the first above; every one in E); the invalid rows are accepted"
+        " (--allow-invalid); exit status 0"
+    )
+    assert not_rendered_lines(outcome(items=8, job_images=8), errors_at="E") == []
+
+
+def test_a_run_that_renders_nothing_says_so_and_an_appended_output_counts_every_jobs_images():
+    from snapref_ray.jobs.job_outcome import summary_line
+
+    resumed = outcome(items=8, job_images=8, to_render=0, images_this_run=0, skipped_already_done=8)
+    assert summary_line(resumed) == (
+        "8 images in /out (0 this run, 8 already there, 0 failed items, 0 invalid rows); nothing left to render: every"
+        " valid row was rendered by an earlier run"
+    )
+    appended = outcome(items=3, job_images=3, images_total=11)
+    assert summary_line(appended).startswith("11 images in /out, 3 of them this manifest's (3 this run, ")
+
+
+def test_each_jobs_part_of_an_output_is_kept_and_this_jobs_replaced():
+    from snapref_ray.jobs.job_summary import JobPart, job_parts
+
+    def part(job: str, images: int) -> JobPart:
+        return JobPart(
+            job=job, manifest=f"{job}.csv", manifest_rows=images, invalid_rows=0, items=images, images=images,
+            failed_items=0, finished_at=1.0,
+        )  # fmt: skip
+
+    first, appended = part("a", 8), part("b", 3)
+    assert job_parts([], first) == [first]
+    assert job_parts([first], appended) == [first, appended]
+    assert job_parts([first, appended], part("a", 9)) == [part("a", 9), appended]  # the first job resumed
+    # A summary written before `jobs` existed described one job: its own images were `images_total`.
+    old = {"config_hash": "a", "manifest": "a.csv", "manifest_rows": 8, "invalid_rows": 0, "items": 8}
+    assert JobPart.from_earlier_summary({**old, "images_total": 8, "finished_at": 1.0}) == [first]
+    assert JobPart.from_earlier_summary({"images_total": 8}) == []

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
@@ -528,10 +529,15 @@ def test_ray_data_block_as_written_on_two_cpus(workdir):
     row of the example manifest renders at the block's size, and the script exits 0 with check_renders's line."""
     code = block("README.md", "ray-data-pipeline")
     env = env_for_commands(RAY_OVERRIDE_RESOURCES=json.dumps({"CPU": 2}))
+    # What an earlier run of the block left: a rerun replaces it (mode="overwrite"), never adds beside it.
+    earlier = workdir / "out" / "renders" / "earlier-run.parquet"
+    earlier.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"prompt": [r["prompt"] for r in _example_rows()]}), earlier)
     result = run_bash(f"{sys.executable} - <<'PY'\n{code}\nPY", workdir, env, timeout=300)
     still_running = " (-1: still running after 300 s)" if result.returncode == -1 else ""
     assert result.returncode == 0, f"exited {result.returncode}{still_running}:\n{result.stdout[-4000:]}"
     assert "8 of 8 row(s) rendered to out/renders/" in result.stdout
+    assert not earlier.exists()
     table = pq.read_table(workdir / "out" / "renders").to_pylist()
     rows = _example_rows()
     assert sorted((r["prompt"], r["seed"]) for r in table) == sorted((r["prompt"], int(r["seed"])) for r in rows)

@@ -16,15 +16,11 @@ import snapref_ray
 from snapref_ray.eval_cli import add_eval_parsers, timing_spec_from_args
 from snapref_ray.job_spec import OutputSpec
 from snapref_ray.jobs.flop_model import Case, RowGroup, forward_flops, real_size_ratios
-from snapref_ray.jobs.timing_table import (
-    ARCANIMA_ROWS,
-    SETTING_NAMES,
-    TimingSpec,
-    format_markdown,
-    run_timing,
-    timing_plan,
-    timing_settings,
-)
+from snapref_ray.jobs.timing_catalogue import ARCANIMA_ROWS, SETTING_NAMES
+from snapref_ray.jobs.timing_report import format_markdown
+from snapref_ray.jobs.timing_settings import timing_plan, timing_settings
+from snapref_ray.jobs.timing_spec import TimingSpec
+from snapref_ray.jobs.timing_table import run_timing
 from snapref_ray.model_spec import LoRASpec, ModelSpec
 from snapref_ray.tiny import TinyConfig, write_tiny_adapter
 

@@ -79,9 +79,17 @@ def open_reference(data: bytes, source: str = "<bytes>") -> Image.Image:
 def fit_megapixels(img: Image.Image, megapixels: float = 1.0, multiple: int = SIDE_MULTIPLE) -> Image.Image:
     """Shrink to an area of at most `megapixels`·1e6 keeping the aspect ratio, never enlarging,
     then round each side down to a multiple of `multiple` (LANCZOS). Returns `img` when nothing changes."""
+    new_w, new_h = fitted_size(img.size, megapixels, multiple)
+    if (new_w, new_h) == img.size:
+        return img
+    return img.resize((new_w, new_h), Image.Resampling.LANCZOS)
+
+
+def fitted_size(size: tuple[int, int], megapixels: float = 1.0, multiple: int = SIDE_MULTIPLE) -> tuple[int, int]:
+    """The (width, height) `fit_megapixels` gives an image of `size`, without touching its pixels."""
     if not megapixels > 0:
         raise ValueError(f"megapixels must be > 0, found {megapixels}")
-    w, h = img.size
+    w, h = size
     limit = megapixels * 1e6
     factor = min(1.0, math.sqrt(limit / (w * h)))
     fit_w, fit_h = math.floor(w * factor), math.floor(h * factor)
@@ -94,9 +102,7 @@ def fit_megapixels(img: Image.Image, megapixels: float = 1.0, multiple: int = SI
             f"a {w}x{h} reference fitted to {megapixels} MP would be {fit_w}x{fit_h},"
             f" less than {multiple} px on a side; use a larger or less elongated image"
         )
-    if (new_w, new_h) == (w, h):
-        return img
-    return img.resize((new_w, new_h), Image.Resampling.LANCZOS)
+    return new_w, new_h
 
 
 def stitch_side_by_side(left: Image.Image, right: Image.Image) -> Image.Image:

@@ -67,6 +67,7 @@ class WorkerConfig:
     # The identity gap's contrast references: the job's first two (their tasks); a render takes the first that is
     # not its own reference (docs/judging.md, "In a batch job").
     judge_contrasts: tuple[ReferenceTask, ...] = ()
+    job: str | None = None  # the job's fingerprint, in every metadata row (an appended output holds several jobs)
 
 
 def load_worker_renderer(config: WorkerConfig):
@@ -323,6 +324,7 @@ class RenderWorker:
             thumb_key=thumb,
             upload_s=time.perf_counter() - t0,
             attempt=task.attempts.get(item.item_id, 1),
+            job=self.config.job,
             **(
                 {"render_of": item.render_of or item.item_id, "render_index": item.render_index}
                 if self.config.judge is not None

@@ -38,14 +38,19 @@ from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, Sched
 from snapref_ray.cluster.tasks import ItemOutcome, ReferenceTask, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.job_spec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
+from snapref_ray.jobs.job_outcome import exit_status
 from snapref_ray.jobs.job_plan import check_something_to_render
 from snapref_ray.jobs.job_summary import (
+    NOT_RENDERED_KEPT,
     AttemptFigures,
+    JobPart,
     JobSummary,
+    NotRendered,
     RefKVDecisions,
     RunFigures,
     StepCacheFigures,
     TransferRate,
+    job_parts,
     job_throughput,
 )
 from snapref_ray.jobs.judge_loop import JudgeLoop, decided_row
@@ -53,13 +58,12 @@ from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.references import RefKVKey
 from snapref_ray.render_service.work_items import WorkItem
-from snapref_ray.render_service.work_plan import WorkPlan
+from snapref_ray.render_service.work_plan import WorkPlan, plan_against_output
 from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.backends import StorageError, open_storage
 from snapref_ray.storage.job_output import JobOutput, OutputSettings
 from snapref_ray.storage.lease import LeaseLostError
 from snapref_ray.storage.ledger import job_fingerprint
-from snapref_ray.storage.metadata import read_errors_table
 from snapref_ray.storage.shards import read_staged_rows, replace_staged_rows
 from snapref_ray.validation import run_reporting_usage_errors
 
@@ -97,6 +101,7 @@ def worker_config(
         thumbnail_every=spec.output.thumbnail_every,
         judge=spec.judge.checks_spec() if spec.judge is not None else None,
         judge_contrasts=_contrast_tasks(spec, plan),
+        job=job_fingerprint(spec_fingerprint(spec)),  # each metadata row names its job (an output may hold several)
     )
 
 
@@ -146,7 +151,7 @@ def run_job(
     run = _Run(started_at=time.time())
     plan = _validate(spec, progress=progress)  # 1. every row, before any worker starts (spilled to local disk)
     try:
-        output = _take_output(spec)  # 2. the lease, the claim (same spec, or append), what earlier runs left
+        output = _take_output(spec, plan)  # 2. the lease, what earlier runs left, the items checked, the claim
     except BaseException:
         plan.close()
         raise
@@ -167,7 +172,7 @@ def run_job(
         output.finish(summary.to_json(), compact=not run.interrupted)
     if write_gallery:
         _write_gallery(spec)
-    log.info("done: %s", json.dumps({k: summary[k] for k in _LOGGED}))
+    log.info("done: %s", json.dumps({k: getattr(summary, k) for k in _LOGGED}))
     return summary
 
 
@@ -204,6 +209,15 @@ class _Run:
     step_cache: StepCacheFigures = field(default_factory=StepCacheFigures)  # images rendered with the step cache on
     cold_starts: dict[str, dict] = field(default_factory=dict)  # per worker, as it reported when ready
     judge: JudgeLoop | None = None  # a judged job's state (its figures go into summary.json)
+    failures: list[NotRendered] = field(default_factory=list)  # the first items that failed for good (the summary's)
+    replaced: int = 0  # images that replaced one the output held under the same id (rerender_changed)
+
+    def item_failed(self, outcome: ItemOutcome, item: WorkItem) -> None:
+        if len(self.failures) < NOT_RENDERED_KEPT:
+            reason = outcome.error or "unknown error"
+            self.failures.append(
+                NotRendered(kind="failed item", manifest_row=item.manifest_row, item_id=item.item_id, reason=reason)
+            )
 
     def image_done(self, outcome: ItemOutcome) -> None:
         row = outcome.row
@@ -236,9 +250,11 @@ def _validate(spec: JobSpec, *, progress: bool = False) -> WorkPlan:
     return plan
 
 
-def _take_output(spec: JobSpec) -> JobOutput:
+def _take_output(spec: JobSpec, plan: WorkPlan) -> JobOutput:
     """Phase 2: the output, held by this driver (storage/job_output.py): the same spec resumes, `append` adds to
-    another job's output; what earlier runs committed is read."""
+    another job's output; what earlier runs committed is read, and the plan's explicit ids are checked against it
+    before the claim writes anything: ids committed with other content, or by another job, are refused in one line
+    (or rendered again with `rerender_changed`; render_service/work_plan.py, storage/item_contents.py)."""
     fingerprint = job_fingerprint(spec_fingerprint(spec))
     settings = OutputSettings(
         fingerprint=fingerprint,
@@ -250,7 +266,17 @@ def _take_output(spec: JobSpec) -> JobOutput:
         lease_seconds=spec.output.lease_seconds,
         lease_wait_seconds=spec.output.lease_wait_seconds,
     )
-    return JobOutput.open(open_storage(spec.output.uri, spec.s3_options()), settings)
+
+    def admit(output: JobOutput) -> None:
+        plan_against_output(
+            plan,
+            output.storage,
+            output.done_before,
+            fingerprint=fingerprint,
+            rerender_changed=spec.output.rerender_changed,
+        )
+
+    return JobOutput.open(open_storage(spec.output.uri, spec.s3_options()), settings, admit=admit)
 
 
 def _earlier_runs(output: JobOutput) -> list[RunFigures]:
@@ -267,7 +293,7 @@ def _earlier_runs(output: JobOutput) -> list[RunFigures]:
 def _plan(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> None:
     """Phase 3: the items not committed yet (a bit per item of the plan); the invalid rows go to errors/, once per
     output (a resumed job validates the same manifest again)."""
-    plan.skip_committed(output.done_before)  # one vectorised lookup per chunk of ids
+    # The committed items were marked when the output was taken (`admit` in _take_output).
     log.info(
         "%d manifest rows -> %d items (%d invalid rows); %d already committed, %d to render (%d references)",
         plan.rows,
@@ -277,7 +303,7 @@ def _plan(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> None:
         plan.to_render,
         plan.references_to_render,
     )
-    recorded = _recorded_validation_errors(output.storage) if plan.error_count else set()
+    recorded = output.recorded_validation_errors() if plan.error_count else set()
     for e in plan.all_errors():
         message = f"{'field ' + repr(e.field) + ': ' if e.field else ''}{e.error}"
         if (e.manifest_row, e.item_id, message) not in recorded:
@@ -297,10 +323,12 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
 
     def done(outcome: ItemOutcome, item: WorkItem) -> None:
         run.image_done(outcome)
+        if plan.rerendered and item.item_id in output.done_before:
+            run.replaced += 1  # an edited row rendered again: the output held its id already (images_total)
         if judge is not None and not outcome.row.get("shard_key"):
             _commit_judged(output, spec, judge, outcome.row)
         else:
-            _commit(output, spec, outcome)
+            _commit(output, outcome)
 
     def commit_shard(shard_key: str) -> bool:
         if judge is None:
@@ -318,7 +346,10 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
         [],
         scheduler_config(spec),
         on_done=done,
-        on_failed=lambda outcome, item, attempt: _record_failure(output, outcome, item, attempt),
+        on_failed=lambda outcome, item, attempt: (
+            run.item_failed(outcome, item),
+            _record_failure(output, outcome, item, attempt),
+        ),
         on_progress=(lambda n: [f(n) for f in callbacks]) if callbacks else None,
         pool=pool,
         on_worker=joined,
@@ -379,8 +410,7 @@ def _commit_judged(output: JobOutput, spec: JobSpec, judge: JudgeLoop, row: dict
             if key:
                 output.storage.delete(key)
         row.update(image_key=None, image_uri=None, thumb_key=None)
-    image_bytes = output.storage.get_bytes(row["image_key"]) if spec.output.embed_images and row["image_key"] else None
-    output.commit_row(row, image_bytes)
+    output.commit_row(row)  # its image's bytes read back under embed_images (none for a rejected image deleted)
     judge.apply([decision])
 
 
@@ -473,11 +503,20 @@ def _start_pool(spec: JobSpec, plan: WorkPlan, run: _Run, hooks: _Hooks) -> Work
     return WorkerPool(config, pool_plan, hooks.renderer_factory)
 
 
+def _earlier_jobs(output: JobOutput) -> list[JobPart]:
+    """The jobs' parts an earlier summary.json recorded (none when it cannot be read)."""
+    try:
+        return JobPart.from_earlier_summary(output.earlier_summary) if output.earlier_summary else []
+    except (ValueError, TypeError, KeyError):  # told once, by _earlier_runs
+        return []
+
+
 def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> JobSummary:
     """Phase 5: this run's figures, and the job's over every run on this output."""
     stats = run.stats or SchedulerStats()
     now = time.time()
     this_run = RunFigures(
+        job=output.settings.fingerprint,
         started_at=run.started_at,
         finished_at=now,
         items_to_render=plan.to_render,
@@ -489,8 +528,24 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         driver_peak_rss_bytes=_driver_usage()[1],
         startup_seconds=round(run.startup_seconds, 3),
         render_seconds=round(run.render_seconds, 3),
+        manifest_sha256=plan.manifest_sha256,
     )
     runs = [*_earlier_runs(output), this_run]
+    job_images = plan.committed + stats.done_items
+    this_job = JobPart(
+        job=output.settings.fingerprint,
+        manifest=spec.manifest,
+        manifest_rows=plan.rows,
+        invalid_rows=plan.invalid_rows,
+        items=plan.items,
+        images=job_images,
+        failed_items=stats.failed_items,
+        finished_at=now,
+    )
+    invalid = [
+        NotRendered(kind="invalid row", manifest_row=e.manifest_row, item_id=e.item_id, reason=_reason(e))
+        for e in _first_per_row(plan.errors_head, NOT_RENDERED_KEPT)
+    ]
     references = plan.references_to_render
     measured = stats.measured_transfer_bytes_per_s
     return JobSummary(
@@ -500,10 +555,14 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         manifest_rows=plan.rows,
         invalid_rows=plan.invalid_rows,  # a row with two errors is one invalid row
         items=plan.items,
-        images_total=plan.committed + stats.done_items,
+        # The whole output: what earlier runs of any job committed, and this run's new ids.
+        images_total=len(output.done_before or ()) + stats.done_items - run.replaced,
+        job_images=job_images,
         images_this_run=stats.done_items,
         skipped_already_done=plan.committed,
         failed_items=stats.failed_items,
+        committed_not_in_manifest=plan.committed_not_in_manifest,
+        not_rendered=[*invalid, *run.failures],
         attempts=AttemptFigures(
             max_attempts=spec.cluster.max_attempts,
             charged=stats.attempts_charged,
@@ -536,8 +595,24 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         scheduler=asdict(run.stats) if run.stats else None,
         judge=run.judge.finish_figures() if run.judge is not None else None,
         finished_at=now,
+        jobs=job_parts(_earlier_jobs(output), this_job),
         runs=runs,
     )
+
+
+def _reason(error) -> str:
+    """A row error as the errors table records it: `field 'x': why`."""
+    return f"{'field ' + repr(error.field) + ': ' if error.field else ''}{error.error}"
+
+
+def _first_per_row(errors: list, n: int) -> list:
+    """The first error of each of the first `n` invalid rows (a row with two errors is one invalid row)."""
+    seen: dict[int, object] = {}
+    for error in errors:
+        if len(seen) >= n:
+            break
+        seen.setdefault(error.manifest_row, error)
+    return list(seen.values())
 
 
 def _write_gallery(spec: JobSpec) -> None:
@@ -549,17 +624,10 @@ def _write_gallery(spec: JobSpec) -> None:
         log.warning("could not write the gallery: %s", e)
 
 
-def _recorded_validation_errors(storage) -> set[tuple]:
-    table = read_errors_table(storage, exclude_ids=set())
-    rows = table.select(["manifest_row", "item_id", "error", "stage"]).to_pylist()
-    return {(r["manifest_row"], r["item_id"], r["error"]) for r in rows if r["stage"] == "validate"}
-
-
-def _commit(output: JobOutput, spec: JobSpec, outcome: ItemOutcome) -> None:
+def _commit(output: JobOutput, outcome: ItemOutcome) -> None:
     if outcome.row.get("shard_key"):
         return  # its rows went into metadata/ with its shard, when the shard was committed (JobOutput.commit_shard)
-    image_bytes = output.storage.get_bytes(outcome.row["image_key"]) if spec.output.embed_images else None
-    output.commit_row(outcome.row, image_bytes)
+    output.commit_row(outcome.row)
 
 
 def _record_failure(output: JobOutput, outcome: ItemOutcome, item: WorkItem, attempt: int) -> None:
@@ -604,11 +672,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=JOB_USAGE)
     parser.add_argument("spec", help="job spec YAML (local or s3://)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    parser.add_argument("--allow-invalid", action="store_true", help="exit 0 when only invalid rows were left out")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def job() -> int:
         summary = run_job(load_job_spec(args.spec), progress=not args.no_progress)
-        return 1 if summary.failed_items else 0
+        return exit_status(summary, allow_invalid=args.allow_invalid)
 
     return run_reporting_usage_errors(job)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from snapref_ray.job_spec import JobSpec, JobSpecError, spec_fingerprint
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.work_items import RowError
-from snapref_ray.render_service.work_plan import WorkPlan
+from snapref_ray.render_service.work_plan import WorkPlan, plan_against_output
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.ledger import committed_item_ids, job_fingerprint, read_job
 
@@ -105,6 +105,11 @@ def _output_state(spec: JobSpec, s3, plan: WorkPlan) -> tuple[str, int]:
                 owner = "this job"
             else:
                 owner = "appended" if spec.output.append else "another job"
+        if owner in ("this job", "appended"):  # what the run would refuse, refused here the same way
+            plan_against_output(
+                plan, storage, ids, fingerprint=fingerprint, rerender_changed=spec.output.rerender_changed
+            )
+            return owner, plan.committed
         plan.skip_committed(ids)
     return owner, plan.committed
 

@@ -2,8 +2,10 @@
 
 `run_job` (snapref_ray/jobs/generate_dataset.py) returns it, the CLI prints it, and summary.json is its JSON form (the
 gallery in snapref_ray/report/ reads the file). One output can take several driver runs (an interrupted job run
-again, an appended manifest): `runs` keeps each run's figures, and the throughput at the top is the job's, over the
-runs that had work, so a resume that finds nothing to render never writes the job's throughput down to 0.
+again, an appended manifest): `runs` keeps each run's figures, and the throughput at the top is the output's, over the
+runs that had work, so a resume that finds nothing to render never writes the throughput down to 0. An output
+can also hold several jobs' images (`--append`): `images_total` counts all of them, `jobs` has each job's part,
+and every run names the job it rendered.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from pydantic import BaseModel, Field
 class RunFigures(BaseModel):
     """One driver run of the job: what it rendered and how long it took."""
 
+    job: str | None = Field(
+        None,
+        description="Fingerprint of the job the run rendered (job.json; the metadata's `job` column); None in a"
+        " summary written before runs named their job.",
+    )
     started_at: float = Field(description="Unix time the driver run started.")
     finished_at: float = Field(description="Unix time its summary was written.")
     items_to_render: int = Field(description="Items the run found not yet committed (0: nothing to do).")
@@ -31,6 +38,9 @@ class RunFigures(BaseModel):
         " what one driver costs per item, apart from the workers.",
     )
     driver_peak_rss_bytes: int | None = Field(None, description="The driver process's peak resident memory.")
+    manifest_sha256: str | None = Field(
+        None, description="sha256 of the manifest's bytes as this run read them: which version of it the run rendered."
+    )
 
     @staticmethod
     def from_earlier_summary(summary: dict) -> list[RunFigures]:
@@ -54,6 +64,60 @@ class RunFigures(BaseModel):
                 render_seconds=float(summary.get("render_seconds", 0.0)),
             )
         ]
+
+
+class JobPart(BaseModel):
+    """One job's part of the output, as its latest run left it: an output that another job was appended to holds
+    several, and the runs of each name it (`RunFigures.job`)."""
+
+    job: str = Field(description="The job's fingerprint (job.json; the metadata's `job` column).")
+    manifest: str
+    manifest_rows: int
+    invalid_rows: int = Field(description="Manifest rows that did not validate: never rendered (errors/).")
+    items: int = Field(description="Valid items of the manifest.")
+    images: int = Field(description="The job's items committed in the output, by any of its runs.")
+    failed_items: int = Field(description="Items its latest run gave up on (errors/).")
+    finished_at: float = Field(description="Unix time of its latest run's summary.")
+
+    @staticmethod
+    def from_earlier_summary(summary: dict) -> list[JobPart]:
+        """The jobs an earlier summary.json recorded; one written before `jobs` existed describes one job."""
+        if "jobs" in summary:
+            return [JobPart.model_validate(part) for part in summary["jobs"]]
+        needed = ("config_hash", "manifest", "manifest_rows", "invalid_rows", "items", "images_total")
+        if not all(key in summary for key in needed):
+            return []
+        return [
+            JobPart(
+                job=summary["config_hash"],
+                manifest=summary["manifest"],
+                manifest_rows=int(summary["manifest_rows"]),
+                invalid_rows=int(summary["invalid_rows"]),
+                items=int(summary["items"]),
+                # Before `jobs`, images_total counted the job's own items: the part is what it said.
+                images=int(summary["images_total"]),
+                failed_items=int(summary.get("failed_items", 0)),
+                finished_at=float(summary.get("finished_at", 0.0)),
+            )
+        ]
+
+
+class NotRendered(BaseModel):
+    """A manifest row or item the job left out of the output, and why (the first few are in the summary; errors/
+    and errors.html hold every one)."""
+
+    kind: str = Field(description='"invalid row" (did not validate) or "failed item" (its render failed for good).')
+    manifest_row: int | None
+    item_id: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        if self.kind == "invalid row":
+            return f"invalid row {self.manifest_row}: {self.reason}"
+        return f"failed item {self.item_id} (manifest row {self.manifest_row}): {self.reason}"
+
+
+NOT_RENDERED_KEPT = 5  # rows named in the summary and on the terminal; errors/ holds them all
 
 
 class AttemptFigures(BaseModel):
@@ -91,26 +155,38 @@ class RefKVDecisions(BaseModel):
 
 class JobSummary(BaseModel):
     """The summary of a job's output after a run; `to_json()` is summary.json. Counts named `_this_run` and the
-    scheduler's figures are this run's; `images_total` and the throughput are the job's."""
+    scheduler's figures are this run's; `manifest` to `failed_items` are this job's; `images_total`, `jobs`, `runs`
+    and the throughput are the output's (all its jobs': an appended output holds several)."""
 
     manifest: str
     output: str
-    config_hash: str
+    config_hash: str = Field(description="This job's fingerprint (job.json; the metadata's `job` column).")
     manifest_rows: int
-    invalid_rows: int
+    invalid_rows: int = Field(description="This job's manifest rows that did not validate: never rendered (errors/).")
     items: int = Field(description="Valid items of the manifest.")
-    images_total: int = Field(description="Items of this manifest committed in the output, by any run.")
+    images_total: int = Field(description="Images in the output: every job's (`jobs` has each one's part).")
+    job_images: int = Field(description="This job's items committed in the output, by any of its runs.")
     images_this_run: int
     skipped_already_done: int = Field(description="Items committed by earlier runs, not rendered again.")
     failed_items: int = Field(description="Items this run gave up on (errors/ holds their reasons).")
+    committed_not_in_manifest: int | None = Field(
+        None,
+        description="Committed items of this job that no manifest row produces any more (rows removed, ids changed);"
+        " they stay in the output. None where the output holds other jobs' items and its rows do not say whose.",
+    )
+    not_rendered: list[NotRendered] = Field(
+        default_factory=list,
+        description=f"The first {NOT_RENDERED_KEPT} invalid rows, then the first {NOT_RENDERED_KEPT} failed items of"
+        " this run, with their reasons (errors/ and errors.html hold every one).",
+    )
     attempts: AttemptFigures
     requeues: dict[str, int] = Field(description="Items requeued without an attempt, by cause; `budget`: the cap.")
     interrupted: bool
-    wall_seconds: float = Field(description="The job's: the wall time of the runs that had work.")
-    images_per_hour: float = Field(description="The job's: images of those runs per hour of their wall time.")
-    startup_seconds: float = Field(description="The job's: seconds until rendering began, summed over those runs.")
-    render_seconds: float = Field(description="The job's: seconds of rendering, summed over those runs.")
-    images_per_hour_rendering: float = Field(description="The job's images per hour of rendering.")
+    wall_seconds: float = Field(description="The output's: the wall time of the runs that had work.")
+    images_per_hour: float = Field(description="The output's: images of those runs per hour of their wall time.")
+    startup_seconds: float = Field(description="The output's: seconds until rendering began, summed over those runs.")
+    render_seconds: float = Field(description="The output's: seconds of rendering, summed over those runs.")
+    images_per_hour_rendering: float = Field(description="The output's images per hour of rendering (the gallery's).")
     references: int = Field(description="References among this run's items.")
     reference_encodes: int = Field(
         description="Reference-stream runs the workers reported (not the driver's requests): a worker that had to "
@@ -149,20 +225,35 @@ class JobSummary(BaseModel):
         " run), renders_per_kept_image, gpu_seconds_per_kept_image. None when the job does not judge.",
     )
     finished_at: float
+    jobs: list[JobPart] = Field(
+        default_factory=list, description="Each job's part of the output, in the order they first ran; this one's too."
+    )
     runs: list[RunFigures] = Field(description="Each driver run on this output, oldest first; the last is this one.")
+
+    @property
+    def unrendered_items(self) -> int:
+        """This job's valid items that are not in the output: they failed (or their shard was lost) and a run of the
+        same command renders them again."""
+        return max(0, self.items - self.job_images)
+
+    @property
+    def rendered_nothing_new(self) -> bool:
+        """This run found every item of the job committed already (a resume of a finished job)."""
+        return bool(self.runs) and self.runs[-1].items_to_render == 0
 
     def to_json(self) -> dict[str, Any]:
         """summary.json's content."""
         return self.model_dump(mode="json")
 
-    def __getitem__(self, key: str) -> Any:
-        """Read a key as summary.json holds it (`summary["requeues"]["node_lost"]`): code written against the file
-        reads the returned summary the same way."""
-        return self.to_json()[key]
+
+def job_parts(earlier: list[JobPart], this_job: JobPart) -> list[JobPart]:
+    """The output's jobs after this run: the earlier parts, this job's replaced by (or added as) `this_job`."""
+    parts = [this_job if part.job == this_job.job else part for part in earlier]
+    return parts if any(part.job == this_job.job for part in earlier) else [*parts, this_job]
 
 
 def job_throughput(runs: list[RunFigures]) -> dict[str, float]:
-    """The job's time and throughput over the runs that had work (a run with nothing to render adds nothing)."""
+    """The output's time and throughput over the runs that had work (a run with nothing to render adds nothing)."""
     working = [r for r in runs if r.items_to_render]
     images = sum(r.images for r in working)
     wall = sum(r.wall_seconds for r in working)

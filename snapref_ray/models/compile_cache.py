@@ -8,7 +8,9 @@ Serve replica builds every graph again. `CompileCache` keeps what torch calls th
 caches in one blob) where all workers see it:
 
 - **Where**: `ModelSpec.compile_cache` (`--compile-cache`), a local folder or an `s3://` prefix; by
-  default `compile/` beside the node's model cache (`default_compile_cache_dir`).
+  default `compile/` beside the node's model cache (`storage/model_cache.py`). This module reads and
+  writes it through an `ArtifactStore` its caller opens (the engine opens the project's storage backend):
+  the network layer stays a leaf that imports no storage.
 - **Keyed by what makes it valid** (`CompileKey`): torch and Triton versions, the device's name and
   compute capability, the compute dtype, the quantisation and the DiT's block geometry. Each key is a
   folder of artifacts named by the graphs' shape key; a worker loads every artifact of its key before
@@ -37,14 +39,12 @@ import os
 import tarfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
-
-from snapref_ray.storage.backends import S3Options, Storage, StorageError, open_storage
-from snapref_ray.storage.model_cache import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,16 @@ _NOT_KERNELS = ("fxgraph", "aotautograd", "locks")
 ARTIFACT_SUFFIX = ".megacache"
 
 
-def default_compile_cache_dir() -> Path:
-    """`compile/` beside the node's model cache (`$SNAPREF_RAY_CACHE/../compile`, else ~/.cache/snapref-ray/compile)."""
-    return default_cache_dir().parent / "compile"
+class ArtifactStore(Protocol):
+    """Where artifacts are kept: a folder or an s3:// prefix (the storage backends satisfy it). A failure
+    raises an OSError, which this module turns into a warning."""
+
+    def list(self, prefix: str) -> list[str]: ...
+
+    def get_bytes(self, key: str) -> bytes: ...
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Write `data` under `key` whole, unless something is there already: whether it was written."""
 
 
 def _triton_version() -> str:
@@ -117,13 +124,16 @@ class CacheLoad:
 
 
 class CompileCache:
-    """A key's compile artifacts in a folder or under an s3:// prefix (see the module docstring)."""
+    """A key's compile artifacts in a folder or under an s3:// prefix (see the module docstring), kept in the
+    store `open_store(location)` opens (called on first use)."""
 
-    def __init__(self, location: str | os.PathLike, key: CompileKey, *, s3: S3Options | None = None) -> None:
+    def __init__(
+        self, location: str | os.PathLike, key: CompileKey, *, open_store: Callable[[str], ArtifactStore]
+    ) -> None:
         self.location = os.fspath(location)
         self.key = key
-        self._s3 = s3
-        self._storage: Storage | None = None
+        self._open_store = open_store
+        self._storage: ArtifactStore | None = None
         self.published: list[str] = []
         # Inductor/AOTAutograd artifact ids the shared cache is known to hold (loaded or published here):
         # a process publishes only when it holds one that is not among them.
@@ -132,9 +142,9 @@ class CompileCache:
         self._since = time.time()
 
     @property
-    def storage(self) -> Storage:
+    def storage(self) -> ArtifactStore:
         if self._storage is None:  # opened on first use: a worker that never compiles never touches it
-            self._storage = open_storage(self.location, self._s3)
+            self._storage = self._open_store(self.location)
         return self._storage
 
     def artifact_key(self, shape_key: str) -> str:
@@ -148,7 +158,7 @@ class CompileCache:
         result = CacheLoad()
         try:
             names = [k for k in self.storage.list(f"{self.key.digest}/") if k.endswith(ARTIFACT_SUFFIX)]
-        except StorageError as e:
+        except OSError as e:  # the store's failures (StorageError is one)
             log.warning("compile cache %s: cannot list it (%s); compiling without it", self.location, e)
             return result
         for name in names:
@@ -194,7 +204,7 @@ class CompileCache:
         header = json.dumps({"key": asdict(self.key), "megacache": len(blob)}, sort_keys=True).encode() + b"\n"
         try:
             written = self.storage.put_if_absent(name, _MAGIC + header + blob + _pack_kernels(self._since))
-        except StorageError as e:
+        except OSError as e:  # the store's failures (StorageError is one)
             log.warning("compile cache %s: could not publish %s (%s)", self.location, name, e)
             return False
         if written:
@@ -294,4 +304,4 @@ def _artifact_ids(info) -> set[str]:
     return {f"{kind}:{key}" for kind, keys in info.artifacts.items() for key in keys}
 
 
-__all__ = ["CacheLoad", "CompileCache", "CompileKey", "default_compile_cache_dir"]
+__all__ = ["ArtifactStore", "CacheLoad", "CompileCache", "CompileKey"]

@@ -15,13 +15,15 @@ from snapref_ray.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "check_reference": "references",
+    "CheckedImage": "references",
+    "ReferenceImageError": "references",
     "reference_hash": "references",
     "Reference": "references",
     "ReferenceIdentity": "references",
     "ReferenceInput": "references",
     "RefKVKey": "references",
     "ReferenceRead": "service",
-    "Rendered": "service",
+    "RenderedImage": "service",
     "RenderOutOfMemory": "service",
     "RenderService": "service",
 }

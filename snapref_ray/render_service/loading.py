@@ -19,9 +19,8 @@ from snapref_ray.adapter.kinds import detect_kind
 from snapref_ray.engine import Renderer
 from snapref_ray.model_spec import MODEL_FILE_FIELDS, ModelSpec
 from snapref_ray.models.bundle import ADAPTER_PATTERNS
-from snapref_ray.models.compile_cache import default_compile_cache_dir
 from snapref_ray.storage.backends import S3Options, S3Storage
-from snapref_ray.storage.model_cache import ensure_local, ensure_local_folder
+from snapref_ray.storage.model_cache import default_compile_cache_dir, ensure_local, ensure_local_folder
 from snapref_ray.uris import is_remote
 
 log = logging.getLogger(__name__)

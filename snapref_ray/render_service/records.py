@@ -1,7 +1,7 @@
 """One output record: what every image the project writes says about how it was made.
 
 A job's metadata row, a Ray Data output row, an image's PNG chunks (`parameters` and `snapref`) and the
-endpoint's JSON answer all come from a `Rendered` (service.py), whose request holds the settings as
+endpoint's JSON answer all come from a `RenderedImage` (service.py), whose request holds the settings as
 rendered — the adapter kind's defaults filled in — so the same render records the same facts through
 every front door. The job and Ray Data share one row builder and one schema (`METADATA_SCHEMA`); the
 columns only a job has (where it stored the image, the manifest row, the attempt) are null in Ray Data.
@@ -14,10 +14,11 @@ import traceback
 from typing import Any
 
 from snapref_ray.render_service.judges.scores import judgement_columns
+from snapref_ray.render_service.work_items import content_id_for
 from snapref_ray.storage.image_files import EXTENSIONS, ImageFormat, encode_rendered_image
 from snapref_ray.storage.metadata import METADATA_SCHEMA, SETTINGS_IN_METADATA
 
-# Columns only a batch job fills (where its files went, its manifest row, the attempt that made them).
+# Columns only a batch job fills (where its files went, its manifest row, the attempt that made them, the job).
 JOB_COLUMNS = (
     "manifest_row",
     "reference_image_key",
@@ -26,6 +27,7 @@ JOB_COLUMNS = (
     "thumb_key",
     "upload_s",
     "attempt",
+    "job",
     "render_of",  # a judged job's: the item this render is of, and which of its renders (0: the first)
     "render_index",
 )
@@ -90,6 +92,10 @@ def metadata_row(
     row.update({name: getattr(settings, name) for name in SETTINGS_IN_METADATA})
     row.update(
         item_id=item_id,
+        # What the image is made of, beside its id (equal to it unless the manifest row gave an explicit id).
+        content_id=content_id_for(rendered.reference_hash, request.prompt, request.seed, settings)
+        if rendered.reference_hash is not None
+        else None,
         reference_uris=list(reference_uris),
         reference_hash=rendered.reference_hash,
         prompt=request.prompt,

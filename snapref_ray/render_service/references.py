@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from snapref_ray.adapter.images import content_hash, open_reference
+from snapref_ray.adapter.images import ReferenceImageError as ReferenceImageError  # raised by check_reference
+from snapref_ray.adapter.images import content_hash, fitted_size, open_reference
 from snapref_ray.requests import RenderError, RenderSettings
 
 if TYPE_CHECKING:  # Serve's ingress imports this module without torch
@@ -142,19 +143,43 @@ class Reference:
         return cls(RefKVKey.for_settings(identity.hash, settings), layout, tuple(sources), lambda: files)
 
 
-def check_reference(images: Sequence[bytes], layout: str, sources: Sequence[str], adapter_kind: str | None) -> None:
+@dataclass(frozen=True)
+class CheckedImage:
+    """A reference image that decodes: its content hash and its size (fitted to the megapixels asked, if any)."""
+
+    content_hash: str
+    width: int
+    height: int
+
+
+def check_reference(
+    images: Sequence[bytes],
+    layout: str,
+    sources: Sequence[str],
+    adapter_kind: str | None,
+    *,
+    megapixels: float | None = None,
+) -> list[CheckedImage]:
     """Refuse, before any device work, a reference the render could not read: an image that does not decode
     (`ReferenceImageError` naming its source) or a layout the loaded adapter kind does not read
-    (`RenderError` with field "layout"). Every front door runs this same check."""
+    (`RenderError` with field "layout"). Every front door runs this same check. Per image it returns the
+    content hash and the size: as decoded, or, given `megapixels`, the size the image is encoded at (an image
+    too elongated to fit is refused too); Serve's uploads report that."""
     refused = layout_refusal(layout, adapter_kind)
     if refused:
         raise RenderError(f"layout: {refused}", field="layout")
+    checked = []
     for data, source in zip(images, sources):
-        open_reference(data, source).close()
+        with open_reference(data, source) as img:
+            size = img.size if megapixels is None else fitted_size(img.size, megapixels)
+        checked.append(CheckedImage(content_hash(data), *size))
+    return checked
 
 
 def layout_refusal(layout: str, adapter_kind: str | None) -> str | None:
     """Why `adapter_kind` does not read references laid out as `layout`; None when it does."""
+    if layout == "single":  # every kind reads one image of one character (and Serve's ingress has no torch)
+        return None
     from snapref_ray.adapter.kinds import KINDS
 
     kind = KINDS.get(adapter_kind or "snapref")

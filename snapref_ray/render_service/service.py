@@ -17,7 +17,7 @@ the CLI's flags). The service owns, once:
   render reads: the images themselves with `recompute_reference_every_step` (that baseline runs the
   reference stream at every step), else a RefKV from the cache, from `Reference.fetch` or encoded here.
 
-It knows nothing of Ray. What it returns (`Rendered`) is what `records.py` turns into image files and
+It knows nothing of Ray. What it returns (`RenderedImage`) is what `records.py` turns into image files and
 metadata rows, so every front door records the same facts. One of them, `encode_s`, means the same at
 every door: the seconds this render spent turning the reference's files into what it reads (decoding
 and VAE-encoding the images and, unless it recomputes, the reference stream); 0 when its RefKV came from
@@ -64,7 +64,7 @@ ReferenceSource = Literal["cache", "fetched", "encoded", "recomputed"]
 
 
 @dataclass
-class Rendered:
+class RenderedImage:
     """One image and the facts every output records about it."""
 
     image: Image.Image
@@ -298,7 +298,7 @@ class RenderService:
         max_batch: int | None = None,
         progress: Callable[[int, int], None] | None = None,
         judge: JudgeCall | Sequence[JudgeCall | None] | None = None,
-    ) -> list[Rendered]:
+    ) -> list[RenderedImage]:
         """Render requests that may share a forward (same settings but prompts and seeds), in forwards of
         the largest batch that fits, at most `max_batch` images each.
 
@@ -345,7 +345,7 @@ class RenderService:
         with self.device("render"):
             batch = self.memory.limit(key, requested, lambda: forward([probe], on_step=None))
         read_s = read.encode_s if read is not None else 0.0
-        results: list[Rendered] = []
+        results: list[RenderedImage] = []
         start = 0
         while start < len(requests):
             chunk = requests[start : start + batch]
@@ -368,7 +368,7 @@ class RenderService:
                 )
                 continue
             results += [
-                Rendered(
+                RenderedImage(
                     image=out.image,
                     request=out.request,
                     # encode_s (the module docstring): this read's encode, plus the engine's preparation of the
@@ -387,7 +387,7 @@ class RenderService:
             self._judge(results, calls, read.reference if read is not None else None)
         return results
 
-    def _judge(self, results: list[Rendered], calls: list[JudgeCall | None], reference: Reference | None) -> None:
+    def _judge(self, results: list[RenderedImage], calls: list[JudgeCall | None], reference: Reference | None) -> None:
         """Set each judged result's `judgement`: the results of one call are scored as one batch."""
         from snapref_ray.render_service.judges.registry import Judges, JudgeTarget
 

@@ -45,6 +45,9 @@ class WorkItem:
     seed: int
     settings: RenderSettings  # resolved for the job's adapter kind
     image_index: int  # k-th image of its row
+    # The content id (item_id_for without an explicit id) where item_id is an explicit one, else None (item_id is it):
+    # what a resume compares a committed explicit id against (storage/item_contents.py).
+    content_id: str | None = None
     # A judged job's re-render (`rerender_of`): the manifest item it renders again, and which render it is.
     render_of: str | None = None  # None: the item's first render (render 0), whose id is the item's
     render_index: int = 0
@@ -146,6 +149,12 @@ def item_id_for(
     return _item_id(explicit_id, image_index, reference_hash, prompt, seed, settings_json(settings))
 
 
+def content_id_for(reference_hash: str, prompt: str, seed: int, settings: RenderSettings) -> str:
+    """The id an item has without an explicit id: a hash of what makes its image (see item_id_for). A metadata row
+    records it beside an explicit id, so that a row edited under the same id is seen (storage/item_contents.py)."""
+    return _item_id(None, 0, reference_hash, prompt, seed, settings_json(settings))
+
+
 def settings_json(settings: RenderSettings) -> str:
     """The settings that are set, as the canonical JSON an item id hashes (computed once per distinct settings)."""
     chosen = {k: v for k, v in settings.model_dump(mode="json").items() if v is not None}
@@ -156,13 +165,17 @@ def _item_id(
     explicit_id: str | None, image_index: int, reference_hash: str, prompt: str, seed: int, settings_json: str
 ) -> str:
     if explicit_id is not None:
-        return f"{explicit_id}-{image_index}"
+        return _explicit_item_id(explicit_id, image_index)
     # The canonical JSON of item_id_for's docstring, written out: its four keys in sorted order.
     canonical = (
         f'{{"prompt":{_json_text(prompt)},"reference":{_json_text(reference_hash)},'
         f'"seed":{int(seed)},"settings":{settings_json}}}'
     )
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+
+
+def _explicit_item_id(explicit_id: str, image_index: int) -> str:
+    return f"{explicit_id}-{image_index}"
 
 
 # What json.dumps(text, ensure_ascii=False) returns for a str, without building an encoder per call.
@@ -307,8 +320,20 @@ class ManifestValidator:
             ref_hash = reference_hash(reference.layout, [image.hash for image in images])
             self.reference_group(ref_hash)
             for image_index, seed in enumerate(row.seeds):
-                item_id = _item_id(row.explicit_id, image_index, ref_hash, row.prompt, seed, settings_text)
-                item = WorkItem(item_id, number, reference, ref_hash, row.prompt, seed, settings, image_index)
+                content_id = _item_id(None, image_index, ref_hash, row.prompt, seed, settings_text)
+                explicit = row.explicit_id is not None
+                item_id = _explicit_item_id(row.explicit_id, image_index) if explicit else content_id
+                item = WorkItem(
+                    item_id,
+                    number,
+                    reference,
+                    ref_hash,
+                    row.prompt,
+                    seed,
+                    settings,
+                    image_index,
+                    content_id if explicit else None,
+                )
                 candidates.append((number, row.explicit_id, item))
 
         owners = self.claimed.claim([c[2].item_id for c in candidates], [c[0] for c in candidates])

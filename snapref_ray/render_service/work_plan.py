@@ -24,6 +24,7 @@ file its check; everything else is on disk (about 60-100 bytes per item) until t
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 import shutil
@@ -46,7 +47,16 @@ from snapref_ray.render_service.work_items import (
     rerender_of,
 )
 from snapref_ray.requests import RenderSettings
-from snapref_ray.storage.backends import S3Options
+from snapref_ray.storage.backends import S3Options, Storage
+from snapref_ray.storage.item_contents import (
+    CommittedContents,
+    ContentCheck,
+    ItemContentError,
+    compare_run,
+    read_committed_contents,
+    refusal,
+)
+from snapref_ray.storage.ledger import CommittedIds
 from snapref_ray.storage.manifest import iter_manifest_chunks
 
 log = logging.getLogger(__name__)
@@ -66,6 +76,7 @@ _RUN_SCHEMA = pa.schema(
         ("seed", pa.int64()),  # seeds are < 2**63
         ("settings", pa.int32()),
         ("image_index", pa.int32()),
+        ("content_id", pa.string()),  # where item_id is an explicit id, the content id; else null (item_id is it)
     ]
 )
 _ERROR_SCHEMA = pa.schema(
@@ -102,8 +113,12 @@ class WorkPlan:
         self._hashes: list[str] = []  # reference hash by group index
         self._first_inputs: list[ReferenceInput] = []  # the first FIRST_REFERENCES_KEPT references' inputs
         self._errors_writer: pa.ipc.RecordBatchFileWriter | None = None
+        self.manifest_sha256: str | None = None  # of the manifest's bytes, as they were read (storage/manifest.py)
         # Filled by skip_committed:
         self.committed = 0
+        self.committed_found = 0  # the plan's items the output holds (committed, and those rendered again)
+        self.rerendered = 0  # of them, explicit ids committed with other content, rendered again
+        self.committed_not_in_manifest: int | None = None  # set by plan_against_output
         self.to_render = 0
         self.references_to_render = 0
         self.sizes: list[tuple[int, int]] = []  # (width, height) of the items to render
@@ -135,8 +150,9 @@ class WorkPlan:
         where.mkdir(parents=True, exist_ok=True)
         plan = cls(where, ManifestValidator(spec, s3=s3, adapter_kind=adapter_kind), spec.manifest)
         bar = _validation_bar() if progress else None
+        digest = hashlib.sha256()  # of the bytes as they are read: what this run's manifest held
         try:
-            for rows in iter_manifest_chunks(spec.manifest, s3, chunk_rows=chunk_rows):
+            for rows in iter_manifest_chunks(spec.manifest, s3, chunk_rows=chunk_rows, digest=digest):
                 plan._add_chunk(rows)
                 if bar is not None:
                     bar.set_postfix(invalid=plan.invalid_rows, refresh=False)  # shown by the update's refresh
@@ -152,6 +168,7 @@ class WorkPlan:
             if plan._errors_writer is not None:
                 plan._errors_writer.close()
                 plan._errors_writer = None
+        plan.manifest_sha256 = digest.hexdigest()
         plan.validator.done()  # the claimed ids and reference checks are not needed any more (160 MB at 10 M)
         if spec.strict and plan.error_count:
             plan.close()
@@ -200,6 +217,7 @@ class WorkPlan:
                 "seed": [i.seed for i in items],
                 "settings": [self.validator.settings_index(i.settings) for i in items],
                 "image_index": [i.image_index for i in items],
+                "content_id": [i.content_id for i in items],
             },
             schema=_RUN_SCHEMA,
         ).take(pa.array(np.argsort(groups, kind="stable")))
@@ -228,18 +246,44 @@ class WorkPlan:
         return index
 
     # -- what is committed already -------------------------------------------------------------------------------
-    def skip_committed(self, committed) -> None:
+    def compare_contents(self, contents: CommittedContents) -> ContentCheck:
+        """The plan's items against what the output committed (storage/item_contents.py): explicit ids committed with
+        other content, ids another job committed. Reads each run's id columns once; vectorised."""
+        check = ContentCheck()
+        changed_ids: list[pa.Array] = []
+        if not len(contents.explicit) and not len(contents.foreign):
+            return check
+        for run in self.runs:
+            table = _read_run(run.path, ["item_id", "content_id", "manifest_row"])
+            ids = pa.concat_arrays(table.column("item_id").chunks)
+            changed, foreign = compare_run(contents, ids, pa.concat_arrays(table.column("content_id").chunks))
+            rows = table.column("manifest_row").to_numpy()
+            for found, mask in ((check.changed, changed), (check.foreign, foreign)):
+                if mask.any():
+                    found.add(rows[mask], ids.filter(pa.array(mask)))
+            if changed.any():
+                changed_ids.append(ids.filter(pa.array(changed)))
+        check.changed_ids = CommittedIds.from_arrow_parts(changed_ids)
+        return check
+
+    def skip_committed(self, committed, *, rerender=None) -> None:
         """Mark the items whose ids `committed` holds (a `CommittedIds`, or anything with `contains(ids)`) as done,
+        but those `rerender` holds (the same kind: explicit ids committed with other content, to be rendered again),
         and compute the figures of what is left to render."""
         settings_used = np.zeros(len(self.validator.settings), dtype=bool)
         groups_used = np.zeros(len(self._hashes), dtype=bool)
         batch_key_of = _batch_key_indices(self.validator.settings)
         counts = (np.array([], np.int64), np.array([], np.int64))
-        self.committed = self.to_render = 0
+        self.committed = self.to_render = self.committed_found = self.rerendered = 0
         for run in self.runs:
             table = _read_run(run.path, ["item_id", "group", "settings"])
             ids = table.column("item_id")
             done = np.asarray(committed.contains(ids), dtype=bool) if len(committed) else np.zeros(run.rows, bool)
+            self.committed_found += int(done.sum())
+            if rerender is not None and len(rerender):
+                again = done & np.asarray(rerender.contains(ids), dtype=bool)
+                self.rerendered += int(again.sum())
+                done &= ~again
             todo = ~done
             run.todo = np.packbits(todo)
             self.committed += int(done.sum())
@@ -324,7 +368,7 @@ class WorkPlan:
                 if not keep.all():
                     batch = batch.filter(pa.array(keep))
                 columns = [batch.column(name).to_pylist() for name in _RUN_SCHEMA.names]
-                ids, rows, group, inp, prompt, seed, setting, image_index = columns
+                ids, rows, group, inp, prompt, seed, setting, image_index, content = columns
                 render = run.rerender[offset - len(keep) : offset][keep].tolist() if rerender else None
                 starts = [0, *(np.flatnonzero(np.diff(np.asarray(group))) + 1).tolist(), len(group)]
                 for start, end in zip(starts, starts[1:]):
@@ -342,6 +386,7 @@ class WorkPlan:
                                     seed[k],
                                     settings[setting[k]],
                                     image_index[k],
+                                    content[k],
                                 ),
                                 render[k] if render is not None else 0,
                             )
@@ -376,6 +421,51 @@ class WorkPlan:
 
 def _item_render(item: WorkItem, render_index: int) -> WorkItem:
     return rerender_of(item, render_index) if render_index else item
+
+
+def plan_against_output(
+    plan: WorkPlan,
+    storage: Storage,
+    committed: CommittedIds,
+    *,
+    fingerprint: str,
+    rerender_changed: bool = False,
+) -> ContentCheck:
+    """What is left to render of `plan` on an output that holds `committed` (read under the lease), the job being
+    `fingerprint`: explicit ids the output holds with other content, or that another job committed, are refused with
+    one line naming the manifest rows (`ItemContentError`), unless `rerender_changed` asks to render the changed ones
+    again; then the committed items are skipped, and the committed items the manifest no longer produces counted
+    (`plan.committed_not_in_manifest`: None where the output holds other jobs' items and its rows do not say
+    whose). Memory: the committed explicit ids with their content ids, as fixed-width bytes."""
+    contents = read_committed_contents(storage, fingerprint)
+    check = plan.compare_contents(contents)
+    line = refusal(check, contents, manifest=plan.manifest, output=storage.uri, rerender=rerender_changed)
+    if line is not None:
+        raise ItemContentError(line)
+    plan.skip_committed(committed, rerender=check.changed_ids if check.changed.items else None)
+    if plan.rerendered:
+        log.warning(
+            "rendering again %d item(s) of %d manifest row(s) whose explicit ids %s holds with other content "
+            "(rerender_changed)",
+            plan.rerendered,
+            len(check.changed.rows),
+            storage.uri,
+        )
+    # A judged job's re-renders (`<item_id>-r<k>`) are committed ids no manifest row produces: not counted.
+    if contents.rows_name_their_job:
+        own = len(committed) - len(contents.foreign) - len(contents.rerenders)
+        plan.committed_not_in_manifest = max(0, own - (plan.committed_found - check.foreign.items))
+    elif not contents.other_jobs:
+        plan.committed_not_in_manifest = max(0, len(committed) - len(contents.rerenders) - plan.committed_found)
+    if plan.committed_not_in_manifest:
+        log.warning(
+            "%d committed item(s) of %s are no longer produced by manifest %s (rows removed, or their ids or "
+            "content changed); they stay in the output",
+            plan.committed_not_in_manifest,
+            storage.uri,
+            plan.manifest,
+        )
+    return check
 
 
 def _read_run(path: Path, columns: list[str]) -> pa.Table:

@@ -5,8 +5,8 @@ image (``references/{hash}.jpg``), then its generated scenes as thumbnails (``th
 linking to the full images (``images/...``), the prompt as caption and the seed and settings
 on hover. Page 1 has a header with counts and the job's one throughput figure (images per
 minute while rendering, as the throughput chart's mean line), the runs ``summary.json``
-records, links to the report plots and the failed items; every failed item is listed on
-``errors.html``, ``errors-2.html``, ...
+records, links to the report plots and the rows not rendered (invalid rows and failed items); every one is
+listed on ``errors.html``, ``errors-2.html``, ...
 
 The pages are Jinja2 templates (``templates/``) rendered with autoescaping, so a prompt, a
 file name or an error message is always text, never markup; storage keys become relative URLs
@@ -141,7 +141,7 @@ def write_gallery(
         html = _render(
             "errors.html.j2",
             **common,
-            page_title=f"{title} — failed items, page {page}",
+            page_title=f"{title} — not rendered, page {page}",
             page=page,
             n_pages=n_error_pages,
             prefix="errors",

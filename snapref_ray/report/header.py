@@ -1,10 +1,14 @@
 """The header of the gallery's first page: counts, the job's one throughput, and the runs of summary.json.
 
-One throughput: images per minute while rendering, from the first image's start to the last
-image's finish, computed from the metadata exactly as the throughput chart computes its mean
-line. The last run's counts and, when ``summary.json`` has a ``runs`` list (one entry per run,
-a resume adds one), a table of every run's figures follow; a summary written by another
-version shows what it has and never fails the page.
+What the output left out is counted in the terminal's and summary.json's words: *invalid rows* (manifest rows
+that did not validate, never rendered) and *failed items* (valid items whose render failed for good).
+
+One throughput: images per minute while rendering. With ``summary.json``'s ``runs`` list (one entry per
+driver run; a resume or an appended job adds one) it is the runs' images over the sum of their rendering
+times, as summary.json's ``images_per_hour_rendering``: the hours between two runs are no rendering time.
+Without one (a job still in its first run, an older output) it is the span from the first image's start to
+the last image's finish, as the throughput chart computes its mean line. The last run's counts and a table of
+every run's figures follow; a summary written by another version shows what it has and never fails the page.
 """
 
 from __future__ import annotations
@@ -57,10 +61,14 @@ class Header:
     runs: list[RunRow]
     scalars: list[Fact]
     plots: list[tuple[str, str]]
-    failed: int
+    failed: int  # rows on the errors pages: invalid rows and failed items
 
 
 _THROUGHPUT_HINT = "images per minute while rendering, from the first image's start to the last image's finish"
+_RUNS_THROUGHPUT_HINT = (
+    "images per minute while rendering: the images of summary.json's runs over the sum of their rendering times"
+    " (the time between runs is not rendering time)"
+)
 
 
 def page_header(
@@ -73,10 +81,12 @@ def page_header(
 ) -> Header:
     """The first page's header from the job's rows (report/rows.py), failed items, ``summary.json`` and plot keys."""
     workers = rows.n_workers
+    invalid, failed_renders = left_out(failed)
     facts = [
         Fact("images", f"{rows.n_items:,}"),
         Fact("references", f"{rows.n_references:,}"),
-        Fact("failed", f"{len(failed):,}"),
+        Fact("invalid rows", f"{invalid:,}", "manifest rows that did not validate: never rendered (errors/)"),
+        Fact("failed items", f"{failed_renders:,}", "valid items whose render failed for good (errors/)"),
     ]
     if workers:
         facts.append(Fact("workers", f"{workers:,}"))
@@ -88,7 +98,17 @@ def page_header(
     ends = finished[np.isfinite(finished)]
     rate = mean_images_per_minute(finished, start)
     note = "throughput: no images with start and finish times yet"
-    if rate > 0 and start is not None:
+    rendering = _runs_rendering(summary.get("runs"))
+    if rendering is not None:
+        images, seconds, n_runs = rendering
+        facts.append(Fact("rendering time", format_duration(seconds), "the sum of the runs' rendering times"))
+        facts.append(Fact("throughput", f"{format_rate(images / seconds * 60)} images / min", _RUNS_THROUGHPUT_HINT))
+        note = (
+            f"throughput = {_RUNS_THROUGHPUT_HINT} ({images:,.0f} images in {format_duration(seconds)} over"
+            f" {n_runs:,} run{'s' if n_runs != 1 else ''}); the throughput plot's mean line spans the first image's"
+            " start to the last's finish, the time between runs included"
+        )
+    elif rate > 0 and start is not None:
         span = float(ends.max()) - start
         facts.append(Fact("rendering time", format_duration(span), "from the first image's start to the last's finish"))
         facts.append(Fact("throughput", f"{format_rate(rate)} images / min", _THROUGHPUT_HINT))
@@ -129,6 +149,33 @@ def _ratio(value: float | None) -> str:
     return "–" if value is None else f"{value:.3g}"
 
 
+def left_out(failed: Sequence[FailedItem]) -> tuple[int, int]:
+    """(invalid rows, failed items) among the errors pages' rows: an invalid row failed validation (its stage), a
+    failed item its render."""
+    invalid = {f.manifest_row if f.manifest_row is not None else id(f) for f in failed if f.stage == "validate"}
+    return len(invalid), sum(1 for f in failed if f.stage != "validate")
+
+
+def _runs_rendering(runs) -> tuple[float, float, int] | None:
+    """(images, seconds of rendering, runs) summed over summary.json's runs that rendered; None without any."""
+    if not isinstance(runs, list):
+        return None
+    images = seconds = 0.0
+    counted = 0
+    for run in runs:
+        if not isinstance(run, Mapping):
+            continue
+        n, s = _number(run, "images"), _number(run, "render_seconds")
+        if n is not None and s:
+            images, seconds, counted = images + n, seconds + s, counted + 1
+    return (images, seconds, counted) if seconds > 0 and images > 0 else None
+
+
+def _number(run: Mapping, key: str) -> float | None:
+    v = run.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
 def sample_note(rows: JobRows) -> str:
     """What the gallery shows of the job when it is not every item: a webdataset job has previews for a sample.
 
@@ -149,12 +196,12 @@ def sample_note(rows: JobRows) -> str:
 
 
 # Counts of the last run, shown in the header when summary.json has them. Its throughput is not
-# among them: the header shows one throughput, and each run's is in the runs table.
+# among them: the header shows one throughput, and each run's is in the runs table; nor its invalid rows:
+# the header counts those of the whole output, from errors/.
 _SUMMARY_FACTS = (
     ("images_this_run", "images this run", lambda v: f"{v:,}"),
     ("wall_seconds", "wall time", lambda v: format_duration(float(v))),
     ("encodes_per_reference", "encodes / reference", lambda v: f"{v:.2f}"),
-    ("invalid_rows", "invalid manifest rows", lambda v: f"{v:,}"),
     ("interrupted", "interrupted", lambda v: "yes" if v else "no"),
 )
 
@@ -168,10 +215,7 @@ def _runs(runs) -> list[RunRow]:
     """
     if not isinstance(runs, list):
         return []
-
-    def number(run: Mapping, key: str) -> float | None:
-        v = run.get(key)
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+    number = _number
 
     def duration(v: float | None) -> str:
         return format_duration(v) if v is not None else "–"

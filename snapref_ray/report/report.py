@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from snapref_ray.report.gallery import DEFAULT_TITLE, errors_page_key, failed_items, page_key, write_gallery
+from snapref_ray.report.header import left_out
 from snapref_ray.report.judging import SCORES_KEY, read_judged, write_judging
 from snapref_ray.report.plots import write_plots
 from snapref_ray.report.rows import JobRows
@@ -42,11 +43,12 @@ def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str =
 
     ``s3`` is passed to :func:`~snapref_ray.storage.backends.open_storage` (endpoint and
     credentials for an S3-compatible store). The result holds ``gallery`` (URI of page 1),
-    ``pages`` (number of gallery pages), ``errors_page`` (URI of the first page of failed
-    items, None when nothing failed), ``plots`` (plot name -> URI) and the counts
+    ``pages`` (number of gallery pages), ``errors_page`` (URI of the first page of the rows not
+    rendered, None when every row was), ``plots`` (plot name -> URI) and the counts
     ``images``, ``shown`` (items the gallery draws: every one, or a webdataset job's sample),
-    ``references`` and ``failed``; ``judging``, a judged job's counts (report/judging.py), else None. The
-    metadata is read a page at a time (report/rows.py).
+    ``references``, ``invalid_rows`` and ``failed_items`` (the words and counts of the terminal,
+    summary.json and the gallery's header); ``judging``, a judged job's counts (report/judging.py), else
+    None. The metadata is read a page at a time (report/rows.py).
     Raises :class:`NoJobOutputError` when ``output_uri`` is missing or holds none of
     ``job.json``, ``summary.json``, ``metadata/``.
     """
@@ -85,7 +87,7 @@ def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str =
         "images": rows.n_items,
         "shown": rows.n_shown,
         "references": rows.n_references,
-        "failed": len(failed_items(errors, set())),
+        **dict(zip(("invalid_rows", "failed_items"), left_out(failed_items(errors, set())), strict=True)),
     }
 
 

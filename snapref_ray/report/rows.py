@@ -4,9 +4,10 @@ A million-item job must not become a million Python objects, nor a table of ever
 its gallery. So the report reads the metadata parts twice:
 
 1. `JobRows.scan` reads only `KEY_COLUMNS` (ids, order, timings), one part at a time, and keeps them
-   as Arrow and NumPy columns (tens of bytes per item): the first committed row of each item_id wins,
-   as in every reader of the output (storage/metadata.py); the gallery order (references by their
-   first manifest row, then rows) is one Arrow sort; charts, counts and the header use these columns.
+   as Arrow and NumPy columns (tens of bytes per item): the first committed row of each item_id's latest
+   content wins, as in every reader of the output (storage/metadata.py `winning_rows`); the gallery order
+   (references by their first manifest row, then rows) is one Arrow sort; charts, counts and the header use
+   these columns.
 2. `JobRows.page` returns the `DISPLAY_COLUMNS` of the items at some positions of that order, read per
    row group of the parts that hold them through a cache of at most ``cache_rows`` rows. A job's items
    are committed roughly in gallery order (the driver hands out items by reference, in manifest order),
@@ -33,13 +34,14 @@ import pyarrow.parquet as pq
 
 from snapref_ray.report.items import DISPLAY_COLUMNS
 from snapref_ray.storage.backends import Storage
-from snapref_ray.storage.metadata import METADATA_PREFIX, METADATA_SCHEMA
+from snapref_ray.storage.metadata import METADATA_PREFIX, METADATA_SCHEMA, winning_rows
 
 __all__ = ["DISPLAY_COLUMNS", "KEY_COLUMNS", "JobRows"]
 
 #: What the first pass reads of every row: identity, order, whether a preview exists, and the charts' timings.
 KEY_COLUMNS = (
     "item_id",
+    "content_id",  # which of an item's rows wins (storage/metadata.py `winning_rows`)
     "manifest_row",
     "reference_hash",
     "image_key",
@@ -174,7 +176,7 @@ class JobRows:
     def _scan(self) -> None:
         # Per part, only what is kept: ids as Arrow strings, references and workers dictionary-encoded (a
         # part holds a few of each), numbers and timings as float64, whether a preview exists as a bool.
-        ids, refs, workers, numbers, drawable, units, rows = [], [], [], [], [], [], []
+        ids, contents, refs, workers, numbers, drawable, units, rows = [], [], [], [], [], [], [], []
         timings: dict[str, list[np.ndarray]] = {c: [] for c in _TIMINGS}
         self._units = []
         for i, source, part in self._read_keys():
@@ -186,6 +188,9 @@ class JobRows:
             units.append(np.repeat(np.arange(first_unit, first_unit + len(sizes), dtype=np.int32), sizes))
             rows.append(np.concatenate([np.arange(n, dtype=np.int32) for n in sizes]))
             ids.append(part.column("item_id").combine_chunks())
+            # Only an explicit id's content id can pick another row than the first: the rest are kept as nulls.
+            content = part.column("content_id").combine_chunks().cast(pa.string())
+            contents.append(pc.if_else(pc.equal(content, ids[-1]), pa.scalar(None, pa.string()), content))
             refs.append(pc.dictionary_encode(part.column("reference_hash").fill_null("")).combine_chunks())
             workers.append(pc.dictionary_encode(part.column("worker_id")).combine_chunks())
             numbers.append(_floats(part.column("manifest_row")))
@@ -196,7 +201,9 @@ class JobRows:
                 timings[c].append(_floats(part.column(c)))
 
         item_ids = pa.chunked_array(ids, pa.string())
-        first = _first_per_id(item_ids)  # positions of the first commit of each id, None when all are unique
+        # positions of each id's row (the first commit of its latest content), None when all are unique
+        first = winning_rows(item_ids, pa.chunked_array(contents, pa.string()))
+        del contents
         take = (lambda a: a) if first is None else (lambda a: a[first])
         self._unit_of, self._row_of = take(_concat(units, np.int32)), take(_concat(rows, np.int32))
         if first is not None:
@@ -312,20 +319,6 @@ class JobRows:
         while len(self._cache) > 1 and self._cached_rows > self._cache_rows:
             self._cached_rows -= self._cache.popitem(last=False)[1].num_rows
         return table
-
-
-def _first_per_id(item_ids: pa.ChunkedArray) -> np.ndarray | None:
-    """Positions of the first row of each item_id (the first commit wins), in commit order; None when every id
-    is unique (the common case: no position array at all)."""
-    if not len(item_ids) or pc.count_distinct(item_ids, mode="all").as_py() == len(item_ids):
-        return None
-    first = (
-        pa.table({"item_id": item_ids, "_pos": pa.array(np.arange(len(item_ids)))})
-        .group_by("item_id", use_threads=False)
-        .aggregate([("_pos", "min")])
-        .column("_pos_min")
-    )
-    return np.sort(first.to_numpy())
 
 
 def _floats(column: pa.ChunkedArray | pa.Array) -> np.ndarray:

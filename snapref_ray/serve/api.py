@@ -252,15 +252,22 @@ def parse_json_object(raw: bytes, known_fields: set[str]) -> dict:
     return value
 
 
-def validate_strict(model: type[BaseModel], raw: bytes):
+def validate_strict(model: type[BaseModel], raw: bytes, limits: ServeLimits | None = None):
     """`model` from a JSON body, strictly typed: booleans are not numbers, numbers are not booleans,
-    strings are not numbers (pydantic's strict mode), with NaN/Infinity refused first."""
+    strings are not numbers (pydantic's strict mode), with NaN/Infinity refused first. With `limits`, the
+    bounds a message states are this server's (`validation_context`)."""
     fields = set(model.model_fields)
     data = parse_json_object(raw, fields)
     try:
-        return model.model_validate(data, strict=True)
+        return model.model_validate(data, strict=True, context=validation_context(limits))
     except ValidationError as e:
         raise validation_error(e, fields, model) from None
+
+
+def validation_context(limits: ServeLimits | None) -> dict | None:
+    """What the request model's validators read to check against this server's caps instead of the model's
+    own (a width error then says "between 256 and 2048" on a server capped at 2048, not 4096)."""
+    return {"max_side": limits.max_side} if limits is not None else None
 
 
 def validation_error(exc: ValidationError, known_fields: set[str] | None = None, model=None) -> ApiError:

@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import warnings
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from snapref_ray.job_spec import S3Spec
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.serve.errors import TOKEN_ENV
-
-# Names this config used to have, kept readable for one deprecation cycle: old name -> where it went.
-DEPRECATED_FIELDS = {
-    "max_batch_size": "max_batch",
-    "s3_endpoint_url": "s3.endpoint_url",
-    "s3_region": "s3.region",
-}
 
 
 def is_loopback(host: str) -> bool:
@@ -281,8 +273,7 @@ class ServeConfig(BaseModel):
         ge=1,
         description="Most images per batched forward, as a job's `cluster.max_batch` and Ray Data's `max_batch`"
         " (the memory fit may choose fewer). 4 fills an H100 at 1 MP with CFG's two rows without running out"
-        " of memory; more gives little throughput for a lot of latency. Formerly `max_batch_size`"
-        " (still read, with a DeprecationWarning).",
+        " of memory; more gives little throughput for a lot of latency.",
     )
     warmup_sizes: tuple[tuple[int, int], ...] = Field(
         (),
@@ -323,8 +314,7 @@ class ServeConfig(BaseModel):
         default_factory=S3Spec,
         description="S3 client settings for s3:// model files and references_uri: the same section as a job"
         " spec's `output.s3` (endpoint, region, retry mode, attempts), so a throttled store is retried alike."
-        " Credentials come from the node's AWS chain (environment, instance profile), never from this config."
-        " Formerly the flat `s3_endpoint_url` / `s3_region` (still read, with a DeprecationWarning).",
+        " Credentials come from the node's AWS chain (environment, instance profile), never from this config.",
     )
     model_cache_dir: str | None = Field(
         None,
@@ -337,32 +327,6 @@ class ServeConfig(BaseModel):
         description="Uploaded reference files kept for the replicas to encode from (LRU, bytes). 1 GiB"
         " is ~500 typical 2 MB uploads; an evicted reference answers 404 and is uploaded again.",
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _deprecated_names(cls, data: Any) -> Any:
-        """The old names (DEPRECATED_FIELDS) moved to their new place, with a DeprecationWarning."""
-        if not isinstance(data, dict) or not DEPRECATED_FIELDS.keys() & data.keys():
-            return data
-        data = dict(data)
-        if "max_batch_size" in data:
-            if "max_batch" in data:
-                raise ValueError("max_batch_size is the deprecated name of max_batch: give only max_batch")
-            _warn_deprecated("max_batch_size")
-            data["max_batch"] = data.pop("max_batch_size")
-        flat = {name: data.pop(name) for name in ("s3_endpoint_url", "s3_region") if name in data}
-        if flat:
-            if "s3" in data:
-                raise ValueError(f"{', '.join(flat)}: deprecated names inside s3 (endpoint_url, region): give only s3")
-            for name in flat:
-                _warn_deprecated(name)
-            data["s3"] = {"endpoint_url": flat.get("s3_endpoint_url"), "region": flat.get("s3_region")}
-        return data
-
-    @property
-    def max_batch_size(self) -> int:
-        """Deprecated: `max_batch`."""
-        return self.max_batch
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:
@@ -424,11 +388,3 @@ class ServeConfig(BaseModel):
     def proxy_timeout_s(self) -> float:
         """The HTTP proxy's request timeout: above ours, so that clients see our JSON 504."""
         return self.request_timeout_s + 10.0
-
-
-def _warn_deprecated(name: str) -> None:
-    warnings.warn(
-        f"ServeConfig.{name} is deprecated: use {DEPRECATED_FIELDS[name]} (the name job specs and Ray Data use)",
-        DeprecationWarning,
-        stacklevel=4,
-    )

@@ -80,9 +80,16 @@ def error_response(request: Request, error: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=error.headers or None)
 
 
+class ClientFieldError(ApiError):
+    """An error whose field is already named as the client sent it (an unknown extra field, say `steps` sent
+    where the route takes `num_inference_steps`): `renamed` leaves it as it is."""
+
+
 def renamed(error: ApiError, names: dict[str, str]) -> ApiError:
     """`error` with its field under the name the client sent it as (`steps` -> `num_inference_steps`). A field
     that is one part of what the client sent (`width` of `size`) is named in the message as `size (width)`."""
+    if isinstance(error, ClientFieldError):
+        return error
     client = names.get(error.field or "")
     if client is None:
         return error

@@ -26,12 +26,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from snapref_ray.requests import RenderSettings, StepCache
-from snapref_ray.serve.api import ECHO_CHARS, REFERENCE_FIELDS, ModelCard, RenderBody, echo, validation_error
+from snapref_ray.serve.api import (
+    ECHO_CHARS,
+    REFERENCE_FIELDS,
+    ModelCard,
+    RenderBody,
+    echo,
+    validation_context,
+    validation_error,
+)
+from snapref_ray.serve.config import ServeLimits
 from snapref_ray.serve.errors import ApiError
-from snapref_ray.serve.openai_errors import renamed
+from snapref_ray.serve.openai_errors import ClientFieldError, renamed
 
 # RenderBody fields these routes take under another name. width and height are both parts of `size`.
 OPENAI_NAMES = {"width": "size", "height": "size", "steps": "num_inference_steps", "cfg": "guidance_scale"}
+# Fields the routes name (OpenAI's clients send them) but refuse whatever the value: never a suggestion.
+_ALWAYS_REFUSED = {"style", "input_fidelity"}
 # RenderSettings fields not served here: img2img is not served over HTTP, the baseline is a benchmark.
 _NOT_SERVED = {"denoise", "recompute_reference_every_step"}
 # The adapter's settings, passed through under their own names.
@@ -100,12 +111,20 @@ class ImageRequestFields(BaseModel):
             if name in ADAPTER_FIELDS:
                 continue
             if name in OPENAI_NAMES:
-                raise ApiError(400, name, f"{name}: this route takes it as {OPENAI_NAMES[name]!r}")
-            known = [*type(self).model_fields, *ADAPTER_FIELDS]
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ApiError(400, name[:ECHO_CHARS], f"{echo(name)}: unknown field{hint}")
+                raise ClientFieldError(400, name, f"{name}: this route takes it as {OPENAI_NAMES[name]!r}")
+            suggestions = self._suggestions()
+            close = difflib.get_close_matches(name, suggestions, n=1)
+            hint = f" (did you mean {suggestions[close[0]]!r}?)" if close else ""
+            raise ClientFieldError(400, name[:ECHO_CHARS], f"{echo(name)}: unknown field{hint}")
         return extras
+
+    @classmethod
+    def _suggestions(cls) -> dict[str, str]:
+        """What a mistyped field may be close to, and the name to suggest: the fields this route accepts (not
+        those it refuses whatever the value), and /v1/render's names of them (`steps` suggests
+        `num_inference_steps`)."""
+        accepted = [n for n in [*cls.model_fields, *ADAPTER_FIELDS] if n not in _ALWAYS_REFUSED]
+        return {**{n: n for n in accepted}, **OPENAI_NAMES}
 
 
 class ImageGenerationRequest(ImageRequestFields):
@@ -148,9 +167,12 @@ class OutputOptions(BaseModel):
 
 
 # -- translation ------------------------------------------------------------------------------
-def render_body(request: ImageRequestFields, references: dict[str, str] | None = None) -> RenderBody:
+def render_body(
+    request: ImageRequestFields, limits: ServeLimits | None = None, references: dict[str, str] | None = None
+) -> RenderBody:
     """The /v1/render body of `request`: the same render, field by field. `references` are the reference
-    fields (reference_id, ...) it carries; a seed is drawn when the request sets none."""
+    fields (reference_id, ...) it carries; a seed is drawn when the request sets none. With `limits`, a
+    message states this server's bounds."""
     _refuse_unhonourable(request)
     values: dict[str, Any] = {
         "prompt": request.prompt,
@@ -166,7 +188,7 @@ def render_body(request: ImageRequestFields, references: dict[str, str] | None =
         if value is not None:
             values[ours] = value
     try:
-        return RenderBody.model_validate(values, strict=True)
+        return RenderBody.model_validate(values, strict=True, context=validation_context(limits))
     except ValidationError as e:
         raise renamed(validation_error(e, set(RenderBody.model_fields), RenderBody), OPENAI_NAMES) from None
 

@@ -1,43 +1,46 @@
 """The OpenAI-compatible routes of the ingress: POST /v1/images/generations and POST /v1/images/edits.
 
-`OpenAIImageRoutes` is a base of the ingress (`Ingress`), so these handlers run on the same replica with
-the same token check, body deadlines, limits, reference store and render path as /v1/references and
-/v1/render (ingress.py); its routes live on `router`, which the ingress's app includes. An OpenAI request
-becomes the `RenderBody` /v1/render would take (openai_images.py) and goes down that one path; an edit's
-image files are stored exactly as uploads to /v1/references are, so the RefKV cache serves them alike.
-Errors answer in OpenAI's shape (openai_errors.py), with the request's field names.
+`OpenAIImages` serves them over one narrow port, `RenderPort` (the ingress's render path, render_path.py):
+the model's id, the checks of a render body, its reference (by id, or an edit's image files stored exactly
+as uploads to /v1/references are, so the RefKV cache serves them alike) and the render. It reads the
+request body itself with the ingress's `BodyReceiver` and limits. An OpenAI request becomes the
+`RenderBody` /v1/render would take (openai_images.py) and goes down that one path. Errors answer in
+OpenAI's shape (openai_errors.py), with the request's field names.
 """
 
-# No `from __future__ import annotations`: FastAPI reads the route signatures (Request) at runtime.
+from __future__ import annotations
+
 import asyncio
 import base64
 import time
+from collections.abc import Sequence
 from contextlib import aclosing
+from typing import Protocol
 
-from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
+from starlette.requests import Request
 
-from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.api import (
     FORM_OVERHEAD,
-    ReferenceOptions,
+    RenderBody,
     json_body_limit,
     parse_json_object,
     require_media_type,
     validation_error,
 )
+from snapref_ray.serve.auth import BearerAuth
+from snapref_ray.serve.bodies import BodyReceiver
+from snapref_ray.serve.config import ServeLimits
 from snapref_ray.serve.errors import ApiError
 from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.openai_errors import OpenAIErrorResponse, renamed
 from snapref_ray.serve.openai_images import (
-    ADAPTER_FIELDS,
     MAX_REFERENCE_IMAGES,
     OPENAI_NAMES,
     ImageEditRequest,
     ImageGenerationRequest,
     ImageRequestFields,
-    ImagesResponse,
     check_model,
     edit_field_names,
     encode_image,
@@ -48,9 +51,7 @@ from snapref_ray.serve.openai_images import (
 )
 from snapref_ray.serve.renderer import RenderReply, UploadedReference
 
-router = APIRouter()
-
-_ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 401, 404, 408, 413, 415, 503, 504)}
+ERRORS = {code: {"model": OpenAIErrorResponse} for code in (400, 401, 404, 408, 413, 415, 503, 504)}
 _PROMPT_FIELDS = ("prompt", "negative_prompt", "ref_caption")
 _SMALL_FIELD_BYTES = 1024  # a number, a name or a small JSON object
 # Once an edit's files are the reference, the renderer's errors about "reference_id" are about them, and so
@@ -58,46 +59,36 @@ _SMALL_FIELD_BYTES = 1024  # a number, a name or a small JSON object
 _EDIT_RENDER_NAMES = {**OPENAI_NAMES, "reference_id": "image", "layout": "image"}
 
 
-def _with_settings(schema: dict) -> dict:
-    """`schema` with the adapter's settings listed (they are accepted as extra fields under their own names)."""
-    settings = RenderSettings.model_json_schema()
-    properties = {**schema["properties"], **{n: settings["properties"][n] for n in ADAPTER_FIELDS}}
-    defs = {**schema.get("$defs", {}), **settings.get("$defs", {})}
-    return {**schema, "properties": properties, **({"$defs": defs} if defs else {})}
+class RenderPort(Protocol):
+    """What the OpenAI routes need of the server besides reading the request: all of it is the render path's."""
+
+    async def model_id(self) -> str:
+        """The loaded model's id, as GET /v1/models lists it."""
+
+    def check(self, body: RenderBody) -> None:
+        """The server's checks of a render body (limits, one way of naming the reference): ApiError if not."""
+
+    async def reference(self, body: RenderBody) -> UploadedReference | None:
+        """The uploaded reference `body` names by id (None without one)."""
+
+    async def upload(self, body: RenderBody, images: Sequence[bytes], layout: str) -> UploadedReference:
+        """`images` stored as uploads, read together as `layout`, for rendering `body`."""
+
+    async def render(self, body: RenderBody, reference: UploadedReference | None, started: float) -> RenderReply:
+        """`body` rendered with `reference`; `started` is when the request arrived."""
 
 
-def _generation_openapi() -> dict:
-    schema = _with_settings(ImageGenerationRequest.model_json_schema())
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+class OpenAIImages:
+    """The two OpenAI image routes: the request read and translated here, rendered through `port`."""
 
+    def __init__(self, port: RenderPort, auth: BearerAuth, bodies: BodyReceiver, limits: ServeLimits) -> None:
+        self._port = port
+        self._auth = auth
+        self._bodies = bodies
+        self._limits = limits
 
-def _edit_openapi() -> dict:
-    schema = _with_settings(ImageEditRequest.model_json_schema())
-    image = {
-        "description": f"The reference: one file (`image`), or up to {MAX_REFERENCE_IMAGES} as `image[]`"
-        " (one character, or two with reference_layout 'pair').",
-        "oneOf": [
-            {"type": "string", "format": "binary"},
-            {"type": "array", "items": {"type": "string", "format": "binary"}},
-        ],
-    }
-    schema["properties"] = {"image": image, **schema["properties"]}
-    schema["required"] = ["image", "prompt"]
-    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
-
-
-class OpenAIImageRoutes:
-    """The OpenAI images routes, as methods of the ingress (which provides `_auth`, `_bodies`, `_limits`,
-    `_store_reference`, `_uploaded_reference`, `_reference_of`, `_check_body`, `_render_with`, `_model_id`)."""
-
-    @router.post(
-        "/v1/images/generations",
-        response_model=ImagesResponse,
-        responses=_ERRORS,
-        openapi_extra=_generation_openapi(),
-        summary="OpenAI images API: render from a prompt (with an uploaded reference by id, or none)",
-    )
-    async def images_generations(self, request: Request) -> Response:
+    async def generations(self, request: Request) -> Response:
+        """POST /v1/images/generations: a prompt, with an uploaded reference by id or none."""
         started = time.perf_counter()
         try:
             self._auth.check(request.headers.get("authorization"))
@@ -110,25 +101,19 @@ class OpenAIImageRoutes:
                 for f in ("reference_id", "left_reference_id", "right_reference_id")
                 if getattr(req, f) is not None
             }
-            body = render_body(req, references)
+            body = render_body(req, self._limits, references)
             output = output_options(req)
             if req.model is not None:
-                check_model(req.model, await self._model_id())
-            self._check_body(body)
-            reference = await self._uploaded_reference(body)
-            reply = await self._render_with(body, reference, started)
+                check_model(req.model, await self._port.model_id())
+            self._port.check(body)
+            reference = await self._port.reference(body)
+            reply = await self._port.render(body, reference, started)
             return await _answer(reply, reference, output)
         except ApiError as e:
             raise renamed(e, OPENAI_NAMES) from None
 
-    @router.post(
-        "/v1/images/edits",
-        response_model=ImagesResponse,
-        responses=_ERRORS,
-        openapi_extra=_edit_openapi(),
-        summary="OpenAI images API: render with the uploaded image(s) as the reference",
-    )
-    async def images_edits(self, request: Request) -> Response:
+    async def edits(self, request: Request) -> Response:
+        """POST /v1/images/edits: the uploaded image file(s) are the reference."""
         started = time.perf_counter()
         try:
             self._auth.check(request.headers.get("authorization"))
@@ -136,19 +121,17 @@ class OpenAIImageRoutes:
             require_media_type(content_type, "multipart/form-data", "/v1/images/edits")
             images, texts = await self._read_edit_form(request, content_type)
             req = _validated(ImageEditRequest, form_values(texts))
-            body = render_body(req)
+            body = render_body(req, self._limits)
             output = output_options(req)
         except ApiError as e:
             raise renamed(e, OPENAI_NAMES) from None
         try:
             if req.model is not None:
-                check_model(req.model, await self._model_id())
+                check_model(req.model, await self._port.model_id())
             layout = _layout(req, len(images))
-            self._check_body(body)
-            options = ReferenceOptions(ref_caption=body.ref_caption, ref_megapixels=body.ref_megapixels)
-            infos = [await self._store_reference(data, options, "image") for data in images]
-            reference = self._reference_of(infos, layout, body)
-            reply = await self._render_with(body, reference, started)
+            self._port.check(body)
+            reference = await self._port.upload(body, images, layout)
+            reply = await self._port.render(body, reference, started)
             return await _answer(reply, reference, output)
         except ApiError as e:
             raise renamed(e, _EDIT_RENDER_NAMES) from None
@@ -182,14 +165,6 @@ class OpenAIImageRoutes:
             raise ApiError(400, "image", f"the multipart body has no 'image' part ({form.count} parts)")
         texts = {name: form.text(name) for name in form.parts if name not in ("image", "image[]")}
         return [bytes(f.data) for f in files], texts
-
-    async def _model_id(self) -> str:
-        """The loaded model's id as GET /v1/models lists it (asked once: it does not change while serving)."""
-        model_id = getattr(self, "_served_model", None)
-        if model_id is None:
-            info = await self._call(self._local.info() if self._local else self._renderer.info.remote())
-            model_id = self._served_model = info["model"]
-        return model_id
 
 
 def _validated(model: type[ImageRequestFields], values: dict) -> ImageRequestFields:

@@ -43,7 +43,13 @@ from ray import serve
 
 from snapref_ray.render_service.batching import batch_key, take_batch
 from snapref_ray.render_service.judges.spec import JudgeSpec
-from snapref_ray.render_service.references import Reference, ReferenceIdentity, RefKVKey, check_reference
+from snapref_ray.render_service.references import (
+    Reference,
+    ReferenceIdentity,
+    ReferenceImageError,
+    RefKVKey,
+    check_reference,
+)
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.config import ServeConfig
 from snapref_ray.serve.direct_ingress import over_this_replicas_transport
@@ -115,7 +121,6 @@ class _Waiting:
 def _as_api_error(e: ValueError, call: RenderCall) -> ApiError | None:
     """The service's input errors (a bad reference image, an impossible setting, an image that does not
     fit) as the answer they deserve; None for others."""
-    from snapref_ray.adapter.images import ReferenceImageError
     from snapref_ray.engine import RenderError
     from snapref_ray.render_service import RenderOutOfMemory
 
@@ -155,7 +160,7 @@ class ReplicaRenderer:
             memory_budget_bytes=config.memory_per_replica or None,
         )
         if config.model.compile and config.warmup_sizes:  # ready (this constructor returns) only once warm
-            self.service.warmup(config.warmup_sizes, range(1, config.max_batch_size + 1))
+            self.service.warmup(config.warmup_sizes, range(1, config.max_batch + 1))
         # Encodes and renders run in these threads so the event loop stays free for routing,
         # batching and health checks; the service keeps the device to one of them at a time.
         self._pool = ThreadPoolExecutor(

@@ -165,6 +165,47 @@ def _whole_range(uri: str, key: str, start: int, length: int, data: bytes) -> by
 _TMP_MARK = ".tmp-"
 
 
+# A claim older than this is a writer's that died between claiming and renaming (a rename's time): it is broken.
+_STALE_CLAIM_S = 30.0
+
+
+def _publish_exclusively(tmp: Path, path: Path) -> bool:
+    """Move the complete file `tmp` to `path` unless `path` exists; whether it did. For filesystems without hard
+    links: an O_EXCL create of a side name (hidden from listings like any temporary file) decides between racing
+    writers, and the one that holds it checks that `path` is still absent and renames its whole file into place, so a
+    reader never sees `path` half written (an O_EXCL create of `path` itself and then a write would show it empty).
+    A claim left by a writer that died holding it is broken after `_STALE_CLAIM_S` (two writers breaking the same
+    stale claim at once could both publish: a crash inside a rename, then a race, on such a filesystem)."""
+    claim = path.with_name(f".{path.name}{_TMP_MARK}claim")
+    for _ in range(2):
+        try:
+            os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            break
+        except FileExistsError:
+            if path.exists() or not _break_stale(claim):
+                return False  # published already, or another writer is publishing now
+    else:
+        return False
+    try:
+        if path.exists():
+            return False
+        os.rename(tmp, path)
+        return True
+    finally:
+        claim.unlink(missing_ok=True)
+
+
+def _break_stale(claim: Path) -> bool:
+    """Remove `claim` if its writer died holding it; whether it may be taken again."""
+    try:
+        if time.time() - claim.stat().st_mtime < _STALE_CLAIM_S:
+            return False
+        claim.unlink()
+    except FileNotFoundError:
+        pass  # released meanwhile
+    return True
+
+
 class LocalStorage:
     """A folder on a filesystem. Writes go to a temporary file beside the target, then os.replace."""
 
@@ -234,14 +275,10 @@ class LocalStorage:
         except FileExistsError:
             return False
         except OSError:
-            # Filesystems without hard links: O_EXCL still decides the race.
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            return True
+                return _publish_exclusively(tmp, path)
+            except OSError as e:
+                raise StorageError(f"cannot write {path} (storage {self.uri}, key {key!r}): {e}") from e
         finally:
             tmp.unlink(missing_ok=True)
 

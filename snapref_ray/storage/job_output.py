@@ -7,11 +7,12 @@ output's lease commits — metadata rows, shards, errors, the summary — and ev
 
 1. the store is probed for conditional creates (storage/lease.py `check_conditional_create`), and the lease taken:
    from here on this driver alone writes what readers read;
-2. the claim (``job.json``: the same job resumes, `append` adds another job's images; under the lease, so two
-   appending drivers cannot lose each other's fingerprint);
-3. what earlier drivers left half done is settled: staged shards decided "committed" are moved into place, those
-   nobody decided are voided (storage/shards.py `settle_staged_shards`);
-4. the parts are compacted (best effort) and the committed item ids read: what this run skips.
+2. what earlier drivers left half done is settled: staged shards decided "committed" are moved into place, those
+   nobody decided are voided (storage/shards.py `settle_staged_shards`); the committed item ids are read (what
+   this run skips), and the caller's `admit` checks the job against them (explicit ids with other content);
+3. the claim (``job.json``: the same job resumes, `append` adds another job's images; under the lease, so two
+   appending drivers cannot lose each other's fingerprint, and after `admit`, so a refused job claims nothing);
+4. the parts are compacted (best effort).
 
 A commit is made only while the lease is good, and bounded by the time it is good for (`bounded_by`): a write
 that cannot land before the lease runs out fails instead of landing after another driver took the output over.
@@ -23,13 +24,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .backends import Storage, bounded_by
 from .lease import DEFAULT_LEASE_SECONDS, LeaseLostError, OutputLease
 from .ledger import CommittedIds, claim_output, committed_item_ids
-from .metadata import ErrorWriter, MetadataWriter, compact_output_parts, read_summary, write_summary
+from .metadata import (
+    ErrorWriter,
+    MetadataWriter,
+    compact_output_parts,
+    read_errors_table,
+    read_summary,
+    write_summary,
+)
 from .shards import commit_shard, settle_staged_shards
 
 log = logging.getLogger(__name__)
@@ -69,18 +78,24 @@ class JobOutput:
         self._ended = False
 
     @classmethod
-    def open(cls, storage: Storage, settings: OutputSettings) -> JobOutput:
+    def open(
+        cls, storage: Storage, settings: OutputSettings, *, admit: Callable[[JobOutput], None] | None = None
+    ) -> JobOutput:
         """Take the output (steps 1-4 of the module docstring); raises LeaseHeldError, OutputConflictError,
-        ConditionalCreateIgnored in one line."""
+        ConditionalCreateIgnored in one line. `admit(output)` is called once the committed ids are read and before
+        the claim writes: a job it refuses (it raises) leaves the output as it found it, but for what earlier runs
+        left half done."""
         lease = OutputLease.acquire(
             storage, duration_s=settings.lease_seconds, wait_s=settings.lease_wait_seconds, probe=True
         )
         try:
-            claim_output(storage, settings.fingerprint, settings.spec, append=settings.append)
             output = cls(storage, settings, lease)
             output._settle()
-            output._compact("before rendering")
             output.done_before = committed_item_ids(storage)
+            if admit is not None:
+                admit(output)
+            claim_output(storage, settings.fingerprint, settings.spec, append=settings.append)
+            output._compact("before rendering")
             output.earlier_summary = output._read_earlier_summary()
         except BaseException:
             lease.release()
@@ -104,8 +119,13 @@ class JobOutput:
             yield
 
     # -- commits ----------------------------------------------------------------------------------------------
-    def commit_row(self, row: dict, image_bytes: bytes | None = None) -> None:
-        """An item whose image a worker stored (``files``): its metadata row, written with the next part."""
+    def commit_row(self, row: dict) -> None:
+        """An item whose image a worker stored (``files``): its metadata row, written with the next part (with the
+        image's bytes too under ``embed_images``, read back from where the worker stored it)."""
+        # A judged job's rejected render whose image was not kept has no image_key: its row goes in without bytes.
+        image_bytes = (
+            self.storage.get_bytes(row["image_key"]) if self.settings.embed_images and row["image_key"] else None
+        )
         self.metadata.add(row, image_bytes)
 
     def commit_shard(self, shard_key: str) -> bool:
@@ -116,6 +136,13 @@ class JobOutput:
 
     def record_error(self, error: str, stage: str, **where: Any) -> None:
         self.errors.record(error, stage, **where)
+
+    def recorded_validation_errors(self) -> set[tuple]:
+        """(manifest_row, item_id, error) of the invalid rows earlier runs recorded: each is recorded once per
+        output, however often the job is resumed."""
+        table = read_errors_table(self.storage, exclude_ids=set())
+        rows = table.select(["manifest_row", "item_id", "error", "stage"]).to_pylist()
+        return {(r["manifest_row"], r["item_id"], r["error"]) for r in rows if r["stage"] == "validate"}
 
     # -- the end ----------------------------------------------------------------------------------------------
     def finish(self, summary: dict, *, compact: bool = True) -> None:

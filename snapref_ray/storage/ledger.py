@@ -160,6 +160,22 @@ class CommittedIds:
         found[inside] = self._ids[at[inside]] == query[inside]
         return found
 
+    def index_of(self, ids: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        """For each of `ids` (an Arrow string column, no nulls), its position in the sorted set, or -1 when it is not
+        in it: what looks up a value kept beside each id (storage/item_contents.py)."""
+        if isinstance(ids, pa.ChunkedArray):
+            ids = pa.concat_arrays(ids.chunks) if ids.num_chunks else pa.array([], pa.string())
+        query = _pack(ids)
+        where = np.full(len(query), -1, dtype=np.int64)
+        if not len(self._ids) or not len(query):
+            return where
+        at = np.searchsorted(self._ids, query)
+        inside = at < len(self._ids)
+        hit = np.zeros(len(query), dtype=bool)
+        hit[inside] = self._ids[at[inside]] == query[inside]
+        where[hit] = at[hit]
+        return where
+
     def __contains__(self, item_id: object) -> bool:
         if not isinstance(item_id, str) or not len(self._ids):
             return False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import io
 import json
 import math
@@ -65,17 +66,23 @@ def _row(record: dict[str, Any], number: int, uri: str) -> dict[str, Any]:
     return row
 
 
-def iter_manifest_chunks(uri: str, s3=None, *, chunk_rows: int = 50_000) -> Iterator[list[dict[str, Any]]]:
+def iter_manifest_chunks(
+    uri: str, s3=None, *, chunk_rows: int = 50_000, digest: hashlib._Hash | None = None
+) -> Iterator[list[dict[str, Any]]]:
     """`read_manifest`'s rows, the same dicts and row numbers, `chunk_rows` at a time.
 
     A local file is streamed (CSV and JSONL line by line, Parquet by record batch), so the rows in memory
     are one chunk's, whatever the manifest's size; an s3:// manifest is fetched whole as bytes (its size,
     not its rows as Python objects) and then parsed the same way. Errors are read_manifest's.
+
+    `digest` (a hashlib object, e.g. sha256) is fed the file's bytes as they are read, so that a run records
+    what its manifest held without reading it twice; it is whole once the last chunk is out. A local Parquet
+    file is the exception: its reader starts at the footer, so it is hashed in one pass of the open file first.
     """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     fmt = manifest_format(uri)
-    with _open_binary(uri, s3) as f:
+    with _open_binary(uri, s3, digest, whole=fmt == "parquet") as f:
         records = {"csv": _stream_csv, "jsonl": _stream_jsonl, "parquet": _stream_parquet}[fmt](f, uri, chunk_rows)
         chunk: list[dict[str, Any]] = []
         number = 0
@@ -91,12 +98,15 @@ def iter_manifest_chunks(uri: str, s3=None, *, chunk_rows: int = 50_000) -> Iter
 
 
 @contextlib.contextmanager
-def _open_binary(uri: str, s3) -> Iterator[IO[bytes]]:
+def _open_binary(uri: str, s3, digest: hashlib._Hash | None = None, *, whole: bool = False) -> Iterator[IO[bytes]]:
+    """The manifest's bytes as a binary file; `digest` is fed them as they are read (see iter_manifest_chunks)."""
     if is_remote(uri):
         try:
             data = read_uri(uri, s3)
         except Exception as exc:
             raise ManifestError(f"cannot read manifest {uri}: {exc}") from exc
+        if digest is not None:
+            digest.update(data)  # fetched whole already: its bytes are in memory once
         yield io.BytesIO(data)
         return
     path = uri.removeprefix("file://")
@@ -107,7 +117,31 @@ def _open_binary(uri: str, s3) -> Iterator[IO[bytes]]:
     except OSError as exc:
         raise ManifestError(f"cannot read manifest {uri}: {exc}") from exc
     with f:
-        yield f
+        if digest is None:
+            yield f
+        elif whole:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+            f.seek(0)
+            yield f
+        else:
+            yield io.BufferedReader(_Hashing(f, digest), buffer_size=1 << 16)
+
+
+class _Hashing(io.RawIOBase):
+    """A binary file that feeds each byte it reads to `digest`, once and in order (a file read front to back)."""
+
+    def __init__(self, f: IO[bytes], digest: hashlib._Hash) -> None:
+        self._f, self._digest = f, digest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self._f.readinto(buffer)
+        if n:
+            self._digest.update(memoryview(buffer)[:n])
+        return n
 
 
 def _stream_csv(f: IO[bytes], uri: str, _chunk_rows: int) -> Iterator[dict[str, Any]]:

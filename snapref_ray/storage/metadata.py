@@ -13,7 +13,8 @@ Under the output root::
 A metadata row is the commit of its item: the caller adds it only after the image (and thumbnail)
 are stored, so every listed image exists. A part is written in one atomic PUT under a unique name, so
 a crash loses at most the rows not yet flushed (those items are rendered again on resume, to the same
-keys). Readers de-duplicate by item_id, keeping the first committed row.
+keys). Readers de-duplicate by item_id, keeping the first committed row of the item's latest content
+(`winning_rows`: a retried item keeps its first row, an explicit id re-rendered with new content its new one).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -42,8 +45,9 @@ METADATA_PREFIX = "metadata"
 ERRORS_PREFIX = "errors"
 SUMMARY_KEY = "summary.json"
 ERROR_STAGES = ("validate", "encode", "sample", "write")
-# Rows per row group of a compacted part: a page of the report decodes one row group, not the whole part.
-COMPACT_ROW_GROUP_ROWS = 65_536
+# Rows per row group of a compacted part: a page of the report decodes one row group, not the whole part, and
+# compaction holds one row group's rows decoded while it writes (the rest of its run stays compressed).
+COMPACT_ROW_GROUP_ROWS = 8_192
 
 
 def image_key(item_id: str, ext: str = "png") -> str:
@@ -64,6 +68,9 @@ def reference_image_key(reference_hash: str) -> str:
 METADATA_SCHEMA = pa.schema(
     [
         ("item_id", pa.string()),
+        # The id the item has without an explicit id (a hash of reference, prompt, seed, settings): equal to item_id
+        # unless the manifest row gave one; a resume compares it (storage/item_contents.py). Null in older parts.
+        ("content_id", pa.string()),
         ("manifest_row", pa.int64()),
         ("reference_uris", pa.list_(pa.string())),
         ("reference_hash", pa.string()),
@@ -104,6 +111,9 @@ METADATA_SCHEMA = pa.schema(
         ("attempt", pa.int32()),
         ("started_at", pa.float64()),
         ("finished_at", pa.float64()),
+        # The fingerprint of the job that rendered the row (job.json): an output appended to holds several jobs,
+        # whose manifest_row values overlap. Null in Ray Data's rows and in parts written before the column existed.
+        ("job", pa.string()),
         # A judged job's columns (docs/judging.md), null when the job does not judge. Each render is a row:
         # `render_of` is the item it renders (its manifest item id), `render_index` 0 for the item's first render.
         ("render_of", pa.string()),
@@ -494,14 +504,35 @@ def _concat(tables: Iterable[pa.Table], empty: pa.Schema) -> pa.Table:
     return pa.concat_tables(tables, promote_options="default")
 
 
+def winning_rows(
+    item_ids: pa.Array | pa.ChunkedArray, content_ids: pa.Array | pa.ChunkedArray | None = None
+) -> np.ndarray | None:
+    """Positions (in commit order) of the row each item is read from; None when every item_id is unique.
+
+    The rule every reader follows: an item's row is the first committed row *of its latest content*, the content id
+    of its last committed row. A retried item committed twice (the same content) keeps its first row, as before
+    content ids existed; an explicit id re-rendered with new content (`output.rerender_changed`) is read from its
+    new row. Rows without a content id (older parts) count as one content of their own."""
+    n = len(item_ids)
+    if not n or pc.count_distinct(item_ids, mode="all").as_py() == n:
+        return None
+    positions = pa.array(np.arange(n, dtype=np.int64))
+    table = pa.table({"item_id": item_ids, "_pos": positions})
+    if content_ids is not None and content_ids.null_count < len(content_ids):
+        content = pc.fill_null(content_ids, "")
+        last = table.group_by("item_id", use_threads=False).aggregate([("_pos", "max")])
+        latest = pa.table({"item_id": last.column("item_id"), "_latest": content.take(last.column("_pos_max"))})
+        table = table.append_column("_content", content).join(latest, "item_id", use_threads=False)
+        table = table.filter(pc.equal(table.column("_content"), table.column("_latest")))
+    first = table.group_by("item_id", use_threads=False).aggregate([("_pos", "min")]).column("_pos_min")
+    return np.sort(first.to_numpy())
+
+
 def _first_per_id(table: pa.Table) -> pa.Table:
-    seen: set = set()
-    keep = []
-    for i, item_id in enumerate(table.column("item_id").to_pylist()):
-        if item_id not in seen:
-            seen.add(item_id)
-            keep.append(i)
-    return table if len(keep) == table.num_rows else table.take(keep)
+    """One row per item_id, the one `winning_rows` picks, in commit order."""
+    content = table.column("content_id") if "content_id" in table.column_names else None
+    keep = winning_rows(table.column("item_id"), content)
+    return table if keep is None else table.take(pa.array(keep))
 
 
 def read_item_ids(storage: Storage, prefix: str = METADATA_PREFIX) -> list[str]:
@@ -513,7 +544,8 @@ def read_item_ids(storage: Storage, prefix: str = METADATA_PREFIX) -> list[str]:
 
 
 def read_metadata_table(storage: Storage) -> pa.Table:
-    """Every committed metadata row, de-duplicated by item_id (the first committed row wins).
+    """Every committed metadata row, de-duplicated by item_id (`winning_rows`: the first committed row of the
+    item's latest content wins).
 
     An empty METADATA_SCHEMA table if nothing is committed.
     """
@@ -563,11 +595,13 @@ def compact_parts(
     lease may call this (the driver, before rendering and at the end). Each merged part takes the time stamp of
     the first part it replaces, so part names keep commit order and "the first committed row wins" still holds;
     duplicate rows of an item inside a run are dropped. A merged part is written before the parts it
-    replaces are deleted: a crash in between leaves the same rows twice, which readers de-duplicate.
+    replaces are deleted, and names them: a crash in between leaves the same rows twice (readers of metadata
+    de-duplicate), and the next compaction deletes the parts it names that are still there before merging.
     Parts holding image bytes (embed_images) are left alone: they are large already, and so are parts of at least
     half of `target_rows`. A merged part is written in row groups of `row_group_rows`, so a reader that pages
     through it (the report, report/rows.py) decodes a row group at a time, not the whole part. Error parts
-    (``errors/``) keep every row: an item's several failures are its history, not duplicates.
+    (``errors/``) keep every row but exact copies: an item's several failures are its history, not duplicates,
+    while a row equal in every column to another is what an interrupted compaction left twice.
 
     The parts are read in order, a few at a time, and each run is written as soon as it is complete: what is held
     is one run (at most `target_rows` rows) and the parts being fetched, whatever the output's size.
@@ -577,8 +611,10 @@ def compact_parts(
         return []
     written: list[str] = []
     replaced = 0
-    run: list[tuple[str, pa.Table]] = []
+    run: list[_Part] = []
     run_rows = 0
+    listed = set(keys)
+    superseded: set[str] = set()  # parts an earlier merged part holds already (its compaction was interrupted)
 
     def close_run() -> None:
         nonlocal run, run_rows, replaced
@@ -587,36 +623,146 @@ def compact_parts(
             replaced += len(run)
         run, run_rows = [], 0
 
+    def read(key: str) -> _Part:
+        return _Part.read(storage, key)
+
     with ThreadPoolExecutor(max_workers=8) as pool:
         for start in range(0, len(keys), 8):
-            batch = keys[start : start + 8]
-            for key, table in zip(batch, pool.map(lambda k: pq.read_table(io.BytesIO(storage.get_bytes(k))), batch)):
-                small = table.num_rows < target_rows // 2 and IMAGE_COLUMN not in table.column_names
-                if not small or run_rows + table.num_rows > target_rows:
+            batch = [k for k in keys[start : start + 8] if k not in superseded]
+            leftovers: set[str] = set()
+            for key, part in zip(batch, pool.map(read, batch)):
+                if key in superseded:
+                    continue
+                named = (_replaced_parts(part.schema) & listed) - superseded - {key}
+                # A merged part has the stamp of the first part it replaced, which may sort just before it (and so
+                # be in the open run): the rest sort after it.
+                if named:  # finish the interrupted compaction: their rows are in this part already
+                    log.info("%s replaces %d part(s) still listed: deleting them", key, len(named))
+                    superseded |= named
+                    leftovers |= named
+                    run = [p for p in run if p.key not in named]
+                    run_rows = sum(p.rows for p in run)
+                small = part.rows < target_rows // 2 and IMAGE_COLUMN not in part.schema.names
+                if not small or run_rows + part.rows > target_rows:
                     close_run()
                 if small:
-                    run.append((key, table))
-                    run_rows += table.num_rows
+                    run.append(part)
+                    run_rows += part.rows
+            for leftover in sorted(leftovers):  # once this batch's reads are done (they may have been among them)
+                storage.delete(leftover)
     close_run()
-    if written:
-        after = len(keys) - replaced + len(written)
+    if written or superseded:
+        after = len(keys) - len(superseded) - replaced + len(written)
         log.info("compacted %s: %d parts -> %d", storage.uri_for(prefix), len(keys), after)
     return written
 
 
-def _write_merged(storage: Storage, prefix: str, run: list[tuple[str, pa.Table]], row_group_rows: int) -> str:
-    """One part for a run of parts (written, then the run's parts deleted); its key."""
-    merged = pa.concat_tables([table for _, table in run], promote_options="default")
-    if prefix.strip("/") != ERRORS_PREFIX:
-        merged = _first_per_id(merged)
-    stamp = run[0][0].rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
-    key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
+# A merged part's Parquet key-value metadata: the keys of the parts it replaces (JSON), so that a compaction
+# interrupted between writing it and deleting them is finished by the next one (compact_parts).
+_REPLACES = b"snapref.replaces"
+
+
+def _replaced_parts(schema: pa.Schema) -> set[str]:
+    raw = (schema.metadata or {}).get(_REPLACES)
+    return set(json.loads(raw)) if raw else set()
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A part as compaction holds it while its run fills: its bytes as stored (compressed), its row count and schema;
+    decoded only when the merged part is written, one at a time."""
+
+    key: str
+    data: bytes
+    rows: int
+    schema: pa.Schema
+
+    @classmethod
+    def read(cls, storage: Storage, key: str) -> _Part:
+        data = storage.get_bytes(key)
+        f = pq.ParquetFile(io.BytesIO(data))
+        return cls(key, data, f.metadata.num_rows, f.schema_arrow)
+
+    def table(self, columns: list[str] | None = None) -> pa.Table:
+        return pq.read_table(io.BytesIO(self.data), columns=columns)
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with `schema`'s columns in its order: a column an older part lacks is null."""
+    columns = [
+        table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+        for f in schema
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _write_merged(storage: Storage, prefix: str, run: list[_Part], row_group_rows: int) -> str:
+    """One part for a run of parts (written, naming them in its metadata; then the run's parts deleted); its key.
+
+    Which rows survive is decided on the id columns alone (`winning_rows`); the parts are then decoded one at a time
+    and written a row group at a time, so what is held decoded is a row group, not the run."""
+    schema = pa.unify_schemas([p.schema.remove_metadata() for p in run], promote_options="default")
+    schema = schema.with_metadata(
+        {**(run[0].schema.metadata or {}), _REPLACES: json.dumps([p.key for p in run]).encode()}
+    )
+    if prefix.strip("/") == ERRORS_PREFIX:  # narrow rows: the whole run, to drop exact copies
+        tables = [_without_copies(pa.concat_tables([_conform(p.table(), schema) for p in run]))]
+        keep = None
+    else:
+        tables = (_conform(p.table(), schema) for p in run)
+        ids = pa.chunked_array([p.table(["item_id"]).column("item_id") for p in run], pa.string())
+        contents = (
+            pa.chunked_array(
+                [
+                    p.table(["content_id"]).column("content_id")
+                    if "content_id" in p.schema.names
+                    else pa.nulls(p.rows, pa.string())
+                    for p in run
+                ],
+                pa.string(),
+            )
+            if "content_id" in schema.names
+            else None
+        )
+        keep = winning_rows(ids, contents)
     buf = io.BytesIO()
-    pq.write_table(merged.combine_chunks(), buf, compression="zstd", row_group_size=row_group_rows)
+    with pq.ParquetWriter(buf, schema, compression="zstd") as writer:
+        pending: list[pa.Table] = []
+        held = offset = 0
+        for table in tables:
+            if keep is not None:
+                mine = keep[(keep >= offset) & (keep < offset + table.num_rows)] - offset
+                offset += table.num_rows
+                table = table.take(pa.array(mine))
+            pending.append(table)
+            held += table.num_rows
+            while held >= row_group_rows:
+                merged = pa.concat_tables(pending).combine_chunks()
+                writer.write_table(merged.slice(0, row_group_rows), row_group_size=row_group_rows)
+                rest = merged.slice(row_group_rows)
+                pending, held = [rest], rest.num_rows
+        if held:
+            writer.write_table(pa.concat_tables(pending).combine_chunks(), row_group_size=row_group_rows)
+    stamp = run[0].key.rsplit("/", 1)[-1].split("-")[1]  # part-<stamp>-<suffix>.parquet
+    key = f"{prefix.strip('/')}/part-{stamp}-compact-{uuid.uuid4().hex}.parquet"
     storage.put_bytes(key, buf.getvalue(), content_type="application/vnd.apache.parquet")
-    for part_key, _ in run:
-        storage.delete(part_key)
+    for part in run:
+        storage.delete(part.key)
     return key
+
+
+def _without_copies(errors: pa.Table) -> pa.Table:
+    """`errors` without the rows that repeat an earlier row in every column, in commit order.
+
+    An item's several failures differ in their time (`at`) and attempt, so they are all kept; a row equal to
+    another in every column is a copy, left by a compaction interrupted between writing its merged part and
+    deleting the parts it merged (the next compaction merges the two again)."""
+    columns = errors.column_names
+    if not errors.num_rows:
+        return errors
+    keyed = errors.append_column("_pos", pa.array(np.arange(errors.num_rows, dtype=np.int64)))
+    first = keyed.group_by(columns, use_threads=False).aggregate([("_pos", "min")]).column("_pos_min").to_numpy()
+    return errors if len(first) == errors.num_rows else errors.take(pa.array(np.sort(first)))
 
 
 def compact_output_parts(storage: Storage) -> dict[str, list[str]]:

@@ -29,6 +29,12 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "snapref-ray" / "models"
 
 
+def default_compile_cache_dir() -> Path:
+    """Where compiled graphs are shared by default (models/compile_cache.py): `compile/` beside the node's model
+    cache (`$SNAPREF_RAY_CACHE/../compile`, else ~/.cache/snapref-ray/compile)."""
+    return default_cache_dir().parent / "compile"
+
+
 def cache_path(uri: str, cache_dir: str | Path | None = None) -> Path:
     """Where s3:// `uri` is cached: ``<cache_dir>/<sha256(uri)[:24]>/<file name>``.
 

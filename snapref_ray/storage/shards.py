@@ -8,24 +8,25 @@ thousand images, in the layout the `webdataset` library and Hugging Face `datase
                               record), <item_id>.txt (the prompt); closed at max_bytes or max_items
     shards/<shard>.parquet    the shard's index: item_id, member names, byte offset and size in the tar
     metadata/part-*.parquet   the shard's rows, with `shard_key` and `shard_member`
-    commits/<shard>.json      the shard's fate, decided once: committed or void
 
 Workers publish, the driver commits (the shape of Ray Data's Datasink). A worker closes its shard at
 `max_bytes` or `max_items`, or when the driver releases it, and *stages* it: the tar, its index and its
 metadata rows go under ``staging/``, where no reader looks (`ShardWriter`). It tells the driver which shards it
 staged with its answers (`ClosedShard`), and only the driver, holding the output's lease, commits one
-(`commit_shard`): it decides the shard's fate with one conditional create of ``commits/<shard>.json``, then
-moves the tar and the index into ``shards/`` and the rows into ``metadata/`` — rows last, so that no metadata
-row ever names an image that is not in ``shards/``.
+(`commit_shard`): it decides the shard's fate with one conditional create of its index, ``shards/<shard>.parquet``
+(the staged index, with the verdict in its Parquet metadata), then moves the tar into ``shards/`` and the rows into
+``metadata/`` — rows last, so that no metadata row ever names an image that is not in ``shards/``.
 
 The decision is the only thing a late writer can race for, and the store lets one of them win: a driver that
 settles what an earlier one left (`settle_staged_shards`, with the lease, before it reads what is committed)
-creates the same key with the verdict "void" for every staged shard it finds undecided, and deletes it; a
+creates the same key — an index of no rows, verdict "void" — for every staged shard it finds undecided, and deletes
+its staged files; a
 shard decided "committed" whose move was cut short is moved the rest of the way. A paused driver that wakes
 up and tries to commit a shard that was voided loses the conditional create and commits nothing; a shard it
 had decided is finished by whoever comes next. So ``shards/*.tar`` holds committed shards only, each
 committed item is in exactly one of them, and ``metadata/`` names no image that is missing — whatever is
-killed or paused when. The decisions are never compacted or deleted (one small object per shard).
+killed or paused when. The indexes (the decisions) are never compacted or deleted; a voided shard leaves its empty
+index, and no tar.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 
 SHARDS_PREFIX = "shards"
 STAGING_PREFIX = "staging"  # what workers staged, waiting for the driver's commit; never read by readers
-COMMITS_PREFIX = "commits"  # one decision per shard: committed or void (conditional create)
 COMMITTED, VOID = "committed", "void"
 DEFAULT_SHARD_BYTES = 1_000_000_000
 DEFAULT_SHARD_ITEMS = 10_000
@@ -319,10 +319,6 @@ def staging_key(key: str) -> str:
     return f"{STAGING_PREFIX}/{key.rsplit('/', 1)[-1]}"
 
 
-def decision_key(shard_key: str) -> str:
-    return f"{COMMITS_PREFIX}/{_stem(shard_key)}.json"
-
-
 def _parquet(table: pa.Table) -> bytes:
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
@@ -330,32 +326,61 @@ def _parquet(table: pa.Table) -> bytes:
 
 
 _DECIDE_TRIES = 20
+_VERDICT_KEY = b"snapref_verdict"  # the index's Parquet key-value metadata: the shard's fate
+
+
+def _decision(storage: Storage, shard_key: str, verdict: str, by: str) -> bytes:
+    """The index that decides a shard: its staged index (committed), or an index of no rows (void)."""
+    if verdict == COMMITTED:
+        index = pq.read_table(io.BytesIO(storage.get_bytes(staging_key(_index_key(shard_key)))))
+    else:
+        index = SHARD_INDEX_SCHEMA.empty_table()
+    meta = {
+        _VERDICT_KEY: verdict.encode(),
+        b"snapref_decided_by": by.encode(),
+        b"snapref_decided_at": b"%f" % time.time(),
+    }
+    return _parquet(index.replace_schema_metadata(meta))
 
 
 def decide(storage: Storage, shard_key: str, verdict: str, *, by: str = "") -> str:
-    """The shard's fate: `verdict` if this call decides it (a conditional create of ``commits/<shard>.json``),
-    else the verdict already recorded. Of a committer and a sweeper racing, the store lets exactly one win."""
-    key = decision_key(shard_key)
-    body = json.dumps({"shard": shard_key, "verdict": verdict, "by": by, "at": time.time()}, sort_keys=True).encode()
+    """The shard's fate: `verdict` if this call decides it, else the verdict already recorded. The decision is the
+    shard's index, ``shards/<shard>.parquet``, made with a conditional create: the staged index for "committed", an
+    index of no rows for "void". Of a committer and a sweeper racing, the store lets exactly one win; and since the
+    index is an object the shard has anyway, deciding costs no object of its own."""
+    key = _index_key(shard_key)
     for attempt in range(_DECIDE_TRIES):
+        try:
+            body = _decision(storage, shard_key, verdict, by)
+        except StorageError:
+            if verdict == COMMITTED and (decided := recorded_verdict(storage, shard_key)) is not None:
+                return decided  # its staged index was moved already: decided before
+            raise
         if storage.put_if_absent(key, body):
             return verdict
-        try:
-            return str(json.loads(storage.get_bytes(key))["verdict"])
-        except StorageError:
-            # AWS answers 409 while another conditional create of the key is in progress: look again shortly.
-            time.sleep(min(0.05 * 2**attempt, 2.0))
-        except (ValueError, KeyError, TypeError) as e:
-            raise StorageError(f"{storage.uri_for(key)} is not a shard decision: {e}") from e
+        decided = recorded_verdict(storage, shard_key)
+        if decided is not None:
+            return decided
+        time.sleep(min(0.05 * 2**attempt, 2.0))  # AWS answers 409 while another create is in progress: look again
     raise StorageError(f"could not read or create {storage.uri_for(key)} after {_DECIDE_TRIES} tries")
 
 
-def verdict(storage: Storage, shard_key: str) -> str | None:
+def recorded_verdict(storage: Storage, shard_key: str) -> str | None:
     """The recorded fate of a shard (None: not decided yet)."""
+    key = _index_key(shard_key)
     try:
-        return str(json.loads(storage.get_bytes(decision_key(shard_key)))["verdict"])
+        data = storage.get_bytes(key)
     except StorageError:
         return None
+    try:
+        meta = pq.read_schema(io.BytesIO(data)).metadata or {}
+    except (pa.ArrowInvalid, OSError) as e:
+        raise StorageError(f"{storage.uri_for(key)} is not a shard index: {e}") from e
+    # An index without a verdict was written by a version that committed shards from the worker: committed.
+    return meta.get(_VERDICT_KEY, COMMITTED.encode()).decode()
+
+
+verdict = recorded_verdict
 
 
 def commit_shard(storage: Storage, shard_key: str, *, by: str = "") -> bool:
@@ -384,15 +409,16 @@ def commit_shard(storage: Storage, shard_key: str, *, by: str = "") -> bool:
 
 
 def _move_into_place(storage: Storage, shard_key: str) -> None:
-    """Finish a committed shard's move, from wherever it was cut short: tar, index, rows (each copied, then its
-    staged file deleted). A staged rows file means its rows are not in metadata/ yet."""
-    for final in (shard_key, _index_key(shard_key)):
-        staged = staging_key(final)
-        if storage.exists(staged):
-            storage.copy(staged, final)
-            storage.delete(staged)
-        elif not storage.exists(final):
-            raise StorageError(f"shard {storage.uri_for(shard_key)} was committed but {final!r} is nowhere")
+    """Finish a committed shard's move, from wherever it was cut short: the tar (copied, then its staged file
+    deleted), the staged index (the decision holds its copy), the rows last. A staged rows file means its rows are
+    not in metadata/ yet."""
+    staged = staging_key(shard_key)
+    if storage.exists(staged):
+        storage.copy(staged, shard_key)
+        storage.delete(staged)
+    elif not storage.exists(shard_key):
+        raise StorageError(f"shard {storage.uri_for(shard_key)} was committed but its tar is nowhere")
+    storage.delete(staging_key(_index_key(shard_key)))
     staged_rows = staging_key(_rows_key(shard_key))
     if storage.exists(staged_rows):
         storage.copy(staged_rows, part_key(METADATA_PREFIX, suffix=_stem(shard_key)))
@@ -447,7 +473,6 @@ def committed_shards(storage: Storage) -> list[str]:
 
 __all__ = [
     "COMMITTED",
-    "COMMITS_PREFIX",
     "STAGING_PREFIX",
     "VOID",
     "ClosedShard",
@@ -460,6 +485,7 @@ __all__ = [
     "commit_shard",
     "committed_shards",
     "decide",
+    "recorded_verdict",
     "remove_dead_workers_temporaries",
     "settle_staged_shards",
     "read_staged_rows",

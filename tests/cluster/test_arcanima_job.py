@@ -31,7 +31,7 @@ def test_job_renders_with_an_arcanima_adapter(kind, job_inputs, tiny_models, tmp
         manifest, tiny_models, str(tmp_path / "out"), model={"adapter": str(adapter)}, cluster={"num_workers": 1}
     )
     summary = run_job(spec, progress=False, write_gallery=False)
-    assert (summary["images_this_run"], summary["invalid_rows"], summary["failed_items"]) == (2, 1, 0)
+    assert (summary.images_this_run, summary.invalid_rows, summary.failed_items) == (2, 1, 0)
     (error,) = pd.read_parquet(tmp_path / "out" / "errors").itertuples()
     assert (error.manifest_row, error.stage) == (3, "validate")  # rows count from 1
     assert error.error.startswith("field 'mode': ") and f"mode='char' does not apply to {kind} adapters" in error.error

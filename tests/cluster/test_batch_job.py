@@ -38,7 +38,7 @@ def local_job(ray_cluster_s3, job_inputs, tiny_models, tmp_path_factory):
 def test_local_job_renders_every_good_row(local_job):
     spec, summary, out = local_job
     assert {
-        k: summary[k]
+        k: getattr(summary, k)
         for k in (
             "manifest_rows",
             "invalid_rows",
@@ -105,13 +105,13 @@ def test_each_reference_is_encoded_exactly_once(local_job):
     frame = pd.read_parquet(out / "metadata")
     assert frame["reference_hash"].nunique() == 3
     assert (
-        summary["references"],
-        summary["reference_encodes"],
-        summary["encodes_per_reference"],
-        summary["max_encodes_per_reference"],
+        summary.references,
+        summary.reference_encodes,
+        summary.encodes_per_reference,
+        summary.max_encodes_per_reference,
     ) == (3, 3, 1.0, 1)
-    assert summary["scheduler"]["encodes_requested"] == 3
-    assert summary["scheduler"]["local_encodes"] == 0
+    assert summary.scheduler["encodes_requested"] == 3
+    assert summary.scheduler["local_encodes"] == 0
 
 
 @pytest.mark.slow
@@ -132,15 +132,15 @@ def test_rerunning_the_same_spec_renders_nothing_new(local_job):
     parts = sorted(p.name for p in (out / "metadata").iterdir())
     errors_before = len(read_errors_table(open_storage(str(out)), exclude_ids=set()))
     again = run_job(spec, progress=False, write_gallery=False)
-    assert (again["images_this_run"], again["skipped_already_done"], again["images_total"]) == (0, 9, 9)
-    assert again["config_hash"] == first["config_hash"]
+    assert (again.images_this_run, again.skipped_already_done, again.images_total) == (0, 9, 9)
+    assert again.config_hash == first.config_hash
     assert sorted(p.name for p in (out / "metadata").iterdir()) == parts  # no new part
     # The invalid rows are not recorded a second time.
     assert len(read_errors_table(open_storage(str(out)), exclude_ids=set())) == errors_before == 5
     assert json.loads((out / "summary.json").read_text())["images_this_run"] == 0
     # The resume keeps the job's throughput and each run's figures: the first run's, and its own (nothing to do).
-    assert again["images_per_hour"] == first["images_per_hour"] > 0
-    assert again["runs"][0] == first["runs"][-1] and again["runs"][-1]["items_to_render"] == 0
+    assert again.images_per_hour == first.images_per_hour > 0
+    assert again.runs[0] == first.runs[-1] and again.runs[-1].items_to_render == 0
     # Each run reports what its driver cost: this test's process is the driver, so its peak RSS is at least what
     # the kernel says this process holds now, and validating and planning took some of its CPU.
     with open("/proc/self/status") as f:
@@ -167,15 +167,32 @@ def test_another_spec_is_refused_unless_appending(local_job, job_inputs, tiny_mo
     )
     appended = job_spec(extra, tiny_models, str(out), output={"append": True})
     summary = run_job(appended, progress=False, write_gallery=False)
-    assert (summary["images_this_run"], summary["failed_items"]) == (2, 0)
+    assert (summary.images_this_run, summary.failed_items) == (2, 0)
     ids = read_item_ids(open_storage(str(out)))
     assert len(ids) == len(set(ids)) == 11
     assert set(ids) == expected_item_ids(spec) | expected_item_ids(appended)
     job = read_job(open_storage(str(out)))
-    assert job["fingerprint"] == first["config_hash"]
-    assert [a["fingerprint"] for a in job["appended"]] == [summary["config_hash"]]
-    # The original spec still resumes on the shared output: nothing left to do.
-    assert run_job(spec, progress=False, write_gallery=False)["images_this_run"] == 0
+    assert job["fingerprint"] == first.config_hash
+    assert [a["fingerprint"] for a in job["appended"]] == [summary.config_hash]
+    # The summary describes the whole output, and each job's part of it; every run and every row names its job.
+    jobs = (first.config_hash, summary.config_hash)
+    assert (summary.images_total, summary.job_images, summary.items) == (11, 2, 2)
+    assert [(part.job, part.images, part.invalid_rows) for part in summary.jobs] == [
+        (jobs[0], 9, 5),
+        (jobs[1], 2, 0),
+    ]
+    assert summary.runs[-1].job == jobs[1] and {r.job for r in summary.runs} == set(jobs)
+    rows = pq.read_table(out / "metadata", columns=["job", "manifest_row"]).to_pylist()
+    assert sorted((r["job"], r["manifest_row"]) for r in rows) == sorted(
+        [(jobs[0], row) for row in range(1, 10)] + [(jobs[1], 1), (jobs[1], 2)]
+    )  # manifest rows 1 and 2 are in both jobs: the job tells them apart
+    # The original job still resumes on the shared output (its spec there: the output is no part of the job's
+    # fingerprint): nothing left to do, and the summary is still of all of the output.
+    resumed = run_job(
+        job_spec(job_inputs.bad_rows_manifest, tiny_models, str(out)), progress=False, write_gallery=False
+    )
+    assert (resumed.images_this_run, resumed.images_total, resumed.job_images) == (0, 11, 9)
+    assert [part.job for part in resumed.jobs] == list(jobs)
 
 
 @pytest.mark.slow
@@ -204,8 +221,8 @@ def test_job_reads_from_and_writes_to_s3_with_embedded_images(
         output={"embed_images": True, "s3": {"endpoint_url": s3_server.endpoint_url}},
     )
     summary = run_job(spec, progress=False, write_gallery=False)
-    assert (summary["images_this_run"], summary["failed_items"], summary["invalid_rows"]) == (9, 0, 0)
-    assert (summary["reference_encodes"], summary["encodes_per_reference"]) == (3, 1.0)
+    assert (summary.images_this_run, summary.failed_items, summary.invalid_rows) == (9, 0, 0)
+    assert (summary.reference_encodes, summary.encodes_per_reference) == (3, 1.0)
 
     s3fs = fs.S3FileSystem(
         endpoint_override=s3_server.endpoint_url,
@@ -252,7 +269,7 @@ def test_workers_ask_ray_for_the_estimated_memory_and_report_their_fit(local_job
     from snapref_ray.render_service.memory_estimate import estimate_worker_memory
 
     spec, summary, _ = local_job
-    request = summary["memory_per_worker"]
+    request = summary.memory_per_worker
     expected = estimate_worker_memory(
         spec.model.local_files(), width=256, height=256, batch=spec.cluster.max_batch, on_gpu=False
     )
@@ -260,7 +277,7 @@ def test_workers_ask_ray_for_the_estimated_memory_and_report_their_fit(local_job
     assert worker_memory(spec.model, override=123, width=256, height=256, batch=2, use_gpu=False) == (123, None)
     assert 0.5 * 2**30 < request["bytes"] < 4 * 2**30  # runtime, the tiny weights, one 256x256 decode
     # Each worker measured its batch at the size it rendered and reported it.
-    fits = summary["memory_fit"]
+    fits = summary.memory_fit
     assert fits and {(f["width"], f["height"], f["device"]) for f in fits} == {(256, 256, "cpu")}
     assert all(f["image_peak_bytes"] > 0 and 1 <= f["batch"] for f in fits)
 
@@ -278,7 +295,7 @@ def test_a_worker_that_fits_on_no_node_is_refused_before_it_starts(job_inputs, t
 @pytest.mark.slow
 def test_summary_counts_the_forwards_the_step_cache_saved(local_job, job_inputs, tiny_models, tmp_path):
     _, plain, _ = local_job
-    assert plain["step_cache"] is None  # no image ran with the cache
+    assert plain.step_cache is None  # no image ran with the cache
     manifest = write_manifest(
         job_inputs.folder / "cached.csv",
         [{"reference": job_inputs.references[0], "prompt": f"1girl, solo, scene {i}", "seed": i} for i in range(3)],
@@ -286,9 +303,9 @@ def test_summary_counts_the_forwards_the_step_cache_saved(local_job, job_inputs,
     spec = job_spec(manifest, tiny_models, str(tmp_path / "out"), defaults={"steps": 10, "step_cache": "on"})
     summary = run_job(spec, progress=False, write_gallery=False)
     rows = pq.read_table(tmp_path / "out" / "metadata").to_pylist()
-    assert summary["images_this_run"] == len(rows) == 3
+    assert summary.images_this_run == len(rows) == 3
     # the summary adds up what each image's metadata row says it skipped
-    assert summary["step_cache"] == {
+    assert summary.step_cache.model_dump() == {
         "images": 3,
         "forwards": 30,
         "forwards_saved": sum(r["skipped_forwards"] for r in rows),

@@ -102,13 +102,13 @@ def test_killed_worker_mid_job_loses_and_duplicates_nothing(tmp_path, tiny_model
     )
     killer.join(timeout=60)
     assert killed["pid"] in {i.pid for i in infos}
-    assert (summary["images_this_run"], summary["failed_items"]) == (12, 0)
+    assert (summary.images_this_run, summary.failed_items) == (12, 0)
     frame = _assert_exactly_once(str(out), expected_item_ids(spec))
     # Recovered one way or the other: Ray re-ran the dead actor's calls on its restarted process (a
     # new pid renders), or the scheduler saw the failure and requeued the batch elsewhere.
     pids = {int(w.rsplit("-", 1)[1]) for w in frame["worker_id"]}
     restarted = pids - {i.pid for i in infos}
-    assert restarted or summary["scheduler"]["worker_failures"] >= 1, (pids, summary["scheduler"])
+    assert restarted or summary.scheduler["worker_failures"] >= 1, (pids, summary.scheduler)
 
 
 @pytest.mark.slow
@@ -165,7 +165,7 @@ def test_interrupted_driver_resumes_and_renders_only_what_was_missing(tmp_path, 
     before = pd.read_parquet(out / "metadata").set_index("item_id")["finished_at"]
 
     resumed = run_job(spec, progress=False, write_gallery=False)
-    assert (resumed["skipped_already_done"], resumed["images_this_run"], resumed["images_total"]) == (
+    assert (resumed.skipped_already_done, resumed.images_this_run, resumed.images_total) == (
         len(committed),
         18 - len(committed),
         18,
@@ -306,7 +306,7 @@ def test_s3_outage_mid_job_commits_metadata_during_it_after_retries(tmp_path, ti
         thread.join(timeout=120)
         s3_server.start()  # whatever happened, the session's server is up for the next test
     assert set(outage) == {"stopped", "restarting"}
-    assert (summary["images_this_run"], summary["failed_items"]) == (12, 0)
+    assert (summary.images_this_run, summary.failed_items) == (12, 0)
     frame = _assert_exactly_once(out_uri, expected_item_ids(spec), s3_server.s3_options())
     assert frame["finished_at"].max() > outage["restarting"]
     # A metadata part whose write began during the outage was committed (it is listed and read above) ...
@@ -341,8 +341,8 @@ def test_poison_item_is_recorded_with_its_last_exception(tmp_path, tiny_models):
     expected = expected_item_ids(spec)
     assert len(expected) == 5
     summary = run_job(spec, progress=False, write_gallery=False)
-    assert (summary["images_this_run"], summary["failed_items"], summary["invalid_rows"]) == (4, 1, 0)
-    assert summary["scheduler"]["retried_items"] == 2
+    assert (summary.images_this_run, summary.failed_items, summary.invalid_rows) == (4, 1, 0)
+    assert summary.scheduler["retried_items"] == 2
     frame = _assert_exactly_once(str(out), expected - {_poison_id(spec)})
     assert "1girl, poison" not in set(frame["prompt"])
     errors = read_errors_table(open_storage(str(out))).to_pylist()
@@ -378,15 +378,15 @@ def test_an_item_whose_own_render_raises_fails_after_its_attempts_and_only_it(tm
     spec = job_spec(manifest, tiny_models, str(out), cluster={"max_attempts": 3, "max_batch": 4})
     expected = expected_item_ids(spec)
     summary = run_job(spec, progress=False, write_gallery=False, renderer_factory=PoisonPrompt("poison"))
-    assert (summary["images_this_run"], summary["failed_items"]) == (4, 1)
+    assert (summary.images_this_run, summary.failed_items) == (4, 1)
     frame = _assert_exactly_once(str(out), expected - {_poison_id(spec)})
     # Its batch-mates were retried one at a time without an attempt, and rendered at their first.
     assert set(frame["attempt"]) == {1}
     (error,) = read_errors_table(open_storage(str(out))).to_pylist()
     assert (error["item_id"], error["stage"], error["attempt"]) == (_poison_id(spec), "sample", 3)
     assert error["error"].startswith("FloatingPointError: NaN in the sampled latents of '1girl, poison'"), error
-    assert summary["attempts"] == {"max_attempts": 3, "charged": 3, "retried_items": 2, "failed_items": 1}
-    assert {cause: n for cause, n in summary["requeues"].items() if n and cause != "budget"} == {}
+    assert summary.attempts.model_dump() == {"max_attempts": 3, "charged": 3, "retried_items": 2, "failed_items": 1}
+    assert {cause: n for cause, n in summary.requeues.items() if n and cause != "budget"} == {}
 
 
 @pytest.mark.slow
@@ -407,14 +407,14 @@ def test_torch_out_of_memory_halves_batches_and_an_image_that_never_fits_fails_w
         renderer_factory=OutOfMemoryAbove(((256, 256, 1), (512, 512, 0))),
     )
     large = {i for i, r in _items_by_prompt(spec).items() if "large" in r}
-    assert (summary["images_this_run"], summary["failed_items"]) == (4, 2)
+    assert (summary.images_this_run, summary.failed_items) == (4, 2)
     frame = _assert_exactly_once(str(out), expected_item_ids(spec) - large)
     assert set(frame["attempt"]) == {1} and set(frame["forward_batch"]) == {1}  # no attempt; single images
     # The workers' render service split the batches (4 -> 2 -> 1) and kept the cap for the size: no call failed.
-    caps = {(f["width"], f["height"]): f["out_of_memory_cap"] for f in summary["memory_fit"]}
+    caps = {(f["width"], f["height"]): f["out_of_memory_cap"] for f in summary.memory_fit}
     assert caps[(256, 256)] == 1
     # Halving costs no attempt: only the two 512x512 images were charged, 3 attempts each.
-    assert summary["attempts"]["charged"] == 6 and summary["requeues"]["device_oom"] == 0
+    assert summary.attempts.charged == 6 and summary.requeues["device_oom"] == 0
     errors = read_errors_table(open_storage(str(out))).to_pylist()
     assert sorted(e["item_id"] for e in errors) == sorted(large)
     for error in errors:

@@ -83,8 +83,8 @@ def test_two_drivers_started_together_render_every_item_once(kind, six_items, ti
     ids = read_item_ids(storage)  # every committed row, duplicates included
     assert len(ids) == 6
     assert set(ids) == expected_item_ids(waiting)
-    assert sorted(s["images_this_run"] for s in summaries) == [0, 6]
-    assert sorted(s["skipped_already_done"] for s in summaries) == [0, 6]
+    assert sorted(s.images_this_run for s in summaries) == [0, 6]
+    assert sorted(s.skipped_already_done for s in summaries) == [0, 6]
     assert len(refusals) == 1 and "\n" not in refusals[0]
     assert refusals[0].startswith(f"output {storage.uri} is in use by job ")
     assert "its lease expires at " in refusals[0]
@@ -123,7 +123,7 @@ def test_a_webdataset_job_puts_every_item_in_one_committed_shard(six_items, tiny
     spec = job_spec(six_items, tiny_models, str(out), cluster={"num_workers": 1}, output=output)
     summary = run_job(spec, progress=False, write_gallery=False)
     ids = expected_item_ids(spec)
-    assert summary["images_this_run"] == 6
+    assert summary.images_this_run == 6
     storage = open_storage(str(out))
     assert sorted(read_item_ids(storage)) == sorted(ids)  # committed once, by the worker with its shard
     shards = sorted(k for k in storage.list("shards/") if k.endswith(".tar"))
@@ -145,7 +145,7 @@ def test_a_webdataset_job_puts_every_item_in_one_committed_shard(six_items, tiny
     assert all((rows[i]["reference_image_key"] is None) == (i not in sampled) for i in ids)
     # Rerunning the same spec renders nothing and keeps one shard per item.
     again = run_job(spec, progress=False, write_gallery=False)
-    assert (again["images_this_run"], again["skipped_already_done"]) == (0, 6)
+    assert (again.images_this_run, again.skipped_already_done) == (0, 6)
     assert sorted(k for k in storage.list("shards/") if k.endswith(".tar")) == shards
 
 
@@ -210,9 +210,9 @@ def test_a_worker_killed_mid_shard_leaves_no_partial_shard_and_its_items_render_
     expected = expected_item_ids(spec)
     assert killed
     # The same run rendered the dead shard's items again: every item committed once, and counted once.
-    assert summary["images_this_run"] == len(expected) == 6 and summary["failed_items"] == 0
+    assert summary.images_this_run == len(expected) == 6 and summary.failed_items == 0
     assert sorted(done_events) == sorted(expected)  # item_done only when committed, once each
-    assert summary["requeues"]["shard_lost"] >= 1
+    assert summary.requeues["shard_lost"] >= 1
     storage = open_storage(str(out))
     ids = read_item_ids(storage)
     assert len(ids) == len(set(ids)) and set(ids) == expected
@@ -223,7 +223,7 @@ def test_a_worker_killed_mid_shard_leaves_no_partial_shard_and_its_items_render_
     before = {r["item_id"]: r["shard_key"] for r in read_metadata_table(storage).to_pylist()}
 
     again = run_job(spec, progress=False, write_gallery=False)
-    assert (again["images_this_run"], again["skipped_already_done"]) == (0, 6)
+    assert (again.images_this_run, again.skipped_already_done) == (0, 6)
     after = {r["item_id"]: r["shard_key"] for r in read_metadata_table(storage).to_pylist()}
     assert after == before
 

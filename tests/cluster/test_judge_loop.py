@@ -142,7 +142,7 @@ def test_near_duplicates_are_rejected_and_rendered_again_with_the_documented_see
     assert any(r["render_index"] > 0 for r in rows), "no reject was rendered again"
     assert all(r["score_identity_gap"] is not None for r in rows)
     assert all(r["score_sanity_std"] is None for r in rows)  # a check not asked for: null
-    figures = summary["judge"]
+    figures = summary.judge
     assert figures["renders"] == len(rows)
     assert figures["kept"] == sum(r["accepted"] for r in rows)
     assert figures["rejected_by"]["near_duplicate"] == sum("near_duplicate" in (r["rejected_by"] or "") for r in rows)
@@ -190,12 +190,12 @@ def test_the_quota_stops_a_reference_and_skips_its_items(tiny_models, tmp_path):
     quota_rejects = sum(r["rejected_by"] == "quota" for r in rows)
     assert len(rows) == 4 + quota_rejects  # a render that came in after its reference filled is a row too
     assert len(rows) < 12, "the queued items of a full reference were rendered anyway"
-    assert summary["judge"]["items_skipped_by_quota"] == 12 - 4
-    assert summary["judge"]["references_at_quota"] == 2
+    assert summary.judge["items_skipped_by_quota"] == 12 - 4
+    assert summary.judge["references_at_quota"] == 2
     # A rerun continues the quotas: the items of a full reference are skipped again, nothing renders.
     again = run_job(spec, progress=False, write_gallery=False)
-    assert again["images_this_run"] == 0 and again["judge"]["renders"] == len(rows)
-    assert again["judge"]["items_skipped_by_quota"] == 12 - len({r["render_of"] for r in rows})
+    assert again.images_this_run == 0 and again.judge["renders"] == len(rows)
+    assert again.judge["items_skipped_by_quota"] == 12 - len({r["render_of"] for r in rows})
     assert read_metadata_table(storage).num_rows == len(rows)
 
 
@@ -229,10 +229,10 @@ def test_a_worker_killed_mid_loop_loses_no_kept_image_and_keeps_none_twice(tiny_
         on_progress=lambda n: first_commit.set(),
     )
     killer.join(timeout=60)
-    assert killed["pid"] in {i.pid for i in infos} and summary["failed_items"] == 0
+    assert killed["pid"] in {i.pid for i in infos} and summary.failed_items == 0
     rows = _check_loop(open_storage(spec.output.uri), tmp_path, max_distance=10, max_renders=3, quota=None)
     assert {r["render_of"] for r in rows} == expected_item_ids(spec)
-    assert summary["judge"]["renders"] == len(rows)
+    assert summary.judge["renders"] == len(rows)
 
 
 def _driver_env() -> dict[str, str]:

@@ -127,7 +127,7 @@ def test_job_on_a_cold_cluster_gets_gpu_nodes_and_later_workers_join(cluster, ti
         cluster.set_gpu_node_limit(3)
 
     frame = _exactly_once(tmp_path / "out", expected_item_ids(spec))
-    assert (summary["images_this_run"], summary["failed_items"]) == (24, 0)
+    assert (summary.images_this_run, summary.failed_items) == (24, 0)
     nodes = set(frame["node_id"])
     assert len(nodes) >= 2, f"all images from one node: {nodes}"
     assert nodes <= set(cluster.gpu_node_ids()) | {n for _, n in joins}
@@ -137,9 +137,9 @@ def test_job_on_a_cold_cluster_gets_gpu_nodes_and_later_workers_join(cluster, ti
     late = {node for t, node in joins if t > first_commit[0]}
     assert late, f"every worker joined before the first image: {joins}, first image at {first_commit[0]}"
     assert late & nodes, f"late workers on {late} rendered nothing ({Counter(frame['node_id'])})"
-    assert summary["images_per_node"] == dict(Counter(frame["node_id"]))
-    assert summary["peak_workers"] >= 2
-    assert summary["scheduler"]["workers_started"] == len(joins)
+    assert summary.images_per_node == dict(Counter(frame["node_id"]))
+    assert summary.peak_workers >= 2
+    assert summary.scheduler["workers_started"] == len(joins)
 
 
 def test_whole_node_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_models, tmp_path):
@@ -175,7 +175,7 @@ def test_whole_node_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_mo
     assert "pid" in killed, "the node was never killed"
     assert killed["node"] not in cluster.raylet_pids()  # it is gone for good
     frame = _exactly_once(tmp_path / "out", expected_item_ids(spec))
-    assert (summary["images_this_run"], summary["failed_items"]) == (18, 0)
+    assert (summary.images_this_run, summary.failed_items) == (18, 0)
     after = frame[frame["finished_at"] > killed["at"]]
     assert len(after) > 0 and killed["node"] not in set(after["node_id"])
 

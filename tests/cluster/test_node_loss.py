@@ -153,8 +153,8 @@ def _every_item_once(spec, summary: dict, items: int = 24) -> list[dict]:
         Image.open(io.BytesIO(storage.get_bytes(row["image_key"]))).load()
     assert read_errors_table(storage).num_rows == 0
     # What generate_dataset's main() turns into exit status 0.
-    assert (summary["images_this_run"], summary["failed_items"]) == (items, 0)
-    assert summary["attempts"]["charged"] == 0 and {r["attempt"] for r in rows} == {1}
+    assert (summary.images_this_run, summary.failed_items) == (items, 0)
+    assert summary.attempts.charged == 0 and {r["attempt"] for r in rows} == {1}
     return rows
 
 
@@ -189,9 +189,9 @@ def test_three_workers_at_the_default_size_fit_one_machine_without_a_memory_kill
     spec = _spec(tmp_path, references, tiny_models, cluster, prompts=(4, 4, 4), size=1024, max_batch=4, min_workers=3)
     summary = run_job(spec, progress=False, write_gallery=False)
     rows = _every_item_once(spec, summary, items=12)
-    assert summary["requeues"]["oom_killed"] == 0 and summary["peak_workers"] == 3, summary["requeues"]
-    assert summary["memory_per_worker"]["bytes"] > 0  # each asked Ray for memory
-    fits = [f for f in summary["memory_fit"] if (f["width"], f["height"]) == (1024, 1024)]
+    assert summary.requeues["oom_killed"] == 0 and summary.peak_workers == 3, summary.requeues
+    assert summary.memory_per_worker["bytes"] > 0  # each asked Ray for memory
+    fits = [f for f in summary.memory_fit if (f["width"], f["height"]) == (1024, 1024)]
     assert fits and all(f["image_peak_bytes"] > 0 and f["batch"] >= 1 for f in fits)
     assert max(r["forward_batch"] for r in rows) > 1  # batches, not single images
 
@@ -205,8 +205,8 @@ def test_node_of_a_worker_whose_reference_is_still_needed_killed_after_two_image
     rows = _every_item_once(spec, summary)
     _nothing_sent_to_the_dead_node(killer, rows)
     # The dead node's batches came back without an attempt, counted as a node loss; its RefKV was forgotten.
-    assert summary["requeues"]["node_lost"] >= 1 and summary["requeues"]["worker_lost"] == 0, summary["requeues"]
-    assert summary["scheduler"]["refkvs_dropped"] >= 1
+    assert summary.requeues["node_lost"] >= 1 and summary.requeues["worker_lost"] == 0, summary.requeues
+    assert summary.scheduler["refkvs_dropped"] >= 1
 
 
 @pytest.mark.parametrize("choose", [before_any_image, mid_batch], ids=lambda f: f.__name__)
@@ -217,7 +217,7 @@ def test_node_killed_at_a_moment_of_the_job_loses_and_duplicates_nothing(
     summary, killer = _run(spec, cluster, choose)
     rows = _every_item_once(spec, summary)
     _nothing_sent_to_the_dead_node(killer, rows)
-    assert summary["requeues"]["node_lost"] >= 1 and summary["requeues"]["worker_lost"] == 0, summary["requeues"]
+    assert summary.requeues["node_lost"] >= 1 and summary.requeues["worker_lost"] == 0, summary.requeues
 
 
 def test_node_killed_as_a_refkv_fetch_from_it_starts(cluster, references, tiny_models, tmp_path):
@@ -228,7 +228,7 @@ def test_node_killed_as_a_refkv_fetch_from_it_starts(cluster, references, tiny_m
     rows = _every_item_once(spec, summary)
     _nothing_sent_to_the_dead_node(killer, rows)
     # The fetching worker could not have the RefKV (lost, or not in 5 s) and encoded it itself.
-    assert summary["requeues"]["refkv_lost"] >= 1, summary["requeues"]
+    assert summary.requeues["refkv_lost"] >= 1, summary.requeues
 
 
 def test_out_of_memory_on_the_nodes_splits_batches_and_remembers_the_size(cluster, references, tiny_models, tmp_path):
@@ -239,6 +239,6 @@ def test_out_of_memory_on_the_nodes_splits_batches_and_remembers_the_size(cluste
     assert {r["forward_batch"] for r in rows} == {1}
     # Each worker's render service halved its batches of 4 (4 -> 2 -> 1) and kept the cap for the size, so no
     # render call failed and the driver had nothing to requeue.
-    fits = [f for f in summary["memory_fit"] if (f["width"], f["height"]) == (256, 256)]
+    fits = [f for f in summary.memory_fit if (f["width"], f["height"]) == (256, 256)]
     assert fits and {f["out_of_memory_cap"] for f in fits} == {1} and {f["batch"] for f in fits} == {1}
-    assert summary["requeues"]["device_oom"] == 0 and summary["attempts"]["charged"] == 0, summary
+    assert summary.requeues["device_oom"] == 0 and summary.attempts.charged == 0, summary

@@ -19,6 +19,7 @@ from torch._dynamo.testing import CompileCounter
 
 from snapref_ray.models.compile_cache import ARTIFACT_SUFFIX, CompileCache, CompileKey
 from snapref_ray.models.compiled import compile_forward
+from snapref_ray.storage.backends import open_storage
 from tests.models.test_compiled import _inputs, make_dit
 
 MAGIC = b"snapref-ray compile cache v2\n"
@@ -57,7 +58,9 @@ def test_corrupt_mismatched_and_escaping_artifacts_are_skipped_with_one_warning(
         (folder / f"{name}{ARTIFACT_SUFFIX}").write_bytes(data)
 
     counter = CompileCounter()
-    forward = compile_forward(dit, backend=counter, cache=CompileCache(tmp_path / "shared", key))
+    forward = compile_forward(
+        dit, backend=counter, cache=CompileCache(tmp_path / "shared", key, open_store=open_storage)
+    )
     x, sigma, ctx = _inputs(2, 1)
     # torch's own loggers propagate or not depending on what ran before (torch._logging): make them propagate, so
     # that a torch warning reaching the user would be seen here whatever the test order.

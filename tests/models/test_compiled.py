@@ -30,6 +30,7 @@ from snapref_ray.models.dit import BLOCK_LINEARS, load_dit
 from snapref_ray.models.fp8 import quantize_dit
 from snapref_ray.models.ops import LoRAPair
 from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict
+from snapref_ray.storage.backends import open_storage
 
 BLOCKS, WIDTH, HEAD_DIM, CONTEXT = 2, 64, 32, 64
 
@@ -207,9 +208,11 @@ import json, sys, torch
 from torch._dynamo.utils import counters
 from snapref_ray.models.compile_cache import CompileCache, CompileKey
 from snapref_ray.models.compiled import compile_forward
+from snapref_ray.storage.backends import open_storage
 from tests.models.test_compiled import compiled_case, make_dit
 dit = make_dit()
-forward = compile_forward(dit, cache=CompileCache(sys.argv[1], CompileKey.for_dit(dit, "none")))
+cache = CompileCache(sys.argv[1], CompileKey.for_dit(dit, "none"), open_store=open_storage)
+forward = compile_forward(dit, cache=cache)
 with torch.inference_mode():
     out = compiled_case(dit, forward)
 torch.save(out, sys.argv[2])
@@ -238,7 +241,7 @@ def test_compiled_forward_equals_eager_and_a_new_node_loads_it_from_the_compile_
     the graph (tests/adapter/test_arcanima_methods.py runs v2's own forward through dynamo and AOTAutograd).
     """
     shared = tmp_path / "compile-cache"
-    forward = compile_forward(dit, cache=CompileCache(shared, CompileKey.for_dit(dit, "none")))
+    forward = compile_forward(dit, cache=CompileCache(shared, CompileKey.for_dit(dit, "none"), open_store=open_storage))
     x, sigma, ctx = _inputs(3, 5)
     refs = _refs(dit, (True, True, False), 6, weights=(2.5, 0.25))
     loras = _every_linear_lora(dit, 7)
@@ -257,7 +260,7 @@ def test_compiled_forward_equals_eager_and_a_new_node_loads_it_from_the_compile_
     assert forward.stats.graphs == 1 and forward.stats.published == 1
     (artifact,) = (shared / CompileKey.for_dit(dit, "none").digest).iterdir()
     raced = tmp_path / "raced"
-    racers = [CompileCache(raced, CompileKey.for_dit(dit, "none")) for _ in range(2)]
+    racers = [CompileCache(raced, CompileKey.for_dit(dit, "none"), open_store=open_storage) for _ in range(2)]
     wins: list[bool] = []
     threads = [threading.Thread(target=lambda c=c: wins.append(c.publish("same-shape"))) for c in racers]
     for t in threads:

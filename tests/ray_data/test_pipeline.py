@@ -224,7 +224,7 @@ def test_two_actors_and_their_cache_counters(rendered):
 
 def test_docs_block_is_the_one_that_ran():
     code = readme_block()
-    assert "SnapRefRenderer" in code and 'write_parquet("s3://my-bucket/renders/")' in code
+    assert "SnapRefRenderer" in code and 'write_parquet("s3://my-bucket/renders/", mode="overwrite")' in code
     assert "ActorPoolStrategy" in code and "concurrency=" not in code  # Ray 2.60: `concurrency` is deprecated
 
 
@@ -249,7 +249,7 @@ def job_output(ray_s3_env, s3_server, inputs, tiny_models, tmp_path_factory):
     out = f"s3://{BUCKET}/run1"  # docs/ray-data.md's read_results example reads this
     spec = job_spec(manifest, tiny_models, out)
     summary = run_job(spec, progress=False, write_gallery=False)
-    assert summary["images_total"] == 4
+    assert summary.images_total == 4
     storage = open_storage(out, s3_server.s3_options())
     first = sorted(k for k in storage.list("metadata/") if k.endswith(".parquet"))[0]
     part = pq.read_table(io.BytesIO(storage.get_bytes(first)))

@@ -214,7 +214,7 @@ def test_write_report_result(small_job):
     assert (result["gallery"], result["pages"]) == (str(root / "gallery.html"), 1)
     assert result["errors_page"] == str(root / "errors.html")
     assert result["plots"] == {name: str(root / key) for name, key in PLOT_KEYS.items()}
-    assert (result["images"], result["references"], result["failed"]) == (12, 3, 2)
+    assert (result["images"], result["references"], result["invalid_rows"], result["failed_items"]) == (12, 3, 1, 1)
     assert all((root / key).is_file() for key in PLOT_KEYS.values())
 
 
@@ -375,6 +375,28 @@ def test_header_shows_one_labelled_throughput_the_charts_mean_line(small_job):
     assert rates == [("throughput", "90 images / min")]
     assert ("rendering time", "8.0 s") in facts
     assert mean_line_value((root / "report/throughput.svg").read_text()) == pytest.approx(90, rel=1e-3)
+    # What the output left out, in the terminal's and summary.json's words: the validate-stage row is an invalid
+    # row, the item whose last attempt failed a failed item (the one that failed once, then rendered, is neither).
+    assert ("invalid rows", "1") in facts and ("failed items", "1") in facts
+    assert not [label for label, _ in facts if label == "failed"]
+
+
+def test_after_an_append_the_throughput_divides_by_the_runs_rendering_time(tmp_path):
+    """Two runs (a job, then one appended an hour later): images over the sum of the runs' rendering times, not
+    over the span from the first image to the last, which holds the hour between them."""
+    storage, rows, table = write_job(tmp_path / "job", n_refs=2, per_ref=6, images=False)
+    later = [dict(r, started_at=r["started_at"] + 3600, finished_at=r["finished_at"] + 3600) for r in rows[8:]]
+    table = pa.Table.from_pylist(rows[:8] + later, schema=METADATA_SCHEMA)
+    runs = [
+        {"job": "a", "images": 8, "items_to_render": 8, "render_seconds": 6.0, "wall_seconds": 9.0},
+        {"job": "b", "images": 4, "items_to_render": 4, "render_seconds": 2.0, "wall_seconds": 5.0},
+        {"job": "a", "images": 0, "items_to_render": 0, "render_seconds": 0.0, "wall_seconds": 1.0},  # a resume
+    ]
+    write_gallery(storage, table, summary={"runs": runs, "images_total": 12})
+    html = storage.get_bytes("gallery.html").decode()
+    facts = header_facts(html)
+    assert ("throughput", "90 images / min") in facts and ("rendering time", "8.0 s") in facts  # 12 in 8 s
+    assert "12 images in 8.0 s over 2 runs" in html
 
 
 def test_runs_of_summary_json_are_a_table_and_odd_entries_do_not_fail_the_page(tmp_path):

@@ -226,7 +226,7 @@ def test_reference_store_evicts_by_bytes() -> None:
 
 
 def test_renderer_timeout_becomes_504() -> None:
-    from snapref_ray.serve.ingress import Ingress
+    from snapref_ray.serve.render_path import RenderPath
 
     class _SlowResponse:
         cancelled = False
@@ -237,12 +237,10 @@ def test_renderer_timeout_becomes_504() -> None:
         def cancel(self):
             self.cancelled = True
 
-    class _Fake:
-        _config = ServeConfig(model="m", request_timeout_s=0.05)
-
+    path = RenderPath(ServeConfig(model="m", request_timeout_s=0.05), renderer=object(), local=None, store=None)
     response = _SlowResponse()
     with pytest.raises(ApiError) as info:
-        asyncio.run(Ingress.func_or_class._call(_Fake(), response))
+        asyncio.run(path.call(response))
     assert (info.value.status, info.value.field) == (504, None)
     assert "request_timeout_s=0.05" in info.value.message and response.cancelled
 
@@ -725,6 +723,30 @@ def test_bad_input_raises_the_sdks_typed_errors(oai: openai.OpenAI, server: str,
     status, body = _raw_json(server + "/v1/images/generations", "POST", b"{}", {"Content-Type": "application/json"})
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["param"] == "prompt"
+
+
+@pytest.mark.slow
+def test_hints_name_the_clients_field_and_this_servers_limits(oai: openai.OpenAI, client: SnapRefClient) -> None:
+    generate = {"prompt": "p", "size": SIZE}
+
+    def refused(extra: dict, **change) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.images.generate(**{**generate, **change}, extra_body={"num_inference_steps": STEPS, **extra})
+        return info.value
+
+    # A typo is matched only against what the route accepts: `style` is refused whatever its value.
+    err = refused({"stpes": 2})
+    assert err.param == "stpes" and "did you mean 'num_inference_steps'?" in err.message, err.message
+    assert "style" not in err.message
+    # /v1/render's name sent here is reported under the name sent, with the route's name as the way out.
+    err = refused({"steps": 2})
+    assert (err.param, err.body["message"]) == ("steps", "steps: this route takes it as 'num_inference_steps'")
+    # A side past the request model's own bound: the message states this server's cap (512), not 4096.
+    err = refused({}, size="8192x256")
+    assert err.param == "size" and "between 256 and 512, got 8192" in err.message, err.message
+    native = _render_error(client, prompt="p", width=8192, height=256, steps=STEPS)
+    assert (native.status, native.field) == (400, "width")
+    assert "between 256 and 512, got 8192" in native.message and "4096" not in native.message, native.message
 
 
 @pytest.mark.slow

@@ -261,9 +261,9 @@ def test_rendering_replicas_ask_ray_for_memory(tiny_models) -> None:
     assert "memory" not in _deployments(build_app(elsewhere))["Renderer"]["ray_actor_options"]
 
 
-def test_the_batch_size_and_s3_have_the_jobs_names_and_the_old_ones_still_read() -> None:
+def test_the_batch_size_and_s3_have_the_jobs_names_and_the_old_ones_are_refused() -> None:
     """One name for a forward's batch (`max_batch`, as jobs and Ray Data) and one S3 section with retries (the
-    jobs' S3Spec); the old flat names are read with a DeprecationWarning, never silently together with the new."""
+    jobs' S3Spec); the old flat names are unknown fields, refused by name, never read."""
     from snapref_ray.job_spec import S3Spec
     from snapref_ray.storage.backends import S3Options
 
@@ -273,16 +273,12 @@ def test_the_batch_size_and_s3_have_the_jobs_names_and_the_old_ones_still_read()
     assert config.s3_options() == S3Options(
         endpoint_url="http://127.0.0.1:1", region=None, retry_mode="adaptive", max_attempts=10
     )
-    with pytest.warns(DeprecationWarning, match="max_batch_size is deprecated: use max_batch"):
-        old = ServeConfig(model="m", max_batch_size=2, limits={"max_n": 2})
-    assert old.max_batch == 2
-    with pytest.warns(DeprecationWarning, match="s3_region is deprecated: use s3.region"):
-        old = ServeConfig(model="m", s3_endpoint_url="http://127.0.0.1:1", s3_region="us-east-1")
-    assert (old.s3.endpoint_url, old.s3.region, old.s3.max_attempts) == ("http://127.0.0.1:1", "us-east-1", 10)
-    with pytest.raises(ValidationError, match="give only max_batch"):
-        ServeConfig(model="m", max_batch=2, max_batch_size=2)
-    with pytest.raises(ValidationError, match="give only s3"):
-        ServeConfig(model="m", s3={}, s3_region="us-east-1")
+    for old in ({"max_batch_size": 2}, {"s3_endpoint_url": "http://127.0.0.1:1"}, {"s3_region": "us-east-1"}):
+        (name,) = old
+        with pytest.raises(ValidationError) as info:
+            ServeConfig(model="m", **old)
+        assert [e["loc"] for e in info.value.errors()] == [(name,)]
+        assert info.value.errors()[0]["type"] == "extra_forbidden"
 
 
 def test_a_rendering_replica_is_told_the_memory_it_asks_ray_for(tiny_models) -> None:

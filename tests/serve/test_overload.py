@@ -147,7 +147,7 @@ def test_check_health_fails_only_when_the_device_is_stuck(tiny_renderer) -> None
 
 
 def test_a_fused_replica_admits_renders_up_to_its_slots_and_cancels_them_on_timeout() -> None:
-    from snapref_ray.serve.ingress import Ingress
+    from snapref_ray.serve.render_path import RenderPath
 
     class _SlowRenderer:  # the replica's own renderer, stuck on the device
         started = cancelled = 0
@@ -168,22 +168,12 @@ def test_a_fused_replica_admits_renders_up_to_its_slots_and_cancels_them_on_time
         request_timeout_s=0.3,
         retry_after_s=2,
     )
-    wrapped = Ingress.func_or_class
-
-    class _FusedIngress:  # the admission logic alone: no model, no ASGI app
-        _render, _call, _at_capacity, _retry_after = (
-            wrapped._render,
-            wrapped._call,
-            wrapped._at_capacity,
-            wrapped._retry_after,
-        )
-
-    ingress = _FusedIngress()
-    ingress._config, ingress._renderer, ingress._local = config, None, _SlowRenderer()
-    ingress._render_slots, ingress._rendering = config.max_ongoing_requests + config.max_queued_requests, 0
+    # The admission logic alone: no model, no ASGI app, no store.
+    slow = _SlowRenderer()
+    path = RenderPath(config, renderer=None, local=slow, store=None)
 
     async def burst():
-        return await asyncio.gather(*(ingress._render(None) for _ in range(5)), return_exceptions=True)
+        return await asyncio.gather(*(path.render_call(None) for _ in range(5)), return_exceptions=True)
 
     results = asyncio.run(burst())
     assert all(isinstance(r, ApiError) for r in results), results
@@ -192,4 +182,4 @@ def test_a_fused_replica_admits_renders_up_to_its_slots_and_cancels_them_on_time
         assert refused.headers == {"Retry-After": "2"} and "at capacity" in refused.message
     # The two admitted renders were cancelled at request_timeout_s (the device loop then drops them),
     # and their slots are free again.
-    assert (ingress._local.started, ingress._local.cancelled, ingress._rendering) == (2, 2, 0)
+    assert (slow.started, slow.cancelled, path._rendering) == (2, 2, 0)

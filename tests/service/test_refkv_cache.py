@@ -1,6 +1,7 @@
 import threading
 import time
 
+import pytest
 import torch
 
 from snapref_ray.adapter.refkv import RefKV
@@ -50,15 +51,15 @@ def test_concurrent_misses_on_one_key_encode_once():
     assert cache.stats.encodes == 1 and cache.stats.misses == 1 and cache.stats.hits == 3
 
 
-def test_failed_encode_lets_the_next_caller_retry():
+def test_a_failed_encode_reaches_its_caller_and_the_next_caller_retries():
     cache = RefKVCache(max_bytes=10**9)
 
     def fail():
         raise RuntimeError("corrupt reference")
 
-    try:
+    with pytest.raises(RuntimeError, match="corrupt reference"):  # not swallowed, not cached
         cache.get_or_create("k", fail)
-    except RuntimeError:
-        pass
+    assert "k" not in cache and cache.stats.encodes == 0
     kv, hit = cache.get_or_create("k", lambda: kv_of(1, "ok"))
-    assert not hit and kv.reference_id == "ok"
+    assert not hit and kv.reference_id == "ok" and "k" in cache
+    assert (cache.stats.misses, cache.stats.encodes, cache.stats.hits) == (2, 1, 0)

@@ -90,12 +90,25 @@ def test_put_if_absent_race_has_one_winner(storage):
     assert storage.get_bytes("marker").startswith(b"writer ")
 
 
-def test_uri_for(storage):
-    if isinstance(storage, LocalStorage):
-        assert storage.uri_for("images/a.png") == str(Path(storage.uri) / "images" / "a.png")
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_uri_for_names_where_the_object_is(kind, request, tmp_path):
+    """The oracle is not the formula: the URI is the root this test opened plus the key, and a reader that is
+    not the storage layer (the file system, a bare S3 client) finds the written bytes there."""
+    if kind == "local":
+        storage = open_storage(str(tmp_path / "out"))
+        storage.put_bytes("images/a.png", b"the bytes")
+        uri = storage.uri_for("images/a.png")
+        assert uri == str(tmp_path) + "/out/images/a.png"
+        assert open(uri, "rb").read() == b"the bytes"
     else:
-        assert storage.uri_for("images/a.png") == f"{storage.uri}/images/a.png"
-        assert storage.uri.startswith("s3://snapref-test/contract-")
+        server = request.getfixturevalue("s3_server")
+        prefix = f"contract-{uuid.uuid4().hex[:8]}"
+        storage = open_storage(f"s3://{server.bucket}/{prefix}", server.s3_options())
+        storage.put_bytes("images/a.png", b"the bytes")
+        uri = storage.uri_for("images/a.png")
+        assert uri == f"s3://snapref-test/{prefix}/images/a.png"
+        body = server.client().get_object(Bucket="snapref-test", Key=f"{prefix}/images/a.png")["Body"].read()
+        assert body == b"the bytes"
 
 
 def test_pickles_for_ray_workers(storage):
@@ -264,3 +277,61 @@ def test_get_range_reads_the_bytes_asked_for_and_refuses_a_short_object(storage)
         storage.get_range("shards/s.tar", len(data) - 7, 8)
     with pytest.raises(StorageError, match="no object 'shards/missing.tar'"):
         storage.get_range("shards/missing.tar", 0, 4)
+
+
+def test_put_if_absent_without_hard_links_publishes_whole_files(tmp_path, monkeypatch):
+    """On a filesystem without hard links (os.link fails), put_if_absent falls back to an exclusive create: the object
+    must still appear whole (never empty or half written: the lease and job.json are read by other drivers), exactly
+    one of racing writers must win, and nothing else may show in listings."""
+    import errno
+    import os
+
+    storage = LocalStorage(tmp_path / "out")
+    target = Path(storage.uri_for("lease/1.json"))
+    data = b"{" + b"x" * 1_000_000 + b"}"
+    sizes_seen: list[int] = []
+    real_open = os.open
+
+    def no_link(src, dst, *args, **kwargs):
+        raise OSError(errno.EPERM, "hard links not supported", str(dst))
+
+    def watching_open(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if target.exists():  # what a reader would get at this moment
+            sizes_seen.append(target.stat().st_size)
+        return fd
+
+    monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(os, "open", watching_open)
+    assert storage.put_if_absent("lease/1.json", data) is True
+    assert storage.put_if_absent("lease/1.json", b"second") is False
+    assert storage.get_bytes("lease/1.json") == data
+    assert all(size == len(data) for size in sizes_seen), sizes_seen
+    assert storage.list("") == ["lease/1.json"] and os.listdir(target.parent) == ["1.json"]
+
+    results: list[bool] = []
+    barrier = threading.Barrier(6)
+
+    def claim(i: int) -> None:
+        barrier.wait()
+        results.append(storage.put_if_absent("marker", f"writer {i}".encode() * 1000))
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(results) == [False] * 5 + [True]
+    assert storage.get_bytes("marker").startswith(b"writer ") and len(storage.get_bytes("marker")) == 8000
+
+    # A deleted object can be created again (the claim does not outlive its writer)...
+    storage.delete("lease/1.json")
+    assert storage.put_if_absent("lease/1.json", b"again") is True
+    # ...and a claim left by a writer that died holding it is broken once it is stale, not while it is fresh.
+    claim_file = target.with_name(".2.json.tmp-claim")
+    claim_file.touch()
+    assert storage.put_if_absent("lease/2.json", b"held") is False
+    old = time.time() - 120
+    os.utime(claim_file, (old, old))
+    assert storage.put_if_absent("lease/2.json", b"taken over") is True
+    assert storage.get_bytes("lease/2.json") == b"taken over" and not claim_file.exists()

@@ -261,3 +261,48 @@ def test_an_s3_manifest_reads_in_chunks_like_a_local_one(tmp_path, s3_server):
     chunks = list(iter_manifest_chunks(uri, s3_server.s3_options(), chunk_rows=4))
     assert [len(c) for c in chunks] == [4, 4, 3]
     assert [r for c in chunks for r in c] == read_manifest(str(path))
+
+
+@pytest.mark.parametrize("ext", [".csv", ".jsonl", ".parquet"])
+def test_the_digest_is_the_sha256_of_the_manifest_bytes_from_the_one_read(tmp_path, ext, monkeypatch):
+    """The run's record of its manifest: sha256 of the file as read, fed while the chunks are read (the file is
+    opened once), whatever the chunk size; the rows are the same as without a digest."""
+    import hashlib
+    import random
+
+    from snapref_ray.storage import manifest as manifest_module
+    from snapref_ray.storage.manifest import iter_manifest_chunks
+
+    path = _write(tmp_path / f"m{ext}", _random_manifest(random.Random(ext), 5_000))
+    opened: list[str] = []
+
+    def counting_open(file, *args, **kwargs):
+        opened.append(str(file))
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(manifest_module, "open", counting_open, raising=False)
+    plain = [row for chunk in iter_manifest_chunks(str(path), chunk_rows=999) for row in chunk]
+    for chunk_rows in (1, 999, 10_000):
+        opened.clear()
+        digest = hashlib.sha256()
+        rows = [row for chunk in iter_manifest_chunks(str(path), chunk_rows=chunk_rows, digest=digest) for row in chunk]
+        assert rows == plain and opened == [str(path)]
+        assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest(), chunk_rows
+
+
+def test_the_digest_of_an_s3_manifest_is_taken_from_its_one_get(tmp_path, s3_server, monkeypatch):
+    import hashlib
+    import random
+
+    from snapref_ray.storage import manifest as manifest_module
+    from snapref_ray.storage.manifest import iter_manifest_chunks
+
+    path = _write(tmp_path / "m.csv", _random_manifest(random.Random(5), 300))
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key="digest/m.csv", Body=path.read_bytes())
+    reads: list[str] = []
+    real_read = manifest_module.read_uri
+    monkeypatch.setattr(manifest_module, "read_uri", lambda uri, s3: reads.append(uri) or real_read(uri, s3))
+    digest = hashlib.sha256()
+    chunks = list(iter_manifest_chunks(f"s3://{s3_server.bucket}/digest/m.csv", s3_server.s3_options(), digest=digest))
+    assert sum(len(c) for c in chunks) == 300 and len(reads) == 1
+    assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()

@@ -39,6 +39,7 @@ def make_row(i: int, **overrides) -> dict:
     item_id = f"item-{i:04d}"
     row = {
         "item_id": item_id,
+        "content_id": f"{i:020x}",
         "manifest_row": i,
         "reference_uris": [f"refs/char{i % 3}.png", "refs/extra.png"],
         "reference_hash": f"{i % 3:064x}",
@@ -78,6 +79,7 @@ def make_row(i: int, **overrides) -> dict:
         "attempt": 1,
         "started_at": 1_800_000_000.5 + i,
         "finished_at": 1_800_000_003.25 + i,
+        "job": "f" * 64,
         **dict.fromkeys(JUDGE_METADATA_COLUMNS),  # a job that does not judge: null
     }
     row.update(overrides)
@@ -110,6 +112,7 @@ def _pyarrow_fs(storage, request):
 def test_schema_columns_exactly():
     assert METADATA_SCHEMA.names == [
         "item_id",
+        "content_id",
         "manifest_row",
         "reference_uris",
         "reference_hash",
@@ -149,6 +152,7 @@ def test_schema_columns_exactly():
         "attempt",
         "started_at",
         "finished_at",
+        "job",
         "render_of",
         "render_index",
         "score_sanity_nonfinite",
@@ -500,6 +504,114 @@ def test_error_parts_are_compacted_keeping_every_failure_of_an_item(tmp_path):
     assert storage.list(f"{ERRORS_PREFIX}/") == written[ERRORS_PREFIX]
     # Every failure is still there, in commit order (the oracle: the rows as they were added).
     assert read_errors_table(storage, exclude_ids=set()).to_pylist() == recorded
+
+
+@pytest.mark.parametrize("target_rows", [50_000, 40])  # the merged part small (merged again) or large (kept)
+@pytest.mark.parametrize("deleted_before_crash", [0, 5])
+def test_an_interrupted_errors_compaction_leaves_no_doubled_rows_after_the_next(
+    tmp_path, target_rows, deleted_before_crash
+):
+    """A driver killed between writing a merged errors part and deleting the parts it merged leaves their rows twice;
+    the next compaction must not keep them twice for good (error rows are not de-duplicated by id)."""
+    from snapref_ray.storage.metadata import ERRORS_PREFIX, compact_parts
+
+    class Crashing(LocalStorage):
+        deletes_left: int | None = None
+
+        def delete(self, key):
+            if self.deletes_left is not None:
+                if self.deletes_left == 0:
+                    raise StorageError(f"killed before deleting {key}")
+                self.deletes_left -= 1
+            return super().delete(key)
+
+    storage = Crashing(tmp_path / "out")
+    recorded = []
+    for flush in range(12):
+        with ErrorWriter(storage, flush_rows=100, flush_seconds=0) as errors:
+            for attempt in (1, 2):  # the same item failing twice: two rows that differ only in attempt and time
+                row = {
+                    "item_id": f"item-{flush % 5:04d}",
+                    "manifest_row": flush,
+                    "error": "RuntimeError: CUDA out of memory",
+                    "stage": "sample",
+                    "attempt": attempt,
+                    "at": 1000.0 + flush * 10 + attempt,
+                }
+                errors.add(row)
+                recorded.append(row)
+    storage.deletes_left = deleted_before_crash
+    with pytest.raises(StorageError, match="killed before deleting"):
+        compact_parts(storage, ERRORS_PREFIX, target_rows=target_rows)
+    doubled = read_errors_table(storage, exclude_ids=set()).to_pylist()
+    assert len(doubled) == 2 * len(recorded) - 2 * deleted_before_crash  # the crash's doubles, as readers see them
+    storage.deletes_left = None
+
+    compact_parts(storage, ERRORS_PREFIX, target_rows=target_rows)
+
+    assert read_errors_table(storage, exclude_ids=set()).to_pylist() == recorded
+    assert len(storage.list(f"{ERRORS_PREFIX}/")) == 1
+
+
+def test_a_replaced_part_that_sorts_before_its_merged_part_is_not_merged_again(tmp_path):
+    """A merged part takes the time stamp of the first part it replaced, and that part's name may sort before it
+    (`part-<stamp>-0a1b...` < `part-<stamp>-compact-...`): read in name order, that part joins the run before the
+    merged part, and must leave it, not be merged again, since the merged part holds its rows."""
+    from snapref_ray.storage.metadata import ERRORS_PREFIX, ERRORS_SCHEMA, compact_parts
+
+    storage = open_storage(str(tmp_path / "out"))
+
+    def rows(n: int, at: float) -> list[dict]:
+        return [
+            {"item_id": f"i{at}-{k}", "manifest_row": k, "error": "e", "stage": "sample", "attempt": 1, "at": at + k}
+            for k in range(n)
+        ]
+
+    def put(name: str, table_rows: list[dict], replaces: list[str] | None = None) -> str:
+        table = pa.Table.from_pylist(table_rows, schema=ERRORS_SCHEMA)
+        if replaces is not None:
+            table = table.replace_schema_metadata({b"snapref.replaces": json.dumps(replaces).encode()})
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        key = f"{ERRORS_PREFIX}/{name}.parquet"
+        storage.put_bytes(key, buf.getvalue())
+        return key
+
+    first = put("part-20260101T000000000000Z-00aa", rows(3, 0.0))  # before the merged part that replaced it
+    replaced = [first] + [put(f"part-20260101T00000{k}000000Z-{k}bbb", rows(3, 10.0 * k)) for k in range(1, 8)]
+    # The interrupted compaction's merged part: all 24 rows, large (not merged again at target_rows=40).
+    merged = put(
+        "part-20260101T000000000000Z-compact-ffff",
+        [r for k in range(8) for r in rows(3, 10.0 * k)],
+        replaces=replaced,
+    )
+    put("part-20251231T000000000000Z-9ccc", rows(2, -10.0))  # an earlier small part, before them all
+    expected = sorted(map(str, rows(2, -10.0) + [r for k in range(8) for r in rows(3, 10.0 * k)]))
+
+    compact_parts(storage, ERRORS_PREFIX, target_rows=40, min_parts=2)
+
+    assert sorted(map(str, read_errors_table(storage, exclude_ids=set()).to_pylist())) == expected
+    assert merged in storage.list(f"{ERRORS_PREFIX}/") and not set(replaced) & set(storage.list(f"{ERRORS_PREFIX}/"))
+
+
+def test_an_errors_compaction_drops_exact_copies_and_keeps_every_failure(tmp_path):
+    """Parts whose rows another part holds too (left by a compaction interrupted before this version, whose merged
+    part does not name what it replaced): merging them keeps one of each row, and every distinct failure."""
+    from snapref_ray.storage.metadata import ERRORS_PREFIX, compact_parts
+
+    storage = open_storage(str(tmp_path / "out"))
+    rows = [
+        {"item_id": "a", "manifest_row": 1, "error": "e", "stage": "sample", "attempt": 1, "at": 1.0},
+        {"item_id": "a", "manifest_row": 1, "error": "e", "stage": "sample", "attempt": 2, "at": 2.0},
+        {"item_id": None, "manifest_row": 7, "error": "bad row", "stage": "validate", "attempt": 1, "at": 3.0},
+        {"item_id": "b", "manifest_row": 2, "error": "e", "stage": "sample", "attempt": 1, "at": 3.0},
+    ]
+    for _ in range(3):  # the same part three times over
+        with ErrorWriter(storage, flush_rows=100, flush_seconds=0) as errors:
+            for row in rows:
+                errors.add(row)
+    assert compact_parts(storage, ERRORS_PREFIX, min_parts=2)
+    assert read_errors_table(storage, exclude_ids=set()).to_pylist() == rows
 
 
 def test_compacted_part_is_written_in_row_groups(tmp_path):
