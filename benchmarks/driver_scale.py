@@ -1,6 +1,7 @@
 """The driver at scale: memory and CPU per item of a batch job's driver as the manifest grows.
 
     python benchmarks/driver_scale.py job --items 20000 --format files webdataset   # simulated renderer
+    python benchmarks/driver_scale.py job --items 5000 --judge-reject 0 0.3         # judged vs not
     python benchmarks/driver_scale.py plan --items 100000 300000                    # validate + plan only
     python benchmarks/driver_scale.py resume --items 1000000 10000000               # committed set
     python benchmarks/driver_scale.py manifest --items 1000000                      # whole vs chunks
@@ -12,7 +13,10 @@ Every measurement runs in a fresh Python process, so its peak RSS (Linux VmHWM) 
   time, real PNGs, real storing and committing), 4 workers, 25 prompts per reference, a local output,
   ``output.format`` files or webdataset. Reports the driver's peak RSS, its CPU seconds per item (the
   whole driver process: validation, planning, scheduling, committing), wall per item, and the objects
-  written per 1,000 images.
+  written per 1,000 images. With ``--judge-reject F`` the job is judged (`judge:` sanity and near_duplicate,
+  max_renders_per_item 3) and the simulated renderer draws a black frame for a fraction F of seeds, which the
+  sanity check rejects and the loop renders again; the driver's CPU is then reported per manifest item and per
+  render (``--judge-reject off`` is the job without a judge: section).
 - ``plan``: the planning path without rendering (render_service/work_plan.py: validate and spill in chunks, mark
   the committed items, read every reference group back), for a manifest written reference-major and prompt-major,
   and as the resume of a finished job (every item already committed).
@@ -86,11 +90,20 @@ def _write_manifest(
     return manifest
 
 
-def _spec(manifest: Path, out: Path | str, models_dir: Path, fmt: str, workers: int, s3: dict | None = None):
+def _spec(
+    manifest: Path,
+    out: Path | str,
+    models_dir: Path,
+    fmt: str,
+    workers: int,
+    s3: dict | None = None,
+    judge: dict | None = None,
+):
     from snapref_ray.job_spec import JobSpec
 
     return JobSpec.model_validate(
         {
+            **({"judge": judge} if judge is not None else {}),
             "model": {"models_dir": str(models_dir), "device": "cpu"},
             "manifest": str(manifest),
             "defaults": {"width": 256, "height": 256, "steps": 1, "cfg": 1.0, "sampler": "euler"},
@@ -108,10 +121,21 @@ def _spec(manifest: Path, out: Path | str, models_dir: Path, fmt: str, workers: 
 # --- one measurement (in its own process) ----------------------------------------------------------
 
 
+# A judged benchmark job: the weight-free checks (their cost is the workers'; the driver decides near_duplicate).
+_JUDGE = {"sanity": {}, "near_duplicate": {"max_distance": -1}, "max_renders_per_item": 3}  # -1: scored, never rejected
+
+
 def one_job(
-    items: int, fmt: str, workers: int, step_s: float, where: str = "local", order: str = "reference-major"
+    items: int,
+    fmt: str,
+    workers: int,
+    step_s: float,
+    where: str = "local",
+    order: str = "reference-major",
+    reject: str = "off",
 ) -> dict:
-    """The real run_job with simulated workers, then its resume (every item committed: nothing to render)."""
+    """The real run_job with simulated workers, then its resume (every item committed: nothing to render).
+    `reject`: "off" (no judge: section), else the fraction of renders the simulated renderer makes black."""
     from benchmarks.local_ray import start_local_ray
     from benchmarks.orchestration import SimulatedRenderer
     from benchmarks.s3_server import run_seaweedfs
@@ -130,11 +154,19 @@ def one_job(
         stack.callback(start_local_ray(num_cpus=workers + 2))
         models = make_tiny(root / "tiny")
         manifest = _write_manifest(root / "in", items, 25, items, order=order)
-        spec = _spec(manifest, out, models, fmt, workers, s3)
+        judged = reject != "off"
+        spec = _spec(manifest, out, models, fmt, workers, s3, judge=_JUDGE if judged else None)
         # A real RefKV is ~1 GB and lives in the object store; 256 KB keeps it there too (Ray inlines returns under
         # 100 KB into the driver's own heap, which real RefKVs never are).
         factory = functools.partial(
-            SimulatedRenderer, encode_s=0.0, step_s=step_s, refkv_bytes=256 * 1024, image_side=64
+            SimulatedRenderer,
+            encode_s=0.0,
+            step_s=step_s,
+            refkv_bytes=256 * 1024,
+            image_side=64,
+            # Noise, not a flat fill: a flat image is what the sanity check rejects (judged or not, the same images).
+            noise_images=True,
+            black_fraction=float(reject) if judged else 0.0,
         )
         cpu0, t0 = _cpu_s(), time.time()
         summary = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
@@ -146,7 +178,8 @@ def one_job(
             top = key.split("/", 1)[0] if "/" in key else "."
             by_folder[top] = by_folder.get(top, 0) + 1
         objects = sum(by_folder.values())
-        assert summary.images_this_run == items and summary.failed_items == 0, summary
+        renders = summary.images_this_run
+        assert (renders == items or judged) and summary.failed_items == 0, summary
         cpu1, t1 = _cpu_s(), time.time()
         resumed = run_job(spec, progress=False, renderer_factory=factory, write_gallery=False)
         resume_cpu, resume_wall = _cpu_s() - cpu1, time.time() - t1
@@ -159,7 +192,11 @@ def one_job(
         "workers": workers,
         "gpu_ms_per_batch_of_8": 1000 * step_s,
         "driver_peak_rss_mib": round(peak_job, 1),
+        "judge_reject": reject,
+        "renders": renders,
+        "judge": summary.judge,
         "driver_cpu_ms_per_item": round(1000 * cpu / items, 3),
+        "driver_cpu_ms_per_render": round(1000 * cpu / renders, 3),
         "wall_ms_per_item": round(1000 * wall / items, 3),
         "encodes_per_reference": summary.encodes_per_reference,
         "objects_written": objects,
@@ -370,13 +407,22 @@ def main(argv: list[str] | None = None) -> int:
         help="simulated GPU seconds per batch (1 step): 0 measures the driver flat out, but then workers "
         "idle between calls and close their shards early",
     )
+    parser.add_argument(
+        "--judge-reject",
+        nargs="*",
+        default=["off"],
+        help="job: 'off' (no judge: section), or the fraction of renders the judge rejects (the simulated renderer"
+        " draws them black); one job per value",
+    )
     parser.add_argument("--out")
     parser.add_argument("rest", nargs="*")
     args = parser.parse_args(argv)
     if args.what == "_one":
         kind, *params = args.rest
         fn = {
-            "job": lambda n, f, where, order: one_job(int(n), f, args.workers, args.step_s, where, order),
+            "job": lambda n, f, where, order, reject: one_job(
+                int(n), f, args.workers, args.step_s, where, order, reject
+            ),
             "plan": lambda n, order, committed: one_plan(int(n), order, committed),
             "resume": lambda n, how: one_resume(int(n), how),
             "manifest": lambda n, how: one_manifest(int(n), how),
@@ -396,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                         f,
                         where,
                         args.order,
+                        reject,
                         "--workers",
                         str(args.workers),
                         "--step-s",
@@ -403,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     for where in args.output
                     for f in args.format
+                    for reject in args.judge_reject
                 ]
         elif what == "plan":
             for n in args.items or [100_000, 1_000_000]:

@@ -53,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +77,15 @@ class SimulatedRenderer:
     """
 
     def __init__(
-        self, config, *, encode_s: float, step_s: float, refkv_bytes: int, image_side: int, noise_images: bool = False
+        self,
+        config,
+        *,
+        encode_s: float,
+        step_s: float,
+        refkv_bytes: int,
+        image_side: int,
+        noise_images: bool = False,
+        black_fraction: float = 0.0,
     ) -> None:
         import torch
         from PIL import Image
@@ -89,6 +98,9 @@ class SimulatedRenderer:
         self.adapter = SimulatedAdapter()
         self.adapter_kind = "snapref"
         self.encode_s, self.step_s, self.refkv_bytes, self.image_side = encode_s, step_s, refkv_bytes, image_side
+        # A judged job's rejects (benchmarks/driver_scale.py --judge-reject): this fraction of seeds (by a hash of
+        # the seed, so a re-render's new seed draws again) renders a black frame, which the sanity check rejects.
+        self.black_fraction = black_fraction
         # Made once here, not per render: only the sleep stands for device time.
         size = (image_side, image_side)
         self.noise = (
@@ -137,6 +149,9 @@ class SimulatedRenderer:
             if self.noise
             else [Image.new("RGB", (side, side), (r.seed % 256, 40, 90)) for r in requests]
         )
+        for i, r in enumerate(requests):
+            if self.black_fraction and zlib.crc32(str(r.seed).encode()) % 10_000 < self.black_fraction * 10_000:
+                images[i] = Image.new("RGB", (side, side), (0, 0, 0))
         return [
             RenderResult(image, r, {"sample_s": steps * self.step_s, "decode_s": 0.0, "encode_s": 0.0})
             for image, r in zip(images, requests)

@@ -191,6 +191,7 @@ def render_spec(args: argparse.Namespace):
         raise ValueError("--strict refuses to start on an invalid row and --allow-invalid accepts them: give one")
     if args.strict:
         spec = spec.model_copy(update={"strict": True})
+    spec = _with_judge_flags(spec, args)
     if args.append:
         spec = spec.model_copy(update={"output": spec.output.model_copy(update={"append": True})})
     if args.rerender_changed:  # validated: it does not go with every output format
@@ -201,6 +202,36 @@ def render_spec(args: argparse.Namespace):
             update={"output": spec.output.model_copy(update={"lease_wait_seconds": args.wait_for_lease})}
         )
     return spec
+
+
+def _with_judge_flags(spec, args: argparse.Namespace):
+    """--judge / --max-renders-per-item / --kept-per-reference over the spec's `judge:` section."""
+    from snapref_ray.job_spec import JudgeSection, JudgeSpec
+
+    loop = {
+        k: v
+        for k, v in (
+            ("max_renders_per_item", args.max_renders_per_item),
+            ("kept_per_reference", args.kept_per_reference),
+        )
+        if v is not None
+    }
+    if args.job_judge is None and not loop:
+        return spec
+    if args.job_judge is not None:
+        section = JudgeSpec.of_names(args.job_judge).model_dump(exclude_none=True)
+    elif spec.judge is not None:
+        section = spec.judge.model_dump(exclude_none=True)
+    else:
+        raise ValueError("--max-renders-per-item and --kept-per-reference need --judge CHECKS (or a spec's judge:)")
+    if spec.judge is not None and args.job_judge is not None:  # the spec's loop settings stay unless a flag says
+        section = {
+            **spec.judge.model_dump(
+                exclude_none=True, include=set(JudgeSection.model_fields) - set(JudgeSpec.model_fields)
+            ),
+            **section,
+        }
+    return spec.model_copy(update={"judge": JudgeSection.model_validate({**section, **loop})})
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -519,6 +550,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="if another driver is rendering to the same output, wait up to SECONDS (default 600) for it "
         "instead of refusing",
     )
+    p.add_argument(
+        "--judge",
+        dest="job_judge",
+        metavar="CHECKS",
+        help="judge every render (check names with their defaults: sanity,near_duplicate,identity_gap) and render"
+        " the rejected ones again; the spec's judge: section in full (docs/judging.md)",
+    )
+    p.add_argument("--max-renders-per-item", type=int, help="with --judge: renders an item gets at most (default 3)")
+    p.add_argument("--kept-per-reference", type=int, help="with --judge: images kept per reference at most")
     _add_progress_flag(p)
     add_model_flags(p)
     add_settings_flags(p)

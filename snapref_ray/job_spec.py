@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from snapref_ray.model_spec import LoRASpec, ModelSpec
+from snapref_ray.render_service.judges.spec import JudgeSpec
 from snapref_ray.requests import RowDefaults
 from snapref_ray.storage.backends import S3Options, read_uri
 from snapref_ray.uris import base_of, resolve_relative
@@ -309,6 +310,36 @@ _MOVED = {
 }
 
 
+class JudgeSection(JudgeSpec):
+    """A job's `judge:` section: the checks (`JudgeSpec`: each check's name -> its settings, `{}` for the
+    defaults) and how the job loops over rejects (docs/judging.md, "In a batch job")."""
+
+    max_renders_per_item: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="Renders an item gets at most: a rejected render is rendered again with the next seed of"
+        " its sequence until one is kept or this many were made. 3: a check that rejects a third of renders"
+        " leaves about 4 % of items without a kept image, at 1.5x the renders.",
+    )
+    kept_per_reference: int | None = Field(
+        None,
+        ge=1,
+        description="Images kept per reference at most; once a reference has this many, its remaining items"
+        " are skipped (counted in summary.json). None: every item may keep one image.",
+    )
+    keep_rejected_images: bool = Field(
+        True,
+        description="Keep a rejected render's image (for auditing, and for the report's gallery). Off: its"
+        " row stays, its image file is deleted (`files` output only: a webdataset shard is written before the"
+        " driver's verdict, so its tar keeps every render).",
+    )
+
+    def checks_spec(self) -> JudgeSpec:
+        """The checks alone, as every door's `JudgeSpec` (what the workers score with)."""
+        return JudgeSpec.model_validate({name: getattr(self, name) for name in self.checks})
+
+
 class JobSpec(SpecFile):
     """A batch job: the model, manifest, row defaults, output and cluster shape."""
 
@@ -337,6 +368,20 @@ class JobSpec(SpecFile):
         description="Accept rows with an empty scene prompt; off because an empty prompt is almost always "
         "a broken manifest, not an intent.",
     )
+    judge: JudgeSection | None = Field(
+        None,
+        description="Judge every render, re-render the rejected ones and count kept images per reference"
+        " (docs/judging.md). None: every render is kept, as rendered.",
+    )
+
+    @model_validator(mode="after")
+    def _judge_fits_output(self) -> JobSpec:
+        if self.judge is not None and not self.judge.keep_rejected_images and self.output.format == "webdataset":
+            raise ValueError(
+                "judge.keep_rejected_images: false needs output.format files (a webdataset shard is staged"
+                " before the driver's verdict and keeps every render's image)"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -453,4 +498,6 @@ def spec_fingerprint(spec: JobSpec) -> dict[str, Any]:
         "image_format": spec.output.image_format,
         # Only when sharded, so the fingerprints of outputs made before the format existed stay the same.
         **({"format": spec.output.format} if spec.output.format != "files" else {}),
+        # Only when judged: the checks, their thresholds and the loop decide which images are kept.
+        **({"judge": spec.judge.model_dump(mode="json")} if spec.judge is not None else {}),
     }

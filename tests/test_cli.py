@@ -271,6 +271,24 @@ def test_serve_flags_build_the_served_model_spec(models, tmp_path, monkeypatch):
     assert config.model.dtype == "float32"
 
 
+def test_render_judge_flags_build_the_jobs_judge_section(tmp_path):
+    """`render MANIFEST --judge sanity,near_duplicate --max-renders-per-item 2 --kept-per-reference 5`: the quick
+    form's judge: section (docs/judging.md); the loop's flags alone are refused, naming --judge."""
+    manifest = tmp_path / "m.csv"
+    manifest.write_text("reference,prompt\nref.png,a\n")
+    parser = snapref_cli.build_parser()
+    quick = ["render", str(manifest), "--models", str(tmp_path), "--out", str(tmp_path / "out")]
+    args = parser.parse_args(
+        [*quick, "--judge", "sanity,near_duplicate", "--max-renders-per-item", "2", "--kept-per-reference", "5"]
+    )
+    judge = snapref_cli.render_spec(args).judge
+    assert judge.checks == ("sanity", "near_duplicate")
+    assert (judge.max_renders_per_item, judge.kept_per_reference, judge.keep_rejected_images) == (2, 5, True)
+    assert snapref_cli.render_spec(parser.parse_args(quick)).judge is None
+    with pytest.raises(ValueError, match="need --judge"):
+        snapref_cli.render_spec(parser.parse_args([*quick, "--kept-per-reference", "5"]))
+
+
 # -- the help: every flag explained, defaults shown, examples -----------------------------------------
 
 

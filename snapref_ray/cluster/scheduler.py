@@ -90,8 +90,14 @@ class BatchScheduler:
         on_event: Callable[[SchedulerEvent], None] | None = None,
         fence: Callable[[], object] | None = None,
         commit_shard: Callable[[str], bool] | None = None,
+        skip_reference: Callable[[str], bool] | None = None,
     ) -> None:
         self.config = config
+        # The quota seam (a judged job: jobs/judge_loop.py): a reference for which this says True when a worker
+        # is about to be given its next batch has its queued items dropped instead; they count as finished.
+        self.skip_reference = skip_reference
+        self.skipped_items = 0  # items so dropped, over every run
+        self._skipped_since = 0  # ... not yet counted by the loop
         self.on_done, self.on_progress = on_done, on_progress
         self.on_worker = on_worker  # called for each worker that joins (monitoring, failure tests)
         self.on_event = on_event
@@ -136,7 +142,9 @@ class BatchScheduler:
         if not isinstance(work, PlannedWork):
             work = PlannedWork([work], len(work))
         self.placement.queue_planned(work)
-        self.stats.requeue_budget = self.config.max_requeues_per_item * work.items
+        # Added to, not set: `run` may be called again on the same pool (a judged job's rounds), and the requeues
+        # counted against the budget are the scheduler's over every run.
+        self.stats.requeue_budget += self.config.max_requeues_per_item * work.items
         self.members.start_clock()
         try:
             self._loop(work.items)
@@ -164,6 +172,9 @@ class BatchScheduler:
             self.recovery.send_due_probes()
             if self.members.started:
                 self._dispatch()
+                remaining -= self._take_skipped()
+                if remaining <= 0:
+                    break
             starting = self.members.starting()
             if not self.calls and not starting:
                 due = self.recovery.next_probe_due()
@@ -211,6 +222,9 @@ class BatchScheduler:
         if assignment is None:
             return False
         ref = assignment.reference
+        if self.skip_reference is not None and self.skip_reference(ref.task.reference_hash):
+            self._skip_queued(assignment)
+            return True  # nothing sent: the worker may take another reference's batch
         if assignment.opens:  # the RefKV is encoded where it will be sampled, and returned to the driver
             refkv, info = member.handle.encode.options(num_returns=2).remote(ref.task)
             self.placement.opened(ref, refkv, index, member.node_id)
@@ -232,6 +246,20 @@ class BatchScheduler:
         self.calls.send(future, Call(CallKind.RENDER, index, ref, task, assignment.refkv))
         ref.in_flight += 1
         self.stats.dispatched_batches += 1
+
+    def _skip_queued(self, assignment: Assignment) -> None:
+        """Drop the batch and the rest of its reference's queue (not encoded, not sent): see `skip_reference`."""
+        ref = assignment.reference
+        dropped = len(assignment.batch) + len(ref.pending)
+        ref.pending.clear()
+        self.skipped_items += dropped
+        self._skipped_since += dropped
+
+    def _take_skipped(self) -> int:
+        n, self._skipped_since = self._skipped_since, 0
+        if n and self.on_progress:
+            self.on_progress(n)
+        return n
 
     # -- collect ------------------------------------------------------------------------------------------------
     def _collect(self, returned: Returned) -> int:

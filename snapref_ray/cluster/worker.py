@@ -24,6 +24,8 @@ from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.output_writer import OutputWriter
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, ShardReport, WorkerInfo
 from snapref_ray.model_spec import ModelSpec
+from snapref_ray.render_service.judges.registry import JudgeCall
+from snapref_ray.render_service.judges.spec import JudgeSpec
 from snapref_ray.render_service.records import describe_error, encode_output, image_extension, metadata_row
 from snapref_ray.render_service.references import Reference
 from snapref_ray.render_service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMemory, RenderService
@@ -59,6 +61,12 @@ class WorkerConfig:
     shard_max_bytes: int = 1_000_000_000
     shard_max_items: int = 10_000
     thumbnail_every: int = 1000  # webdataset: a thumbnail for about one item in this many
+    # A judged job's checks (job spec `judge:`): every render is scored here, right after its decode; the driver
+    # re-decides near_duplicate against the reference's kept set (jobs/judge_loop.py).
+    judge: JudgeSpec | None = None
+    # The identity gap's contrast references: the job's first two (their tasks); a render takes the first that is
+    # not its own reference (docs/judging.md, "In a batch job").
+    judge_contrasts: tuple[ReferenceTask, ...] = ()
     job: str | None = None  # the job's fingerprint, in every metadata row (an appended output holds several jobs)
 
 
@@ -99,6 +107,7 @@ class RenderWorker:
         if self.shards is not None:
             remove_dead_workers_temporaries()  # temporary tars of workers killed on this node
         self._stored_references: set[str] = set()
+        self._contrasts: dict[str, Reference] = {}  # the contrast references, read once
         self.metrics = job_metrics()
         self.tags = {"worker": self.worker_id}
         if config.warmup:
@@ -202,7 +211,10 @@ class RenderWorker:
             (self.metrics.cache_hits if source == "cache" else self.metrics.cache_misses).inc(1, self.tags)
         try:
             rendered = self.service.render(
-                [item.request() for item in task.items], reference=read, progress=self.service.tick
+                [item.request() for item in task.items],
+                reference=read,
+                progress=self.service.tick,
+                judge=self._judge_call(ref),
             )
         except RenderOutOfMemory as e:  # one image that does not fit: the service already split the batch
             return self._failed(task, e, "sample", source, out_of_memory=True)
@@ -228,6 +240,25 @@ class RenderWorker:
         return outcomes
 
     # -- internals -------------------------------------------------------------------------------
+    def _judge_call(self, ref: ReferenceTask) -> JudgeCall | None:
+        """What this job's renders are judged by; no kept set (the driver holds it and re-decides near_duplicate)."""
+        spec = self.config.judge
+        if spec is None:
+            return None
+        if spec.identity_gap is None:
+            return JudgeCall(spec)
+        other = next((c for c in self.config.judge_contrasts if c.reference_hash != ref.reference_hash), None)
+        if other is None:
+            return JudgeCall(spec)  # the service refuses it, naming judge.identity_gap.contrast_reference
+        contrast = self._contrasts.get(other.reference_hash)
+        if contrast is None:
+            from snapref_ray.requests import RenderSettings
+
+            images = self._read_images(other)
+            contrast = Reference.of_images(images, other.layout, RenderSettings(), other.uris)
+            self._contrasts[other.reference_hash] = contrast
+        return JudgeCall(spec, contrast=contrast)
+
     def _read_images(self, ref: ReferenceTask) -> list[bytes]:
         return [read_uri(uri, self.config.s3) for uri in ref.uris]
 
@@ -294,6 +325,11 @@ class RenderWorker:
             upload_s=time.perf_counter() - t0,
             attempt=task.attempts.get(item.item_id, 1),
             job=self.config.job,
+            **(
+                {"render_of": item.render_of or item.item_id, "render_index": item.render_index}
+                if self.config.judge is not None
+                else {}
+            ),
         )
         if self.shards is not None:  # staged with its shard; the driver commits the shard
             row = self.shards.add(row, image, image_extension(fmt), item.prompt)

@@ -50,13 +50,13 @@ from snapref_ray.render_service.service import DEFAULT_REFKV_CACHE_BYTES, Render
 from snapref_ray.render_service.work_items import item_id_for
 from snapref_ray.requests import RenderRequest, RenderSettings, RowDefaults
 from snapref_ray.storage.backends import read_uri
-from snapref_ray.storage.metadata import METADATA_SCHEMA
+from snapref_ray.storage.metadata import JUDGE_METADATA_COLUMNS, METADATA_SCHEMA
 from snapref_ray.uris import resolve_relative
 
 log = logging.getLogger(__name__)
 
 OUTPUT_SCHEMA = pa.schema(
-    list(METADATA_SCHEMA)
+    [f for f in METADATA_SCHEMA if f.name not in JUDGE_METADATA_COLUMNS]  # a judged pipeline adds its own (below)
     + [
         pa.field("image", pa.binary()),  # PNG with the `parameters` and `snapref` chunks; null on error rows
         pa.field("error", pa.string()),  # "field 'x': ..." / "TypeName: message"; null on good rows

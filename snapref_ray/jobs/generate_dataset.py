@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import resource
@@ -18,6 +19,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+
+import pyarrow as pa
 
 from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.placement import PlannedWork
@@ -32,7 +35,7 @@ from snapref_ray.cluster.pool import (
     worker_memory,
 )
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, SchedulerEvent, SchedulerStats
-from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
+from snapref_ray.cluster.tasks import ItemOutcome, ReferenceTask, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.job_spec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
 from snapref_ray.jobs.job_outcome import exit_status
@@ -50,14 +53,18 @@ from snapref_ray.jobs.job_summary import (
     job_parts,
     job_throughput,
 )
+from snapref_ray.jobs.judge_loop import JudgeLoop, decided_row
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.memory import peak_resident_bytes
+from snapref_ray.render_service.references import RefKVKey
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.render_service.work_plan import WorkPlan, plan_against_output
-from snapref_ray.storage.backends import open_storage
+from snapref_ray.requests import RenderSettings
+from snapref_ray.storage.backends import StorageError, open_storage
 from snapref_ray.storage.job_output import JobOutput, OutputSettings
 from snapref_ray.storage.lease import LeaseLostError
 from snapref_ray.storage.ledger import job_fingerprint
+from snapref_ray.storage.shards import read_staged_rows, replace_staged_rows
 from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)
@@ -92,7 +99,25 @@ def worker_config(
         shard_max_bytes=spec.output.shard_max_bytes,
         shard_max_items=spec.output.shard_max_items,
         thumbnail_every=spec.output.thumbnail_every,
+        judge=spec.judge.checks_spec() if spec.judge is not None else None,
+        judge_contrasts=_contrast_tasks(spec, plan),
         job=job_fingerprint(spec_fingerprint(spec)),  # each metadata row names its job (an output may hold several)
+    )
+
+
+def _contrast_tasks(spec: JobSpec, plan: WorkPlan | None) -> tuple[ReferenceTask, ...]:
+    """The identity gap's contrast references: the job's first two, in order of first use (a render takes the
+    first that is not its own: docs/judging.md)."""
+    if spec.judge is None or spec.judge.identity_gap is None or plan is None:
+        return ()
+    firsts = plan.first_references()
+    if len(firsts) < 2:
+        raise JobSpecError(
+            "judge.identity_gap compares each render's reference with another reference of the job; this job has"
+            " one reference"
+        )
+    return tuple(
+        ReferenceTask(h, tuple(ref.uris), ref.layout, RefKVKey.for_settings(h, RenderSettings())) for h, ref in firsts
     )
 
 
@@ -183,6 +208,7 @@ class _Run:
     memory_request: dict = field(default_factory=dict)  # what each worker asked Ray for, and the estimate behind it
     step_cache: StepCacheFigures = field(default_factory=StepCacheFigures)  # images rendered with the step cache on
     cold_starts: dict[str, dict] = field(default_factory=dict)  # per worker, as it reported when ready
+    judge: JudgeLoop | None = None  # a judged job's state (its figures go into summary.json)
     failures: list[NotRendered] = field(default_factory=list)  # the first items that failed for good (the summary's)
     replaced: int = 0  # images that replaced one the output held under the same id (rerender_changed)
 
@@ -286,8 +312,10 @@ def _plan(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> None:
 
 def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: _Hooks) -> None:
     """Phase 4: start the pool, run the schedule over the plan's references, commit each image's row (each staged
-    shard) as it lands; the workers are killed however it ends."""
-    if not plan.to_render:
+    shard) as it lands; the workers are killed however it ends. A judged job runs the schedule again on the same
+    pool over each round's re-renders (jobs/judge_loop.py) until none is left."""
+    judge = _judge_loop(spec, plan, output, run)
+    if not plan.to_render and not (judge is not None and judge.queue.count):
         return
     pool = _start_pool(spec, plan, run, hooks)
     bar = _progress_bar(plan.items, plan.committed) if hooks.progress else None
@@ -297,7 +325,15 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
         run.image_done(outcome)
         if plan.rerendered and item.item_id in output.done_before:
             run.replaced += 1  # an edited row rendered again: the output held its id already (images_total)
-        _commit(output, outcome)
+        if judge is not None and not outcome.row.get("shard_key"):
+            _commit_judged(output, spec, judge, outcome.row)
+        else:
+            _commit(output, outcome)
+
+    def commit_shard(shard_key: str) -> bool:
+        if judge is None:
+            return output.commit_shard(shard_key)
+        return _commit_judged_shard(output, judge, shard_key)
 
     def joined(handle, info: WorkerInfo) -> None:
         if info.cold_start:
@@ -319,14 +355,28 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
         on_worker=joined,
         on_event=hooks.on_event,
         fence=output.fence,
-        commit_shard=output.commit_shard,
+        commit_shard=commit_shard,
+        skip_reference=judge.at_quota if judge is not None and spec.judge.kept_per_reference else None,
     )
     run.encodes_by_reference = scheduler.encodes_by_reference
     run.stats = scheduler.stats  # interrupted or failed: what was done still counts
     t_schedule = time.time()
     lost = False
     try:
-        scheduler.run(PlannedWork(plan.reference_groups(), plan.to_render))
+        work = PlannedWork(plan.reference_groups(), plan.to_render)
+        for round_index in itertools.count():
+            if work.items:
+                scheduler.run(work)
+            if judge is None:
+                break
+            judge.figures.items_skipped_by_quota += scheduler.skipped_items
+            scheduler.skipped_items = 0
+            queued = judge.queue.take()  # this round's rejects (and, first, what an earlier run left to re-render)
+            if not queued.num_rows:
+                break
+            groups, count = plan.rerender_work(queued)
+            log.info("judge round %d: %d rejected item(s) render again", round_index + 1, count)
+            work = PlannedWork(groups, count)
     except LeaseLostError:
         lost = True  # another driver holds the output: the workers are not asked to publish what they hold
         raise
@@ -338,6 +388,70 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
         scheduler.release_workers(publish=not lost)
         if bar:
             bar.close()
+
+
+def _judge_loop(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> JudgeLoop | None:
+    """A judged job's driver state, continued from what earlier runs committed (None: the job does not judge)."""
+    if spec.judge is None:
+        return None
+    judge = JudgeLoop(spec.judge, plan.folder)
+    judge.resume(output.storage)
+    run.judge = judge
+    return judge
+
+
+def _commit_judged(output: JobOutput, spec: JobSpec, judge: JudgeLoop, row: dict) -> None:
+    """A judged render's row (``files``): the driver's verdict in it, then committed; a rejected render's image is
+    deleted unless the spec keeps rejected images."""
+    decision = judge.decide([row])[0]
+    row = decided_row(row, decision)
+    if not decision.accepted and not spec.judge.keep_rejected_images:
+        for key in (row["image_key"], row["thumb_key"]):
+            if key:
+                output.storage.delete(key)
+        row.update(image_key=None, image_uri=None, thumb_key=None)
+    output.commit_row(row)  # its image's bytes read back under embed_images (none for a rejected image deleted)
+    judge.apply([decision])
+
+
+def _commit_judged_shard(output: JobOutput, judge: JudgeLoop, shard_key: str) -> bool:
+    """A judged webdataset shard: the driver's verdicts written into its staged rows before its commit is decided
+    (in the order of its rows); they count (kept sets, quotas, re-renders) only once it is committed."""
+    try:
+        rows = read_staged_rows(output.storage, shard_key)
+    except StorageError:
+        return output.commit_shard(shard_key)  # nothing staged to judge: commit_shard decides what it is
+    decisions = judge.decide(rows.select(_DECIDED_FROM).to_pylist())
+    rows = _with_decisions(rows, decisions)
+    replace_staged_rows(output.storage, shard_key, rows)
+    committed = output.commit_shard(shard_key)
+    if committed:
+        judge.apply(decisions)
+    return committed
+
+
+# The staged row columns a verdict reads.
+_DECIDED_FROM = [
+    "item_id",
+    "render_of",
+    "render_index",
+    "reference_hash",
+    "phash",
+    "rejected_by",
+    "sample_s",
+    "decode_s",
+    "forward_batch",
+]
+
+
+def _with_decisions(rows: pa.Table, decisions: list) -> pa.Table:
+    for name, values, kind in (
+        ("accepted", [d.accepted for d in decisions], pa.bool_()),
+        ("score_near_duplicate", [d.score_near_duplicate for d in decisions], pa.int32()),
+        ("rejected_by", [",".join(d.rejected_by) or None for d in decisions], pa.string()),
+    ):
+        rows = rows.set_column(rows.schema.get_field_index(name), name, pa.array(values, kind))
+    return rows
 
 
 def scheduler_config(spec: JobSpec) -> SchedulerConfig:
@@ -479,6 +593,7 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
             ),
         ),
         scheduler=asdict(run.stats) if run.stats else None,
+        judge=run.judge.finish_figures() if run.judge is not None else None,
         finished_at=now,
         jobs=job_parts(_earlier_jobs(output), this_job),
         runs=runs,

@@ -218,6 +218,12 @@ class JobSummary(BaseModel):
     )
     refkv_decisions: RefKVDecisions
     scheduler: dict[str, Any] | None = Field(description="This run's SchedulerStats (cluster/schedule.py).")
+    judge: dict[str, Any] | None = Field(
+        None,
+        description="A judged job's figures (jobs/judge_loop.py `JudgeFigures`), over every run on the output:"
+        " renders, kept, rejected (and per check), items left without a kept image or skipped by the quota (this"
+        " run), renders_per_kept_image, gpu_seconds_per_kept_image. None when the job does not judge.",
+    )
     finished_at: float
     jobs: list[JobPart] = Field(
         default_factory=list, description="Each job's part of the output, in the order they first ran; this one's too."

@@ -13,6 +13,7 @@ import time
 import traceback
 from typing import Any
 
+from snapref_ray.render_service.judges.scores import judgement_columns
 from snapref_ray.render_service.work_items import content_id_for
 from snapref_ray.storage.image_files import EXTENSIONS, ImageFormat, encode_rendered_image
 from snapref_ray.storage.metadata import METADATA_SCHEMA, SETTINGS_IN_METADATA
@@ -27,6 +28,8 @@ JOB_COLUMNS = (
     "upload_s",
     "attempt",
     "job",
+    "render_of",  # a judged job's: the item this render is of, and which of its renders (0: the first)
+    "render_index",
 )
 
 
@@ -112,6 +115,9 @@ def metadata_row(
         finished_at=time.time(),
         **job_columns,
     )
+    judgement = getattr(rendered, "judgement", None)
+    if judgement is not None:  # the worker's scores and verdict (a job's driver re-decides near_duplicate)
+        row.update(judgement_columns(judgement), rejected_by=",".join(judgement.rejected_by) or None)
     return {name: row[name] for name in METADATA_SCHEMA.names}
 
 

@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from snapref_ray.adapter.controls import SettingsError, resolve_settings
@@ -48,10 +48,44 @@ class WorkItem:
     # The content id (item_id_for without an explicit id) where item_id is an explicit one, else None (item_id is it):
     # what a resume compares a committed explicit id against (storage/item_contents.py).
     content_id: str | None = None
+    # A judged job's re-render (`rerender_of`): the manifest item it renders again, and which render it is.
+    render_of: str | None = None  # None: the item's first render (render 0), whose id is the item's
+    render_index: int = 0
 
     def request(self) -> RenderRequest:
         """The item as the one request model (prompt, seed, settings)."""
         return RenderRequest(prompt=self.prompt, seed=self.seed, settings=self.settings)
+
+
+def render_seed(seed: int, render_index: int) -> int:
+    """The seed of an item's render `render_index`: its own seed for render 0; for render k > 0, the first 8
+    bytes (big-endian) of sha256 of the ASCII text "<seed>:<k>", top bit cleared (seeds are < 2**63). A hash,
+    not seed + k: an item's image k of a row already uses seed + k, and re-renders must not repeat them."""
+    if render_index == 0:
+        return seed
+    digest = hashlib.sha256(f"{int(seed)}:{int(render_index)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
+def render_id(item_id: str, render_index: int) -> str:
+    """The row id of an item's render `render_index`: the item's id for render 0, else "<item_id>-r<k>" (no '.'
+    or '/': a webdataset member key; no item id of a plan ends in "-r<k>": explicit ids end "-<image index>",
+    hashed ones are hex)."""
+    return item_id if render_index == 0 else f"{item_id}-r{render_index}"
+
+
+def rerender_of(item: WorkItem, render_index: int) -> WorkItem:
+    """Render `render_index` of a plan's `item` (render 0 is the item itself): its id, seed and place in the
+    sequence; the reference, prompt and settings stay the item's."""
+    if render_index == 0:
+        return item
+    return replace(
+        item,
+        item_id=render_id(item.item_id, render_index),
+        seed=render_seed(item.seed, render_index),
+        render_of=item.item_id,
+        render_index=render_index,
+    )
 
 
 @dataclass

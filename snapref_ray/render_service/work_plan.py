@@ -35,10 +35,17 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from snapref_ray.job_spec import JobSpec
 from snapref_ray.render_service.references import ReferenceInput
-from snapref_ray.render_service.work_items import JobValidationError, ManifestValidator, RowError, WorkItem
+from snapref_ray.render_service.work_items import (
+    JobValidationError,
+    ManifestValidator,
+    RowError,
+    WorkItem,
+    rerender_of,
+)
 from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.backends import S3Options, Storage
 from snapref_ray.storage.item_contents import (
@@ -56,6 +63,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_ROWS = 50_000  # manifest rows validated (and spilled) at a time
 RUN_BATCH_ROWS = 1_024  # rows per record batch of a run: the merge holds one per run (200 runs at 10 M rows)
+FIRST_REFERENCES_KEPT = 2  # the identity gap's contrast references (cluster/worker.py `judge_contrasts`)
 ERRORS_KEPT = 1_000  # row errors kept in memory for messages; all of them are in the errors file
 
 _RUN_SCHEMA = pa.schema(
@@ -86,6 +94,7 @@ class _Run:
     path: Path
     rows: int
     todo: np.ndarray | None = None  # packed bits: 1 = not committed yet (skip_committed)
+    rerender: np.ndarray | None = None  # a judged job's round: per item, the render to make (-1: none)
 
 
 class WorkPlan:
@@ -102,6 +111,7 @@ class WorkPlan:
         self._inputs: dict[ReferenceInput, int] = {}
         self._input_list: list[ReferenceInput] = []
         self._hashes: list[str] = []  # reference hash by group index
+        self._first_inputs: list[ReferenceInput] = []  # the first FIRST_REFERENCES_KEPT references' inputs
         self._errors_writer: pa.ipc.RecordBatchFileWriter | None = None
         self.manifest_sha256: str | None = None  # of the manifest's bytes, as they were read (storage/manifest.py)
         # Filled by skip_committed:
@@ -194,7 +204,9 @@ class WorkPlan:
         )
 
     def _write_run(self, items: list[WorkItem]) -> None:
-        groups = np.fromiter((self._group(i.reference_hash) for i in items), dtype=np.int32, count=len(items))
+        groups = np.fromiter(
+            (self._group(i.reference_hash, i.reference) for i in items), dtype=np.int32, count=len(items)
+        )
         table = pa.table(
             {
                 "item_id": [i.item_id for i in items],
@@ -214,11 +226,17 @@ class WorkPlan:
             writer.write_table(table, max_chunksize=RUN_BATCH_ROWS)
         self.runs.append(_Run(path, len(items)))
 
-    def _group(self, reference_hash: str) -> int:
+    def _group(self, reference_hash: str, reference: ReferenceInput) -> int:
         group = self.validator.reference_group(reference_hash)
         if group == len(self._hashes):
             self._hashes.append(reference_hash)
+            if len(self._first_inputs) < FIRST_REFERENCES_KEPT:
+                self._first_inputs.append(reference)
         return group
+
+    def first_references(self) -> list[tuple[str, ReferenceInput]]:
+        """The job's first references in order of first use (hash, input): a judged job's contrast references."""
+        return list(zip(self._hashes, self._first_inputs))
 
     def _input(self, reference: ReferenceInput) -> int:
         index = self._inputs.get(reference)
@@ -294,7 +312,31 @@ class WorkPlan:
         """The items to render, one reference's at a time (in manifest order inside it), references in order of
         first use. Call `skip_committed` first."""
         # Ties on the group go by run index (heapq.merge's order), so manifest order holds inside a reference.
-        merged = heapq.merge(*(self._segments(i, run) for i, run in enumerate(self.runs)), key=lambda s: s[0])
+        return self._merged()
+
+    def rerender_work(self, queued: pa.Table) -> tuple[Iterator[list[WorkItem]], int]:
+        """A judged job's next round: the re-renders `queued` asks for (columns `render_of`, a plan item's id, and
+        `render_index`, which of its renders to make; render_service/work_items.py `rerender_of`), as
+        `reference_groups` yields them, and how many there are. Each run's ids are matched at once (vectorised);
+        what is held meanwhile is a byte per item of the plan."""
+        if queued.num_rows == 0:
+            return iter(()), 0
+        wanted = queued.column("render_of").combine_chunks()
+        indices = queued.column("render_index").combine_chunks()
+        count = 0
+        for run in self.runs:
+            ids = _read_run(run.path, ["item_id"]).column("item_id")
+            at = pc.index_in(ids, value_set=wanted)  # per item: its row in `queued`, null when not queued
+            found = at.is_valid().to_numpy(zero_copy_only=False)
+            run.rerender = np.full(run.rows, -1, dtype=np.int8)
+            run.rerender[found] = indices.take(at.filter(found)).to_numpy(zero_copy_only=False)
+            count += int(found.sum())
+        return self._merged(rerender=True), count
+
+    def _merged(self, *, rerender: bool = False) -> Iterator[list[WorkItem]]:
+        merged = heapq.merge(
+            *(self._segments(i, run, rerender=rerender) for i, run in enumerate(self.runs)), key=lambda s: s[0]
+        )
         group, items = None, []
         for segment_group, _, segment in merged:
             if segment_group != group and items:
@@ -305,11 +347,14 @@ class WorkPlan:
         if items:
             yield items
 
-    def _segments(self, run_index: int, run: _Run) -> Iterator[tuple[int, int, list[WorkItem]]]:
-        """(group, run index, that group's items of one record batch), in group order: what the merge sorts on."""
+    def _segments(
+        self, run_index: int, run: _Run, *, rerender: bool = False
+    ) -> Iterator[tuple[int, int, list[WorkItem]]]:
+        """(group, run index, that group's items of one record batch), in group order: what the merge sorts on.
+        `rerender`: the run's items a round re-renders (`rerender_work`), as those renders."""
         if run.todo is None:
             raise RuntimeError("WorkPlan.skip_committed must run before the plan is read")
-        todo = np.unpackbits(run.todo, count=run.rows).astype(bool)
+        todo = run.rerender >= 0 if rerender else np.unpackbits(run.todo, count=run.rows).astype(bool)
         settings, inputs, hashes = self.validator.settings, self._input_list, self._hashes
         offset = 0
         with pa.OSFile(str(run.path)) as source:  # read, not mapped: a mapped run's pages would count as ours
@@ -324,22 +369,26 @@ class WorkPlan:
                     batch = batch.filter(pa.array(keep))
                 columns = [batch.column(name).to_pylist() for name in _RUN_SCHEMA.names]
                 ids, rows, group, inp, prompt, seed, setting, image_index, content = columns
+                render = run.rerender[offset - len(keep) : offset][keep].tolist() if rerender else None
                 starts = [0, *(np.flatnonzero(np.diff(np.asarray(group))) + 1).tolist(), len(group)]
                 for start, end in zip(starts, starts[1:]):
                     yield (
                         group[start],
                         run_index,
                         [
-                            WorkItem(
-                                ids[k],
-                                rows[k],
-                                inputs[inp[k]],
-                                hashes[group[k]],
-                                prompt[k],
-                                seed[k],
-                                settings[setting[k]],
-                                image_index[k],
-                                content[k],
+                            _item_render(
+                                WorkItem(
+                                    ids[k],
+                                    rows[k],
+                                    inputs[inp[k]],
+                                    hashes[group[k]],
+                                    prompt[k],
+                                    seed[k],
+                                    settings[setting[k]],
+                                    image_index[k],
+                                    content[k],
+                                ),
+                                render[k] if render is not None else 0,
                             )
                             for k in range(start, end)
                         ],
@@ -370,6 +419,10 @@ class WorkPlan:
         self.close()
 
 
+def _item_render(item: WorkItem, render_index: int) -> WorkItem:
+    return rerender_of(item, render_index) if render_index else item
+
+
 def plan_against_output(
     plan: WorkPlan,
     storage: Storage,
@@ -398,11 +451,12 @@ def plan_against_output(
             len(check.changed.rows),
             storage.uri,
         )
+    # A judged job's re-renders (`<item_id>-r<k>`) are committed ids no manifest row produces: not counted.
     if contents.rows_name_their_job:
-        own = len(committed) - len(contents.foreign)
+        own = len(committed) - len(contents.foreign) - len(contents.rerenders)
         plan.committed_not_in_manifest = max(0, own - (plan.committed_found - check.foreign.items))
     elif not contents.other_jobs:
-        plan.committed_not_in_manifest = len(committed) - plan.committed_found
+        plan.committed_not_in_manifest = max(0, len(committed) - len(contents.rerenders) - plan.committed_found)
     if plan.committed_not_in_manifest:
         log.warning(
             "%d committed item(s) of %s are no longer produced by manifest %s (rows removed, or their ids or "

@@ -74,6 +74,7 @@ def write_gallery(
     errors: pa.Table | None = None,
     summary: Mapping | None = None,
     plot_keys: Mapping[str, str] | None = None,
+    judging=None,
 ) -> list[str]:
     """Write the gallery pages of a job's output; returns the keys written, page 1 first.
 
@@ -84,7 +85,9 @@ def write_gallery(
     left out. ``plot_keys`` (name -> key) are linked from the header; by default the plots of
     :data:`~snapref_ray.report.plots.PLOT_KEYS` that exist. The gallery pages come first in the
     returned list, then the errors pages (if any). Pages left over from an earlier run with more
-    pages are deleted. Only items with a preview file are drawn (report/rows.py).
+    pages are deleted. Only items with a preview file are drawn (report/rows.py). ``judging`` (a judged job's
+    `report.judging.JudgeReport`) puts its counts and cost per kept image in the header; a rejected render's tile
+    is marked either way.
     """
     if page_size < 1:
         raise ValueError(f"write_gallery: page_size must be >= 1, got {page_size}")
@@ -126,7 +129,7 @@ def write_gallery(
             page=page,
             n_pages=n_pages,
             prefix="gallery",
-            header=page_header(rows, failed, summary or {}, plot_keys, n_pages) if page == 1 else None,
+            header=page_header(rows, failed, summary or {}, plot_keys, n_pages, judging) if page == 1 else None,
             pager=_Pager.of(page, n_pages, page_key),
             rows=_reference_rows(chunk, rows.reference_run, offset),
             failed_preview=failed[:_ERRORS_PREVIEW] if page == 1 else [],
@@ -249,11 +252,16 @@ def scene_html(it: GalleryItem) -> Markup:
     Built here rather than in a template macro (a million tiles in a million-item job); every value is
     escaped, and keys become relative URLs through `_relurl` as in the templates."""
     item_id = _escape(it.item_id)
+    # A judged job's rejected render stands beside the kept ones, marked (class and badge name its checks).
+    rejected = it.verdict.startswith("rejected")
+    css = "scene rejected" if rejected else "scene"
+    badge = f'<span class="verdict">{_escape(it.verdict)}</span>' if rejected else ""
     return Markup(
-        f'<figure class="scene" data-item-id="{item_id}" title="{_escape(it.settings)}">'
+        f'<figure class="{css}" data-item-id="{item_id}" data-verdict="{_escape(it.verdict)}"'
+        f' title="{_escape(it.settings)}">'
         f'<a href="{_escape(_relurl(it.image_key))}"><img class="thumb" src="{_escape(_relurl(it.thumb_key))}"'
         f' width="{int(it.thumb_w)}" height="{int(it.thumb_h)}" loading="lazy" decoding="async" alt="{item_id}"></a>'
-        f"<figcaption>{_escape(it.prompt)}</figcaption></figure>"
+        f"<figcaption>{badge}{_escape(it.prompt)}</figcaption></figure>"
     )
 
 

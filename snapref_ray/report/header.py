@@ -77,6 +77,7 @@ def page_header(
     summary: Mapping,
     plot_keys: Mapping[str, str],
     n_pages: int,
+    judging=None,
 ) -> Header:
     """The first page's header from the job's rows (report/rows.py), failed items, ``summary.json`` and plot keys."""
     workers = rows.n_workers
@@ -115,6 +116,17 @@ def page_header(
             f"throughput = {_THROUGHPUT_HINT} ({len(ends):,} images in {format_duration(span)});"
             " the throughput plot draws it as its mean line"
         )
+    if judging is not None:  # a judged job (report/judging.py): what was kept, and what a kept image cost
+        facts += [
+            Fact("kept", f"{judging.kept:,}", "renders accepted by every check (at most one per item)"),
+            Fact("rejected", f"{judging.rejected:,}", ", ".join(f"{k} {v}" for k, v in judging.rejected_by.items())),
+            Fact("renders / kept image", _ratio(judging.renders_per_kept_image), "renders made per image kept"),
+            Fact(
+                "GPU-s / kept image",
+                _ratio(judging.gpu_seconds_per_kept_image),
+                "(sample_s + decode_s) / forward_batch, summed over every render, per kept image",
+            ),
+        ]
     facts.append(Fact("pages", f"{n_pages:,}"))
     runs = _runs(summary.get("runs"))
     # With a runs list, the top-level wall time is the job's (over its runs), and each run's is in the table.
@@ -131,6 +143,10 @@ def page_header(
         plots=list(plot_keys.items()),
         failed=len(failed),
     )
+
+
+def _ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3g}"
 
 
 def left_out(failed: Sequence[FailedItem]) -> tuple[int, int]:

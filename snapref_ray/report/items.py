@@ -55,6 +55,8 @@ DISPLAY_COLUMNS = (
     "sample_s",
     "started_at",
     "finished_at",
+    "accepted",  # a judged job's verdict: a rejected render's tile is marked
+    "rejected_by",
 )
 
 
@@ -76,6 +78,7 @@ class GalleryItem:
     started_at: float | None
     finished_at: float | None
     worker_id: str | None
+    verdict: str = ""  # a judged job's: "kept" or "rejected: <checks>"; "" when the job did not judge
 
 
 def gallery_items(table: pa.Table) -> list[GalleryItem]:
@@ -115,7 +118,15 @@ def gallery_item(r: Mapping, reference_first_row: float = math.inf) -> GalleryIt
         started_at=r.get("started_at"),
         finished_at=r.get("finished_at"),
         worker_id=r.get("worker_id"),
+        verdict=_verdict(r),
     )
+
+
+def _verdict(r: Mapping) -> str:
+    accepted = r.get("accepted")
+    if accepted is None:
+        return ""
+    return "kept" if accepted else f"rejected: {r.get('rejected_by') or '?'}"
 
 
 def _row_number(r: Mapping) -> float:

@@ -10,10 +10,12 @@ report neither creates the folder nor leaves an empty gallery in it.
 from __future__ import annotations
 
 import difflib
+from dataclasses import asdict
 from pathlib import Path
 
 from snapref_ray.report.gallery import DEFAULT_TITLE, errors_page_key, failed_items, page_key, write_gallery
 from snapref_ray.report.header import left_out
+from snapref_ray.report.judging import SCORES_KEY, read_judged, write_judging
 from snapref_ray.report.plots import write_plots
 from snapref_ray.report.rows import JobRows
 from snapref_ray.storage.backends import open_storage
@@ -45,7 +47,8 @@ def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str =
     rendered, None when every row was), ``plots`` (plot name -> URI) and the counts
     ``images``, ``shown`` (items the gallery draws: every one, or a webdataset job's sample),
     ``references``, ``invalid_rows`` and ``failed_items`` (the words and counts of the terminal,
-    summary.json and the gallery's header). The metadata is read a page at a time (report/rows.py).
+    summary.json and the gallery's header); ``judging``, a judged job's counts (report/judging.py), else
+    None. The metadata is read a page at a time (report/rows.py).
     Raises :class:`NoJobOutputError` when ``output_uri`` is missing or holds none of
     ``job.json``, ``summary.json``, ``metadata/``.
     """
@@ -61,10 +64,22 @@ def write_report(output_uri: str, s3=None, *, page_size: int = 200, title: str =
     errors = read_errors_table(storage, exclude_ids=rows.keys.column("item_id"))
     summary = read_summary(storage)
     plots = write_plots(storage, rows.keys)
+    judged = read_judged(storage)  # a judged job's columns only (None: the job did not judge)
+    judging = write_judging(storage, judged) if judged is not None else None
+    if judging is not None:
+        plots = {**plots, "scores": SCORES_KEY}
     pages = write_gallery(
-        storage, rows, page_size=page_size, title=title, errors=errors, summary=summary, plot_keys=plots
+        storage,
+        rows,
+        page_size=page_size,
+        title=title,
+        errors=errors,
+        summary=summary,
+        plot_keys=plots,
+        judging=judging,
     )
     return {
+        "judging": asdict(judging) if judging is not None else None,
         "gallery": storage.uri_for(page_key(1)),
         "pages": sum(1 for key in pages if key.startswith("gallery")),
         "errors_page": storage.uri_for(errors_page_key(1)) if errors_page_key(1) in pages else None,

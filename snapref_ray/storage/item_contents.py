@@ -30,6 +30,7 @@ from .ledger import CommittedIds, _pack, read_job
 from .metadata import iter_part_columns
 
 JOB_COLUMN = "job"  # a row's job fingerprint, where rows record it (read when present, never required)
+RENDER_INDEX_COLUMN = "render_index"  # a judged job's: which render of its item a row is (read when present)
 EXAMPLES = 5  # manifest rows a refusal names
 EXAMPLES_KEPT = 1_000  # (row, id) pairs kept to choose them from: the lowest rows of the first found
 
@@ -49,6 +50,8 @@ class CommittedContents:
     foreign: CommittedIds  # ids whose rows name another job (empty where no row names its job)
     rows_name_their_job: bool  # some committed row has a `job` value
     other_jobs: bool  # job.json lists a job other than this one (an appended output)
+    # A judged job's committed re-renders (render_index > 0, any job's): ids the manifest never produces
+    rerenders: CommittedIds = field(default_factory=lambda: CommittedIds(np.array([], dtype="S1")))
 
 
 def read_committed_contents(storage: Storage, fingerprint: str) -> CommittedContents:
@@ -58,10 +61,20 @@ def read_committed_contents(storage: Storage, fingerprint: str) -> CommittedCont
     contents: list[np.ndarray] = []
     foreign: list[pa.Array] = []
     named = False
-    for table in iter_part_columns(storage, ["item_id", "content_id", JOB_COLUMN], parallel=2):
+    rerenders: list[pa.Array] = []
+    for table in iter_part_columns(storage, ["item_id", "content_id", JOB_COLUMN, RENDER_INDEX_COLUMN], parallel=2):
         item_id = pa.concat_arrays(table.column("item_id").chunks) if table.num_rows else pa.array([], pa.string())
         content = table.column("content_id").combine_chunks().cast(pa.string())
         job = table.column(JOB_COLUMN).combine_chunks().cast(pa.string())
+        # A judged job's re-render (`<item_id>-r<k>`, render_index > 0) is no manifest item: it is left out of the
+        # checks (its id is not the manifest's, its content is its own seed's), and counted apart.
+        rerender = pc.fill_null(
+            pc.greater(table.column(RENDER_INDEX_COLUMN).combine_chunks().cast(pa.int32()), 0), False
+        )
+        if pc.any(rerender).as_py():
+            rerenders.append(item_id.filter(rerender))
+            first = pc.invert(rerender)
+            item_id, content, job = item_id.filter(first), content.filter(first), job.filter(first)
         explicit = pc.fill_null(pc.not_equal(content, item_id), False)
         if pc.any(explicit).as_py():
             ids.append(_pack(item_id.filter(explicit)))
@@ -78,6 +91,7 @@ def read_committed_contents(storage: Storage, fingerprint: str) -> CommittedCont
         foreign=CommittedIds.from_arrow_parts(foreign),
         rows_name_their_job=named,
         other_jobs=bool(jobs - {None, fingerprint}),
+        rerenders=CommittedIds.from_arrow_parts(rerenders),
     )
 
 

@@ -122,7 +122,10 @@ class JobOutput:
     def commit_row(self, row: dict) -> None:
         """An item whose image a worker stored (``files``): its metadata row, written with the next part (with the
         image's bytes too under ``embed_images``, read back from where the worker stored it)."""
-        image_bytes = self.storage.get_bytes(row["image_key"]) if self.settings.embed_images else None
+        # A judged job's rejected render whose image was not kept has no image_key: its row goes in without bytes.
+        image_bytes = (
+            self.storage.get_bytes(row["image_key"]) if self.settings.embed_images and row["image_key"] else None
+        )
         self.metadata.add(row, image_bytes)
 
     def commit_shard(self, shard_key: str) -> bool:

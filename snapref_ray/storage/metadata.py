@@ -114,8 +114,26 @@ METADATA_SCHEMA = pa.schema(
         # The fingerprint of the job that rendered the row (job.json): an output appended to holds several jobs,
         # whose manifest_row values overlap. Null in Ray Data's rows and in parts written before the column existed.
         ("job", pa.string()),
+        # A judged job's columns (docs/judging.md), null when the job does not judge. Each render is a row:
+        # `render_of` is the item it renders (its manifest item id), `render_index` 0 for the item's first render.
+        ("render_of", pa.string()),
+        ("render_index", pa.int32()),
+        # The judges' scores (render_service/judges/scores.py JUDGEMENT_COLUMNS), null for a check not asked for.
+        ("score_sanity_nonfinite", pa.float64()),
+        ("score_sanity_std", pa.float64()),
+        ("score_sanity_luminance", pa.float64()),
+        ("score_sanity_clipped", pa.float64()),
+        ("score_near_duplicate", pa.int32()),  # Hamming bits to the nearest image kept for the reference before it
+        ("score_identity_gap", pa.float64()),
+        ("score_embedding", pa.float64()),
+        ("phash", pa.string()),  # 16 hex digits
+        ("accepted", pa.bool_()),  # kept: at most one accepted row per render_of
+        ("rejected_by", pa.string()),  # the checks it failed, comma-separated ("quota": its reference was full)
     ]
 )
+
+# The judged job's columns of METADATA_SCHEMA (null in a job that does not judge; Ray Data adds its own).
+JUDGE_METADATA_COLUMNS = tuple(METADATA_SCHEMA.names[METADATA_SCHEMA.names.index("render_of") :])
 
 # The metadata columns that are RenderSettings fields, in schema order.
 SETTINGS_IN_METADATA = tuple(
@@ -237,7 +255,8 @@ class _PartWriter:
 
     def _check_row(self, row: dict) -> None:
         names = set(self.schema.names)
-        missing, unknown = names - row.keys(), row.keys() - names
+        # A judged job's columns may be left out (null): a row of a job that does not judge need not name them.
+        missing, unknown = names - row.keys() - set(JUDGE_METADATA_COLUMNS), row.keys() - names
         if missing or unknown:
             raise ValueError(
                 f"{self.prefix} row {row.get('item_id')!r}: missing columns {sorted(missing)}, unknown "

@@ -299,6 +299,21 @@ def _rows_key(shard_key: str) -> str:
     return shard_key.removesuffix(".tar") + ".rows.parquet"
 
 
+def read_staged_rows(storage: Storage, shard_key: str) -> pa.Table:
+    """The metadata rows a worker staged with its shard (`SHARD_METADATA_SCHEMA`)."""
+    return pq.read_table(io.BytesIO(storage.get_bytes(staging_key(_rows_key(shard_key)))))
+
+
+def replace_staged_rows(storage: Storage, shard_key: str, rows: pa.Table) -> None:
+    """Rewrite a staged shard's rows before its commit is decided (a judged job's driver puts its verdicts in
+    them: jobs/judge_loop.py); the tar keeps the worker's own `.json` records."""
+    storage.put_bytes(
+        staging_key(_rows_key(shard_key)),
+        _parquet(rows.cast(SHARD_METADATA_SCHEMA)),
+        "application/vnd.apache.parquet",
+    )
+
+
 def staging_key(key: str) -> str:
     """Where a worker stages the object that becomes `key` (``shards/x.tar`` -> ``staging/x.tar``)."""
     return f"{STAGING_PREFIX}/{key.rsplit('/', 1)[-1]}"
@@ -473,6 +488,8 @@ __all__ = [
     "recorded_verdict",
     "remove_dead_workers_temporaries",
     "settle_staged_shards",
+    "read_staged_rows",
+    "replace_staged_rows",
     "staging_key",
     "verdict",
     "shard_member_key",

@@ -79,8 +79,7 @@ def row_of(item: WorkItem, *, job: str | None = None) -> dict:
 
 
 def commit(storage, items: list[WorkItem], *, job: str | None = None) -> None:
-    schema = METADATA_SCHEMA if job is None else METADATA_SCHEMA.append(pa.field(JOB_COLUMN, pa.string()))
-    with MetadataWriter(storage, schema=schema, flush_seconds=0) as writer:
+    with MetadataWriter(storage, schema=METADATA_SCHEMA, flush_seconds=0) as writer:  # its `job` column included
         for item in items:
             writer.add(row_of(item, job=job))
 

@@ -18,6 +18,7 @@ from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.backends import LocalStorage, StorageError, open_storage
 from snapref_ray.storage.metadata import (
     ERRORS_SCHEMA,
+    JUDGE_METADATA_COLUMNS,
     METADATA_SCHEMA,
     ErrorWriter,
     MetadataWriter,
@@ -79,6 +80,7 @@ def make_row(i: int, **overrides) -> dict:
         "started_at": 1_800_000_000.5 + i,
         "finished_at": 1_800_000_003.25 + i,
         "job": "f" * 64,
+        **dict.fromkeys(JUDGE_METADATA_COLUMNS),  # a job that does not judge: null
     }
     row.update(overrides)
     return row
@@ -151,7 +153,23 @@ def test_schema_columns_exactly():
         "started_at",
         "finished_at",
         "job",
+        "render_of",
+        "render_index",
+        "score_sanity_nonfinite",
+        "score_sanity_std",
+        "score_sanity_luminance",
+        "score_sanity_clipped",
+        "score_near_duplicate",
+        "score_identity_gap",
+        "score_embedding",
+        "phash",
+        "accepted",
+        "rejected_by",
     ]
+    # The judged job's columns are the judges' own (one score column per score, the hash, the verdict).
+    from snapref_ray.render_service.judges.scores import JUDGEMENT_COLUMNS
+
+    assert set(JUDGEMENT_COLUMNS) <= set(JUDGE_METADATA_COLUMNS)
     assert METADATA_SCHEMA.field("reference_uris").type == pa.list_(pa.string())
     assert METADATA_SCHEMA.field("width").type == pa.int32() and METADATA_SCHEMA.field("cfg").type == pa.float32()
     assert ERRORS_SCHEMA.names == ["item_id", "manifest_row", "error", "stage", "attempt", "at"]

@@ -1,0 +1,152 @@
+"""A judged job's report (docs/judging.md): what was kept and rejected, by reference and by check, what the kept
+images cost, and one histogram per score — the charts a threshold is chosen from.
+
+Read from the metadata alone (the judged columns of every committed row, the first row per item_id as every
+reader keeps it), so it describes the output, whichever runs made it. Writes ``report/scores.svg`` (bars of kept
+and rejected renders stacked per bin, ids ``score-<name>-kept-<i>`` / ``score-<name>-rejected-<i>``) and
+``report/judging.json`` (the counts).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from snapref_ray.report.plots import _matplotlib_style, _new_figure, _no_data, _svg
+from snapref_ray.storage.metadata import read_table_columns
+
+SCORES_KEY = "report/scores.svg"
+JUDGING_KEY = "report/judging.json"
+
+# The score columns drawn, with the axis each is read on.
+SCORE_AXES = {
+    "score_near_duplicate": "Hamming bits to the nearest kept image of its reference",
+    "score_sanity_std": "std of the most varied channel (0-255)",
+    "score_sanity_luminance": "mean luminance (0-255)",
+    "score_sanity_clipped": "fraction of values at 0 or 255",
+    "score_identity_gap": "identity gap (loss with another reference - with its own)",
+    "score_embedding": "embedding similarity to its reference",
+}
+_READ = ["item_id", "render_of", "reference_hash", "accepted", "rejected_by", "sample_s", "decode_s", "forward_batch"]
+_KEPT, _REJECTED = "#3b82c4", "#c8453b"
+
+
+@dataclass
+class JudgeReport:
+    """The counts of a judged output (`judging.json`; the gallery header shows the totals and the cost)."""
+
+    renders: int
+    kept: int
+    rejected: int
+    items: int  # items (render_of) with at least one render
+    renders_per_kept_image: float | None
+    gpu_seconds_per_kept_image: float | None
+    rejected_by: dict[str, int] = field(default_factory=dict)  # per check
+    references: list[dict] = field(default_factory=list)  # reference_hash, renders, kept, rejected
+
+
+def read_judged(storage) -> pa.Table | None:
+    """The judged columns of the committed rows (first per item_id); None when the output was not judged."""
+    table = read_table_columns(storage, [*_READ, *SCORE_AXES])
+    if not table.num_rows or "render_of" not in table.column_names:
+        return None
+    table = table.filter(pc.is_valid(table.column("render_of")))
+    if not table.num_rows:
+        return None
+    indexed = table.append_column("_row", pa.array(np.arange(table.num_rows)))
+    first = indexed.group_by("item_id", use_threads=False).aggregate([("_row", "min")]).column("_row_min")
+    return table if len(first) == table.num_rows else table.take(pa.array(np.sort(first.to_numpy())))
+
+
+def judge_report(table: pa.Table) -> JudgeReport:
+    """Kept vs rejected per reference and per check, and the cost per kept image, from `read_judged`'s table."""
+    accepted = pc.fill_null(table.column("accepted").cast(pa.bool_()), False)
+    kept = int(pc.sum(accepted).as_py() or 0)
+    renders = table.num_rows
+    checks: dict[str, int] = {}
+    for text in table.column("rejected_by").drop_null().to_pylist():
+        for check in text.split(","):
+            checks[check] = checks.get(check, 0) + 1
+    seconds = pc.add(
+        pc.fill_null(table.column("sample_s").cast(pa.float64()), 0.0),
+        pc.fill_null(table.column("decode_s").cast(pa.float64()), 0.0),
+    )
+    batch = pc.max_element_wise(pc.fill_null(table.column("forward_batch").cast(pa.float64()), 1.0), 1.0)
+    gpu_seconds = float(pc.sum(pc.divide(seconds, batch)).as_py() or 0.0)
+    per_ref = (
+        table.select(["reference_hash"])
+        .append_column("kept", accepted.cast(pa.int64()))
+        .group_by("reference_hash", use_threads=False)
+        .aggregate([("kept", "sum"), ("kept", "count")])
+    )
+    references = [
+        {"reference_hash": h, "renders": n, "kept": k, "rejected": n - k}
+        for h, k, n in zip(
+            per_ref.column("reference_hash").to_pylist(),
+            per_ref.column("kept_sum").to_pylist(),
+            per_ref.column("kept_count").to_pylist(),
+            strict=True,
+        )
+    ]
+    return JudgeReport(
+        renders=renders,
+        kept=kept,
+        rejected=renders - kept,
+        items=len(pc.unique(table.column("render_of"))),
+        renders_per_kept_image=round(renders / kept, 4) if kept else None,
+        gpu_seconds_per_kept_image=round(gpu_seconds / kept, 4) if kept else None,
+        rejected_by=dict(sorted(checks.items())),
+        references=sorted(references, key=lambda r: r["reference_hash"]),
+    )
+
+
+@_matplotlib_style
+def scores_svg(table: pa.Table, bins: int = 24) -> str:
+    """One histogram per score a check recorded, kept and rejected renders stacked."""
+    title = "Judge scores (kept and rejected renders)"
+    accepted = pc.fill_null(table.column("accepted").cast(pa.bool_()), False).to_numpy(zero_copy_only=False)
+    series = []
+    for name, axis in SCORE_AXES.items():
+        if name not in table.column_names:
+            continue
+        values = table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
+        finite = np.isfinite(values)
+        if finite.any():
+            series.append((name, axis, values, finite))
+    if not series:
+        return _no_data(title, "no scores recorded")
+    fig = _new_figure(8.8, 0.6 + 2.2 * len(series), title, f"{len(accepted)} renders; blue kept, red rejected")
+    axes = fig.subplots(len(series), 1, squeeze=False)[:, 0]
+    for ax, (name, axis, values, finite) in zip(axes, series):
+        lo, hi = float(values[finite].min()), float(values[finite].max())
+        if hi <= lo:
+            hi = lo + 1.0
+        edges = np.linspace(lo, hi, bins + 1)
+        kept, _ = np.histogram(values[finite & accepted], edges)
+        rejected, _ = np.histogram(values[finite & ~accepted], edges)
+        width = edges[1] - edges[0]
+        short = name.removeprefix("score_")
+        for i, bar in enumerate(ax.bar(edges[:-1], kept, width=width, align="edge", color=_KEPT)):
+            bar.set_gid(f"score-{short}-kept-{i}")
+        bars = ax.bar(edges[:-1], rejected, width=width, bottom=kept, align="edge", color=_REJECTED)
+        for i, bar in enumerate(bars):
+            bar.set_gid(f"score-{short}-rejected-{i}")
+        ax.set_title(f"{name}: n={int(finite.sum())}, kept {int((finite & accepted).sum())}")
+        ax.set_xlabel(axis)
+        ax.set_ylabel("renders")
+    return _svg(fig)
+
+
+def write_judging(storage, table: pa.Table) -> JudgeReport:
+    """Store ``report/scores.svg`` and ``report/judging.json``; returns the counts."""
+    report = judge_report(table)
+    storage.put_bytes(SCORES_KEY, scores_svg(table).encode("utf-8"), content_type="image/svg+xml")
+    storage.put_bytes(JUDGING_KEY, json.dumps(asdict(report), indent=1).encode(), content_type="application/json")
+    return report
+
+
+__all__ = ["JUDGING_KEY", "SCORES_KEY", "JudgeReport", "judge_report", "read_judged", "scores_svg", "write_judging"]
