@@ -24,10 +24,15 @@ import logging
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from snapref_ray.cluster.schedule import SchedulerConfig, SchedulerStats
-from snapref_ray.cluster.tasks import ReferenceTask, batch_shape
-from snapref_ray.render_service.work_items import WorkItem
+from snapref_ray.cluster.scheduler_config import SchedulerConfig
+from snapref_ray.cluster.scheduler_stats import SchedulerStats
+from snapref_ray.cluster.tasks import ReferenceTask
+from snapref_ray.render_service.batching import batch_shape
+
+if TYPE_CHECKING:  # an item is only carried here; its module (the job's planning) imports torch
+    from snapref_ray.render_service.work_items import WorkItem
 
 log = logging.getLogger(__name__)
 

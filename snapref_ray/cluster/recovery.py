@@ -35,9 +35,11 @@ from snapref_ray.cluster.calls import Call, CallKind, InFlight
 from snapref_ray.cluster.failures import dead_nodes, infrastructure_cause
 from snapref_ray.cluster.placement import Placement, QueuedReference
 from snapref_ray.cluster.pool import PoolMembers
-from snapref_ray.cluster.schedule import Cause, SchedulerConfig, SchedulerStats
+from snapref_ray.cluster.scheduler_config import SchedulerConfig
+from snapref_ray.cluster.scheduler_stats import Cause, SchedulerStats
 from snapref_ray.cluster.shard_ledger import Rendered
-from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo, batch_shape
+from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
+from snapref_ray.render_service.batching import batch_shape
 from snapref_ray.render_service.work_items import WorkItem
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,9 @@ from snapref_ray.cluster.calls import Call, CallKind, InFlight, Returned
 from snapref_ray.cluster.placement import Assignment, Placement, PlannedWork, QueuedReference
 from snapref_ray.cluster.pool import Member, PoolMembers, WorkerPool
 from snapref_ray.cluster.recovery import Recovery, RequeueBudgetExceeded
-from snapref_ray.cluster.schedule import EVENT_KINDS, Cause, SchedulerConfig, SchedulerEvent, SchedulerStats
+from snapref_ray.cluster.scheduler_config import SchedulerConfig
+from snapref_ray.cluster.scheduler_events import EVENT_KINDS, SchedulerEvent
+from snapref_ray.cluster.scheduler_stats import Cause, SchedulerStats
 from snapref_ray.cluster.shard_ledger import Rendered
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, RenderTask, WorkerInfo
 from snapref_ray.render_service.work_items import WorkItem

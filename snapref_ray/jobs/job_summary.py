@@ -141,7 +141,7 @@ class JobSummary(BaseModel):
         "from the compile cache), warm-up and first-image seconds (render_service/cold_start.py).",
     )
     refkv_decisions: RefKVDecisions
-    scheduler: dict[str, Any] | None = Field(description="This run's SchedulerStats (cluster/schedule.py).")
+    scheduler: dict[str, Any] | None = Field(description="This run's SchedulerStats (cluster/scheduler_stats.py).")
     finished_at: float
     runs: list[RunFigures] = Field(description="Each driver run on this output, oldest first; the last is this one.")
 

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from snapref_ray.cluster.placement import Placement, fetch_is_cheaper
-from snapref_ray.cluster.schedule import SchedulerConfig, SchedulerStats
+from snapref_ray.cluster.scheduler_config import SchedulerConfig
+from snapref_ray.cluster.scheduler_stats import SchedulerStats
 from snapref_ray.render_service.references import ReferenceInput
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.requests import RenderSettings
