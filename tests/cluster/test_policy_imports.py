@@ -13,6 +13,10 @@ import pytest
 POLICY_MODULES = (
     "snapref_ray.cluster.placement",
     "snapref_ray.cluster.shard_ledger",
+    "snapref_ray.cluster.call_records",
+    "snapref_ray.cluster.recovery",
+    "snapref_ray.cluster.scheduling_policy",
+    "snapref_ray.jobs.identity_eval_policy",
     "snapref_ray.cluster.scheduler_config",
     "snapref_ray.cluster.scheduler_stats",
     "snapref_ray.cluster.scheduler_events",
