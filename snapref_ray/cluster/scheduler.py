@@ -6,9 +6,13 @@ splits its scheduler from its engine loop:
 
 - cluster/placement.py (no Ray): which reference and batch a free worker takes, and whether it fetches the RefKV
   from the object store or encodes the reference itself;
-- cluster/recovery.py: a failed call's cause, requeues and their budget, attempts, out-of-memory splits, probes;
+- cluster/recovery.py (no Ray): what a failure costs (attempts, requeues and their budget, out-of-memory splits) and
+  when a lost worker is probed; this loop reads the exception into a `Cause` (cluster/failures.py), sends the probes
+  and lists dead nodes for it;
 - cluster/pool.py `PoolMembers`: the workers, and when the pool grows or gives workers back;
-- cluster/calls.py: the calls in flight, each with a typed record (`Call`), and the one `ray.wait` over them.
+- cluster/calls.py: the calls in flight, each with its kind's record (cluster/call_records.py), and the one
+  `ray.wait` over them. (cluster/engine_core.py is the same loop, handed a whole policy; the identity evaluation
+  runs on it.)
 
 A reference is opened by an encode call with two returns: the RefKV, which the driver never waits on nor fetches
 (at real size that would pull ~1 GB per reference to the driver's node), and a small `EncodeInfo` that the driver
