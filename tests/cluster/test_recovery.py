@@ -216,3 +216,23 @@ def test_a_released_worker_requeues_as_released_not_as_a_loss():
     w.members.members[1].released = True
     w.recovery.render_raised(call, RuntimeError("killed"), Cause.WORKER_LOST)
     assert w.stats.requeues[Cause.RELEASED] == 2 and w.stats.requeues[Cause.WORKER_LOST] == 0
+
+
+def test_items_of_a_shard_that_will_never_be_committed_render_again_in_the_same_run():
+    """Shards settled: a worker's process went with its open shard, so the ledger gives its items back and recovery
+    requeues them as shard_lost (no attempt), reopening their reference even after it closed."""
+    from snapref_ray.cluster.shard_ledger import Rendered, ShardLedger
+    from snapref_ray.cluster.tasks import ItemOutcome
+
+    w = World(n=2, max_batch=2)
+    call = w.render(worker=0)
+    ledger = ShardLedger(commit=lambda key: True)
+    for item in call.task.items:
+        ledger.rendered("w0-process", "shard-1", Rendered(0, ItemOutcome(item.item_id), item, call.reference))
+    w.placement.close_finished()  # nothing pending, nothing counted in flight: A closes
+    assert w.placement.open == []
+    ledger.lose(0)  # the process died with shard-1 open
+    settled = ledger.take()
+    assert settled.done == [] and [e.item.item_id for e in settled.lost] == ["A-0", "A-1"]
+    w.recovery.requeue_lost_shards(settled.lost)
+    assert w.pending() == ["A-0", "A-1"] and w.stats.requeues[Cause.SHARD_LOST] == 2 and w.stats.attempts_charged == 0
