@@ -14,7 +14,8 @@ def cases(*right_hashes: str) -> list[dict]:
 
 
 def sent(dispatches) -> list[tuple[int, str, int]]:
-    return [(d.call.worker, d.call.reference_hash, d.call.case) for d in dispatches]
+    """(worker, the case's right reference, case index) per dispatch."""
+    return [(d.call.worker, d.args[0]["right_hash"], d.call.case) for d in dispatches]
 
 
 def test_a_step_as_values_free_workers_in_dispatches_out_returns_in_finished_out():

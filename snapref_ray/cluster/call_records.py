@@ -23,41 +23,45 @@ class CallKind(StrEnum):
 
 
 @dataclass(frozen=True)
-class EncodeCall:
-    """An encode that opens `reference` on `worker`; `refkv` is the handle of the RefKV it returns."""
+class CallRecord:
+    """What every call's record says: the worker it went to (an index into the loop's workers)."""
+
+    kind: ClassVar[CallKind]
+    worker: int
+
+
+@dataclass(frozen=True)
+class EncodeCall(CallRecord):
+    """An encode that opens `reference` on the worker. Its RefKV (`refkv`, the handle) stays in the object store and
+    is never waited on: the call's small `EncodeInfo` return is what comes back here."""
 
     kind: ClassVar[CallKind] = CallKind.ENCODE
-    worker: int
     reference: QueuedReference
     refkv: object
 
 
 @dataclass(frozen=True)
-class RenderCall:
+class RenderCall(CallRecord):
     """A batch of `reference`'s items; `refkv` is the handle it was given (None: its device cache, or it encodes)."""
 
     kind: ClassVar[CallKind] = CallKind.RENDER
-    worker: int
     reference: QueuedReference
     task: RenderTask
     refkv: object | None = None
 
 
 @dataclass(frozen=True)
-class ProbeCall:
+class ProbeCall(CallRecord):
     """`info()` on a worker that lost a call: is it back?"""
 
     kind: ClassVar[CallKind] = CallKind.PROBE
-    worker: int
 
 
 @dataclass(frozen=True)
-class EvaluateCall:
-    """One identity-evaluation case (its index), of the right reference `reference_hash`."""
+class EvaluateCall(CallRecord):
+    """One identity-evaluation case, by its index in the evaluation's cases."""
 
     kind: ClassVar[CallKind] = CallKind.EVALUATE
-    worker: int
-    reference_hash: str
     case: int
 
 

@@ -54,7 +54,7 @@ class IdentityEvalPolicy:
         if not self.queues[key]:
             del self.queues[key]
         self.attempts[i] += 1
-        return Dispatch(EvaluateCall(worker, key, i), "evaluate", (self.cases[i],))
+        return Dispatch(EvaluateCall(worker, i), "evaluate", (self.cases[i],))
 
     def update(self, returned: Sequence[ReturnedCall]) -> StepOutcome:
         finished, requeued = [], []
