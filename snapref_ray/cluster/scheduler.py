@@ -224,7 +224,7 @@ class BatchScheduler:
                 continue
             for future in self.calls.wait(probes, timeout=timeout):
                 self._probe_returned(self.calls.collect(future))
-        self.recovery.settle_losses()
+        self.recovery.classify_losses(final=True)  # the grace is spent: what Ray has not settled stays worker_lost
 
     def _send_probe(self, index: int) -> None:
         """Ask a worker that lost a call whether it is back (recovery decides when)."""
