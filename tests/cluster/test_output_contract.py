@@ -96,7 +96,7 @@ def test_a_worker_that_exits_right_after_staging_a_shard_inside_a_render_call(ti
     assert marker.exists(), "the worker never exited"
     exited_with = marker.read_text()
     storage = open_storage(str(out))
-    assert summary["images_this_run"] == len(expected) == 8 and summary["failed_items"] == 0
+    assert summary.images_this_run == len(expected) == 8 and summary.failed_items == 0
     assert verdict(storage, exited_with) == VOID  # decided once: no later commit can count it
     assert exited_with not in storage.list("shards/")
     assert_exactly_once(storage, expected, tmp_path)
@@ -123,7 +123,7 @@ def test_a_worker_still_staging_when_its_release_times_out_is_never_committed_an
     summary = run_job(spec, progress=False, write_gallery=False, renderer_factory=SlowStaging(3.0, str(marker)))
     slow_shard = marker.read_text()
     storage = open_storage(str(out))
-    assert summary["images_this_run"] == 4 and summary["requeues"]["shard_lost"] >= 1
+    assert summary.images_this_run == 4 and summary.requeues["shard_lost"] >= 1
     assert verdict(storage, slow_shard) in (None, VOID) and slow_shard not in storage.list("shards/")
     deadline = time.monotonic() + 30  # the killed worker's staging, if it lands at all, lands late
     while time.monotonic() < deadline and storage.list("staging/"):
