@@ -2,8 +2,8 @@
 
 The batch schedule (cluster/scheduler.py) and the identity evaluation (snapref_ray/jobs/identity_eval.py) both keep a
 bounded number of calls out per worker, wait for any to return and collect it: `InFlight` is that core. A call's
-record says what it was (`CallKind`), on which worker, for which reference and task, so the code that collects it
-never unpacks a tuple tag.
+record is of its kind's own type (cluster/call_records.py), so the code that collects it never unpacks a tuple tag
+nor reads a field whose meaning changes with the kind.
 """
 
 from __future__ import annotations
@@ -11,28 +11,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import ray
 
-
-class CallKind(StrEnum):
-    ENCODE = "encode"  # RenderWorker.encode's small return (EncodeInfo): a reference was opened
-    RENDER = "render"  # RenderWorker.render: a batch's outcomes
-    PROBE = "probe"  # RenderWorker.info on a worker that lost a call: is it back?
-    EVALUATE = "evaluate"  # RenderWorker.evaluate: one identity-evaluation case
-
-
-@dataclass(frozen=True)
-class Call:
-    """One call in flight."""
-
-    kind: CallKind
-    worker: int  # index into the caller's list of workers
-    reference: Any = None  # the reference it serves (placement.QueuedReference; a reference hash for EVALUATE)
-    task: Any = None  # what it carries (RENDER: the RenderTask; EVALUATE: the case's index)
-    refkv: ray.ObjectRef | None = None  # ENCODE: the RefKV it makes; RENDER: the RefKV it was handed
+from snapref_ray.cluster.call_records import Call, CallKind
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from snapref_ray.cluster.schedule import REQUEUE_CAUSES, Cause
+from snapref_ray.cluster.scheduler_stats import REQUEUE_CAUSES, Cause
 from snapref_ray.render_service.memory import describe_device_memory
 
 LOST_REFKV_ERRORS: tuple[type[BaseException], ...] = (

@@ -24,10 +24,15 @@ import logging
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from snapref_ray.cluster.schedule import SchedulerConfig, SchedulerStats
-from snapref_ray.cluster.tasks import ReferenceTask, batch_shape
-from snapref_ray.render_service.work_items import WorkItem
+from snapref_ray.cluster.scheduler_config import SchedulerConfig
+from snapref_ray.cluster.scheduler_stats import SchedulerStats
+from snapref_ray.cluster.tasks import ReferenceTask
+from snapref_ray.render_service.batching import batch_shape
+
+if TYPE_CHECKING:  # an item is only carried here; its module (the job's planning) imports torch
+    from snapref_ray.render_service.work_items import WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,8 @@ class UnopenedReferences:
         self._groups = iter(groups)
         self._ready: deque[QueuedReference] = deque()
         self.items = items  # items in references not opened yet
+        self.dropped: set[str] = set()  # reference hashes whose items are skipped as their group is read
+        self.skipped = 0  # items skipped so (the schedule takes the count: `Placement.take_dropped`)
 
     def _fill(self) -> None:
         while not self._ready:
@@ -88,6 +95,10 @@ class UnopenedReferences:
             by_key: dict[tuple, QueuedReference] = {}
             tasks: dict[int, ReferenceTask] = {}  # per settings object: the items of a group share few of them
             for item in group:
+                if item.reference_hash in self.dropped:
+                    self.items -= 1
+                    self.skipped += 1
+                    continue
                 task = tasks.get(id(item.settings))
                 if task is None or task.reference_hash != item.reference_hash:
                     task = tasks[id(item.settings)] = ReferenceTask.for_item(item)
@@ -97,6 +108,15 @@ class UnopenedReferences:
     def __bool__(self) -> bool:
         self._fill()
         return bool(self._ready)
+
+    def drop(self, reference_hash: str) -> int:
+        """Forget the reference's items read and not opened yet (returns how many), and skip those still to read."""
+        self.dropped.add(reference_hash)
+        gone = [r for r in self._ready if r.task.reference_hash == reference_hash]
+        self._ready = deque(r for r in self._ready if r.task.reference_hash != reference_hash)
+        dropped = sum(len(r.pending) for r in gone)
+        self.items -= dropped
+        return dropped
 
     def popleft(self) -> QueuedReference:
         self._fill()
@@ -277,6 +297,21 @@ class Placement:
             if drop_refkvs and ref.refkv_worker == worker and ref.refkv is not None:
                 dropped.append(ref)
         return dropped
+
+    def drop_reference(self, reference_hash: str) -> int:
+        """Take a reference's queued items (not yet dispatched) off the schedule, and skip its items in groups not read
+        yet (counted by `take_dropped`); returns how many were queued. Its items in flight still come back."""
+        dropped = 0
+        for ref in self.open:
+            if ref.task.reference_hash == reference_hash:
+                dropped += len(ref.pending)
+                ref.pending.clear()
+        return dropped + self.unopened.drop(reference_hash)
+
+    def take_dropped(self) -> int:
+        """Items of dropped references skipped as their groups were read since the last call."""
+        skipped, self.unopened.skipped = self.unopened.skipped, 0
+        return skipped
 
     def unassigned_work(self) -> bool:
         return bool(self.unopened) or any(r.pending for r in self.open)

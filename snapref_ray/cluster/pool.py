@@ -30,7 +30,8 @@ import ray
 
 from snapref_ray.cluster import ray_output
 from snapref_ray.cluster.feasibility import InfeasibilityWatch
-from snapref_ray.cluster.schedule import SchedulerConfig, SchedulerStats
+from snapref_ray.cluster.scheduler_config import SchedulerConfig
+from snapref_ray.cluster.scheduler_stats import SchedulerStats
 from snapref_ray.cluster.shard_ledger import ShardLedger
 from snapref_ray.cluster.tasks import ShardReport, WorkerInfo
 from snapref_ray.cluster.worker import RenderWorker, WorkerConfig

@@ -28,22 +28,26 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import ray
-
-from snapref_ray.cluster.calls import Call, CallKind, InFlight
-from snapref_ray.cluster.failures import dead_nodes, infrastructure_cause
+from snapref_ray.cluster.call_records import RenderCall
 from snapref_ray.cluster.placement import Placement, QueuedReference
-from snapref_ray.cluster.pool import PoolMembers
-from snapref_ray.cluster.schedule import Cause, SchedulerConfig, SchedulerStats
+from snapref_ray.cluster.scheduler_config import SchedulerConfig
+from snapref_ray.cluster.scheduler_stats import Cause, SchedulerStats
 from snapref_ray.cluster.shard_ledger import Rendered
-from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo, batch_shape
-from snapref_ray.render_service.work_items import WorkItem
+from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
+from snapref_ray.render_service.batching import batch_shape
+
+if TYPE_CHECKING:  # Ray's side (the pool's members) and the items are only handed through here
+    from snapref_ray.cluster.pool import PoolMembers
+    from snapref_ray.render_service.work_items import WorkItem
 
 log = logging.getLogger(__name__)
 
 # emit(kind, worker, reference, items, refkv_node=..., cause=...): the loop's SchedulerEvent
 Emit = Callable[..., None]
+# The nodes among these that Ray lists dead (cluster/failures.py `dead_nodes`): the loop's, injected.
+DeadNodes = Callable[[set[str]], set[str]]
 
 
 class RequeueBudgetExceeded(RuntimeError):
@@ -69,14 +73,18 @@ class Recovery:
         stats: SchedulerStats,
         placement: Placement,
         members: PoolMembers,
-        calls: InFlight,
         *,
         on_failed: Callable[[ItemOutcome, WorkItem, int], None],
         on_progress: Callable[[int], None] | None,
         emit: Emit,
+        send_probe: Callable[[int], None],
+        dead_nodes: DeadNodes,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config, self.stats, self.placement, self.members, self.calls = config, stats, placement, members, calls
+        self.config, self.stats, self.placement, self.members = config, stats, placement, members
         self.on_failed, self.on_progress, self.emit = on_failed, on_progress, emit
+        # What Ray does for recovery, done by the loop: ask a worker for its info (a probe), list dead nodes.
+        self.send_probe, self.dead_nodes, self.clock = send_probe, dead_nodes, clock
         self._attempts: dict[str, int] = {}
         self._unclassified: list[_Loss] = []
 
@@ -96,7 +104,7 @@ class Recovery:
             self.stats.failed_items += 1
             return 1
         self.stats.retried_items += 1
-        ref.pending.appendleft(item)
+        self.placement.requeue(ref, [item])
         return 0
 
     def items_failed(self, ref: QueuedReference, outcomes: Sequence[tuple[WorkItem, ItemOutcome]]) -> int:
@@ -140,10 +148,10 @@ class Recovery:
             self.placement.reopen(ref)  # it may have been closed meanwhile (no work was left)
             self.requeue(ref, [e.item for e in lost], Cause.SHARD_LOST, lost[0].worker)
 
-    def render_raised(self, call: Call, error: Exception) -> int:
-        """A render call raised at the driver: the cluster's failure (requeue) or the items' own (an attempt)."""
+    def render_raised(self, call: RenderCall, error: Exception, cause: Cause | None) -> int:
+        """A render call raised at the driver: the cluster's failure (`cause`, the loop's reading of `error`
+        (cluster/failures.py): a requeue) or, with no cause, the items' own (an attempt)."""
         ref, task = call.reference, call.task
-        cause = infrastructure_cause(error)
         if cause is None:  # the call's own code raised (RayTaskError)
             message = f"{type(error).__name__}: {str(error).splitlines()[0][:500]}"
             return self.items_failed(
@@ -158,7 +166,7 @@ class Recovery:
         if member.released:
             cause = Cause.RELEASED
         elif cause == Cause.WORKER_LOST:
-            self._unclassified.append(_Loss(call.worker, member.node_id, len(task.items), time.monotonic()))
+            self._unclassified.append(_Loss(call.worker, member.node_id, len(task.items), self.clock()))
         return self.requeue(ref, task.items, cause, call.worker)
 
     def worker_failed(self, index: int, error: Exception, *, drop_refkvs: bool) -> None:
@@ -186,14 +194,14 @@ class Recovery:
         self.stats.refkvs_dropped += 1
         self.emit("refkv_dropped", None, ref, refkv_node=node)
 
-    def refkv_lost(self, call: Call, error_class: str) -> None:
+    def refkv_lost(self, call: RenderCall, error_class: str) -> None:
         """The render could not fetch the RefKV it was handed and encoded the reference itself."""
         ref = call.reference
         self.stats.requeues[Cause.REFKV_LOST] += len(call.task.items)
         if call.refkv is not None and ref.refkv is call.refkv:
             self.drop_refkv(ref, f"worker {call.worker} could not fetch it ({error_class})")
 
-    def out_of_memory(self, call: Call, message: str, cause: Cause) -> int:
+    def out_of_memory(self, call: RenderCall, message: str, cause: Cause) -> int:
         """Halve a batch that ran out of memory (remembering the cap for its shape) and requeue it without an
         attempt; one image that does not fit fails as its own error, with the figures known."""
         ref, items = call.reference, call.task.items
@@ -225,11 +233,11 @@ class Recovery:
     # -- probes: is a worker that lost a call back? -------------------------------------------------------------
     def _send_probe(self, index: int) -> None:
         member = self.members.members[index]
-        member.probe, member.probe_due = member.handle.info.remote(), None
-        self.calls.send(member.probe, Call(CallKind.PROBE, index))
+        member.probe_due = None
+        self.send_probe(index)  # the loop sends it and sets member.probe
 
     def send_due_probes(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for index, member in enumerate(self.members.members):
             if member.probe_due is not None and member.probe_due <= now and not member.retired:
                 self._send_probe(index)
@@ -239,14 +247,18 @@ class Recovery:
         due = [m.probe_due for m in self.members.members if m.probe_due is not None]
         return min(due) if due else None
 
-    def probe_returned(self, index: int, info: WorkerInfo | None, error: Exception | None) -> None:
+    def probe_returned(
+        self, index: int, info: WorkerInfo | None, error: Exception | None, *, restarting: bool = False
+    ) -> None:
+        """A probe came back: `info`, or `error` (`restarting`: the loop read it as Ray's ActorUnavailableError, an
+        actor that is coming back, which costs it no probe failure)."""
         member = self.members.members[index]
         if member.retired:
             return  # released (no work left) while its probe was out
         if error is not None:
             member.probe = None
             # Restarting (not dead): ask again later, without blocking the loop for the others.
-            if not isinstance(error, ray.exceptions.ActorUnavailableError):
+            if not restarting:
                 member.probe_failures += 1
                 if member.probe_failures >= self.config.max_probe_failures:
                     log.error(
@@ -258,7 +270,7 @@ class Recovery:
                     self.members.retire(index)
                     self.classify_losses(settled=index)  # Ray declared it dead: after its node, if that died
                     return
-            member.probe_due = time.monotonic() + self.config.probe_interval_s
+            member.probe_due = self.clock() + self.config.probe_interval_s
             return
         member.info = info
         member.available, member.probe, member.probe_failures = True, None, 0
@@ -273,7 +285,7 @@ class Recovery:
         had the node died), and all that are left when `final`, stay worker_lost."""
         if not self._unclassified:
             return
-        dead = dead_nodes({loss.node_id for loss in self._unclassified if loss.node_id})
+        dead = self.dead_nodes({loss.node_id for loss in self._unclassified if loss.node_id})
         left = []
         for loss in self._unclassified:
             if loss.node_id in dead:
@@ -283,28 +295,18 @@ class Recovery:
                 left.append(loss)
         self._unclassified = left
 
-    def classify_losses_at_the_end(self, grace_s: float) -> None:
-        """Give Ray up to `grace_s` after each unclassified loss to declare its node dead (answering the lost
-        workers' probes meanwhile: one that comes back was a process loss), then settle the rest."""
-        while self._unclassified:
-            self.classify_losses()
-            deadline = max(loss.at for loss in self._unclassified) + grace_s if self._unclassified else 0.0
-            if not self._unclassified or time.monotonic() >= deadline:
-                break
-            self.send_due_probes()
-            probes = self.calls.futures(CallKind.PROBE)
-            timeout = min(0.5, max(0.0, deadline - time.monotonic()))
-            if not probes:
-                time.sleep(timeout)
-                continue
-            for future in self.calls.wait(probes, timeout=timeout):
-                returned = self.calls.collect(future)
-                self.probe_returned(returned.call.worker, returned.value, returned.error)
-        self.classify_losses(final=True)
+    def losses_unsettled_until(self, grace_s: float) -> float | None:
+        """Classify what Ray has settled; then the time (`clock()`) until which the loop should keep answering probes
+        and asking again (`grace_s` after the latest loss), or None when nothing is left to wait for."""
+        self.classify_losses()
+        if not self._unclassified:
+            return None
+        deadline = max(loss.at for loss in self._unclassified) + grace_s
+        return deadline if self.clock() < deadline else None
 
     def settle_losses(self) -> None:
-        """Classify what is left without waiting (a failed or interrupted job); never raises."""
+        """Classify what is left without waiting (a failed or interrupted job, or the grace spent); never raises."""
         try:
-            self.classify_losses_at_the_end(0.0)
+            self.classify_losses(final=True)
         except Exception as e:  # never mask the error that ended the job
             log.warning("could not classify %d lost worker call(s): %s", len(self._unclassified), e)

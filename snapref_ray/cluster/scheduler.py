@@ -6,9 +6,13 @@ splits its scheduler from its engine loop:
 
 - cluster/placement.py (no Ray): which reference and batch a free worker takes, and whether it fetches the RefKV
   from the object store or encodes the reference itself;
-- cluster/recovery.py: a failed call's cause, requeues and their budget, attempts, out-of-memory splits, probes;
+- cluster/recovery.py (no Ray): what a failure costs (attempts, requeues and their budget, out-of-memory splits) and
+  when a lost worker is probed; this loop reads the exception into a `Cause` (cluster/failures.py), sends the probes
+  and lists dead nodes for it;
 - cluster/pool.py `PoolMembers`: the workers, and when the pool grows or gives workers back;
-- cluster/calls.py: the calls in flight, each with a typed record (`Call`), and the one `ray.wait` over them.
+- cluster/calls.py: the calls in flight, each with its kind's record (cluster/call_records.py), and the one
+  `ray.wait` over them. (cluster/engine_core.py is the same loop, handed a whole policy; the identity evaluation
+  runs on it.)
 
 A reference is opened by an encode call with two returns: the RefKV, which the driver never waits on nor fetches
 (at real size that would pull ~1 GB per reference to the driver's node), and a small `EncodeInfo` that the driver
@@ -31,11 +35,15 @@ from collections.abc import Callable, Sequence
 
 import ray
 
-from snapref_ray.cluster.calls import Call, CallKind, InFlight, Returned
+from snapref_ray.cluster.call_records import CallKind, EncodeCall, ProbeCall, RenderCall
+from snapref_ray.cluster.calls import InFlight, Returned
+from snapref_ray.cluster.failures import dead_nodes, infrastructure_cause
 from snapref_ray.cluster.placement import Assignment, Placement, PlannedWork, QueuedReference
 from snapref_ray.cluster.pool import Member, PoolMembers, WorkerPool
 from snapref_ray.cluster.recovery import Recovery, RequeueBudgetExceeded
-from snapref_ray.cluster.schedule import EVENT_KINDS, Cause, SchedulerConfig, SchedulerEvent, SchedulerStats
+from snapref_ray.cluster.scheduler_config import SchedulerConfig
+from snapref_ray.cluster.scheduler_events import EVENT_KINDS, SchedulerEvent
+from snapref_ray.cluster.scheduler_stats import Cause, SchedulerStats
 from snapref_ray.cluster.shard_ledger import Rendered
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, RenderTask, WorkerInfo
 from snapref_ray.render_service.work_items import WorkItem
@@ -114,12 +122,14 @@ class BatchScheduler:
             self.stats,
             self.placement,
             self.members,
-            self.calls,
             on_failed=on_failed,
             on_progress=on_progress,
             emit=self._emit,
+            send_probe=self._send_probe,
+            dead_nodes=dead_nodes,
         )
         self._next_task_id = 0
+        self._remaining = 0  # items of the current run neither finished nor dropped
 
     @property
     def workers(self) -> list[Member]:
@@ -148,7 +158,7 @@ class BatchScheduler:
         self.members.start_clock()
         try:
             self._loop(work.items)
-            self.recovery.classify_losses_at_the_end(self.config.loss_classification_grace_s)
+            self._classify_losses_at_the_end()
         finally:
             self.stats.batch_limits = self.placement.batch_limits()
             self.recovery.settle_losses()
@@ -156,43 +166,87 @@ class BatchScheduler:
             self.members.pool.cancel_starting()
         return self.stats
 
+    def drop_reference(self, reference_hash: str) -> int:
+        """Take a reference's queued, not yet dispatched items off this run (its quota is met); its items in flight
+        still come back. Returns how many were dropped (they are neither done nor failed)."""
+        dropped = self.placement.drop_reference(reference_hash)
+        self._remaining -= dropped
+        return dropped
+
     def _loop(self, remaining: int) -> None:
-        while remaining > 0:
-            if self.fence is not None:
-                self.fence()
-            unassigned = self.placement.unassigned_work()
-            for index in self.members.scale(unassigned, self._keeps_worker):
-                self.placement.forget_worker(index, drop_refkvs=False)
-                self._emit("worker_released", index)
-            remaining -= self._settle_shards()  # released workers committed their open shards (or lost them)
-            if remaining <= 0:
-                break
-            if not unassigned and self.placement.unassigned_work():
-                continue  # a released worker's lost shard gave items back: the pool grows again for them
+        self._remaining = remaining
+        while self._remaining > 0:
+            self._step()
+
+    def _step(self) -> None:
+        """One iteration: scale the pool, settle shards, probes, dispatch, wait, collect, settle, close."""
+        self._finished(self.placement.take_dropped())  # items of dropped references skipped as the plan was read
+        if self.fence is not None:
+            self.fence()
+        unassigned = self.placement.unassigned_work()
+        for index in self.members.scale(unassigned, self._keeps_worker):
+            self.placement.forget_worker(index, drop_refkvs=False)
+            self._emit("worker_released", index)
+        self._finished(self._settle_shards())  # released workers committed their open shards (or lost them)
+        if self._remaining <= 0:
+            return
+        if not unassigned and self.placement.unassigned_work():
+            return  # a released worker's lost shard gave items back: the pool grows again for them
+        self.recovery.send_due_probes()
+        if self.members.started:
+            self._dispatch()
+            self._finished(self._take_skipped())  # a full reference's queue, dropped at dispatch (skip_reference)
+            if self._remaining <= 0:
+                return
+        starting = self.members.starting()
+        if not self.calls and not starting:
+            due = self.recovery.next_probe_due()
+            if due is not None:  # only restarting workers left: wait for the next probe
+                time.sleep(max(0.0, due - time.monotonic()))
+                return
+            if all(m.retired for m in self.workers):
+                raise RuntimeError(
+                    f"every worker died for good ({len(self.workers)} retired); {self._remaining} item(s) not rendered"
+                )
+            raise RuntimeError("scheduler stalled: items remain but nothing is in flight (no available worker)")
+        for future in self.calls.wait(also=starting, timeout=self.config.wait_timeout_s):
+            if self.members.is_starting(future):
+                self._join(future)
+            else:
+                self._finished(self._collect(self.calls.collect(future)))
+        self._finished(self._settle_shards())
+        self.placement.close_finished()
+
+    def _finished(self, items: int) -> None:
+        # A separate statement: `self._remaining -= self._collect(...)` would read _remaining before `on_done` runs,
+        # and lose a `drop_reference` made from it.
+        self._remaining -= items
+
+    def _classify_losses_at_the_end(self) -> None:
+        """Give Ray up to `loss_classification_grace_s` after each unclassified loss to declare its node dead,
+        answering the lost workers' probes meanwhile (one that comes back was a process loss); then settle the rest."""
+        grace = self.config.loss_classification_grace_s
+        while (deadline := self.recovery.losses_unsettled_until(grace)) is not None:
             self.recovery.send_due_probes()
-            if self.members.started:
-                self._dispatch()
-                remaining -= self._take_skipped()
-                if remaining <= 0:
-                    break
-            starting = self.members.starting()
-            if not self.calls and not starting:
-                due = self.recovery.next_probe_due()
-                if due is not None:  # only restarting workers left: wait for the next probe
-                    time.sleep(max(0.0, due - time.monotonic()))
-                    continue
-                if all(m.retired for m in self.workers):
-                    raise RuntimeError(
-                        f"every worker died for good ({len(self.workers)} retired); {remaining} item(s) not rendered"
-                    )
-                raise RuntimeError("scheduler stalled: items remain but nothing is in flight (no available worker)")
-            for future in self.calls.wait(also=starting, timeout=self.config.wait_timeout_s):
-                if self.members.is_starting(future):
-                    self._join(future)
-                else:
-                    remaining -= self._collect(self.calls.collect(future))
-            remaining -= self._settle_shards()
-            self.placement.close_finished()
+            probes = self.calls.futures(CallKind.PROBE)
+            timeout = min(0.5, max(0.0, deadline - time.monotonic()))
+            if not probes:
+                time.sleep(timeout)
+                continue
+            for future in self.calls.wait(probes, timeout=timeout):
+                self._probe_returned(self.calls.collect(future))
+        self.recovery.classify_losses(final=True)  # the grace is spent: what Ray has not settled stays worker_lost
+
+    def _send_probe(self, index: int) -> None:
+        """Ask a worker that lost a call whether it is back (recovery decides when)."""
+        member = self.workers[index]
+        member.probe = member.handle.info.remote()
+        self.calls.send(member.probe, ProbeCall(index))
+
+    def _probe_returned(self, returned: Returned) -> None:
+        error = returned.error
+        restarting = isinstance(error, ray.exceptions.ActorUnavailableError)  # coming back: no probe failure
+        self.recovery.probe_returned(returned.call.worker, returned.value, error, restarting=restarting)
 
     def _keeps_worker(self, index: int) -> bool:
         """A worker the pool keeps once no work is unassigned: it renders, or holds a RefKV others may fetch."""
@@ -228,7 +282,7 @@ class BatchScheduler:
         if assignment.opens:  # the RefKV is encoded where it will be sampled, and returned to the driver
             refkv, info = member.handle.encode.options(num_returns=2).remote(ref.task)
             self.placement.opened(ref, refkv, index, member.node_id)
-            self.calls.send(info, Call(CallKind.ENCODE, index, ref, refkv=refkv))
+            self.calls.send(info, EncodeCall(index, ref, refkv))
             self.stats.encodes_requested += 1
             self._emit("encode_sent", index, ref)
         self._send_render(index, member, assignment)
@@ -243,7 +297,7 @@ class BatchScheduler:
         handle = [assignment.refkv] if assignment.refkv is not None else None
         # No Ray retry of a render on a restarted actor: the driver requeues a lost call's items itself, once.
         future = member.handle.render.options(max_task_retries=0).remote(task, handle)
-        self.calls.send(future, Call(CallKind.RENDER, index, ref, task, assignment.refkv))
+        self.calls.send(future, RenderCall(index, ref, task, assignment.refkv))
         ref.in_flight += 1
         self.stats.dispatched_batches += 1
 
@@ -265,21 +319,21 @@ class BatchScheduler:
     def _collect(self, returned: Returned) -> int:
         """Take in a call that came back; returns how many items finished (committed or failed for good)."""
         call = returned.call
-        if call.kind == CallKind.PROBE:
-            self.recovery.probe_returned(call.worker, returned.value, returned.error)
+        if isinstance(call, ProbeCall):
+            self._probe_returned(returned)
             return 0
-        if call.kind == CallKind.ENCODE:
+        if isinstance(call, EncodeCall):
             self._encode_returned(call, returned.value, returned.error)
             return 0
         call.reference.in_flight -= 1
         if returned.error is not None:
-            return self.recovery.render_raised(call, returned.error)
+            return self.recovery.render_raised(call, returned.error, infrastructure_cause(returned.error))
         if returned.value and returned.value[0].shards is not None:  # webdataset: the shards it closed meanwhile
             self.members.shards.report(call.worker, returned.value[0].shards)
         return self._render_returned(call, returned.value)
 
-    def _encode_returned(self, call: Call, info: EncodeInfo | None, error: Exception | None) -> None:
-        ref: QueuedReference = call.reference
+    def _encode_returned(self, call: EncodeCall, info: EncodeInfo | None, error: Exception | None) -> None:
+        ref = call.reference
         current = ref.refkv is call.refkv  # else the RefKV was dropped (and maybe re-opened) meanwhile
         if error is not None:
             log.warning(
@@ -299,9 +353,8 @@ class BatchScheduler:
             ref.nbytes, ref.encode_seconds = info.nbytes, info.encode_seconds
             self._emit("refkv_ready", call.worker, ref)
 
-    def _render_returned(self, call: Call, outcomes: list[ItemOutcome]) -> int:
-        ref: QueuedReference = call.reference
-        task: RenderTask = call.task
+    def _render_returned(self, call: RenderCall, outcomes: list[ItemOutcome]) -> int:
+        ref, task = call.reference, call.task
         lost = next((o.refkv_lost for o in outcomes if o.refkv_lost), "")
         if lost:
             self.recovery.refkv_lost(call, lost)

@@ -23,10 +23,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from snapref_ray.cluster.tasks import ItemOutcome, ShardReport
-from snapref_ray.render_service.work_items import WorkItem
+
+if TYPE_CHECKING:  # an item is only carried here; its module (the job's planning) imports torch
+    from snapref_ray.render_service.work_items import WorkItem
 
 log = logging.getLogger(__name__)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from snapref_ray.render_service.references import RefKVKey
-from snapref_ray.render_service.service import rows_per_image
-from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.storage.shards import ClosedShard
+
+if TYPE_CHECKING:  # a job's item is only carried here; its module (the job's planning) imports torch
+    from snapref_ray.render_service.work_items import WorkItem
 
 
 @dataclass(frozen=True)
@@ -27,12 +29,6 @@ class ReferenceTask:
             item.reference.layout,
             RefKVKey.for_settings(item.reference_hash, item.settings),
         )
-
-
-def batch_shape(settings) -> tuple[int, int, int]:
-    """(width, height, rows per image) of a job's forward (its items read a reference): what its memory grows
-    with, counted as the render service's memory fit counts it."""
-    return settings.width, settings.height, rows_per_image(settings, reads_reference=True)
 
 
 @dataclass(frozen=True)

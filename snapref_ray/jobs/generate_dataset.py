@@ -145,7 +145,7 @@ def run_job(
     `on_progress(n)` is called after n more items are committed or failed for good;
     `on_workers([handle], [info])` once per worker as it joins the schedule (nodes come up one by
     one on an autoscaling cluster; monitoring, failure tests); `on_event(SchedulerEvent)` at each
-    step of the schedule (cluster/schedule.py `EVENT_KINDS`: failure tests act at exact moments
+    step of the schedule (cluster/scheduler_events.py `EVENT_KINDS`: failure tests act at exact moments
     through it). The workers are killed when the job ends, however it ends.
     """
     run = _Run(started_at=time.time())

@@ -15,7 +15,6 @@ import json
 import logging
 import platform
 import time
-from collections import OrderedDict
 from typing import ClassVar
 
 from pydantic import Field, field_validator
@@ -213,61 +212,35 @@ def build_cases(spec: EvalSpec, s3: S3Options | None = None) -> list[dict]:
 
 
 def _dispatch(workers: list, cases: list[dict], per_worker: int, max_attempts: int) -> tuple[dict, dict]:
-    """Run every case on the workers; (results by case index, errors by case index).
-
-    Cases are queued per right reference and a worker keeps drawing from the reference it last
-    had, so each reference's RefKV is encoded on as few workers as possible. A call lost to a
-    dead worker is requeued up to `max_attempts` times. The calls go out and come back through the
-    batch schedule's core (cluster/calls.py), one typed record each.
-    """
+    """Run every case on the workers; (results by case index, errors by case index). The decisions (affinity per
+    reference, retries) are the policy's (jobs/identity_eval_policy.py); the engine core's loop sends and collects."""
     import ray
 
-    from snapref_ray.cluster.calls import Call, CallKind, InFlight
+    from snapref_ray.cluster.call_records import CallKind
+    from snapref_ray.cluster.engine_core import EngineCore
+    from snapref_ray.cluster.scheduling_policy import StepOutcome
+    from snapref_ray.jobs.identity_eval_policy import IdentityEvalPolicy
 
-    queues: OrderedDict[str, list[int]] = OrderedDict()
-    for i, case in enumerate(cases):
-        queues.setdefault(case["right_hash"], []).append(i)
-    current: list[str | None] = [None] * len(workers)
-    calls = InFlight()
-    attempts = [0] * len(cases)
-    results: dict[int, dict] = {}
-    errors: dict[int, str] = {}
+    def classify(error: Exception) -> str | None:
+        """Any Ray error is the cluster's (the worker died; Ray already retried once); anything else is raised."""
+        return type(error).__name__ if isinstance(error, ray.exceptions.RayError) else None
 
-    def send_one(w: int) -> bool:
-        """Send worker `w` a case of the reference it last had (else of one no other worker has)."""
-        if not queues:
-            return False
-        key = current[w]
-        if key not in queues:
-            busy = {k for k in current if k is not None}
-            key = next((k for k in queues if k not in busy), next(iter(queues)))
-            current[w] = key
-        i = queues[key].pop(0)
-        if not queues[key]:
-            del queues[key]
-        attempts[i] += 1
-        calls.send(workers[w].evaluate.remote(cases[i]), Call(CallKind.EVALUATE, w, key, i))
-        return True
+    def log_requeues(outcome: StepOutcome) -> None:
+        for i in outcome.requeued:
+            log.warning("case %s: lost to the cluster; retrying", cases[i]["case_id"])
 
-    while queues or calls:
-        calls.fill(range(len(workers)), per_worker, CallKind.EVALUATE, send_one)
-        for future in calls.wait(timeout=60.0):
-            returned = calls.collect(future)
-            i = returned.call.task
-            if returned.error is not None:
-                if not isinstance(returned.error, ray.exceptions.RayError):
-                    raise returned.error
-                # The worker died (Ray already retried once).
-                if attempts[i] < max_attempts:
-                    log.warning("case %s: %s; retrying", cases[i]["case_id"], type(returned.error).__name__)
-                    queues.setdefault(cases[i]["right_hash"], []).insert(0, i)
-                else:
-                    errors[i] = f"{type(returned.error).__name__}: {returned.error}"
-            elif "error" in returned.value:
-                errors[i] = returned.value["error"]
-            else:
-                results[i] = returned.value
-    return results, errors
+    policy = IdentityEvalPolicy(cases, len(workers), max_attempts)
+    core = EngineCore(
+        workers,
+        policy,
+        kind=CallKind.EVALUATE,
+        per_worker=per_worker,
+        classify=classify,
+        wait_timeout_s=60.0,
+        on_step=log_requeues,
+    )
+    core.run()
+    return policy.results, policy.errors
 
 
 def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:

@@ -217,7 +217,7 @@ class JobSummary(BaseModel):
         "from the compile cache), warm-up and first-image seconds (render_service/cold_start.py).",
     )
     refkv_decisions: RefKVDecisions
-    scheduler: dict[str, Any] | None = Field(description="This run's SchedulerStats (cluster/schedule.py).")
+    scheduler: dict[str, Any] | None = Field(description="This run's SchedulerStats (cluster/scheduler_stats.py).")
     judge: dict[str, Any] | None = Field(
         None,
         description="A judged job's figures (jobs/judge_loop.py `JudgeFigures`), over every run on the output:"

@@ -50,3 +50,17 @@ def group_batches(items: Iterable[T], key_of: Callable[[T], tuple], max_images: 
     for item in items:
         by_key.setdefault(key_of(item), []).append(item)
     return [group[i : i + max_images] for group in by_key.values() for i in range(0, len(group), max_images)]
+
+
+def rows_per_image(settings: RenderSettings, reads_reference: bool) -> int:
+    """Rows one image runs per step: cond, uncond when CFG is on, and the reference-guidance row."""
+    rows = 1 + (settings.cfg != 1.0)
+    if reads_reference and settings.ref_guidance not in (None, 1.0):
+        rows += 1
+    return rows
+
+
+def batch_shape(settings: RenderSettings) -> tuple[int, int, int]:
+    """(width, height, rows per image) of a job's forward (its items read a reference): what its memory grows
+    with, counted as the render service's memory fit counts it."""
+    return settings.width, settings.height, rows_per_image(settings, reads_reference=True)

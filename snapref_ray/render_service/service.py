@@ -39,6 +39,7 @@ from PIL import Image
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.engine import Renderer, RenderError
 from snapref_ray.model_spec import ModelSpec
+from snapref_ray.render_service.batching import rows_per_image
 from snapref_ray.render_service.cold_start import ColdStart, ColdStartClock, warm_up
 from snapref_ray.render_service.loading import load_renderer
 from snapref_ray.render_service.memory import FitKey, MemoryFit, describe_device_memory
@@ -458,14 +459,6 @@ def _judge_calls(judge, n: int) -> list:
     if len(judge) != n:
         raise ValueError(f"judge: {len(judge)} calls for {n} requests")
     return list(judge)
-
-
-def rows_per_image(settings: RenderSettings, reads_reference: bool) -> int:
-    """Rows one image runs per step: cond, uncond when CFG is on, and the reference-guidance row."""
-    rows = 1 + (settings.cfg != 1.0)
-    if reads_reference and settings.ref_guidance not in (None, 1.0):
-        rows += 1
-    return rows
 
 
 def _is_out_of_memory(error: BaseException) -> bool:

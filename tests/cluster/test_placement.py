@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from snapref_ray.cluster.placement import Placement, fetch_is_cheaper
-from snapref_ray.cluster.schedule import SchedulerConfig, SchedulerStats
+from snapref_ray.cluster.scheduler_config import SchedulerConfig
+from snapref_ray.cluster.scheduler_stats import SchedulerStats
 from snapref_ray.render_service.references import ReferenceInput
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.requests import RenderSettings
@@ -187,3 +188,24 @@ def test_the_policy_imports_no_ray():
     code = "import sys, snapref_ray.cluster.placement; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+def test_drop_reference_takes_its_queued_items_off_and_skips_those_not_read_yet():
+    from snapref_ray.cluster.placement import PlannedWork
+
+    p = Placement(SchedulerConfig(max_batch=2), SchedulerStats())
+    read: list[str] = []
+
+    def groups():  # the plan's groups, read only as references open
+        for name, n in (("A", 5), ("B", 2), ("C", 3)):
+            read.append(name)
+            yield items(name, n)
+
+    p.queue_planned(PlannedWork(groups(), 10))
+    sent = p.assign(0, "n0", live_workers=1)  # opens A: dispatched
+    assert ids(sent) == ["A-0", "A-1"] and read == ["A"]
+    assert p.drop_reference("hash-A") == 3  # A-2..A-4 were queued; the two dispatched still come back
+    assert p.drop_reference("hash-C") == 0 and p.take_dropped() == 0  # C is not read yet: skipped when it is
+    assert ids(p.assign(0, "n0", live_workers=1)) == ["B-0", "B-1"]
+    assert p.assign(0, "n0", live_workers=1) is None and read == ["A", "B", "C"]
+    assert p.take_dropped() == 3 and p.take_dropped() == 0 and p.pending_items() == 0

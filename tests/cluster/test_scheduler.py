@@ -309,6 +309,26 @@ def test_a_worker_gets_the_prompts_of_the_reference_it_holds(make_workers):
     assert (stats.encodes_requested, stats.fetches, stats.local_encodes, stats.reference_encodes) == (2, 1, 0, 2)
 
 
+def test_run_is_repeatable_on_the_same_workers_and_a_reference_can_be_dropped_midway(make_workers):
+    """Judging rounds run the schedule again on the same pool, and drop a reference's queued items once its quota is
+    met (from `on_done`): the dropped items are neither done nor failed, and the run ends without them."""
+    handles, infos = make_workers(1, render_s=0.02)
+    rec = Recorder()
+    scheduler = rec.scheduler(handles, infos, max_in_flight_per_worker=1, max_batch=1)
+    dropped = []
+
+    def done_then_drop(outcome: ItemOutcome, item: WorkItem) -> None:
+        rec._done(outcome, item)
+        if item.item_id == "A-1":  # one call out at a time: A-2..A-5 are queued, none dispatched
+            dropped.append(scheduler.drop_reference("hash-A"))
+
+    scheduler.on_done = done_then_drop
+    scheduler.run(items("A", 6))
+    assert dropped == [4] and rec.done == Counter(["A-0", "A-1"]) and rec.failed == []
+    stats = scheduler.run(items("B", 2))  # a second round on the same workers
+    assert rec.done == Counter(["A-0", "A-1", "B-0", "B-1"]) and stats.done_items == 4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("in_flight", [1, 2, 3])
 def test_in_flight_calls_per_worker_are_bounded(make_workers, in_flight):

@@ -1,9 +1,5 @@
-"""The batch schedule's terms: what it is told (`SchedulerConfig`), what it counts (`SchedulerStats`), what it
-tells (`SchedulerEvent`) and why it requeues (`Cause`).
-
-Placement, recovery, the pool's membership and the loop (cluster/scheduler.py) share these; none of them is Ray's,
-so the placement policy that uses them runs and is tested without Ray.
-"""
+"""What the batch schedule counts (`SchedulerStats`, summary.json `scheduler`) and why it requeues (`Cause`), the
+key of its requeue counts. No Ray here: cluster/failures.py tells the cause from the exception a call raised."""
 
 from __future__ import annotations
 
@@ -27,63 +23,6 @@ class Cause(StrEnum):
 
 
 REQUEUE_CAUSES = tuple(c.value for c in Cause)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_in_flight_per_worker: int = 2
-    max_attempts: int = 3
-    max_batch: int = 4
-    max_open_references: int | None = None  # default: 2 per worker
-    wait_timeout_s: float = 1.0
-    # Cross-node transfer rate for the fetch-or-encode decision; None = measure it on the first
-    # cross-node fetch (until then, fetching is the choice: it is what gives the measurement).
-    transfer_bytes_per_s: float | None = None
-    # With a WorkerPool: give up when min_workers are not ready after this long (a cluster that
-    # cannot provide the GPUs), and stop relaunching after this many workers failed to start.
-    start_timeout_s: float = 900.0
-    max_start_failures: int = 3
-    # A RefKV's size before one is measured: 1 MP at real size in bf16 (docs/design.md#refkv-and-its-lifetime).
-    assumed_refkv_bytes: int = 940_000_000
-    # Probes that find the actor dead (not merely restarting) before the worker is given up; a
-    # restarting actor (ActorUnavailableError, minutes for a GPU model load) is probed again
-    # every `probe_interval_s` for as long as it takes.
-    max_probe_failures: int = 3
-    probe_interval_s: float = 0.5
-    # Requeues for infrastructure failures (no attempt counted) the whole job may take: this x its items.
-    max_requeues_per_item: int = 10
-    # A lost worker is counted as a node loss once Ray lists its node dead (its health checks take ~15 s);
-    # at the end of the job, wait at most this long after the loss for that verdict (cluster/failures.py).
-    loss_classification_grace_s: float = 30.0
-
-
-EVENT_KINDS = (
-    "worker_joined",  # a worker is ready and takes work
-    "encode_sent",  # a worker was asked to encode a reference (opening it); node_id: where its RefKV will live
-    "refkv_ready",  # that encode came back: the RefKV is in node_id's object store
-    # A batch is about to go to a worker (emitted just before the call, so that a test can act before the worker
-    # sees it); refkv_node: the node of a RefKV the worker is handed and lacks (it will fetch it from there).
-    "render_sending",
-    "item_done",  # an item's row was committed
-    "item_rendered",  # an item's row came back in its worker's open webdataset shard (item_done when that commits)
-    "requeued",  # items went back to the queue without an attempt; cause: a Cause
-    "batch_split",  # a batch ran out of memory and was halved; cause: device_oom or oom_killed
-    "refkv_dropped",  # the driver forgot a RefKV (its creator failed, or a fetch found it gone)
-    "worker_released",  # a worker was killed because no work was left for it
-)
-
-
-@dataclass(frozen=True)
-class SchedulerEvent:
-    """One step of the schedule, for `BatchScheduler(on_event=...)`."""
-
-    kind: str  # one of EVENT_KINDS
-    worker: int | None = None  # index into BatchScheduler.workers
-    node_id: str | None = None  # that worker's node
-    reference_hash: str | None = None
-    item_ids: tuple[str, ...] = ()
-    refkv_node: str | None = None
-    cause: str | None = None
 
 
 @dataclass
