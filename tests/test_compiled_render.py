@@ -138,6 +138,10 @@ def test_cli_compile_flag_reaches_the_job_spec(monkeypatch, tmp_path: Path, caps
             invalid_rows=0,
             images_per_hour=0.0,
             encodes_per_reference=0.0,
+            items=0,
+            job_images=0,
+            not_rendered=[],
+            runs=[],
         )
 
     monkeypatch.setattr(generate_dataset, "run_job", run_job)

@@ -1,5 +1,5 @@
 """The schedule's policy runs without Ray and without torch: a test of it needs no cluster and no GPU stack, and the
-driver's decisions stay apart from how calls travel (docs/design.md#scheduling)."""
+driver's decisions stay apart from how calls travel (docs/design.md#scheduling-and-the-refkv-hand-off)."""
 
 from __future__ import annotations
 

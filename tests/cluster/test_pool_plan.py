@@ -60,6 +60,10 @@ def test_quick_form_flags_reach_the_cluster_section(tmp_path, monkeypatch):
                 invalid_rows=0,
                 images_per_hour=0.0,
                 encodes_per_reference=0.0,
+                items=0,
+                job_images=0,
+                not_rendered=[],
+                runs=[],
             )
         ),
     )
