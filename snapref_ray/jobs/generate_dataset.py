@@ -20,8 +20,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-import pyarrow as pa
-
 from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.placement import PlannedWork
 from snapref_ray.cluster.pool import (
@@ -53,18 +51,18 @@ from snapref_ray.jobs.job_summary import (
     job_parts,
     job_throughput,
 )
-from snapref_ray.jobs.judge_loop import JudgeLoop, decided_row
+from snapref_ray.jobs.judge_loop import JudgeLoop
+from snapref_ray.jobs.judged_commit import commit_judged_row, commit_judged_shard
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.references import RefKVKey
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.render_service.work_plan import WorkPlan, plan_against_output
 from snapref_ray.requests import RenderSettings
-from snapref_ray.storage.backends import StorageError, open_storage
+from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.job_output import JobOutput, OutputSettings
 from snapref_ray.storage.lease import LeaseLostError
 from snapref_ray.storage.ledger import job_fingerprint
-from snapref_ray.storage.shards import read_staged_rows, replace_staged_rows
 from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)
@@ -326,14 +324,14 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
         if plan.rerendered and item.item_id in output.done_before:
             run.replaced += 1  # an edited row rendered again: the output held its id already (images_total)
         if judge is not None and not outcome.row.get("shard_key"):
-            _commit_judged(output, spec, judge, outcome.row)
+            commit_judged_row(output, judge, outcome.row)
         else:
             _commit(output, outcome)
 
     def commit_shard(shard_key: str) -> bool:
         if judge is None:
             return output.commit_shard(shard_key)
-        return _commit_judged_shard(output, judge, shard_key)
+        return commit_judged_shard(output, judge, shard_key)
 
     def joined(handle, info: WorkerInfo) -> None:
         if info.cold_start:
@@ -398,60 +396,6 @@ def _judge_loop(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> 
     judge.resume(output.storage)
     run.judge = judge
     return judge
-
-
-def _commit_judged(output: JobOutput, spec: JobSpec, judge: JudgeLoop, row: dict) -> None:
-    """A judged render's row (``files``): the driver's verdict in it, then committed; a rejected render's image is
-    deleted unless the spec keeps rejected images."""
-    decision = judge.decide([row])[0]
-    row = decided_row(row, decision)
-    if not decision.accepted and not spec.judge.keep_rejected_images:
-        for key in (row["image_key"], row["thumb_key"]):
-            if key:
-                output.storage.delete(key)
-        row.update(image_key=None, image_uri=None, thumb_key=None)
-    output.commit_row(row)  # its image's bytes read back under embed_images (none for a rejected image deleted)
-    judge.apply([decision])
-
-
-def _commit_judged_shard(output: JobOutput, judge: JudgeLoop, shard_key: str) -> bool:
-    """A judged webdataset shard: the driver's verdicts written into its staged rows before its commit is decided
-    (in the order of its rows); they count (kept sets, quotas, re-renders) only once it is committed."""
-    try:
-        rows = read_staged_rows(output.storage, shard_key)
-    except StorageError:
-        return output.commit_shard(shard_key)  # nothing staged to judge: commit_shard decides what it is
-    decisions = judge.decide(rows.select(_DECIDED_FROM).to_pylist())
-    rows = _with_decisions(rows, decisions)
-    replace_staged_rows(output.storage, shard_key, rows)
-    committed = output.commit_shard(shard_key)
-    if committed:
-        judge.apply(decisions)
-    return committed
-
-
-# The staged row columns a verdict reads.
-_DECIDED_FROM = [
-    "item_id",
-    "render_of",
-    "render_index",
-    "reference_hash",
-    "phash",
-    "rejected_by",
-    "sample_s",
-    "decode_s",
-    "forward_batch",
-]
-
-
-def _with_decisions(rows: pa.Table, decisions: list) -> pa.Table:
-    for name, values, kind in (
-        ("accepted", [d.accepted for d in decisions], pa.bool_()),
-        ("score_near_duplicate", [d.score_near_duplicate for d in decisions], pa.int32()),
-        ("rejected_by", [",".join(d.rejected_by) or None for d in decisions], pa.string()),
-    ):
-        rows = rows.set_column(rows.schema.get_field_index(name), name, pa.array(values, kind))
-    return rows
 
 
 def scheduler_config(spec: JobSpec) -> SchedulerConfig:
