@@ -53,13 +53,14 @@ from snapref_ray.jobs.job_summary import (
 )
 from snapref_ray.jobs.judge_loop import JudgeLoop
 from snapref_ray.jobs.judged_commit import commit_judged_row, commit_judged_shard
+from snapref_ray.jobs.quota_skips import QuotaSkips, find_quota_skips, plan_item_tables, write_skipped
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.references import RefKVKey
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.render_service.work_plan import WorkPlan, plan_against_output
 from snapref_ray.requests import RenderSettings
-from snapref_ray.storage.backends import open_storage
+from snapref_ray.storage.backends import StorageError, open_storage
 from snapref_ray.storage.job_output import JobOutput, OutputSettings
 from snapref_ray.storage.lease import LeaseLostError
 from snapref_ray.storage.ledger import job_fingerprint
@@ -165,8 +166,10 @@ def run_job(
         output.abandon()  # another driver holds the output now: nothing more is written to it
         raise
     finally:
-        plan.close()
-        summary = _summarise(spec, plan, output, run)  # 5. summary.json, then compaction, under the lease
+        try:
+            summary = _summarise(spec, plan, output, run)  # 5. summary.json, then compaction, under the lease
+        finally:
+            plan.close()  # after the summary: a judged job's items skipped by the quota are read from the plan
         output.finish(summary.to_json(), compact=not run.interrupted)
     if write_gallery:
         _write_gallery(spec)
@@ -475,7 +478,9 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         manifest_sha256=plan.manifest_sha256,
     )
     runs = [*_earlier_runs(output), this_run]
-    job_images = plan.committed + stats.done_items
+    judged = _judged_items(spec, plan, output) if run.judge is not None and not run.interrupted else None
+    # A judged job's rows are renders (an item may have several): its items in the output are counted from them.
+    job_images = judged.rendered_items if judged is not None else plan.committed + stats.done_items
     this_job = JobPart(
         job=output.settings.fingerprint,
         manifest=spec.manifest,
@@ -506,6 +511,8 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         skipped_already_done=plan.committed,
         failed_items=stats.failed_items,
         committed_not_in_manifest=plan.committed_not_in_manifest,
+        skipped_by_quota=judged.table.num_rows if judged is not None and spec.judge.kept_per_reference else None,
+        skipped_not_rendered=judged.not_rendered if judged is not None else 0,
         not_rendered=[*invalid, *run.failures],
         attempts=AttemptFigures(
             max_attempts=spec.cluster.max_attempts,
@@ -537,11 +544,34 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
             ),
         ),
         scheduler=asdict(run.stats) if run.stats else None,
-        judge=run.judge.finish_figures() if run.judge is not None else None,
+        judge=run.judge.finish_figures(judged.table.num_rows if judged is not None else None)
+        if run.judge is not None
+        else None,
         finished_at=now,
         jobs=job_parts(_earlier_jobs(output), this_job),
         runs=runs,
     )
+
+
+def _judged_items(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> QuotaSkips | None:
+    """A judged job's items in the output and its items skipped by the quota, from the committed rows (this run's
+    flushed first); with a quota, the skipped ones replace skipped.parquet (jobs/quota_skips.py). None when they
+    cannot be read (the run is failing, or lost the output): the summary then counts what it can."""
+    try:
+        output.fence()
+        output.metadata.flush()
+        judged = find_quota_skips(
+            output.storage,
+            lambda: plan_item_tables(run.path for run in plan.runs),
+            kept_per_reference=spec.judge.kept_per_reference,
+            max_renders_per_item=spec.judge.max_renders_per_item,
+        )
+        if spec.judge.kept_per_reference:
+            write_skipped(output.storage, judged)
+    except (StorageError, LeaseLostError, OSError) as e:
+        log.warning("could not count the judged job's items in the output (%s); summary.json counts renders", e)
+        return None
+    return judged
 
 
 def _reason(error) -> str:

@@ -199,13 +199,42 @@ def test_the_quota_stops_a_reference_and_skips_its_items(tiny_models, tmp_path, 
     assert len(rows) == 4 + quota_rejects  # a render that came in after its reference filled is a row too
     if fmt == "files":  # (webdataset: verdicts come as a shard commits, when more of its items may be in flight)
         assert len(rows) < 12, "the queued items of a full reference were rendered anyway"
-    assert summary.judge["items_skipped_by_quota"] == 12 - 4
     assert summary.judge["references_at_quota"] == 2
-    # A rerun continues the quotas: the items of a full reference are skipped again, nothing renders.
+    _check_skipped(spec, storage, summary, rows)
+    # A rerun continues the quotas: the items of a full reference are skipped again, nothing renders, and they are
+    # counted once.
     again = run_job(spec, progress=False, write_gallery=False)
     assert again.images_this_run == 0 and again.judge["renders"] == len(rows)
-    assert again.judge["items_skipped_by_quota"] == 12 - len({r["render_of"] for r in rows})
+    _check_skipped(spec, storage, again, rows)
     assert read_metadata_table(storage).num_rows == len(rows)
+
+
+def _check_skipped(spec, storage, summary, rows: list[dict]) -> None:
+    """Every item without a kept image is skipped by the quota here (no check rejects, no render fails): counted in
+    summary.json, the terminal line and the gallery in the same words, listed in skipped.parquet with its manifest
+    row, and not a failure (exit status 0, nothing in errors/)."""
+    from snapref_ray.jobs.job_outcome import exit_status, not_rendered_lines, summary_line
+    from snapref_ray.jobs.quota_skips import read_skipped
+    from snapref_ray.report import write_report
+
+    kept_items = {r["render_of"] for r in rows if r["accepted"]}
+    skipped = read_skipped(storage).to_pylist()
+    manifest_rows = {r["render_of"]: r["manifest_row"] for r in rows}
+    assert sorted(s["item_id"] for s in skipped) == sorted(expected_item_ids(spec) - kept_items)
+    assert all(s["reason"] == "quota" for s in skipped)
+    assert all(manifest_rows.get(s["item_id"], s["manifest_row"]) == s["manifest_row"] for s in skipped)
+    assert sorted(s["manifest_row"] for s in skipped) == sorted(
+        set(range(1, 13)) - {manifest_rows[i] for i in kept_items}
+    )
+    assert summary.skipped_by_quota == summary.judge["items_skipped_by_quota"] == 12 - 4 == len(skipped)
+    assert summary.failed_items == 0 and summary.unrendered_items == 0 and exit_status(summary) == 0
+    assert not_rendered_lines(summary, errors_at="errors/") == []
+    assert "8 items skipped by the quota" in summary_line(summary)
+    assert read_summary(storage)["skipped_by_quota"] == 8
+    assert not storage.list("errors/")
+    write_report(spec.output.uri)
+    page = storage.get_bytes("gallery.html").decode()
+    assert "skipped by the quota" in page and ">8<" in page.split("skipped by the quota", 1)[1][:400]
 
 
 def _check_readers_see_kept_images_only(spec, storage, rows: list[dict], fmt: str, tmp_path: Path) -> None:
