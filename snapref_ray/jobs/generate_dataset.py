@@ -478,9 +478,12 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         manifest_sha256=plan.manifest_sha256,
     )
     runs = [*_earlier_runs(output), this_run]
-    judged = _judged_items(spec, plan, output) if run.judge is not None and not run.interrupted else None
-    # A judged job's rows are renders (an item may have several): its items in the output are counted from them.
-    job_images = judged.rendered_items if judged is not None else plan.committed + stats.done_items
+    quota = run.judge is not None and spec.judge.kept_per_reference is not None
+    skips = _quota_skips(spec, plan, output) if quota and not run.interrupted else None
+    # A judged job's rows are renders (an item may have several): its items in the output are those whose first
+    # render is (a re-render is made only once the render before it is committed).
+    rendered = run.judge.figures.items_first_rendered if run.judge is not None else stats.done_items
+    job_images = plan.committed + rendered
     this_job = JobPart(
         job=output.settings.fingerprint,
         manifest=spec.manifest,
@@ -511,8 +514,8 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         skipped_already_done=plan.committed,
         failed_items=stats.failed_items,
         committed_not_in_manifest=plan.committed_not_in_manifest,
-        skipped_by_quota=judged.table.num_rows if judged is not None and spec.judge.kept_per_reference else None,
-        skipped_not_rendered=judged.not_rendered if judged is not None else 0,
+        skipped_by_quota=skips.table.num_rows if skips is not None else None,
+        skipped_not_rendered=skips.not_rendered if skips is not None else 0,
         not_rendered=[*invalid, *run.failures],
         attempts=AttemptFigures(
             max_attempts=spec.cluster.max_attempts,
@@ -544,7 +547,7 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
             ),
         ),
         scheduler=asdict(run.stats) if run.stats else None,
-        judge=run.judge.finish_figures(judged.table.num_rows if judged is not None else None)
+        judge=run.judge.finish_figures(skips.table.num_rows if skips is not None else None)
         if run.judge is not None
         else None,
         finished_at=now,
@@ -553,25 +556,24 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
     )
 
 
-def _judged_items(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> QuotaSkips | None:
-    """A judged job's items in the output and its items skipped by the quota, from the committed rows (this run's
-    flushed first); with a quota, the skipped ones replace skipped.parquet (jobs/quota_skips.py). None when they
-    cannot be read (the run is failing, or lost the output): the summary then counts what it can."""
+def _quota_skips(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> QuotaSkips | None:
+    """A judged job's items skipped by the quota, from its plan and the committed rows (this run's flushed first),
+    written to skipped.parquet (jobs/quota_skips.py). None when they cannot be read (the run is failing, or lost the
+    output): the summary then counts what this run's schedule skipped."""
     try:
         output.fence()
         output.metadata.flush()
-        judged = find_quota_skips(
+        skips = find_quota_skips(
             output.storage,
             lambda: plan_item_tables(run.path for run in plan.runs),
             kept_per_reference=spec.judge.kept_per_reference,
             max_renders_per_item=spec.judge.max_renders_per_item,
         )
-        if spec.judge.kept_per_reference:
-            write_skipped(output.storage, judged)
+        write_skipped(output.storage, skips)
     except (StorageError, LeaseLostError, OSError) as e:
-        log.warning("could not count the judged job's items in the output (%s); summary.json counts renders", e)
+        log.warning("could not list the items skipped by the quota (%s); summary.json counts this run's", e)
         return None
-    return judged
+    return skips
 
 
 def _reason(error) -> str:

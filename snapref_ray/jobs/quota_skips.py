@@ -46,10 +46,9 @@ _RENDER_COLUMNS = ["item_id", "render_of", "render_index", "accepted", "rejected
 
 @dataclass(frozen=True)
 class QuotaSkips:
-    """What `find_quota_skips` found: the skipped items (`SKIPPED_SCHEMA`) and the plan's items with a render."""
+    """What `find_quota_skips` found: the skipped items (`SKIPPED_SCHEMA`)."""
 
     table: pa.Table
-    rendered_items: int  # the plan's items with at least one committed render (the job's items in the output)
 
     @property
     def not_rendered(self) -> int:
@@ -73,14 +72,11 @@ def find_quota_skips(
     # job's (another job's reference in an appended output has no item here).
     kept = per_item.filter(pc.and_(per_item.column("kept"), pc.is_in(per_item.column("reference_hash"), full)))
     group_hash: dict[int, str] = {}
-    rendered_items = 0
-    for items in plan_items():
-        rendered_items += int(pc.sum(pc.is_in(items.column("item_id"), per_item.column("render_of"))).as_py() or 0)
-        if kept.num_rows:
-            at = pc.index_in(items.column("item_id"), value_set=kept.column("render_of"))
-            found = at.is_valid()
-            refs = kept.column("reference_hash").take(at.filter(found)).to_pylist()
-            group_hash.update(zip(items.column("group").filter(found).to_pylist(), refs))
+    for items in plan_items() if kept.num_rows else ():
+        at = pc.index_in(items.column("item_id"), value_set=kept.column("render_of"))
+        found = at.is_valid()
+        refs = kept.column("reference_hash").take(at.filter(found)).to_pylist()
+        group_hash.update(zip(items.column("group").filter(found).to_pylist(), refs))
     tables = []
     if group_hash:
         for items in plan_items():
@@ -89,7 +85,7 @@ def find_quota_skips(
             if candidates.num_rows:
                 tables.append(_skipped(candidates, group_hash, per_item, kept_per_reference, max_renders_per_item))
     table = pa.concat_tables(tables) if tables else SKIPPED_SCHEMA.empty_table()
-    return QuotaSkips(table, rendered_items)
+    return QuotaSkips(table)
 
 
 def plan_item_tables(run_paths: Iterable[Path]) -> Iterator[pa.Table]:

@@ -27,6 +27,11 @@ had decided is finished by whoever comes next. So ``shards/*.tar`` holds committ
 committed item is in exactly one of them, and ``metadata/`` names no image that is missing — whatever is
 killed or paused when. The indexes (the decisions) are never compacted or deleted; a voided shard leaves its empty
 index, and no tar.
+
+A judged job that keeps no rejected image (`judge.keep_rejected_images: false`) has a staged shard holding a rejected
+render rewritten before its decision (`filter_staged_shard`, run by a Ray task, never by the driver): the tar and
+index under ``staging/`` are replaced by ones without it, so the one conditional create still decides the shard, and
+whatever is killed before it leaves a shard nobody decided, voided like any other.
 """
 
 from __future__ import annotations
