@@ -330,9 +330,9 @@ class JudgeSection(JudgeSpec):
     )
     keep_rejected_images: bool = Field(
         True,
-        description="Keep a rejected render's image (for auditing, and for the report's gallery). Off: its"
-        " row stays, its image file is deleted (`files` output only: a webdataset shard is written before the"
-        " driver's verdict, so its tar keeps every render).",
+        description="Keep a rejected render's image (for auditing, and for the report's gallery, where rejected renders"
+        " stand beside the kept ones). Off: its row and scores stay, its image does not — a file is deleted; a"
+        " webdataset shard holding one is committed as a copy without it, made by a Ray task (docs/judging.md).",
     )
 
     def checks_spec(self) -> JudgeSpec:
@@ -373,15 +373,6 @@ class JobSpec(SpecFile):
         description="Judge every render, re-render the rejected ones and count kept images per reference"
         " (docs/judging.md). None: every render is kept, as rendered.",
     )
-
-    @model_validator(mode="after")
-    def _judge_fits_output(self) -> JobSpec:
-        if self.judge is not None and not self.judge.keep_rejected_images and self.output.format == "webdataset":
-            raise ValueError(
-                "judge.keep_rejected_images: false needs output.format files (a webdataset shard is staged"
-                " before the driver's verdict and keeps every render's image)"
-            )
-        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -85,8 +85,9 @@ def _attach_images(batch: pa.Table, *, output: str, s3: S3Options | None) -> pa.
     return batch.append_column(IMAGE_COLUMN, column)
 
 
-def read_item_images(storage: Storage, rows: pa.Table) -> list[bytes]:
-    """The image bytes of each metadata row of `rows`, in order, from wherever the job stored them.
+def read_item_images(storage: Storage, rows: pa.Table) -> list[bytes | None]:
+    """The image bytes of each metadata row of `rows`, in order, from wherever the job stored them; None for a
+    judged job's rejected render whose image the job did not keep (its row names no image).
 
     An embedded ``image`` (bytes) is used as it is; a row with ``image_key`` reads that file; a row of a
     sharded job reads its member's byte range of ``shard_key``, located through the shard's index.
@@ -98,7 +99,7 @@ def read_item_images(storage: Storage, rows: pa.Table) -> list[bytes]:
         return rows.column(name).to_pylist() if name in rows.column_names else [None] * n
 
     ids, keys, shards, members = column("item_id"), column("image_key"), column("shard_key"), column("shard_member")
-    have = column(IMAGE_COLUMN)
+    have, accepted = column(IMAGE_COLUMN), column("accepted")
     indexes = _ShardIndexes(storage)
     for shard in {s for s, k, h in zip(shards, keys, have, strict=True) if s and not k and h is None}:
         indexes.load(shard)  # once per shard, before the parallel reads
@@ -111,6 +112,8 @@ def read_item_images(storage: Storage, rows: pa.Table) -> list[bytes]:
         if shards[i]:
             offset, size = indexes.member(shards[i], str(ids[i]), members[i])
             return storage.get_range(shards[i], offset, size)
+        if accepted[i] is False:
+            return None  # a judged job's rejected render whose image was not kept (judge.keep_rejected_images)
         raise StorageError(
             f"item {ids[i]!r} in {storage.uri}: its metadata row has neither image_key nor shard_key, so its image "
             "cannot be found"

@@ -20,8 +20,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-import pyarrow as pa
-
 from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.placement import PlannedWork
 from snapref_ray.cluster.pool import (
@@ -53,7 +51,9 @@ from snapref_ray.jobs.job_summary import (
     job_parts,
     job_throughput,
 )
-from snapref_ray.jobs.judge_loop import JudgeLoop, decided_row
+from snapref_ray.jobs.judge_loop import JudgeLoop
+from snapref_ray.jobs.judged_commit import commit_judged_row, commit_judged_shard
+from snapref_ray.jobs.quota_skips import QuotaSkips, find_quota_skips, plan_item_tables, write_skipped
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.references import RefKVKey
@@ -64,7 +64,6 @@ from snapref_ray.storage.backends import StorageError, open_storage
 from snapref_ray.storage.job_output import JobOutput, OutputSettings
 from snapref_ray.storage.lease import LeaseLostError
 from snapref_ray.storage.ledger import job_fingerprint
-from snapref_ray.storage.shards import read_staged_rows, replace_staged_rows
 from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)
@@ -167,8 +166,10 @@ def run_job(
         output.abandon()  # another driver holds the output now: nothing more is written to it
         raise
     finally:
-        plan.close()
-        summary = _summarise(spec, plan, output, run)  # 5. summary.json, then compaction, under the lease
+        try:
+            summary = _summarise(spec, plan, output, run)  # 5. summary.json, then compaction, under the lease
+        finally:
+            plan.close()  # after the summary: a judged job's items skipped by the quota are read from the plan
         output.finish(summary.to_json(), compact=not run.interrupted)
     if write_gallery:
         _write_gallery(spec)
@@ -326,14 +327,14 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
         if plan.rerendered and item.item_id in output.done_before:
             run.replaced += 1  # an edited row rendered again: the output held its id already (images_total)
         if judge is not None and not outcome.row.get("shard_key"):
-            _commit_judged(output, spec, judge, outcome.row)
+            commit_judged_row(output, judge, outcome.row)
         else:
             _commit(output, outcome)
 
     def commit_shard(shard_key: str) -> bool:
         if judge is None:
             return output.commit_shard(shard_key)
-        return _commit_judged_shard(output, judge, shard_key)
+        return commit_judged_shard(output, judge, shard_key)
 
     def joined(handle, info: WorkerInfo) -> None:
         if info.cold_start:
@@ -398,60 +399,6 @@ def _judge_loop(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> 
     judge.resume(output.storage)
     run.judge = judge
     return judge
-
-
-def _commit_judged(output: JobOutput, spec: JobSpec, judge: JudgeLoop, row: dict) -> None:
-    """A judged render's row (``files``): the driver's verdict in it, then committed; a rejected render's image is
-    deleted unless the spec keeps rejected images."""
-    decision = judge.decide([row])[0]
-    row = decided_row(row, decision)
-    if not decision.accepted and not spec.judge.keep_rejected_images:
-        for key in (row["image_key"], row["thumb_key"]):
-            if key:
-                output.storage.delete(key)
-        row.update(image_key=None, image_uri=None, thumb_key=None)
-    output.commit_row(row)  # its image's bytes read back under embed_images (none for a rejected image deleted)
-    judge.apply([decision])
-
-
-def _commit_judged_shard(output: JobOutput, judge: JudgeLoop, shard_key: str) -> bool:
-    """A judged webdataset shard: the driver's verdicts written into its staged rows before its commit is decided
-    (in the order of its rows); they count (kept sets, quotas, re-renders) only once it is committed."""
-    try:
-        rows = read_staged_rows(output.storage, shard_key)
-    except StorageError:
-        return output.commit_shard(shard_key)  # nothing staged to judge: commit_shard decides what it is
-    decisions = judge.decide(rows.select(_DECIDED_FROM).to_pylist())
-    rows = _with_decisions(rows, decisions)
-    replace_staged_rows(output.storage, shard_key, rows)
-    committed = output.commit_shard(shard_key)
-    if committed:
-        judge.apply(decisions)
-    return committed
-
-
-# The staged row columns a verdict reads.
-_DECIDED_FROM = [
-    "item_id",
-    "render_of",
-    "render_index",
-    "reference_hash",
-    "phash",
-    "rejected_by",
-    "sample_s",
-    "decode_s",
-    "forward_batch",
-]
-
-
-def _with_decisions(rows: pa.Table, decisions: list) -> pa.Table:
-    for name, values, kind in (
-        ("accepted", [d.accepted for d in decisions], pa.bool_()),
-        ("score_near_duplicate", [d.score_near_duplicate for d in decisions], pa.int32()),
-        ("rejected_by", [",".join(d.rejected_by) or None for d in decisions], pa.string()),
-    ):
-        rows = rows.set_column(rows.schema.get_field_index(name), name, pa.array(values, kind))
-    return rows
 
 
 def scheduler_config(spec: JobSpec) -> SchedulerConfig:
@@ -531,7 +478,12 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         manifest_sha256=plan.manifest_sha256,
     )
     runs = [*_earlier_runs(output), this_run]
-    job_images = plan.committed + stats.done_items
+    quota = run.judge is not None and spec.judge.kept_per_reference is not None
+    skips = _quota_skips(spec, plan, output) if quota and not run.interrupted else None
+    # A judged job's rows are renders (an item may have several): its items in the output are those whose first
+    # render is (a re-render is made only once the render before it is committed).
+    rendered = run.judge.figures.items_first_rendered if run.judge is not None else stats.done_items
+    job_images = plan.committed + rendered
     this_job = JobPart(
         job=output.settings.fingerprint,
         manifest=spec.manifest,
@@ -562,6 +514,8 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
         skipped_already_done=plan.committed,
         failed_items=stats.failed_items,
         committed_not_in_manifest=plan.committed_not_in_manifest,
+        skipped_by_quota=skips.table.num_rows if skips is not None else None,
+        skipped_not_rendered=skips.not_rendered if skips is not None else 0,
         not_rendered=[*invalid, *run.failures],
         attempts=AttemptFigures(
             max_attempts=spec.cluster.max_attempts,
@@ -593,11 +547,33 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
             ),
         ),
         scheduler=asdict(run.stats) if run.stats else None,
-        judge=run.judge.finish_figures() if run.judge is not None else None,
+        judge=run.judge.finish_figures(skips.table.num_rows if skips is not None else None)
+        if run.judge is not None
+        else None,
         finished_at=now,
         jobs=job_parts(_earlier_jobs(output), this_job),
         runs=runs,
     )
+
+
+def _quota_skips(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> QuotaSkips | None:
+    """A judged job's items skipped by the quota, from its plan and the committed rows (this run's flushed first),
+    written to skipped.parquet (jobs/quota_skips.py). None when they cannot be read (the run is failing, or lost the
+    output): the summary then counts what this run's schedule skipped."""
+    try:
+        output.fence()
+        output.metadata.flush()
+        skips = find_quota_skips(
+            output.storage,
+            lambda: plan_item_tables(run.path for run in plan.runs),
+            kept_per_reference=spec.judge.kept_per_reference,
+            max_renders_per_item=spec.judge.max_renders_per_item,
+        )
+        write_skipped(output.storage, skips)
+    except (StorageError, LeaseLostError, OSError) as e:
+        log.warning("could not list the items skipped by the quota (%s); summary.json counts this run's", e)
+        return None
+    return skips
 
 
 def _reason(error) -> str:

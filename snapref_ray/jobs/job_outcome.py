@@ -42,6 +42,8 @@ def summary_line(summary: JobSummary) -> str:
         f"{summary.images_this_run:,} this run, {summary.skipped_already_done:,} already there, "
         f"{plural(summary.failed_items, 'failed item')}, {plural(summary.invalid_rows, 'invalid row')}"
     )
+    if summary.skipped_by_quota is not None:  # a judged job with a quota: not failed, not to retry (skipped.parquet)
+        counts += f", {plural(summary.skipped_by_quota, 'item')} skipped by the quota"
     if summary.rendered_nothing_new:
         # The throughput is the output's over its runs with work: a resume that rendered nothing has none of its own.
         return f"{where} ({counts}); nothing left to render: every valid row was rendered by an earlier run"

@@ -174,6 +174,15 @@ class JobSummary(BaseModel):
         description="Committed items of this job that no manifest row produces any more (rows removed, ids changed);"
         " they stay in the output. None where the output holds other jobs' items and its rows do not say whose.",
     )
+    skipped_by_quota: int | None = Field(
+        None,
+        description="A judged job with judge.kept_per_reference: its items skipped by the quota — their reference has"
+        " its kept images, so they were not rendered (again); nothing failed. skipped.parquet lists each (item_id,"
+        " manifest_row, reason). Counted over the output, once however many runs skipped them. None: no quota.",
+    )
+    skipped_not_rendered: int = Field(
+        0, description="Of the items skipped by the quota, those with no render at all (not in the output, not failed)."
+    )
     not_rendered: list[NotRendered] = Field(
         default_factory=list,
         description=f"The first {NOT_RENDERED_KEPT} invalid rows, then the first {NOT_RENDERED_KEPT} failed items of"
@@ -221,8 +230,9 @@ class JobSummary(BaseModel):
     judge: dict[str, Any] | None = Field(
         None,
         description="A judged job's figures (jobs/judge_loop.py `JudgeFigures`), over every run on the output:"
-        " renders, kept, rejected (and per check), items left without a kept image or skipped by the quota (this"
-        " run), renders_per_kept_image, gpu_seconds_per_kept_image. None when the job does not judge.",
+        " renders, kept, rejected (and per check), items left without a kept image (this run), items skipped by the"
+        " quota (the output's: skipped_by_quota), renders_per_kept_image, gpu_seconds_per_kept_image. None when the"
+        " job does not judge.",
     )
     finished_at: float
     jobs: list[JobPart] = Field(
@@ -233,8 +243,8 @@ class JobSummary(BaseModel):
     @property
     def unrendered_items(self) -> int:
         """This job's valid items that are not in the output: they failed (or their shard was lost) and a run of the
-        same command renders them again."""
-        return max(0, self.items - self.job_images)
+        same command renders them again. Items skipped by the quota are not among them."""
+        return max(0, self.items - self.job_images - self.skipped_not_rendered)
 
     @property
     def rendered_nothing_new(self) -> bool:

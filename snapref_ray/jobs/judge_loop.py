@@ -78,8 +78,11 @@ class JudgeFigures:
     rejected: int = 0
     rejected_by: Counter[str] = field(default_factory=Counter)  # per check (a render may fail several)
     items_without_kept_image: int = 0  # items whose every allowed render was rejected (this run)
-    items_skipped_by_quota: int = 0  # items not rendered (again) because their reference's quota was met (this run)
+    # Items not rendered (again) because their reference's quota was met: the job's, as the output holds them
+    # (jobs/quota_skips.py, skipped.parquet), counted once however many runs skipped them.
+    items_skipped_by_quota: int = 0
     gpu_seconds: float = 0.0  # (sample_s + decode_s) / forward_batch, summed over renders
+    items_first_rendered: int = 0  # items whose first render (render_index 0) this run committed (not in as_dict)
     references_at_quota: int = 0
 
     def as_dict(self, max_renders_per_item: int, kept_per_reference: int | None) -> dict:
@@ -246,6 +249,7 @@ class JudgeLoop:
         f = self.figures
         for d in decisions:
             f.renders += 1
+            f.items_first_rendered += d.render_index == 0
             f.gpu_seconds += d.gpu_seconds
             if d.accepted:
                 f.kept += 1
@@ -256,26 +260,28 @@ class JudgeLoop:
             f.rejected += 1
             f.rejected_by.update(d.rejected_by)
             if self.at_quota(d.reference_hash):
-                f.items_skipped_by_quota += 1
-            elif d.render_index + 1 >= self.section.max_renders_per_item:
+                continue  # skipped by the quota: counted from the output at the end (finish_figures)
+            if d.render_index + 1 >= self.section.max_renders_per_item:
                 f.items_without_kept_image += 1
             else:
                 self.queue.add(d.render_of, d.render_index + 1)
 
-    def finish_figures(self) -> dict:
-        """summary.json's `judge` block."""
+    def finish_figures(self, skipped_by_quota: int | None) -> dict:
+        """summary.json's `judge` block; `skipped_by_quota`: the job's items skipped by the quota (skipped.parquet;
+        None: not counted, an interrupted run: what this run's schedule skipped stays)."""
         self.figures.references_at_quota = sum(1 for ref in self.kept_count if self.at_quota(ref))
+        if skipped_by_quota is not None:
+            self.figures.items_skipped_by_quota = skipped_by_quota
         return self.figures.as_dict(self.section.max_renders_per_item, self.section.kept_per_reference)
 
 
 def decided_row(row: dict, decision: Decision) -> dict:
-    """`row` with the driver's verdict in its judge columns."""
-    return {
-        **row,
-        "accepted": decision.accepted,
-        "score_near_duplicate": decision.score_near_duplicate,
-        "rejected_by": ",".join(decision.rejected_by) or None,
-    }
+    """`row` with the driver's verdict in its judge columns, set in place (the driver owns a returned row; a copy of
+    its ~50 columns per render was a measurable part of the judged driver's cost)."""
+    row["accepted"] = decision.accepted
+    row["score_near_duplicate"] = decision.score_near_duplicate
+    row["rejected_by"] = ",".join(decision.rejected_by) or None
+    return row
 
 
 def _row_gpu_seconds(row: dict) -> float:

@@ -1,7 +1,8 @@
 """The header of the gallery's first page: counts, the job's one throughput, and the runs of summary.json.
 
 What the output left out is counted in the terminal's and summary.json's words: *invalid rows* (manifest rows
-that did not validate, never rendered) and *failed items* (valid items whose render failed for good).
+that did not validate, never rendered) and *failed items* (valid items whose render failed for good); a judged job with
+a quota adds *skipped by the quota* (items whose reference has its kept images: not failed).
 
 One throughput: images per minute while rendering. With ``summary.json``'s ``runs`` list (one entry per
 driver run; a resume or an appended job adds one) it is the runs' images over the sum of their rendering
@@ -88,6 +89,15 @@ def page_header(
         Fact("invalid rows", f"{invalid:,}", "manifest rows that did not validate: never rendered (errors/)"),
         Fact("failed items", f"{failed_renders:,}", "valid items whose render failed for good (errors/)"),
     ]
+    if summary.get("skipped_by_quota") is not None:  # a judged job with a quota (jobs/quota_skips.py)
+        facts.append(
+            Fact(
+                "skipped by the quota",
+                f"{summary['skipped_by_quota']:,}",
+                "items not rendered (again): their reference has its kept_per_reference images; not failed"
+                " (skipped.parquet)",
+            )
+        )
     if workers:
         facts.append(Fact("workers", f"{workers:,}"))
     if rows.n_shown < rows.n_items:

@@ -27,10 +27,16 @@ had decided is finished by whoever comes next. So ``shards/*.tar`` holds committ
 committed item is in exactly one of them, and ``metadata/`` names no image that is missing — whatever is
 killed or paused when. The indexes (the decisions) are never compacted or deleted; a voided shard leaves its empty
 index, and no tar.
+
+A judged job that keeps no rejected image (`judge.keep_rejected_images: false`) has a staged shard holding a rejected
+render rewritten before its decision (`filter_staged_shard`, run by a Ray task, never by the driver): the tar and
+index under ``staging/`` are replaced by ones without it, so the one conditional create still decides the shard, and
+whatever is killed before it leaves a shard nobody decided, voided like any other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -41,6 +47,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -314,6 +321,74 @@ def replace_staged_rows(storage: Storage, shard_key: str, rows: pa.Table) -> Non
     )
 
 
+def filter_staged_shard(storage: Storage, shard_key: str, keep: Collection[str]) -> FilteredShard:
+    """Rewrite a staged shard so that its tar and index hold the items `keep` only (each one's image, ``.json`` and
+    ``.txt`` members, in their order), before its commit is decided: a judged job whose rejected images are not kept
+    (jobs/judged_commit.py) has this done by a Ray task, so the driver never reads a tar (up to `max_bytes`).
+
+    The tar is replaced first, its index second, each by one atomic put under ``staging/``; the rows are the
+    driver's to rewrite. A process killed in between leaves a staged shard nobody decided, which the next
+    `settle_staged_shards` voids (its items render again): nothing half-filtered is ever committed. Running it again
+    on its own output changes nothing (a kept item's members are all still there), so a retried task is safe."""
+    staged_index = pq.read_table(io.BytesIO(storage.get_bytes(staging_key(_index_key(shard_key)))))
+    by_id = {row["item_id"]: row for row in staged_index.to_pylist() if row["item_id"] in keep}
+    out = _OpenShard(storage, shard_key)
+    index: list[dict] = []
+    members = dropped = 0
+    try:
+        with _readable_copy(storage, staging_key(shard_key)) as path, tarfile.open(path, "r|") as tar:
+            for member in tar:  # a stream: one member in memory at a time, whatever the shard's size
+                entry = by_id.get(member.name.split(".", 1)[0])
+                if entry is None:
+                    dropped += 1
+                    continue
+                data = tar.extractfile(member).read()
+                offset = out.add(member.name, data, member.mtime)
+                members += 1
+                if member.name == entry["image_member"]:
+                    index.append({**entry, "image_offset": offset, "image_size": len(data)})
+        out.tar.close()
+        storage.put_file(staging_key(shard_key), out.path)
+    except BaseException:
+        out.discard()
+        raise
+    storage.put_bytes(
+        staging_key(_index_key(shard_key)),
+        _parquet(pa.Table.from_pylist(index, schema=SHARD_INDEX_SCHEMA)),
+        "application/vnd.apache.parquet",
+    )
+    log.info("filtered staged shard %s: %d member(s) kept, %d dropped", shard_key, members, dropped)
+    return FilteredShard(items=len(index), members_kept=members, members_dropped=dropped)
+
+
+@dataclass(frozen=True)
+class FilteredShard:
+    """What `filter_staged_shard` left in a staged shard."""
+
+    items: int  # items whose image it holds (its index's rows)
+    members_kept: int
+    members_dropped: int
+
+
+@contextlib.contextmanager
+def _readable_copy(storage: Storage, key: str) -> Iterator[Path]:
+    """A local file holding the object `key`: the file itself on a local folder, else a temporary download."""
+    if isinstance(storage, LocalStorage):
+        yield storage.root / key
+        return
+    fd, name = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-read-", suffix=".tar")
+    os.close(fd)
+    try:
+        download = getattr(storage, "download_file", None)
+        if download is not None:
+            download(key, name)  # streamed to disk (S3): nothing the size of a shard in memory
+        else:
+            Path(name).write_bytes(storage.get_bytes(key))
+        yield Path(name)
+    finally:
+        Path(name).unlink(missing_ok=True)
+
+
 def staging_key(key: str) -> str:
     """Where a worker stages the object that becomes `key` (``shards/x.tar`` -> ``staging/x.tar``)."""
     return f"{STAGING_PREFIX}/{key.rsplit('/', 1)[-1]}"
@@ -430,6 +505,16 @@ def _drop_staged(storage: Storage, shard_key: str) -> None:
         storage.delete(staging_key(final))
 
 
+def void_staged_shard(storage: Storage, shard_key: str, *, by: str = "") -> bool:
+    """Decide a staged shard void and drop its staged files (its items render again): what a committer does with a
+    shard it cannot commit as it should (a judged shard whose filtering failed). False when the shard had been
+    decided committed already: it stays committed."""
+    if decide(storage, shard_key, VOID, by=by) != VOID:
+        return False
+    _drop_staged(storage, shard_key)
+    return True
+
+
 @dataclass
 class StagedSettled:
     """What `settle_staged_shards` did: shards whose commit it finished, shards it voided."""
@@ -478,6 +563,7 @@ __all__ = [
     "ClosedShard",
     "DEFAULT_SHARD_BYTES",
     "DEFAULT_SHARD_ITEMS",
+    "FilteredShard",
     "SHARDS_PREFIX",
     "SHARD_INDEX_SCHEMA",
     "SHARD_METADATA_SCHEMA",
@@ -485,6 +571,7 @@ __all__ = [
     "commit_shard",
     "committed_shards",
     "decide",
+    "filter_staged_shard",
     "recorded_verdict",
     "remove_dead_workers_temporaries",
     "settle_staged_shards",
@@ -492,6 +579,7 @@ __all__ = [
     "replace_staged_rows",
     "staging_key",
     "verdict",
+    "void_staged_shard",
     "shard_member_key",
     "wants_thumbnail",
 ]

@@ -141,6 +141,9 @@ def test_near_duplicates_are_rejected_and_rendered_again_with_the_documented_see
     assert any("near_duplicate" in (r["rejected_by"] or "") for r in first)
     assert any(r["render_index"] > 0 for r in rows), "no reject was rendered again"
     assert all(r["score_identity_gap"] is not None for r in rows)
+    # keep_rejected_images (the default): every render's image is kept, the rejected ones with accepted false.
+    assert set(_images(storage, rows, tmp_path)) == {r["item_id"] for r in rows}
+    assert {r["item_id"] for r in rows if not r["accepted"]} == {r["item_id"] for r in rows if r["rejected_by"]}
     assert all(r["score_sanity_std"] is None for r in rows)  # a check not asked for: null
     figures = summary.judge
     assert figures["renders"] == len(rows)
@@ -174,29 +177,84 @@ def _check_report(spec, rows: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_the_quota_stops_a_reference_and_skips_its_items(tiny_models, tmp_path):
+@pytest.mark.parametrize("fmt", ["files", "webdataset"])
+def test_the_quota_stops_a_reference_and_skips_its_items(tiny_models, tmp_path, fmt):
     # -1: scores only, every render kept but for the quota; a rejected render's image is not kept.
     judge = {"near_duplicate": {"max_distance": -1}, "kept_per_reference": 2, "keep_rejected_images": False}
-    spec = _spec(tmp_path, tiny_models, judge=judge)
+    output = {"format": fmt, "shard_max_items": 3, "thumbnail_every": 1}
+    spec = _spec(tmp_path, tiny_models, judge=judge, output=output)
     summary = run_job(spec, progress=False, write_gallery=False)
     storage = open_storage(spec.output.uri)
     rows = _check_loop(storage, tmp_path, max_distance=-1, max_renders=3, quota=2)
     for row in rows:  # kept: its image and thumbnail; rejected: its row and scores, no image
-        assert (row["image_key"] is not None) == row["accepted"] and row["phash"] is not None
-        assert storage.exists(f"images/{row['item_id']}.png") == row["accepted"]
+        names_image = row["image_key"] if fmt == "files" else row["shard_member"]
+        assert (names_image is not None) == row["accepted"] and row["phash"] is not None
+        assert storage.exists(f"images/{row['item_id']}.png") == (row["accepted"] and fmt == "files")
         assert storage.exists(f"thumbs/{row['item_id']}.jpg") == row["accepted"]
+    _check_readers_see_kept_images_only(spec, storage, rows, fmt, tmp_path)
     kept = Counter(r["reference_hash"] for r in rows if r["accepted"])
     assert sorted(kept.values()) == [2, 2], "each reference keeps exactly its quota"
     quota_rejects = sum(r["rejected_by"] == "quota" for r in rows)
+    assert quota_rejects > 0, "no render came in after its reference filled: nothing rejected to leave out"
     assert len(rows) == 4 + quota_rejects  # a render that came in after its reference filled is a row too
-    assert len(rows) < 12, "the queued items of a full reference were rendered anyway"
-    assert summary.judge["items_skipped_by_quota"] == 12 - 4
+    if fmt == "files":  # (webdataset: verdicts come as a shard commits, when more of its items may be in flight)
+        assert len(rows) < 12, "the queued items of a full reference were rendered anyway"
     assert summary.judge["references_at_quota"] == 2
-    # A rerun continues the quotas: the items of a full reference are skipped again, nothing renders.
+    _check_skipped(spec, storage, summary, rows)
+    # A rerun continues the quotas: the items of a full reference are skipped again, nothing renders, and they are
+    # counted once.
     again = run_job(spec, progress=False, write_gallery=False)
     assert again.images_this_run == 0 and again.judge["renders"] == len(rows)
-    assert again.judge["items_skipped_by_quota"] == 12 - len({r["render_of"] for r in rows})
+    _check_skipped(spec, storage, again, rows)
     assert read_metadata_table(storage).num_rows == len(rows)
+
+
+def _check_skipped(spec, storage, summary, rows: list[dict]) -> None:
+    """Every item without a kept image is skipped by the quota here (no check rejects, no render fails): counted in
+    summary.json, the terminal line and the gallery in the same words, listed in skipped.parquet with its manifest
+    row, and not a failure (exit status 0, nothing in errors/)."""
+    from snapref_ray.jobs.job_outcome import exit_status, not_rendered_lines, summary_line
+    from snapref_ray.jobs.quota_skips import read_skipped
+    from snapref_ray.report import write_report
+
+    kept_items = {r["render_of"] for r in rows if r["accepted"]}
+    skipped = read_skipped(storage).to_pylist()
+    manifest_rows = {r["render_of"]: r["manifest_row"] for r in rows}
+    assert sorted(s["item_id"] for s in skipped) == sorted(expected_item_ids(spec) - kept_items)
+    assert all(s["reason"] == "quota" for s in skipped)
+    assert all(manifest_rows.get(s["item_id"], s["manifest_row"]) == s["manifest_row"] for s in skipped)
+    assert sorted(s["manifest_row"] for s in skipped) == sorted(
+        set(range(1, 13)) - {manifest_rows[i] for i in kept_items}
+    )
+    assert summary.skipped_by_quota == summary.judge["items_skipped_by_quota"] == 12 - 4 == len(skipped)
+    assert summary.failed_items == 0 and summary.unrendered_items == 0 and exit_status(summary) == 0
+    assert not_rendered_lines(summary, errors_at="errors/") == []
+    assert "8 items skipped by the quota" in summary_line(summary)
+    assert read_summary(storage)["skipped_by_quota"] == 8
+    assert not storage.list("errors/")
+    write_report(spec.output.uri)
+    page = storage.get_bytes("gallery.html").decode()
+    assert "skipped by the quota" in page and ">8<" in page.split("skipped by the quota", 1)[1][:400]
+
+
+def _check_readers_see_kept_images_only(spec, storage, rows: list[dict], fmt: str, tmp_path: Path) -> None:
+    """What the documented readers read holds the kept images and no other: `read_results` (a rejected render's row
+    with no image), and with webdataset output every tar of shards/ as the `webdataset` library reads it."""
+    from snapref_ray.data import read_results
+
+    accepted = {r["item_id"] for r in rows if r["accepted"]}
+    read = {r["item_id"]: r for r in read_results(spec.output.uri).take_all()}
+    assert set(read) == {r["item_id"] for r in rows}
+    assert {i for i, r in read.items() if r["image"] is not None} == accepted
+    assert all(r["accepted"] is (i in accepted) for i, r in read.items())
+    if fmt == "webdataset":
+        import webdataset
+
+        urls = sorted(str(Path(spec.output.uri) / k) for k in storage.list("shards/") if k.endswith(".tar"))
+        samples = list(webdataset.WebDataset(urls, shardshuffle=False))
+        assert sorted(s["__key__"] for s in samples) == sorted(accepted)
+        for s in samples:  # the tar's image is the one read_results gives
+            assert s["png"] == read[s["__key__"]]["image"]
 
 
 @pytest.mark.slow

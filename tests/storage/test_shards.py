@@ -17,6 +17,7 @@ import uuid
 import warnings
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -25,12 +26,16 @@ from snapref_ray.storage.ledger import committed_item_ids
 from snapref_ray.storage.metadata import METADATA_SCHEMA, read_item_ids, read_metadata_table
 from snapref_ray.storage.shards import (
     COMMITTED,
+    SHARD_METADATA_SCHEMA,
     VOID,
     ClosedShard,
     ShardWriter,
     commit_shard,
     committed_shards,
     decide,
+    filter_staged_shard,
+    read_staged_rows,
+    replace_staged_rows,
     settle_staged_shards,
     shard_member_key,
     verdict,
@@ -373,3 +378,144 @@ def test_temporary_tars_of_dead_workers_are_removed(tmp_path):
     mine.write_bytes(b"y")
     assert remove_dead_workers_temporaries(str(tmp_path)) == [left]
     assert mine.exists() and not left.exists()
+
+
+# -- a judged job's filtered commit (judge.keep_rejected_images: false; jobs/judged_commit.py) -----------------------
+
+
+def _stage(storage, ids: list[str]) -> str:
+    writer = ShardWriter(storage, name="w1", max_items=len(ids))
+    for i in ids:
+        writer.add(_row(i), _image(i), "png", f"prompt of {i}")
+    (staged,) = writer.drain()
+    return staged.key
+
+
+def _tar_members(storage, key: str, tmp_path: Path) -> dict[str, bytes]:
+    local = tmp_path / f"read-{uuid.uuid4().hex}.tar"
+    local.write_bytes(storage.get_bytes(key))
+    return _members(local)
+
+
+def _commit_filtered(storage, key: str, keep: list[str]) -> bool:
+    """What the driver does for a judged shard with rejected renders: the tar filtered, then the rows rewritten (a
+    rejected render's row names no image), then the one conditional create."""
+    filter_staged_shard(storage, key, keep)
+    rows = read_staged_rows(storage, key).to_pylist()
+    for row in rows:
+        row["accepted"] = row["item_id"] in keep
+        if not row["accepted"]:
+            row.update(shard_key=None, shard_member=None, image_uri=None)
+    replace_staged_rows(storage, key, pa.Table.from_pylist(rows, schema=SHARD_METADATA_SCHEMA))
+    return commit_shard(storage, key)
+
+
+def test_a_filtered_shard_holds_the_kept_items_only_and_its_index_points_at_them(storage, tmp_path):
+    ids = [f"item-{i}" for i in range(6)]
+    keep = ["item-0", "item-3", "item-4"]
+    key = _stage(storage, ids)
+    assert _commit_filtered(storage, key, keep) is True
+    names = sorted(_tar_members(storage, key, tmp_path))
+    assert names == sorted(f"{i}.{ext}" for i in keep for ext in ("json", "png", "txt"))
+    members = _tar_members(storage, key, tmp_path)
+    assert all(members[f"{i}.png"] == _image(i) and members[f"{i}.txt"] == f"prompt of {i}".encode() for i in keep)
+    # The index's byte ranges are those of the filtered tar (what read_results reads: a ranged GET per image).
+    index = pq.read_table(io.BytesIO(storage.get_bytes(key.removesuffix(".tar") + ".parquet"))).to_pylist()
+    assert [r["item_id"] for r in index] == keep
+    assert all(storage.get_range(key, r["image_offset"], r["image_size"]) == _image(r["item_id"]) for r in index)
+    # Every render keeps its row; the rejected ones name no image, and the reader gives them none.
+    from snapref_ray.data.results import read_item_images
+
+    table = read_metadata_table(storage)
+    assert sorted(table.column("item_id").to_pylist()) == ids
+    images = dict(zip(table.column("item_id").to_pylist(), read_item_images(storage, table), strict=True))
+    assert images == {i: (_image(i) if i in keep else None) for i in ids}
+    assert storage.list("staging/") == []
+
+
+def test_filtering_again_changes_nothing_and_a_shard_of_rejects_only_commits_an_empty_tar(tmp_path):
+    storage = open_storage(str(tmp_path / "out"))
+    key = _stage(storage, ["a", "b", "c"])
+    first = filter_staged_shard(storage, key, ["b"])
+    before = storage.get_bytes("staging/" + key.rsplit("/", 1)[-1])
+    again = filter_staged_shard(storage, key, ["b"])  # a retried task: the same tar, byte for byte
+    assert (first.items, first.members_kept, first.members_dropped) == (1, 3, 6)
+    assert (again.items, again.members_dropped) == (1, 0)
+    assert storage.get_bytes("staging/" + key.rsplit("/", 1)[-1]) == before
+    assert _commit_filtered(storage, key, ["b"]) is True
+    other = _stage(storage, ["x", "y"])
+    assert _commit_filtered(storage, other, []) is True
+    assert _tar_members(storage, other, tmp_path) == {} and read_item_ids(storage) == ["a", "b", "c", "x", "y"]
+    # A reader over the output's shards reads the one kept image (an empty tar is a valid shard of none).
+    webdataset = pytest.importorskip("webdataset")
+    urls = sorted(str(tmp_path / "out" / k) for k in _tars(storage))
+    assert len(urls) == 2
+    assert [s["__key__"] for s in webdataset.WebDataset(urls, shardshuffle=False)] == ["b"]
+
+
+class _Killed(BaseException):
+    """The driver's process dying at a chosen write (a BaseException: nothing catches it on the way up)."""
+
+
+def _dying_at(storage, key_part: str):
+    """`storage`, but the first put whose key contains `key_part` kills the process that makes it."""
+
+    class Dying(type(storage)):
+        def put_bytes(self, key, data, content_type=None):
+            if key_part in key:
+                raise _Killed(key)
+            super().put_bytes(key, data, content_type)
+
+        def put_file(self, key, path):
+            if key_part in key:
+                raise _Killed(key)
+            super().put_file(key, path)
+
+        def put_if_absent(self, key, data):
+            if key_part in key:
+                raise _Killed(key)
+            return super().put_if_absent(key, data)
+
+        def copy(self, src, dst):
+            if key_part in dst:
+                raise _Killed(dst)
+            super().copy(src, dst)
+
+    dying = object.__new__(Dying)
+    dying.__dict__.update(storage.__dict__)
+    return dying
+
+
+@pytest.mark.parametrize("killed_at", [".tar", ".parquet", ".rows.parquet", "shards/"])
+def test_a_driver_killed_mid_filter_loses_no_kept_image_and_doubles_none(storage, tmp_path, killed_at):
+    """Killed as the filtered tar is put, as its index is put, as the rows are rewritten, or as the decision is
+    made: no decision, so the next driver voids the shard (nothing of it visible) and its renders are made again,
+    once. Killed after the decision: the next driver finishes the filtered shard."""
+    ids = ["a", "b", "c", "d"]
+    key = _stage(storage, ids)
+    stem = key.rsplit("/", 1)[-1].removesuffix(".tar")
+    dying = _dying_at(storage, "shards/" if killed_at == "shards/" else f"staging/{stem}{killed_at}")
+    with pytest.raises(_Killed):
+        _commit_filtered(dying, key, ["a", "c"])
+    assert read_item_ids(storage) == [] and _tars(storage) == []  # a reader sees nothing of it
+    settled = settle_staged_shards(storage, by="the next driver")
+    assert settled.voided == [key] and verdict(storage, key) == VOID and storage.list("staging/") == []
+    again = _stage(storage, ids)  # its items render again
+    assert _commit_filtered(storage, again, ["a", "c"]) is True
+    assert sorted(read_item_ids(storage)) == ids
+    tars = _tars(storage)
+    assert tars == [again] and sorted(n for n in _tar_members(storage, again, tmp_path) if n.endswith(".png")) == [
+        "a.png",
+        "c.png",
+    ]
+
+
+def test_a_driver_killed_after_deciding_a_filtered_shard_is_finished_filtered(tmp_path):
+    storage = open_storage(str(tmp_path / "out"))
+    key = _stage(storage, ["a", "b", "c"])
+    with pytest.raises(_Killed):  # decided committed, then killed as the tar was being moved into place
+        _commit_filtered(_dying_at(storage, key), key, ["b"])
+    assert verdict(storage, key) == COMMITTED and read_item_ids(storage) == []
+    settle_staged_shards(storage, by="the next driver")
+    assert sorted(n for n in _tar_members(storage, key, tmp_path) if n.endswith(".png")) == ["b.png"]
+    assert read_item_ids(storage) == ["a", "b", "c"]

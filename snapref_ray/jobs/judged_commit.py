@@ -1,0 +1,145 @@
+"""A judged job's commits: the driver's verdict put into each render's row, and, where the spec does not keep
+rejected images (`judge.keep_rejected_images: false`), the rejected images taken out of what readers see.
+
+- ``files``: the row is decided and committed on its own; a rejected image's file and thumbnail are deleted and
+  its row names none (`commit_judged_row`).
+- ``webdataset``: a worker staged the shard (tar, index, rows) before the verdicts existed. The driver decides
+  them on the staged rows (small), in the order of the rows; if a rejected render's image must go, the shard's
+  tar and index are rewritten without it by a Ray task (storage/shards.py `filter_staged_shard`: the driver never
+  reads a tar, which can be 1 GB), the rows are rewritten with the verdicts, and only then is the shard's one
+  conditional create made (`commit_shard`). A driver killed anywhere before that create leaves a shard nobody
+  decided: the next run voids it and its items render again, so no kept image is lost or doubled.
+
+The verdicts count (kept sets, quotas, re-renders: jobs/judge_loop.py `JudgeLoop.apply`) once the commit is
+certain: a voided shard's renders never enter a kept set.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pyarrow as pa
+
+from snapref_ray.jobs.judge_loop import Decision, JudgeLoop, decided_row
+from snapref_ray.storage.backends import Storage, StorageError
+from snapref_ray.storage.job_output import JobOutput
+from snapref_ray.storage.shards import (
+    filter_staged_shard,
+    read_staged_rows,
+    replace_staged_rows,
+    void_staged_shard,
+)
+
+log = logging.getLogger(__name__)
+
+# The staged row columns a verdict reads.
+_DECIDED_FROM = [
+    "item_id",
+    "render_of",
+    "render_index",
+    "reference_hash",
+    "phash",
+    "rejected_by",
+    "sample_s",
+    "decode_s",
+    "forward_batch",
+]
+
+# What a row whose image was not kept names of it: nothing (its scores and verdict stay).
+_IMAGE_COLUMNS = ("image_key", "image_uri", "thumb_key", "shard_key", "shard_member")
+
+
+def commit_judged_row(output: JobOutput, judge: JudgeLoop, row: dict) -> None:
+    """A judged render's row (``files``): the driver's verdict in it, then committed; a rejected render's image is
+    deleted unless the spec keeps rejected images."""
+    decision = judge.decide([row])[0]
+    row = decided_row(row, decision)
+    if not decision.accepted and not judge.section.keep_rejected_images:
+        for key in (row["image_key"], row["thumb_key"]):
+            if key:
+                output.storage.delete(key)
+        row.update(dict.fromkeys(("image_key", "image_uri", "thumb_key")))
+    output.commit_row(row)  # its image's bytes read back under embed_images (none for a rejected image deleted)
+    judge.apply([decision])
+
+
+def commit_judged_shard(output: JobOutput, judge: JudgeLoop, shard_key: str) -> bool:
+    """A judged webdataset shard: the driver's verdicts written into its staged rows (and, when rejected images are
+    not kept, its tar filtered off the driver) before its commit is decided; they count only once it is
+    committed. False: the shard was voided (or could not be filtered) and its items render again."""
+    try:
+        rows = read_staged_rows(output.storage, shard_key)
+    except StorageError:
+        return output.commit_shard(shard_key)  # nothing staged to judge: commit_shard decides what it is
+    decisions = judge.decide(rows.select(_DECIDED_FROM).to_pylist())
+    rows = _with_decisions(rows, decisions)
+    if not judge.section.keep_rejected_images and not all(d.accepted for d in decisions):
+        try:
+            _without_rejected_images(output.storage, shard_key, rows, decisions)
+        except Exception as e:  # the shard is not decided: void it, its items render again (the loop's retry)
+            log.warning(
+                "could not filter the rejected images out of shard %s (%s); its items render again", shard_key, e
+            )
+            if void_staged_shard(output.storage, shard_key, by=output.holder):
+                return False
+            return output.commit_shard(shard_key)  # decided committed before, unfiltered: finished as it is
+        rows = _images_dropped(rows, decisions)
+    replace_staged_rows(output.storage, shard_key, rows)
+    committed = output.commit_shard(shard_key)
+    if committed:
+        judge.apply(decisions)
+    return committed
+
+
+def _with_decisions(rows: pa.Table, decisions: list[Decision]) -> pa.Table:
+    for name, values, kind in (
+        ("accepted", [d.accepted for d in decisions], pa.bool_()),
+        ("score_near_duplicate", [d.score_near_duplicate for d in decisions], pa.int32()),
+        ("rejected_by", [",".join(d.rejected_by) or None for d in decisions], pa.string()),
+    ):
+        rows = rows.set_column(rows.schema.get_field_index(name), name, pa.array(values, kind))
+    return rows
+
+
+def _without_rejected_images(storage: Storage, shard_key: str, rows: pa.Table, decisions: list[Decision]) -> None:
+    """The staged tar and index rewritten with the accepted renders' members only (a Ray task when the driver runs
+    one: never the driver itself), and the rejected renders' sampled thumbnails deleted."""
+    keep = [d.row_id for d in decisions if d.accepted]
+    nodes = [n for n in rows.column("node_id").to_pylist() if n] if "node_id" in rows.column_names else []
+    _filter_off_driver(storage, shard_key, keep, nodes[0] if nodes else None)
+    thumbs = rows.column("thumb_key").to_pylist()
+    for thumb, decision in zip(thumbs, decisions, strict=True):
+        if thumb and not decision.accepted:
+            storage.delete(thumb)
+
+
+def _filter_off_driver(storage: Storage, shard_key: str, keep: list[str], node_id: str | None) -> None:
+    """`filter_staged_shard` in a Ray task, preferably on the node whose worker staged the shard (soft: any node
+    will do, the shard is read from the output's store). It asks for no CPU: the workers may hold every CPU of the
+    cluster, and a task queued behind them would stall the commit for good. Without Ray (a test of this module
+    alone) it runs here."""
+    import ray
+
+    if not ray.is_initialized():
+        filter_staged_shard(storage, shard_key, keep)
+        return
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options: dict = {"num_cpus": 0, "max_retries": 2}
+    if node_id:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
+    ray.get(ray.remote(filter_staged_shard).options(**options).remote(storage, shard_key, keep))
+
+
+def _images_dropped(rows: pa.Table, decisions: list[Decision]) -> pa.Table:
+    """The rows of the rejected renders name no image (their tar members are gone); the others as they were."""
+    dropped = pa.array([not d.accepted for d in decisions], pa.bool_())
+    for name in _IMAGE_COLUMNS:
+        column = rows.column(name)
+        rows = rows.set_column(
+            rows.schema.get_field_index(name), name, pa.compute.if_else(dropped, pa.scalar(None, column.type), column)
+        )
+    return rows
+
+
+__all__ = ["commit_judged_row", "commit_judged_shard"]
