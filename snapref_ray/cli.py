@@ -98,8 +98,7 @@ def _describe_judgement(judgement) -> str:
 
 def _reference(args: argparse.Namespace, settings: RenderSettings, adapter_kind: str | None):
     """The typed `Reference` of --reference / --reference2, checked before any device work (None without one)."""
-    from snapref_ray.adapter.images import ReferenceImageError
-    from snapref_ray.render_service.references import Reference, check_reference
+    from snapref_ray.render_service.references import Reference, ReferenceImageError, check_reference
     from snapref_ray.requests import RenderError
 
     images, layout = _reference_images(args)
@@ -110,11 +109,13 @@ def _reference(args: argparse.Namespace, settings: RenderSettings, adapter_kind:
     try:
         check_reference(images, layout, sources, adapter_kind)
     except ReferenceImageError as e:
-        flag = next((f for f, src in zip(flags, sources) if str(e).startswith(src)), "--reference")
-        raise ReferenceImageError(f"{flag} {e}") from None
+        flag = flags[sources.index(e.source)] if e.source in sources else "--reference"
+        if e.source is None:  # the reference as a whole, not one file
+            raise ReferenceImageError(f"{flag} {e}") from None
+        raise ReferenceImageError(e.reason, f"{flag} {e.source}") from None
     except RenderError as e:  # a layout the adapter does not read
         flag = "--reference2" if layout == "pair" else f"--reference (given {len(args.reference)} times)"
-        raise RenderError(f"{flag}: {str(e).removeprefix('layout: ')}", field="reference") from None
+        raise RenderError(f"{flag}: {e.reason}", field="reference", reason=e.reason) from None
     return Reference.of_images(images, layout, settings, sources)
 
 

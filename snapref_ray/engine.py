@@ -171,7 +171,7 @@ class Renderer:
         try:
             return resolve_settings(settings, self.adapter_kind)
         except SettingsError as e:
-            raise RenderError(str(e), field=e.field) from None
+            raise RenderError(str(e), field=e.field, reason=e.reason) from None
 
     # -- references -----------------------------------------------------------------------
     def target_grid(self, width: int, height: int) -> tuple[int, int, int]:

@@ -130,7 +130,8 @@ class ReferenceAdapter(ABC):
     ) -> list[torch.Tensor]:
         """The reference images as VAE input, [1, 3, H, W] in [-1, 1] each, laid out and sized for this kind."""
         if layout in self.spec.refused_layouts:
-            raise RenderError(f"layout: {self.spec.refused_layouts[layout]}", field="layout")
+            refused = self.spec.refused_layouts[layout]
+            raise RenderError(f"layout: {refused}", field="layout", reason=refused)
         if self.spec.reference_size == "megapixels":
             return prepare_reference(images, layout=layout, megapixels=megapixels, sources=sources)
         if output_size is None:

@@ -167,7 +167,7 @@ def check_reference(
     too elongated to fit is refused too); Serve's uploads report that."""
     refused = layout_refusal(layout, adapter_kind)
     if refused:
-        raise RenderError(f"layout: {refused}", field="layout")
+        raise RenderError(f"layout: {refused}", field="layout", reason=refused)
     checked = []
     for data, source in zip(images, sources):
         with open_reference(data, source) as img:

@@ -241,13 +241,15 @@ class ManifestValidator:
             self.rows_seen += 1
             number = row.get(ROW_KEY, self.rows_seen)
             try:
-                parsed_row = parse_row({k: v for k, v in row.items() if k != ROW_KEY}, self.spec.defaults, self._rules)
+                parsed_row = parse_row(
+                    {k: v for k, v in row.items() if k != ROW_KEY}, self.spec.defaults, self._rules, number
+                )
                 settings, settings_text = self._resolve(parsed_row.settings)
             except RowInputError as exc:
-                errors.extend(RowError(number, None, p.field, p.message) for p in exc.problems)
+                errors.extend(RowError(exc.index, None, p.field, p.message) for p in exc.problems)
                 continue
             except SettingsError as exc:
-                errors.append(RowError(number, None, exc.field, str(exc).removeprefix(f"{exc.field}: ")))
+                errors.append(RowError(number, None, exc.field, exc.reason))
                 continue
             refused = layout_refusal(parsed_row.reference.layout, self.adapter_kind)
             if refused:  # the check every front door runs (render_service/references.py `check_reference`)
@@ -337,7 +339,7 @@ def _check_reference(uri: str, read_reference: Callable[[str], bytes]) -> _Image
     try:
         image = open_reference(data, uri)
     except ReferenceImageError as exc:
-        return str(exc) if uri in str(exc) else f"reference {uri}: {exc}"
+        return str(exc) if exc.source == uri else f"reference {uri}: {exc}"
     dims = image.size
     image.close()
     return _Image(content_hash(data), len(data), dims)

@@ -80,9 +80,13 @@ def test_recompute_reference_every_step_reads_the_images_at_every_door(service, 
 
 def test_a_reference_is_checked_the_same_way_at_every_door(reference_png):
     check_reference([reference_png, reference_png], "multi", ["a.png", "b.png"], "snapref")
-    with pytest.raises(ReferenceImageError, match=r"^b\.png: not an image format PIL can read"):
+    with pytest.raises(ReferenceImageError, match=r"^b\.png: not an image format PIL can read") as unreadable:
         check_reference([reference_png, b"not an image"], "pair", ["a.png", "b.png"], "snapref")
+    # The error names the file and the reason as fields: no door finds the file by parsing the message.
+    assert unreadable.value.source == "b.png"
+    assert unreadable.value.reason.startswith("not an image format PIL can read")
     with pytest.raises(RenderError, match="several references of one character are a SnapRef feature") as refused:
         check_reference([reference_png, reference_png], "multi", ["a.png", "b.png"], "arcanima-v2")
     assert refused.value.field == "layout"
+    assert refused.value.reason == str(refused.value).removeprefix("layout: ")
     check_reference([reference_png, reference_png], "pair", ["a.png", "b.png"], "arcanima-v2")
