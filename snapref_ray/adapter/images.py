@@ -40,7 +40,7 @@ _LAYOUT_COUNTS = {"single": "exactly 1", "pair": "exactly 2", "multi": "at least
 
 
 class ReferenceImageError(InputError):
-    """A reference image that cannot be used; `source` names it (None for the reference as a whole), `reason` says why."""
+    """A reference image that cannot be used; `source` names it (None: the reference as a whole), `reason` why."""
 
     def __init__(self, reason: str, source: str | None = None) -> None:
         super().__init__(f"{source}: {reason}" if source is not None else reason, reason=reason, source=source)
