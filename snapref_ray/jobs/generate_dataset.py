@@ -45,10 +45,10 @@ from snapref_ray.jobs.job_summary import (
     TransferRate,
     job_throughput,
 )
+from snapref_ray.jobs.work_plan import WorkPlan
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.work_items import WorkItem
-from snapref_ray.render_service.work_plan import WorkPlan
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.job_output import JobOutput, OutputSettings
 from snapref_ray.storage.lease import LeaseLostError
@@ -193,7 +193,7 @@ class _Run:
 
 def _validate(spec: JobSpec, *, progress: bool = False) -> WorkPlan:
     """Phase 1: every manifest row checked, a chunk at a time, and the valid items spilled to local disk
-    (render_service/work_plan.py); a strict spec with an invalid row stops here, naming them."""
+    (jobs/work_plan.py); a strict spec with an invalid row stops here, naming them."""
     s3 = spec.s3_options()
     kind = adapter_kind(spec.model, s3=s3)
     if kind is None:

@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 
 from snapref_ray.job_spec import JobSpec, JobSpecError, spec_fingerprint
+from snapref_ray.jobs.manifest_check import RowError
+from snapref_ray.jobs.work_plan import WorkPlan
 from snapref_ray.render_service.loading import adapter_kind
-from snapref_ray.render_service.work_items import RowError
-from snapref_ray.render_service.work_plan import WorkPlan
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.ledger import committed_item_ids, job_fingerprint, read_job
 

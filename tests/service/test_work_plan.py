@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from snapref_ray.render_service.work_items import build_work_items
-from snapref_ray.render_service.work_plan import WorkPlan
+from snapref_ray.jobs.manifest_check import build_work_items
+from snapref_ray.jobs.work_plan import WorkPlan
 from snapref_ray.storage.id_claims import ClaimedIds
 from snapref_ray.storage.ledger import CommittedIds
 from snapref_ray.storage.manifest import read_manifest
@@ -159,7 +159,7 @@ def test_claimed_ids_find_every_duplicate_and_its_first_row_as_a_dict_does():
 _PLAN_IN_A_FRESH_PROCESS = """
 import json, resource, sys
 from snapref_ray.job_spec import JobSpec
-from snapref_ray.render_service.work_plan import WorkPlan
+from snapref_ray.jobs.work_plan import WorkPlan
 from snapref_ray.storage.id_claims import ClaimedIds
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.storage.ledger import CommittedIds

@@ -36,8 +36,9 @@ import numpy as np
 import pyarrow as pa
 
 from snapref_ray.job_spec import JobSpec
+from snapref_ray.jobs.manifest_check import JobValidationError, ManifestValidator, RowError
 from snapref_ray.render_service.references import ReferenceInput
-from snapref_ray.render_service.work_items import JobValidationError, ManifestValidator, RowError, WorkItem
+from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.backends import S3Options
 from snapref_ray.storage.manifest import iter_manifest_chunks
