@@ -11,7 +11,6 @@ to encode it answers 404.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
@@ -38,7 +37,7 @@ from snapref_ray.serve.api import (
 )
 from snapref_ray.serve.bodies import BodyReceiver
 from snapref_ray.serve.config import ServeLimits
-from snapref_ray.serve.errors import ApiError
+from snapref_ray.serve.errors import ApiError, non_finite_refusal
 from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.renderer import UploadedReference
 
@@ -204,10 +203,7 @@ def _form_number(text: str, field: str) -> float:
         value = float(text)
     except ValueError:
         raise ApiError(400, field, f"not a number: {echo(text)}") from None
-    if not math.isfinite(value):
-        raise ApiError(
-            400,
-            field,
-            f"{'NaN' if math.isnan(value) else 'Infinity'} is not a number this API accepts; send a finite number",
-        )
+    refused = non_finite_refusal(value)
+    if refused:
+        raise ApiError(400, field, refused)
     return value
