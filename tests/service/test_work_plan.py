@@ -153,7 +153,7 @@ def test_claimed_ids_find_every_duplicate_and_its_first_row_as_a_dict_does():
     assert len(claimed) == len(owner) and claimed.nbytes == 16 * len(owner)
     assert all(claimed.owner(item_id) == row for item_id, row in list(owner.items())[:500])
     assert claimed.owner("never-claimed") is None
-    assert len(claimed._runs) <= int(np.log2(len(owner))) + 1  # runs merge as they grow
+    assert claimed._claimed.run_count <= int(np.log2(len(owner))) + 1  # runs merge as they grow
 
 
 _PLAN_IN_A_FRESH_PROCESS = """
