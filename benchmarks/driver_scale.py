@@ -13,7 +13,7 @@ Every measurement runs in a fresh Python process, so its peak RSS (Linux VmHWM) 
   ``output.format`` files or webdataset. Reports the driver's peak RSS, its CPU seconds per item (the
   whole driver process: validation, planning, scheduling, committing), wall per item, and the objects
   written per 1,000 images.
-- ``plan``: the planning path without rendering (jobs/work_plan.py: validate and spill in chunks, mark
+- ``plan``: the planning path without rendering (jobs/spilled_items.py: validate and spill in chunks, mark
   the committed items, read every reference group back), for a manifest written reference-major and prompt-major,
   and as the resume of a finished job (every item already committed).
 - ``resume``: a fully committed ledger of N items (metadata parts of 100,000 rows of ids), read back as
@@ -176,7 +176,7 @@ def one_plan(items: int, order: str = "reference-major", committed: str = "none"
     schedule runs): validate the manifest in chunks and spill it, mark what an earlier run committed, then read
     every reference group back as the schedule would. `committed`: "none", or "all" (a finished job's resume:
     every id in the output's ledger)."""
-    from snapref_ray.jobs.work_plan import WorkPlan
+    from snapref_ray.jobs.spilled_items import SpilledItems
     from snapref_ray.storage.ledger import CommittedIds
     from snapref_ray.tiny import make_tiny
 
@@ -186,7 +186,7 @@ def one_plan(items: int, order: str = "reference-major", committed: str = "none"
         spec = _spec(manifest, root / "out", make_tiny(root / "tiny"), "files", 4)
         base = _peak_rss_mib()
         cpu0, t0 = _cpu_s(), time.time()
-        plan = WorkPlan.build(spec, adapter_kind="snapref")
+        plan = SpilledItems.build(spec, adapter_kind="snapref")
         t_validated = time.time()
         done = CommittedIds.from_strings([])
         if committed == "all":

@@ -221,9 +221,9 @@ def probe_s3_places(spec) -> None:
 
 def _dry_run(spec) -> int:
     """Validate, count and read the output's ledger; render nothing, write nothing."""
-    from snapref_ray.jobs.job_plan import check_something_to_render, plan_job
+    from snapref_ray.jobs.run_preview import check_something_to_render, preview_run
 
-    plan = plan_job(spec)
+    plan = preview_run(spec)
     for line in plan.lines():
         print(f"dry run: {line}")
     check_something_to_render(spec.manifest, plan)

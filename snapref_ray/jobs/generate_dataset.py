@@ -35,7 +35,6 @@ from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, Sched
 from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.job_spec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
-from snapref_ray.jobs.job_plan import check_something_to_render
 from snapref_ray.jobs.job_summary import (
     AttemptFigures,
     JobSummary,
@@ -45,7 +44,8 @@ from snapref_ray.jobs.job_summary import (
     TransferRate,
     job_throughput,
 )
-from snapref_ray.jobs.work_plan import WorkPlan
+from snapref_ray.jobs.run_preview import check_something_to_render
+from snapref_ray.jobs.spilled_items import SpilledItems
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.work_items import WorkItem
@@ -66,7 +66,7 @@ def worker_config(
     *,
     warmup: bool = True,
     memory_budget_bytes: int | None = None,
-    plan: WorkPlan | None = None,
+    plan: SpilledItems | None = None,
 ) -> WorkerConfig:
     """A worker's configuration; a compiling worker warms the resolutions and forward sizes of `plan` before it is
     ready (a graph per shape: docs/performance.md, "Compile cold start")."""
@@ -127,7 +127,7 @@ def run_job(
         raise
     hooks = _Hooks(progress, renderer_factory, warmup, on_progress, on_workers, on_event)
     try:
-        _plan(spec, plan, output)  # 3. what is left to render; invalid rows recorded once
+        _skip_committed(spec, plan, output)  # 3. what is left to render; invalid rows recorded once
         _render(spec, plan, output, run, hooks)  # 4. workers publish, this driver commits
     except KeyboardInterrupt:
         run.interrupted = True
@@ -191,9 +191,9 @@ class _Run:
             self.step_cache.forwards += row["steps"]
 
 
-def _validate(spec: JobSpec, *, progress: bool = False) -> WorkPlan:
+def _validate(spec: JobSpec, *, progress: bool = False) -> SpilledItems:
     """Phase 1: every manifest row checked, a chunk at a time, and the valid items spilled to local disk
-    (jobs/work_plan.py); a strict spec with an invalid row stops here, naming them."""
+    (jobs/spilled_items.py); a strict spec with an invalid row stops here, naming them."""
     s3 = spec.s3_options()
     kind = adapter_kind(spec.model, s3=s3)
     if kind is None:
@@ -201,7 +201,7 @@ def _validate(spec: JobSpec, *, progress: bool = False) -> WorkPlan:
             "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
             f" the models folder ({spec.model.models_dir})"
         )
-    plan = WorkPlan.build(spec, s3=s3, adapter_kind=kind, progress=progress)
+    plan = SpilledItems.build(spec, s3=s3, adapter_kind=kind, progress=progress)
     try:
         check_something_to_render(spec.manifest, plan)  # every row invalid: say why, and write nothing
     except BaseException:
@@ -238,7 +238,7 @@ def _earlier_runs(output: JobOutput) -> list[RunFigures]:
         return []
 
 
-def _plan(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> None:
+def _skip_committed(spec: JobSpec, plan: SpilledItems, output: JobOutput) -> None:
     """Phase 3: the items not committed yet (a bit per item of the plan); the invalid rows go to errors/, once per
     output (a resumed job validates the same manifest again)."""
     plan.skip_committed(output.done_before)  # one vectorised lookup per chunk of ids
@@ -258,7 +258,7 @@ def _plan(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> None:
             output.record_error(message, "validate", item_id=e.item_id, manifest_row=e.manifest_row)
 
 
-def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: _Hooks) -> None:
+def _render(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run, hooks: _Hooks) -> None:
     """Phase 4: start the pool, run the schedule over the plan's references, commit each image's row (each staged
     shard) as it lands; the workers are killed however it ends."""
     if not plan.to_render:
@@ -322,7 +322,7 @@ def scheduler_config(spec: JobSpec) -> SchedulerConfig:
     )
 
 
-def _start_pool(spec: JobSpec, plan: WorkPlan, run: _Run, hooks: _Hooks) -> WorkerPool:
+def _start_pool(spec: JobSpec, plan: SpilledItems, run: _Run, hooks: _Hooks) -> WorkerPool:
     """Connect to Ray and size the pool: GPU or CPU workers, how many, and the memory each asks for (at the job's
     largest image and max_batch)."""
     c = spec.cluster
@@ -358,7 +358,7 @@ def _start_pool(spec: JobSpec, plan: WorkPlan, run: _Run, hooks: _Hooks) -> Work
     return WorkerPool(config, pool_plan, hooks.renderer_factory)
 
 
-def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> JobSummary:
+def _summarise(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run) -> JobSummary:
     """Phase 5: this run's figures, and the job's over every run on this output."""
     stats = run.stats or SchedulerStats()
     now = time.time()

@@ -83,7 +83,7 @@ class JobValidationError(ValueError):
 def load_work_items(spec: JobSpec, s3: S3Options | None = None, *, adapter_kind: str | None = None) -> ValidatedJob:
     """Read the spec's manifest and validate it: `build_work_items(spec, read_manifest(...))`.
 
-    The whole job in memory: for tests and small jobs. A batch job plans through jobs/work_plan.py,
+    The whole job in memory: for tests and small jobs. A batch job plans through jobs/spilled_items.py,
     which validates the manifest in chunks with the same `ManifestValidator`."""
     s3 = s3 if s3 is not None else spec.s3_options()
     return build_work_items(spec, read_manifest(spec.manifest, s3), s3=s3, adapter_kind=adapter_kind)

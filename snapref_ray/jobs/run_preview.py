@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from snapref_ray.job_spec import JobSpec, JobSpecError, spec_fingerprint
 from snapref_ray.jobs.manifest_check import RowError
-from snapref_ray.jobs.work_plan import WorkPlan
+from snapref_ray.jobs.spilled_items import SpilledItems
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.ledger import committed_item_ids, job_fingerprint, read_job
@@ -25,7 +25,7 @@ class NothingToRender(ValueError):
 
 
 @dataclass(frozen=True)
-class JobPlan:
+class RunPreview:
     """A job's work, as validation and the output's ledger see it before anything runs."""
 
     manifest: str
@@ -66,7 +66,7 @@ _OWNER_TEXT = {
 }
 
 
-def plan_job(spec: JobSpec) -> JobPlan:
+def preview_run(spec: JobSpec) -> RunPreview:
     """Validate `spec` and read its output's ledger, writing nothing."""
     s3 = spec.s3_options()
     kind = adapter_kind(spec.model, s3=s3)
@@ -75,9 +75,9 @@ def plan_job(spec: JobSpec) -> JobPlan:
             "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
             f" the models folder ({spec.model.models_dir})"
         )
-    with WorkPlan.build(spec, s3=s3, adapter_kind=kind) as plan:
+    with SpilledItems.build(spec, s3=s3, adapter_kind=kind) as plan:
         owner, committed = _output_state(spec, s3, plan)
-        return JobPlan(
+        return RunPreview(
             manifest=spec.manifest,
             output=spec.output.uri,
             rows=plan.rows,
@@ -89,7 +89,7 @@ def plan_job(spec: JobSpec) -> JobPlan:
         )
 
 
-def _output_state(spec: JobSpec, s3, plan: WorkPlan) -> tuple[str, int]:
+def _output_state(spec: JobSpec, s3, plan: SpilledItems) -> tuple[str, int]:
     """Who owns the output, and how many of the plan's items it holds already (marked in the plan)."""
     owner = "new"
     if _output_exists(spec.output.uri):
@@ -109,7 +109,7 @@ def _output_state(spec: JobSpec, s3, plan: WorkPlan) -> tuple[str, int]:
     return owner, plan.committed
 
 
-def check_something_to_render(manifest: str, validated: WorkPlan | JobPlan) -> None:
+def check_something_to_render(manifest: str, validated: SpilledItems | RunPreview) -> None:
     """NothingToRender when the manifest has rows and none of them is valid, naming the first row's reasons."""
     errors, rows, items = validated.errors, validated.rows, validated.items
     if items or not errors:
