@@ -34,7 +34,7 @@ from snapref_ray.cluster.pool import (
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, SchedulerEvent, SchedulerStats
 from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
-from snapref_ray.job_spec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
+from snapref_ray.job_spec import JobSpec, load_job_spec, spec_fingerprint
 from snapref_ray.jobs.job_summary import (
     AttemptFigures,
     JobSummary,
@@ -44,9 +44,8 @@ from snapref_ray.jobs.job_summary import (
     TransferRate,
     job_throughput,
 )
-from snapref_ray.jobs.run_preview import check_something_to_render
+from snapref_ray.jobs.run_preview import check_something_to_render, job_adapter_kind
 from snapref_ray.jobs.spilled_items import SpilledItems
-from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.storage.backends import open_storage
@@ -194,14 +193,7 @@ class _Run:
 def _validate(spec: JobSpec, *, progress: bool = False) -> SpilledItems:
     """Phase 1: every manifest row checked, a chunk at a time, and the valid items spilled to local disk
     (jobs/spilled_items.py); a strict spec with an invalid row stops here, naming them."""
-    s3 = spec.s3_options()
-    kind = adapter_kind(spec.model, s3=s3)
-    if kind is None:
-        raise JobSpecError(
-            "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
-            f" the models folder ({spec.model.models_dir})"
-        )
-    plan = SpilledItems.build(spec, s3=s3, adapter_kind=kind, progress=progress)
+    plan = SpilledItems.build(spec, s3=spec.s3_options(), adapter_kind=job_adapter_kind(spec), progress=progress)
     try:
         check_something_to_render(spec.manifest, plan)  # every row invalid: say why, and write nothing
     except BaseException:

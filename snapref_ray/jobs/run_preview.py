@@ -66,16 +66,21 @@ _OWNER_TEXT = {
 }
 
 
-def preview_run(spec: JobSpec) -> RunPreview:
-    """Validate `spec` and read its output's ledger, writing nothing."""
-    s3 = spec.s3_options()
-    kind = adapter_kind(spec.model, s3=s3)
+def job_adapter_kind(spec: JobSpec) -> str:
+    """The kind of the job's reference adapter; a job without one is refused (every item reads a reference)."""
+    kind = adapter_kind(spec.model, s3=spec.s3_options())
     if kind is None:
         raise JobSpecError(
             "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
             f" the models folder ({spec.model.models_dir})"
         )
-    with SpilledItems.build(spec, s3=s3, adapter_kind=kind) as plan:
+    return kind
+
+
+def preview_run(spec: JobSpec) -> RunPreview:
+    """Validate `spec` and read its output's ledger, writing nothing."""
+    s3 = spec.s3_options()
+    with SpilledItems.build(spec, s3=s3, adapter_kind=job_adapter_kind(spec)) as plan:
         owner, committed = _output_state(spec, s3, plan)
         return RunPreview(
             manifest=spec.manifest,

@@ -3,13 +3,10 @@ every front door checks a reference the same way before any device work (render_
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from snapref_ray.adapter.images import ReferenceImageError
 from snapref_ray.render_service.references import Reference, ReferenceIdentity, RefKVKey, check_reference
-from snapref_ray.render_service.service import RenderService
 from snapref_ray.requests import RenderError, RenderRequest, RenderSettings
 
 SMALL = RenderSettings(width=256, height=256, steps=1, cfg=1.0, sampler="euler")
@@ -25,16 +22,6 @@ class Loads:
     def __call__(self) -> list[bytes]:
         self.calls += 1
         return [self.data]
-
-
-@pytest.fixture
-def service(tiny_renderer) -> RenderService:
-    return RenderService(tiny_renderer)
-
-
-@pytest.fixture(scope="module")
-def reference_png(tiny_models: Path) -> bytes:
-    return (tiny_models / "reference.png").read_bytes()
 
 
 def _reference(data: bytes, load: Loads, fetch=None) -> Reference:

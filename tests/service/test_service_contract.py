@@ -8,19 +8,8 @@ from pathlib import Path
 import pytest
 
 from snapref_ray.render_service.references import Reference, ReferenceIdentity, RefKVKey
-from snapref_ray.render_service.service import RenderService
 
 EXAMPLES = Path(__file__).parents[2] / "snapref_ray" / "examples" / "example_refs"
-
-
-@pytest.fixture
-def service(tiny_renderer) -> RenderService:
-    return RenderService(tiny_renderer)
-
-
-@pytest.fixture(scope="module")
-def reference_png(tiny_models: Path) -> bytes:
-    return (tiny_models / "reference.png").read_bytes()
 
 
 def _reference(images: list[bytes], layout: str, width: int = 256, height: int = 256) -> Reference:
