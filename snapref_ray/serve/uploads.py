@@ -18,7 +18,6 @@ from contextlib import aclosing
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from snapref_ray.geometry import token_grid
 from snapref_ray.render_service.references import (
     ReferenceIdentity,
     ReferenceImageError,
@@ -184,7 +183,7 @@ def _reference_of(infos: list[ReferenceInfo], layout: str, body: RenderBody) -> 
     return UploadedReference(
         identity=identity,
         reference_ids=tuple(i.reference_id for i in infos),
-        key=RefKVKey(identity.hash, caption, megapixels, *token_grid(height=body.height, width=body.width)),
+        key=RefKVKey.for_size(identity.hash, caption, megapixels, width=body.width, height=body.height),
     )
 
 
