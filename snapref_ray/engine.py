@@ -43,7 +43,7 @@ from snapref_ray.models.vae import load_vae, vae_compute_dtype
 from snapref_ray.models.vae_memory import decode_in_budget, encode_in_budget
 from snapref_ray.requests import RenderError, RenderRequest, RenderSettings
 from snapref_ray.sampling.noise import initial_noise, noise_scaling
-from snapref_ray.sampling.ref_guidance import Combiner, Row, StepPlan, plan_step
+from snapref_ray.sampling.ref_guidance import Combiner, Row, StepRows, step_rows
 from snapref_ray.sampling.samplers import sample
 from snapref_ray.sampling.schedules import get_sigmas
 from snapref_ray.sampling.step_cache import StepCacheState
@@ -171,7 +171,7 @@ class Renderer:
         try:
             return resolve_settings(settings, self.adapter_kind)
         except SettingsError as e:
-            raise RenderError(str(e), field=e.field) from None
+            raise RenderError(str(e), field=e.field, reason=e.reason) from None
 
     # -- references -----------------------------------------------------------------------
     def target_grid(self, width: int, height: int) -> tuple[int, int, int]:
@@ -348,7 +348,7 @@ class Renderer:
         cache = StepCacheState(s.step_cache, n) if s.step_cache is not None else None
 
         def denoise(x_B: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            plan = plan_step(s, float(sigma), has_reference)
+            plan = step_rows(s, float(sigma), has_reference)
             step_kv = refkv
             if prepared is not None and (step_kv is None or s.recompute_reference_every_step):
                 step_kv = self._run_reference_stream(prepared, grid)  # the pilot-style baseline
@@ -378,7 +378,7 @@ class Renderer:
         self,
         x_B: torch.Tensor,
         sigma: torch.Tensor,
-        plan: StepPlan,
+        plan: StepRows,
         ctx_for: dict[Row, list[torch.Tensor]],
         refkv: RefKV | None,
         reader: RowReader | None,
@@ -421,7 +421,7 @@ class Renderer:
         self,
         x_B: torch.Tensor,
         sigma: torch.Tensor,
-        plan: StepPlan,
+        plan: StepRows,
         ctx_for: dict[Row, list[torch.Tensor]],
         refkv: RefKV | None,
         reader: RowReader | None,
