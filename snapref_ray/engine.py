@@ -30,7 +30,7 @@ from snapref_ray.adapter.reference_adapter import (
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.geometry import latent_size
 from snapref_ray.models.bundle import ModelFiles, resolve_model_files
-from snapref_ray.models.compile_cache import CompileCache, CompileKey
+from snapref_ray.models.compile_cache import ArtifactStore, CompileCache, CompileKey
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.conditioning import PromptEncoder
 from snapref_ray.models.dit import load_dit
@@ -47,7 +47,6 @@ from snapref_ray.sampling.ref_guidance import Combiner, Row, StepRows, step_rows
 from snapref_ray.sampling.samplers import sample
 from snapref_ray.sampling.schedules import get_sigmas
 from snapref_ray.sampling.step_cache import StepCacheState
-from snapref_ray.storage.backends import S3Options, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ class Renderer:
         compile: bool = False,
         quantize: str | None = None,
         compile_cache: str | None = None,
-        s3: S3Options | None = None,
+        open_compile_store: Callable[[str], ArtifactStore] | None = None,
     ) -> None:
         auto_device, auto_dtype = default_device_and_dtype()
         self.device = torch.device(device) if device is not None else auto_device
@@ -127,11 +126,14 @@ class Renderer:
         # The DiT forward every sampling step calls: the module itself, or its compiled graphs
         # (models/compiled.py: one per resolution / row layout, built at warm-up or first use).
         self.compiled = compile
-        # compile_cache: where compiled graphs are shared between workers (models/compile_cache.py).
+        # compile_cache: where compiled graphs are shared between workers (models/compile_cache.py), opened by
+        # `open_compile_store(location)` (a local folder or s3://: the storage layer's, handed down by the loader).
         cache = None
         if compile and compile_cache is not None:
+            if open_compile_store is None:
+                raise ValueError("compile_cache needs open_compile_store, the store the compiled graphs are kept in")
             key = CompileKey.for_dit(self.dit, quantize or "none")
-            cache = CompileCache(compile_cache, key, open_store=lambda location: open_storage(location, s3))
+            cache = CompileCache(compile_cache, key, open_store=open_compile_store)
         self.forward: Callable[..., torch.Tensor] = compile_forward(self.dit, cache=cache) if compile else self.dit
         self.model_id = (
             f"{Path(files.dit).name}"
