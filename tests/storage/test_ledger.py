@@ -157,3 +157,18 @@ def test_the_compact_committed_ids_answer_what_a_python_set_would():
     empty = CommittedIds.from_strings([])
     assert len(empty) == 0 and "x" not in empty and empty.sorted_ids() == []
     assert empty.contains(["x"]).tolist() == [False]
+
+
+def test_index_of_is_each_ids_place_in_the_sorted_ids():
+    """What storage/item_contents.py looks a committed id's content id up by: its index in `sorted_ids()`."""
+    import pyarrow as pa
+
+    from snapref_ray.storage.ledger import CommittedIds
+
+    committed = CommittedIds.from_strings(["b-0", "a-0", "キャラ-0", "c-1", "a-0"])
+    order = committed.sorted_ids()
+    queries = ["c-1", "zz", "a-0", "キャラ-0", "b-0", ""]
+    expected = [order.index(q) if q in order else -1 for q in queries]
+    assert committed.index_of(pa.array(queries)).tolist() == expected == [2, -1, 0, 3, 1, -1]
+    assert committed.index_of(pa.chunked_array([pa.array(queries[:2]), pa.array(queries[2:])])).tolist() == expected
+    assert CommittedIds.from_strings([]).index_of(pa.array(["a-0"])).tolist() == [-1]
