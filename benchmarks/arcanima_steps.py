@@ -26,7 +26,7 @@ from snapref_ray.adapter.arcanima import BoundArcAnima, make_arcanima
 from snapref_ray.adapter.kinds import ARCANIMA_KINDS, ARCANIMA_LAYOUTS
 from snapref_ray.adapter.reference_adapter import PreparedReference
 from snapref_ray.requests import RenderSettings
-from snapref_ray.sampling.ref_guidance import Combiner, plan_step
+from snapref_ray.sampling.ref_guidance import Combiner, step_rows
 
 
 def _arcanima_step(ctx: SuiteContext, kind: str) -> tuple[Callable[[], torch.Tensor], Callable[[], Any], BoundArcAnima]:
@@ -49,7 +49,7 @@ def _arcanima_step(ctx: SuiteContext, kind: str) -> tuple[Callable[[], torch.Ten
     )
     prepared = PreparedReference((latent,), None, f"benchmark-{kind}")
     settings = RenderSettings(width=g.width_px, height=g.height_px, cfg=CFG)
-    plan = plan_step(settings, SIGMA, True)
+    plan = step_rows(settings, SIGMA, True)
     combine = Combiner(settings)
     renderer = bench.renderer
 

@@ -17,7 +17,7 @@ Every measurement runs in a fresh Python process, so its peak RSS (Linux VmHWM) 
   max_renders_per_item 3) and the simulated renderer draws a black frame for a fraction F of seeds, which the
   sanity check rejects and the loop renders again; the driver's CPU is then reported per manifest item and per
   render (``--judge-reject off`` is the job without a judge: section).
-- ``plan``: the planning path without rendering (render_service/work_plan.py: validate and spill in chunks, mark
+- ``plan``: the planning path without rendering (jobs/spilled_items.py: validate and spill in chunks, mark
   the committed items, read every reference group back), for a manifest written reference-major and prompt-major,
   and as the resume of a finished job (every item already committed).
 - ``resume``: a fully committed ledger of N items (metadata parts of 100,000 rows of ids), read back as
@@ -213,7 +213,7 @@ def one_plan(items: int, order: str = "reference-major", committed: str = "none"
     schedule runs): validate the manifest in chunks and spill it, mark what an earlier run committed, then read
     every reference group back as the schedule would. `committed`: "none", or "all" (a finished job's resume:
     every id in the output's ledger)."""
-    from snapref_ray.render_service.work_plan import WorkPlan
+    from snapref_ray.jobs.spilled_items import SpilledItems
     from snapref_ray.storage.ledger import CommittedIds
     from snapref_ray.tiny import make_tiny
 
@@ -223,7 +223,7 @@ def one_plan(items: int, order: str = "reference-major", committed: str = "none"
         spec = _spec(manifest, root / "out", make_tiny(root / "tiny"), "files", 4)
         base = _peak_rss_mib()
         cpu0, t0 = _cpu_s(), time.time()
-        plan = WorkPlan.build(spec, adapter_kind="snapref")
+        plan = SpilledItems.build(spec, adapter_kind="snapref")
         t_validated = time.time()
         done = CommittedIds.from_strings([])
         if committed == "all":

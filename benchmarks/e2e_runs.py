@@ -14,7 +14,7 @@ from typing import Any
 
 from snapref_ray.adapter.controls import resolve_settings
 from snapref_ray.requests import RenderSettings
-from snapref_ray.sampling.ref_guidance import plan_step
+from snapref_ray.sampling.ref_guidance import step_rows
 
 CFG, SAMPLER = 4.5, "er_sde"
 ADAPTERS = {"snapref": "snapref", "v2": "arcanima-v2", "pilot": "arcanima-pilot"}
@@ -69,7 +69,7 @@ class RunSpec:
     def weighted_rows(self) -> int:
         """DiT rows per image and step, a pilot row that reads (two latent frames) counted twice."""
         settings = resolve_settings(RenderSettings(cfg=CFG, **self.row_settings()), self.kind)
-        plan = plan_step(settings, 0.5, True)
+        plan = step_rows(settings, 0.5, True)
         frames = 2 if self.kind == "arcanima-pilot" else 1
         return sum(frames if reads else 1 for reads in plan.reads)
 

@@ -14,7 +14,7 @@ A row that does not fit is listed under `skipped` with its estimate.
 
 Random weights at real size (Anima 2B: width 2048, 28 blocks, 832x1216 target = 3,952 tokens,
 1 MP reference = 4,096 tokens, bf16) through the engine's own step (`benchmarks/snapref_steps.py`'s
-`StepBench`: `plan_step`, `Renderer.denoise_rows`, the `Combiner`). Measured:
+`StepBench`: `step_rows`, `Renderer.denoise_rows`, the `Combiner`). Measured:
 
 1. the CFG step without a reference, eager and torch.compile'd: seconds, achieved TFLOP/s and
    % of the dense bf16 peak (`--peak-tflops`, default 989 = H100/H200 SXM);

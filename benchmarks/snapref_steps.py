@@ -18,7 +18,7 @@ Settings (text CFG 4, so every step has a cond and an uncond row):
 
 What runs is the engine's own code: a `Renderer` whose DiT, adapter, device and dtype are set
 directly (no text encoder or VAE is loaded: the step does not use them), and a step function that
-does what `Renderer._render_batch`'s `denoise` closure does: `plan_step`, `_run_reference_stream`
+does what `Renderer._render_batch`'s `denoise` closure does: `step_rows`, `_run_reference_stream`
 when recomputing, `Renderer.denoise_rows` (one batched forward, reads from `RefKV.reads`, the
 bound adapter's target LoRAs) and the `Combiner`. The reference is a random normalised latent:
 VAE encoding and the caption's text encoding are not part of `encode_seconds`.
@@ -66,7 +66,7 @@ from snapref_ray.geometry import latent_size
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.flops import block_linear_dims, dit_forward_flops
 from snapref_ray.requests import RenderSettings
-from snapref_ray.sampling.ref_guidance import Combiner, Row, plan_step
+from snapref_ray.sampling.ref_guidance import Combiner, Row, step_rows
 
 SIGMA = 0.5  # a mid-schedule step; the cost of a step does not depend on sigma
 CFG = 4.0
@@ -193,7 +193,7 @@ class StepBench:
 
         @torch.inference_mode()
         def step() -> torch.Tensor:
-            plan = plan_step(s, float(self.sigma), has_reference)
+            plan = step_rows(s, float(self.sigma), has_reference)
             step_kv = refkv
             if has_reference and s.recompute_reference_every_step:
                 step_kv = renderer._run_reference_stream(self.prepared, self.grid)  # the pilot-style baseline
@@ -204,7 +204,7 @@ class StepBench:
 
     def plan(self, name: str) -> tuple[int, int]:
         """(rows, reading rows) of setting `name`'s step."""
-        plan = plan_step(self.settings(name), SIGMA, SETTINGS[name][1])
+        plan = step_rows(self.settings(name), SIGMA, SETTINGS[name][1])
         return len(plan.rows), sum(plan.reads)
 
     # -- FLOP model ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from benchmarks.common import interleaved, log, paired_ratio, summarize
 from benchmarks.suite_rows import SuiteContext
 from snapref_ray.requests import StepCache
-from snapref_ray.sampling.ref_guidance import Combiner, plan_step
+from snapref_ray.sampling.ref_guidance import Combiner, step_rows
 from snapref_ray.sampling.samplers import sample
 from snapref_ray.sampling.schedules import get_sigmas
 from snapref_ray.sampling.step_cache import StepCacheState
@@ -47,7 +47,7 @@ def _loop(ctx: SuiteContext, rule: StepCache | None, skipped: list[int]) -> Call
         cache = StepCacheState(rule, bench.batch) if rule is not None else None
 
         def denoise(x_B: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            plan = plan_step(settings, float(sigma), True)
+            plan = step_rows(settings, float(sigma), True)
             denoised = renderer.denoise_rows(x_B, sigma, plan, bench.ctx_for, bench.refkv, reader, cache)
             return combine(x_B, sigma, plan, denoised)
 

@@ -99,8 +99,7 @@ def _describe_judgement(judgement) -> str:
 
 def _reference(args: argparse.Namespace, settings: RenderSettings, adapter_kind: str | None):
     """The typed `Reference` of --reference / --reference2, checked before any device work (None without one)."""
-    from snapref_ray.adapter.images import ReferenceImageError
-    from snapref_ray.render_service.references import Reference, check_reference
+    from snapref_ray.render_service.references import Reference, ReferenceImageError, check_reference
     from snapref_ray.requests import RenderError
 
     images, layout = _reference_images(args)
@@ -111,11 +110,13 @@ def _reference(args: argparse.Namespace, settings: RenderSettings, adapter_kind:
     try:
         check_reference(images, layout, sources, adapter_kind)
     except ReferenceImageError as e:
-        flag = next((f for f, src in zip(flags, sources) if str(e).startswith(src)), "--reference")
-        raise ReferenceImageError(f"{flag} {e}") from None
+        flag = flags[sources.index(e.source)] if e.source in sources else "--reference"
+        if e.source is None:  # the reference as a whole, not one file
+            raise ReferenceImageError(f"{flag} {e}") from None
+        raise ReferenceImageError(e.reason, f"{flag} {e.source}") from None
     except RenderError as e:  # a layout the adapter does not read
         flag = "--reference2" if layout == "pair" else f"--reference (given {len(args.reference)} times)"
-        raise RenderError(f"{flag}: {str(e).removeprefix('layout: ')}", field="reference") from None
+        raise RenderError(f"{flag}: {e.reason}", field="reference", reason=e.reason) from None
     return Reference.of_images(images, layout, settings, sources)
 
 
@@ -262,9 +263,9 @@ def probe_s3_places(spec) -> None:
 def _dry_run(spec, *, allow_invalid: bool = False) -> int:
     """Validate, count and read the output's ledger; render nothing, write nothing. The exit status is the one the
     run would end with for its invalid rows (1 unless --allow-invalid)."""
-    from snapref_ray.jobs.job_plan import check_something_to_render, plan_job
+    from snapref_ray.jobs.run_preview import check_something_to_render, preview_run
 
-    plan = plan_job(spec)
+    plan = preview_run(spec)
     for line in plan.lines():
         print(f"dry run: {line}")
     check_something_to_render(spec.manifest, plan)

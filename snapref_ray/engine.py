@@ -30,7 +30,7 @@ from snapref_ray.adapter.reference_adapter import (
 from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.geometry import latent_size
 from snapref_ray.models.bundle import ModelFiles, resolve_model_files
-from snapref_ray.models.compile_cache import CompileCache, CompileKey
+from snapref_ray.models.compile_cache import ArtifactStore, CompileCache, CompileKey
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.models.conditioning import PromptEncoder
 from snapref_ray.models.dit import load_dit
@@ -43,11 +43,10 @@ from snapref_ray.models.vae import load_vae, vae_compute_dtype
 from snapref_ray.models.vae_memory import decode_in_budget, encode_in_budget
 from snapref_ray.requests import RenderError, RenderRequest, RenderSettings
 from snapref_ray.sampling.noise import initial_noise, noise_scaling
-from snapref_ray.sampling.ref_guidance import Combiner, Row, StepPlan, plan_step
+from snapref_ray.sampling.ref_guidance import Combiner, Row, StepRows, step_rows
 from snapref_ray.sampling.samplers import sample
 from snapref_ray.sampling.schedules import get_sigmas
 from snapref_ray.sampling.step_cache import StepCacheState
-from snapref_ray.storage.backends import S3Options, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ class Renderer:
         compile: bool = False,
         quantize: str | None = None,
         compile_cache: str | None = None,
-        s3: S3Options | None = None,
+        open_compile_store: Callable[[str], ArtifactStore] | None = None,
     ) -> None:
         auto_device, auto_dtype = default_device_and_dtype()
         self.device = torch.device(device) if device is not None else auto_device
@@ -127,11 +126,14 @@ class Renderer:
         # The DiT forward every sampling step calls: the module itself, or its compiled graphs
         # (models/compiled.py: one per resolution / row layout, built at warm-up or first use).
         self.compiled = compile
-        # compile_cache: where compiled graphs are shared between workers (models/compile_cache.py).
+        # compile_cache: where compiled graphs are shared between workers (models/compile_cache.py), opened by
+        # `open_compile_store(location)` (a local folder or s3://: the storage layer's, handed down by the loader).
         cache = None
         if compile and compile_cache is not None:
+            if open_compile_store is None:
+                raise ValueError("compile_cache needs open_compile_store, the store the compiled graphs are kept in")
             key = CompileKey.for_dit(self.dit, quantize or "none")
-            cache = CompileCache(compile_cache, key, open_store=lambda location: open_storage(location, s3))
+            cache = CompileCache(compile_cache, key, open_store=open_compile_store)
         self.forward: Callable[..., torch.Tensor] = compile_forward(self.dit, cache=cache) if compile else self.dit
         self.model_id = (
             f"{Path(files.dit).name}"
@@ -171,7 +173,7 @@ class Renderer:
         try:
             return resolve_settings(settings, self.adapter_kind)
         except SettingsError as e:
-            raise RenderError(str(e), field=e.field) from None
+            raise RenderError(str(e), field=e.field, reason=e.reason) from None
 
     # -- references -----------------------------------------------------------------------
     def target_grid(self, width: int, height: int) -> tuple[int, int, int]:
@@ -348,7 +350,7 @@ class Renderer:
         cache = StepCacheState(s.step_cache, n) if s.step_cache is not None else None
 
         def denoise(x_B: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            plan = plan_step(s, float(sigma), has_reference)
+            plan = step_rows(s, float(sigma), has_reference)
             step_kv = refkv
             if prepared is not None and (step_kv is None or s.recompute_reference_every_step):
                 step_kv = self._run_reference_stream(prepared, grid)  # the pilot-style baseline
@@ -378,7 +380,7 @@ class Renderer:
         self,
         x_B: torch.Tensor,
         sigma: torch.Tensor,
-        plan: StepPlan,
+        plan: StepRows,
         ctx_for: dict[Row, list[torch.Tensor]],
         refkv: RefKV | None,
         reader: RowReader | None,
@@ -421,7 +423,7 @@ class Renderer:
         self,
         x_B: torch.Tensor,
         sigma: torch.Tensor,
-        plan: StepPlan,
+        plan: StepRows,
         ctx_for: dict[Row, list[torch.Tensor]],
         refkv: RefKV | None,
         reader: RowReader | None,

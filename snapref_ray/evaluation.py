@@ -43,7 +43,7 @@ from snapref_ray.models.latent_format import process_in
 from snapref_ray.models.vae_memory import encode_in_budget
 from snapref_ray.requests import RenderSettings
 from snapref_ray.sampling.noise import initial_noise, noise_scaling
-from snapref_ray.sampling.ref_guidance import Row, StepPlan
+from snapref_ray.sampling.ref_guidance import Row, StepRows
 
 LOSS_DEFINITION = (
     "mean((v_pred - v)^2) over latent elements; x_s = (1-s)*x0 + s*eps, v = eps - x0, "
@@ -115,7 +115,7 @@ def denoising_losses(
         refkv = refkv.to(renderer.device, renderer.dtype)
         # The cond row of a render with these settings: the mode's block weights x ref_weight, target LoRA on.
         reader = bound.reader(renderer.resolve(RenderSettings(mode=mode, ref_weight=ref_weight)))
-    plan = StepPlan(rows=(Row.COND,), reads=(refkv is not None,), ref_guidance_active=False)
+    plan = StepRows(rows=(Row.COND,), reads=(refkv is not None,), ref_guidance_active=False)
     context = renderer.prompts.encode(prompt, device=renderer.device).to(renderer.dtype)  # [1, L, C]
     eps = initial_noise(list(noise_seeds), tuple(x0.shape[1:]), renderer.device)  # [N, 16, 1, h, w]
     v_target = eps - x0

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from snapref_ray.geometry import PIXELS_PER_TOKEN
+from snapref_ray.input_errors import InputError
 
 Sampler = Literal["euler", "er_sde"]
 Scheduler = Literal["simple"]
@@ -236,12 +237,12 @@ class RowDefaults(RenderSettings):
 ROW_ONLY_DEFAULTS = ("seed", "images_per_prompt")
 
 
-class RenderError(ValueError):
-    """A render request that cannot be carried out; the message names the field, `field` too when known.
+class RenderError(InputError):
+    """A render request that cannot be carried out; the message names the field, `field` too when known,
+    and `reason` is the message without the field's name where the raiser gave it apart.
 
     Raised by the engine and by the adapter kinds it runs (snapref_ray.engine re-exports it).
     """
 
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
+    def __init__(self, message: str, field: str | None = None, *, reason: str | None = None) -> None:
+        super().__init__(message, reason=reason, field=field)

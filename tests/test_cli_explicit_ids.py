@@ -17,7 +17,7 @@ from PIL import Image
 from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_metadata_table
-from tests.service.test_work_plan import expected_id
+from tests.service.test_spilled_items import expected_id
 from tests.test_cli_exit_codes import EXAMPLES, SMALL, error_lines, snapref
 
 REFS = [str(EXAMPLES / "example_refs" / name) for name in ("silver_hair_girl.png", "brown_hair_boy.png")]

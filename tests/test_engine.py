@@ -18,7 +18,7 @@ from snapref_ray.adapter.images import ReferenceImageError
 from snapref_ray.engine import Renderer, RenderError
 from snapref_ray.models.block_map import INHERITED_28_TO_40, BlockLayoutError
 from snapref_ray.requests import RenderRequest, RenderSettings
-from snapref_ray.sampling.ref_guidance import Row, plan_step
+from snapref_ray.sampling.ref_guidance import Row, step_rows
 from snapref_ray.tiny import TinyConfig, make_tiny
 
 SMALL = dict(width=256, height=256, steps=3, sampler="euler")
@@ -109,7 +109,7 @@ def _rows(renderer, settings, refkv, sigma=0.8):
     x = torch.randn(1, 16, 1, 32, 32, generator=g)
     cond, uncond = renderer.prompts.encode("1girl, smile"), renderer.prompts.encode("")
     ctx_for = {Row.COND: [cond], Row.UNCOND: [uncond], Row.COND_NOREF: [cond]}
-    plan = plan_step(settings, sigma, True)
+    plan = step_rows(settings, sigma, True)
     reader = renderer.adapter.reader(renderer.resolve(settings))
     return renderer.denoise_rows(x, torch.tensor(sigma), plan, ctx_for, refkv, reader)
 

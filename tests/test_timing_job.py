@@ -18,7 +18,7 @@ from snapref_ray.job_spec import OutputSpec
 from snapref_ray.jobs.flop_model import Case, RowGroup, forward_flops, real_size_ratios
 from snapref_ray.jobs.timing_catalogue import ARCANIMA_ROWS, SETTING_NAMES
 from snapref_ray.jobs.timing_report import format_markdown
-from snapref_ray.jobs.timing_settings import timing_plan, timing_settings
+from snapref_ray.jobs.timing_settings import settings_to_time, timing_settings
 from snapref_ray.jobs.timing_spec import TimingSpec
 from snapref_ray.jobs.timing_table import run_timing
 from snapref_ray.model_spec import LoRASpec, ModelSpec
@@ -121,7 +121,7 @@ def test_rows_follow_the_adapter_kinds_the_model_has(kind):
     """A model whose adapter is an ArcAnima file (what `make-tiny --adapter-kind` writes) runs that kind's rows
     and says why the SnapRef rows are left out; without an adapter only the plain row runs."""
     spec = TimingSpec(model=ModelSpec(models_dir="m", adapter=f"{kind}.safetensors" if kind else None), **CASE)
-    settings, left_out = timing_plan(spec, kind)
+    settings, left_out = settings_to_time(spec, kind)
     runs = {s.name for s in settings}
     snapref_rows = {n for n in SETTING_NAMES if n not in ARCANIMA_ROWS and n != "no_reference"}
     own = {n for n, k in ARCANIMA_ROWS.items() if k == kind}

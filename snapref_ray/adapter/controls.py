@@ -17,17 +17,17 @@ its row of `kinds.KINDS`.
 from __future__ import annotations
 
 from snapref_ray.adapter.kinds import KINDS
+from snapref_ray.input_errors import InputError
 from snapref_ray.requests import RenderSettings
 
 SNAPREF = "snapref"  # the kind whose defaults a render without an adapter takes
 
 
-class SettingsError(ValueError):
-    """A setting that does not fit the loaded adapter kind; `field` names it."""
+class SettingsError(InputError):
+    """A setting that does not fit the loaded adapter kind; `field` names it, `reason` says why."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+        super().__init__(f"{field}: {message}", reason=message, field=field)
 
 
 def resolve_settings(settings: RenderSettings, kind: str | None) -> RenderSettings:

@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from snapref_ray.geometry import PIXELS_PER_TOKEN
+from snapref_ray.input_errors import InputError
 
 if TYPE_CHECKING:  # imported where pixels are made: Serve's ingress checks images without torch
     import torch
@@ -38,8 +39,11 @@ Layout = Literal["single", "pair", "multi"]
 _LAYOUT_COUNTS = {"single": "exactly 1", "pair": "exactly 2", "multi": "at least 1"}
 
 
-class ReferenceImageError(ValueError):
-    """A reference image that cannot be used; the message names its source and the reason."""
+class ReferenceImageError(InputError):
+    """A reference image that cannot be used; `source` names it (None: the reference as a whole), `reason` why."""
+
+    def __init__(self, reason: str, source: str | None = None) -> None:
+        super().__init__(f"{source}: {reason}" if source is not None else reason, reason=reason, source=source)
 
 
 def content_hash(data: bytes) -> str:
@@ -50,7 +54,7 @@ def content_hash(data: bytes) -> str:
 def open_reference(data: bytes, source: str = "<bytes>") -> Image.Image:
     """Decode image bytes into a fully loaded RGB image (EXIF orientation applied, alpha on white)."""
     if not data:
-        raise ReferenceImageError(f"{source}: empty file (0 bytes), expected an image")
+        raise ReferenceImageError("empty file (0 bytes), expected an image", source)
     try:
         # PIL warns at 89 MP and raises at twice that, from a process-global limit; make both
         # an exception here and convert it below. (Our own, lower limit is checked first anyway.)
@@ -63,15 +67,15 @@ def open_reference(data: bytes, source: str = "<bytes>") -> Image.Image:
     except ReferenceImageError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ReferenceImageError(f"{source}: refused as a possible decompression bomb: {e}") from None
+        raise ReferenceImageError(f"refused as a possible decompression bomb: {e}", source) from None
     except UnidentifiedImageError:
         raise ReferenceImageError(
-            f"{source}: not an image format PIL can read ({len(data)} bytes, starting {data[:16]!r})"
+            f"not an image format PIL can read ({len(data)} bytes, starting {data[:16]!r})", source
         ) from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, KeyError, TypeError) as e:
         # PIL's decoders report truncated or corrupt data with any of these.
         raise ReferenceImageError(
-            f"{source}: cannot decode the image, the file is truncated or corrupt ({type(e).__name__}: {e})"
+            f"cannot decode the image, the file is truncated or corrupt ({type(e).__name__}: {e})", source
         ) from None
     return _to_rgb(img, source)
 
@@ -173,11 +177,12 @@ def prepare_reference(
 def _check_size(size: tuple[int, int], source: str) -> None:
     w, h = size
     if w <= 0 or h <= 0:
-        raise ReferenceImageError(f"{source}: image has no pixels ({w}x{h})")
+        raise ReferenceImageError(f"image has no pixels ({w}x{h})", source)
     if w * h > MAX_REFERENCE_PIXELS:
         raise ReferenceImageError(
-            f"{source}: image is {w}x{h} = {w * h:,} pixels, more than the"
-            f" {MAX_REFERENCE_PIXELS:,} allowed for a reference (possible decompression bomb)"
+            f"image is {w}x{h} = {w * h:,} pixels, more than the"
+            f" {MAX_REFERENCE_PIXELS:,} allowed for a reference (possible decompression bomb)",
+            source,
         )
 
 
@@ -195,7 +200,7 @@ def _to_rgb(img: Image.Image, source: str) -> Image.Image:
     try:
         return img.convert("RGB")
     except ValueError as e:
-        raise ReferenceImageError(f"{source}: image mode {img.mode!r} cannot be converted to RGB ({e})") from None
+        raise ReferenceImageError(f"image mode {img.mode!r} cannot be converted to RGB ({e})", source) from None
 
 
 def _high_depth_to_l(img: Image.Image) -> Image.Image:

@@ -82,7 +82,7 @@ class AdapterKind:
     # Reference layouts (images.prepare_reference) the kind does not read -> why (the error's text).
     refused_layouts: Mapping[str, str] = field(default_factory=dict)
     # Settings (controls.resolve_settings). The authors' published defaults, applied where the user
-    # left a field unset: they decide which rows read at a step (sampling.ref_guidance.plan_step).
+    # left a field unset: they decide which rows read at a step (sampling.ref_guidance.step_rows).
     settings_defaults: Mapping[str, object] = field(default_factory=dict)
     # Fields that mean nothing for this kind -> why (refused, naming the field, never ignored).
     not_applicable: Mapping[str, str] = field(default_factory=dict)

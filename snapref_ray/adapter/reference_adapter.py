@@ -9,7 +9,7 @@ A render with a reference asks four things of its adapter, in this order:
    (`reference_stream`: K/V per block, or the pilot's frame latent);
 3. which rows read at a step: the kind's row of `kinds.KINDS` gives its settings defaults
    (`ref_in_uncond`, `ref_guidance`, `ref_outside`; controls.resolve_settings), from which
-   sampling.ref_guidance.plan_step makes each step's rows and says which of them read;
+   sampling.ref_guidance.step_rows makes each step's rows and says which of them read;
 4. the forward of a batch of rows, some of which read the reference: `RowReader.forward`, one
    `RowReader` per render from `reader(settings)`.
 
@@ -130,7 +130,8 @@ class ReferenceAdapter(ABC):
     ) -> list[torch.Tensor]:
         """The reference images as VAE input, [1, 3, H, W] in [-1, 1] each, laid out and sized for this kind."""
         if layout in self.spec.refused_layouts:
-            raise RenderError(f"layout: {self.spec.refused_layouts[layout]}", field="layout")
+            refused = self.spec.refused_layouts[layout]
+            raise RenderError(f"layout: {refused}", field="layout", reason=refused)
         if self.spec.reference_size == "megapixels":
             return prepare_reference(images, layout=layout, megapixels=megapixels, sources=sources)
         if output_size is None:
@@ -179,7 +180,7 @@ def forward_reading_and_plain_rows(
 
     For kinds whose reading rows differ from the others in more than the read (ArcAnima: the LoRA,
     the pilot's second frame): neither group pays for the other's work. Rows are taken as slices of
-    contiguous runs (a view when the reading rows come first, as `plan_step` lays them out).
+    contiguous runs (a view when the reading rows come first, as `step_rows` lays them out).
     """
     reading_rows = tuple(i for i, r in enumerate(reads) if r)
     plain_rows = tuple(i for i, r in enumerate(reads) if not r)

@@ -4,7 +4,7 @@ An actor whose request (`num_gpus`, `num_cpus`, `memory=`) fits no node is *infe
 ever. On an autoscaling cluster Ray's autoscaler says so, every 30 s, to every driver ("No available node types
 can fulfill resource request {'memory': 3222315440.0, 'GPU': 1.0, 'CPU': 1.0}"); without this module the job
 waited its whole `cluster.start_timeout_s` (900 s) before failing with a guess. `InfeasibilityWatch` listens
-for that report (cluster/ray_output.py passes the autoscaler's lines on), and the pool (cluster/pool.py) asks it
+for that report (ray_console.py passes the autoscaler's lines on), and the pool (cluster/pool.py) asks it
 while no worker has started yet: the first report about the workers' own request ends the job within a minute
 of asking, with `WorkerCannotBePlaced` naming what a worker asks for, what each node type offers (read from
 the autoscaler's cluster config on this machine, else the nodes that are up) and what to change.
@@ -170,15 +170,15 @@ class InfeasibilityWatch:
     """
 
     def __init__(self, asked: Mapping[str, float]) -> None:
-        from snapref_ray.cluster import ray_output
+        from snapref_ray import ray_console
 
         self.asked = {k: float(v) for k, v in asked.items() if v}
         self._report: str | None = None
         self._lock = threading.Lock()
-        self._stop = ray_output.on_autoscaler_line(self.feed)
+        self._stop = ray_console.on_autoscaler_line(self.feed)
 
     def feed(self, line: str) -> None:
-        """One line of the autoscaler's output (ray_output calls it on Ray's log thread)."""
+        """One line of the autoscaler's output (ray_console calls it on Ray's log thread)."""
         if any(is_this_request(r, self.asked) for r in infeasible_requests(line)):
             with self._lock:
                 self._report = line.strip()

@@ -67,7 +67,7 @@ class QueuedReference:
 
 @dataclass(frozen=True)
 class PlannedWork:
-    """A job's items as its plan hands them over (render_service/work_plan.py): one reference's items per group, in
+    """A job's items as jobs/spilled_items.py hands them over: one reference's items per group, in
     the order to open them, pulled only as the schedule opens references; `items` counts them all."""
 
     groups: Iterable[Sequence[WorkItem]]

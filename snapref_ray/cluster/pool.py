@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import ray
 
-from snapref_ray.cluster import ray_output
+from snapref_ray import ray_console
 from snapref_ray.cluster.feasibility import InfeasibilityWatch
 from snapref_ray.cluster.scheduler_config import SchedulerConfig
 from snapref_ray.cluster.scheduler_stats import SchedulerStats
@@ -154,7 +154,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, num_gpus
     else:
         # "local" never attaches to a stale cluster left by an unclean exit.
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True)
-    ray_output.install()  # Ray's process output: the terminal, or the job's log (cluster/ray_output.py)
+    ray_console.install()  # Ray's process output: the terminal, or the job's log (snapref_ray/ray_console.py)
 
 
 def gpus_in_cluster() -> int:

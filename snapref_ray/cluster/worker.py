@@ -17,8 +17,8 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from snapref_ray.adapter.refkv import RefKV
 from snapref_ray.cluster.failures import LOST_REFKV_ERRORS
 from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.output_writer import OutputWriter
@@ -27,12 +27,15 @@ from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.judges.registry import JudgeCall
 from snapref_ray.render_service.judges.spec import JudgeSpec
 from snapref_ray.render_service.records import describe_error, encode_output, image_extension, metadata_row
-from snapref_ray.render_service.references import Reference
+from snapref_ray.render_service.references import Reference, RefKVKey
 from snapref_ray.render_service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMemory, RenderService
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import make_thumbnail
 from snapref_ray.storage.metadata import image_key, reference_image_key, thumb_key
 from snapref_ray.storage.shards import ShardWriter, remove_dead_workers_temporaries, wants_thumbnail
+
+if TYPE_CHECKING:
+    from snapref_ray.render_service.service import RefKV
 
 log = logging.getLogger(__name__)
 
@@ -115,28 +118,24 @@ class RenderWorker:
 
     def _warm_up(self) -> None:
         """One small step so that the first real batch does not pay for kernel selection and allocation."""
-        from snapref_ray.requests import RenderRequest, RenderSettings
-
         t0 = time.perf_counter()
         if self.config.model.compile and self.config.warmup_sizes:
             # A compiling worker builds (or loads from the compile cache) the graphs of its job's sizes and
             # batch sizes now, with a reference read when an adapter is loaded (render_service/cold_start.py).
             self.service.warmup(self.config.warmup_sizes, self.config.warmup_batch_sizes or (1,))
         else:
-            settings = RenderSettings(width=256, height=256, steps=1, cfg=1.0)
-            with self.service.device("render"):  # an image: the cold start's first image
-                self.service.renderer.render([RenderRequest(prompt="warm-up", settings=settings)])
+            self.service.warm_up_image()
         log.info("worker %s warmed up in %.2f s", self.worker_id, time.perf_counter() - t0)
 
     # -- called by the driver ------------------------------------------------------------------
     def info(self) -> WorkerInfo:
-        r = self.service.renderer
+        described = self.service.device_description()
         return WorkerInfo(
             self.worker_id,
             self.node_id,
-            str(r.device),
+            described.device,
             os.getpid(),
-            float(getattr(r, "load_seconds", 0.0)),
+            described.load_seconds,
             self.config.memory_budget_bytes,
             cold_start=self.service.cold_start().as_dict(),
         )
@@ -160,7 +159,7 @@ class RenderWorker:
         worker; the small EncodeInfo return is what the driver waits on (never the RefKV, which
         would be pulled to the driver's node). The RefKV also stays in this worker's device cache.
         """
-        kv, source = self.service.refkv(task.key, task.layout, lambda: self._read_images(task), sources=task.uris)
+        kv, source = self.service.refkv(self._reference(task))
         if source == "encoded":
             self.metrics.encodes.inc(1, self.tags)
         return kv, EncodeInfo(task.reference_hash, kv.nbytes, kv.encode_seconds, self.worker_id, source == "encoded")
@@ -193,13 +192,8 @@ class RenderWorker:
         started = time.time()
         fetch_s, lost = [0.0], [""]
         ref = task.reference
-        reference = Reference(
-            ref.key,
-            ref.layout,
-            ref.uris,
-            lambda: self._read_images(ref),
-            fetch=(lambda: self._fetch(ref, refkv_handle, fetch_s, lost)) if refkv_handle else None,
-        )
+        fetch = (lambda: self._fetch(ref, refkv_handle, fetch_s, lost)) if refkv_handle else None
+        reference = self._reference(ref, fetch)
         try:  # the service decides what the batch reads: the images (recompute_reference_every_step) or a RefKV
             read = self.service.read_reference(reference, task.items[0].settings)
         except Exception as e:  # an unreadable reference fails its items, not the worker
@@ -240,6 +234,11 @@ class RenderWorker:
         return outcomes
 
     # -- internals -------------------------------------------------------------------------------
+    def _reference(self, ref: ReferenceTask, fetch: Callable[[], RefKV | None] | None = None) -> Reference:
+        """The job's reference task as the one carrier the render service takes (its files read from the job's
+        storage when the service needs them; `fetch` a copy of its RefKV another worker encoded)."""
+        return Reference(ref.key, ref.layout, ref.uris, lambda: self._read_images(ref), fetch=fetch)
+
     def _judge_call(self, ref: ReferenceTask) -> JudgeCall | None:
         """What this job's renders are judged by; no kept set (the driver holds it and re-decides near_duplicate)."""
         spec = self.config.judge
@@ -282,12 +281,7 @@ class RenderWorker:
                 lost[0],
             )
             return None
-        kv = shared.to(self.service.renderer.device)
-        if kv.kv_N2HLD.data_ptr() == shared.kv_N2HLD.data_ptr():
-            # Same device (CPU): the tensor still maps the object store's shared memory and
-            # would pin the object after the driver drops it; the LRU keeps a private copy.
-            kv = replace(shared, kv_N2HLD=shared.kv_N2HLD.clone())
-        return kv
+        return self.service.private_refkv(shared)  # the store's copy would stay pinned by the LRU
 
     def _store(self, task: RenderTask, item, rendered, started: float) -> ItemOutcome:
         t0 = time.perf_counter()
@@ -340,12 +334,9 @@ class RenderWorker:
         key = reference_image_key(ref.reference_hash)
         if ref.reference_hash in self._stored_references:
             return key
-        from snapref_ray.adapter.images import open_reference, stitch_side_by_side
-
-        images = [open_reference(data, uri) for data, uri in zip(self._read_images(ref), ref.uris)]
-        image = stitch_side_by_side(*images) if ref.layout == "pair" else images[0]
         if not self.storage.exists(key):
-            self.storage.put_bytes(key, make_thumbnail(image, max_side=512))
+            picture = self.service.reference_picture(self._reference(ref))
+            self.storage.put_bytes(key, make_thumbnail(picture, max_side=512))
         self._stored_references.add(ref.reference_hash)
         return key
 
@@ -372,62 +363,59 @@ class RenderWorker:
 
         The right and the wrong reference go through this worker's RefKV cache, so each is
         encoded once per worker and target size however many cases and σ/seed draws use it; both
-        grids share the case's σ values and noise seeds (`snapref_ray.evaluation.denoising_losses`).
+        grids share the case's σ values and noise seeds (`RenderService.identity_gap_losses`).
         A failure is returned as {"case_id", "error"}: one bad image must not stop the evaluation.
         """
-        from snapref_ray.evaluation import denoising_losses, prepare_target
-        from snapref_ray.render_service.references import RefKVKey
+        from snapref_ray.evaluation import prepare_target
 
         t0 = time.perf_counter()
         service = self.service
         try:
             target = prepare_target(read_uri(case["target"], self.config.s3), case["target_megapixels"], case["target"])
-            grids, hits = {}, {}
-            for role in ("right", "wrong"):
-                ref = ReferenceTask(
-                    case[f"{role}_hash"],
-                    tuple(case[f"{role}_uris"]),
-                    case.get("layout", "single"),
-                    RefKVKey(
+            right, wrong = (
+                self._reference(
+                    ReferenceTask(
                         case[f"{role}_hash"],
-                        case["ref_caption"],
-                        case["ref_megapixels"],
-                        target.height // 16,
-                        target.width // 16,
-                    ),
+                        tuple(case[f"{role}_uris"]),
+                        case.get("layout", "single"),
+                        RefKVKey.for_size(
+                            case[f"{role}_hash"],
+                            case["ref_caption"],
+                            case["ref_megapixels"],
+                            width=target.width,
+                            height=target.height,
+                        ),
+                    )
                 )
-                kv, source = service.refkv(
-                    ref.key, ref.layout, lambda ref=ref: self._read_images(ref), sources=ref.uris
-                )
-                hits[role] = source == "cache"
-                with service.device("evaluate"):
-                    grids[role] = denoising_losses(
-                        service.renderer,
-                        target,
-                        case["prompt"],
-                        kv,
-                        case["sigmas"],
-                        case["noise_seeds"],
-                        mode=case["mode"],
-                        ref_weight=case["ref_weight"],
-                    ).tolist()
+                for role in ("right", "wrong")
+            )
+            losses = service.identity_gap_losses(
+                target,
+                case["prompt"],
+                right,
+                wrong,
+                case["sigmas"],
+                case["noise_seeds"],
+                mode=case["mode"],
+                ref_weight=case["ref_weight"],
+            )
         except Exception as e:
             log.error("worker %s: case %s failed: %s", self.worker_id, case.get("case_id"), describe_error(e))
             return {"case_id": case.get("case_id"), "error": describe_error(e)}
-        r = service.renderer
+        described = service.device_description()
         return {
             "case_id": case["case_id"],
-            "loss_right": grids["right"],
-            "loss_wrong": grids["wrong"],
+            "loss_right": losses.loss_right,
+            "loss_wrong": losses.loss_wrong,
             "width": target.width,
             "height": target.height,
-            "right_cache_hit": hits["right"],
-            "wrong_cache_hit": hits["wrong"],
+            "right_cache_hit": losses.right_cache_hit,
+            "wrong_cache_hit": losses.wrong_cache_hit,
             "seconds": time.perf_counter() - t0,
             "worker_id": self.worker_id,
             "model": service.model_id,
             "adapter": service.adapter_id,
             "adapter_kind": service.adapter_kind,
-            "device": str(r.device),
-            "dtype": str(getattr(r, "dtype", "")).removeprefix("torch."),
+            "device": described.device,
+            "dtype": described.dtype,
         }

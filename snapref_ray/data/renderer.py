@@ -227,18 +227,18 @@ class SnapRefRenderer:
     def _check(
         self, images: list[bytes], layout: str, sources: list[str], columns: tuple[str, ...], checked: set[int]
     ) -> None:
-        from snapref_ray.adapter.images import ReferenceImageError
         from snapref_ray.engine import RenderError
+        from snapref_ray.render_service.references import ReferenceImageError
 
         unchecked = [(data, src) for data, src in zip(images, sources) if id(data) not in checked]
         try:
             check_reference([d for d, _ in unchecked], layout, [src for _, src in unchecked], self.service.adapter_kind)
             checked.update(id(d) for d, _ in unchecked)
         except ReferenceImageError as e:
-            column = next((c for c, src in zip(columns, sources) if str(e).startswith(src)), columns[0])
+            column = columns[sources.index(e.source)] if e.source in sources else columns[0]
             raise RowInputError([RowProblem(column, str(e))]) from None
         except RenderError as e:  # a layout the adapter does not read: the reference columns are at fault
-            raise RowInputError([RowProblem(columns[0], str(e).removeprefix("layout: "))]) from None
+            raise RowInputError([RowProblem(columns[0], e.reason)]) from None
 
     def _resolve(self, settings: RenderSettings) -> RenderSettings:
         from snapref_ray.engine import RenderError
@@ -246,7 +246,7 @@ class SnapRefRenderer:
         try:
             return self.service.resolve(settings)
         except RenderError as e:
-            raise RowInputError([RowProblem(e.field, str(e).removeprefix(f"{e.field}: "))]) from None
+            raise RowInputError([RowProblem(e.field, e.reason)]) from None
 
     def _member_bytes(self, member: bytes | str, column: str, files: dict[str, bytes | Exception]) -> bytes:
         if isinstance(member, bytes):

@@ -37,7 +37,6 @@ from snapref_ray.cluster.tasks import ItemOutcome, ReferenceTask, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.job_spec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
 from snapref_ray.jobs.job_outcome import exit_status
-from snapref_ray.jobs.job_plan import check_something_to_render
 from snapref_ray.jobs.job_summary import (
     NOT_RENDERED_KEPT,
     AttemptFigures,
@@ -54,11 +53,11 @@ from snapref_ray.jobs.job_summary import (
 from snapref_ray.jobs.judge_loop import JudgeLoop
 from snapref_ray.jobs.judged_commit import commit_judged_row, commit_judged_shard
 from snapref_ray.jobs.quota_skips import QuotaSkips, find_quota_skips, plan_item_tables, write_skipped
-from snapref_ray.render_service.loading import adapter_kind
+from snapref_ray.jobs.run_preview import check_something_to_render, job_adapter_kind
+from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.references import RefKVKey
 from snapref_ray.render_service.work_items import WorkItem
-from snapref_ray.render_service.work_plan import WorkPlan, plan_against_output
 from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.backends import StorageError, open_storage
 from snapref_ray.storage.job_output import JobOutput, OutputSettings
@@ -76,7 +75,7 @@ def worker_config(
     *,
     warmup: bool = True,
     memory_budget_bytes: int | None = None,
-    plan: WorkPlan | None = None,
+    plan: SpilledItems | None = None,
 ) -> WorkerConfig:
     """A worker's configuration; a compiling worker warms the resolutions and forward sizes of `plan` before it is
     ready (a graph per shape: docs/performance.md, "Compile cold start")."""
@@ -104,7 +103,7 @@ def worker_config(
     )
 
 
-def _contrast_tasks(spec: JobSpec, plan: WorkPlan | None) -> tuple[ReferenceTask, ...]:
+def _contrast_tasks(spec: JobSpec, plan: SpilledItems | None) -> tuple[ReferenceTask, ...]:
     """The identity gap's contrast references: the job's first two, in order of first use (a render takes the
     first that is not its own: docs/judging.md)."""
     if spec.judge is None or spec.judge.identity_gap is None or plan is None:
@@ -156,7 +155,7 @@ def run_job(
         raise
     hooks = _Hooks(progress, renderer_factory, warmup, on_progress, on_workers, on_event)
     try:
-        _plan(spec, plan, output)  # 3. what is left to render; invalid rows recorded once
+        _record_invalid_rows(spec, plan, output)  # 3. what is left to render, logged; invalid rows recorded once
         _render(spec, plan, output, run, hooks)  # 4. workers publish, this driver commits
     except KeyboardInterrupt:
         run.interrupted = True
@@ -232,17 +231,10 @@ class _Run:
             self.step_cache.forwards += row["steps"]
 
 
-def _validate(spec: JobSpec, *, progress: bool = False) -> WorkPlan:
+def _validate(spec: JobSpec, *, progress: bool = False) -> SpilledItems:
     """Phase 1: every manifest row checked, a chunk at a time, and the valid items spilled to local disk
-    (render_service/work_plan.py); a strict spec with an invalid row stops here, naming them."""
-    s3 = spec.s3_options()
-    kind = adapter_kind(spec.model, s3=s3)
-    if kind is None:
-        raise JobSpecError(
-            "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
-            f" the models folder ({spec.model.models_dir})"
-        )
-    plan = WorkPlan.build(spec, s3=s3, adapter_kind=kind, progress=progress)
+    (jobs/spilled_items.py); a strict spec with an invalid row stops here, naming them."""
+    plan = SpilledItems.build(spec, s3=spec.s3_options(), adapter_kind=job_adapter_kind(spec), progress=progress)
     try:
         check_something_to_render(spec.manifest, plan)  # every row invalid: say why, and write nothing
     except BaseException:
@@ -251,11 +243,11 @@ def _validate(spec: JobSpec, *, progress: bool = False) -> WorkPlan:
     return plan
 
 
-def _take_output(spec: JobSpec, plan: WorkPlan) -> JobOutput:
+def _take_output(spec: JobSpec, plan: SpilledItems) -> JobOutput:
     """Phase 2: the output, held by this driver (storage/job_output.py): the same spec resumes, `append` adds to
     another job's output; what earlier runs committed is read, and the plan's explicit ids are checked against it
     before the claim writes anything: ids committed with other content, or by another job, are refused in one line
-    (or rendered again with `rerender_changed`; render_service/work_plan.py, storage/item_contents.py)."""
+    (or rendered again with `rerender_changed`; jobs/spilled_items.py, storage/item_contents.py)."""
     fingerprint = job_fingerprint(spec_fingerprint(spec))
     settings = OutputSettings(
         fingerprint=fingerprint,
@@ -291,7 +283,7 @@ def _earlier_runs(output: JobOutput) -> list[RunFigures]:
         return []
 
 
-def _plan(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> None:
+def _record_invalid_rows(spec: JobSpec, plan: SpilledItems, output: JobOutput) -> None:
     """Phase 3: the items not committed yet (a bit per item of the plan); the invalid rows go to errors/, once per
     output (a resumed job validates the same manifest again)."""
     # The committed items were marked when the output was taken (`admit` in _take_output).
@@ -311,7 +303,7 @@ def _plan(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> None:
             output.record_error(message, "validate", item_id=e.item_id, manifest_row=e.manifest_row)
 
 
-def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: _Hooks) -> None:
+def _render(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run, hooks: _Hooks) -> None:
     """Phase 4: start the pool, run the schedule over the plan's references, commit each image's row (each staged
     shard) as it lands; the workers are killed however it ends. A judged job runs the schedule again on the same
     pool over each round's re-renders (jobs/judge_loop.py) until none is left."""
@@ -391,7 +383,7 @@ def _render(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run, hooks: 
             bar.close()
 
 
-def _judge_loop(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> JudgeLoop | None:
+def _judge_loop(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run) -> JudgeLoop | None:
     """A judged job's driver state, continued from what earlier runs committed (None: the job does not judge)."""
     if spec.judge is None:
         return None
@@ -414,7 +406,7 @@ def scheduler_config(spec: JobSpec) -> SchedulerConfig:
     )
 
 
-def _start_pool(spec: JobSpec, plan: WorkPlan, run: _Run, hooks: _Hooks) -> WorkerPool:
+def _start_pool(spec: JobSpec, plan: SpilledItems, run: _Run, hooks: _Hooks) -> WorkerPool:
     """Connect to Ray and size the pool: GPU or CPU workers, how many, and the memory each asks for (at the job's
     largest image and max_batch)."""
     c = spec.cluster
@@ -458,7 +450,7 @@ def _earlier_jobs(output: JobOutput) -> list[JobPart]:
         return []
 
 
-def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> JobSummary:
+def _summarise(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run) -> JobSummary:
     """Phase 5: this run's figures, and the job's over every run on this output."""
     stats = run.stats or SchedulerStats()
     now = time.time()
@@ -556,7 +548,7 @@ def _summarise(spec: JobSpec, plan: WorkPlan, output: JobOutput, run: _Run) -> J
     )
 
 
-def _quota_skips(spec: JobSpec, plan: WorkPlan, output: JobOutput) -> QuotaSkips | None:
+def _quota_skips(spec: JobSpec, plan: SpilledItems, output: JobOutput) -> QuotaSkips | None:
     """A judged job's items skipped by the quota, from its plan and the committed rows (this run's flushed first),
     written to skipped.parquet (jobs/quota_skips.py). None when they cannot be read (the run is failing, or lost the
     output): the summary then counts what this run's schedule skipped."""

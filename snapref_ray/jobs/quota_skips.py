@@ -89,7 +89,7 @@ def find_quota_skips(
 
 
 def plan_item_tables(run_paths: Iterable[Path]) -> Iterator[pa.Table]:
-    """The plan's items (render_service/work_plan.py's run files: `WorkPlan.runs`), one run file at a time."""
+    """The plan's items (jobs/spilled_items.py's run files: `SpilledItems.runs`), one run file at a time."""
     for path in run_paths:
         # Mapped: only the three columns' pages are read (a run file also holds every item's prompt).
         with pa.memory_map(str(path)) as source:

@@ -56,14 +56,14 @@ def add_flop_ratios(rows: list[dict], settings: list[TimingSetting], spec: Timin
     """Each row's FLOP-model step ratio at 832x1216 (real Anima, 1 MP reference) beside the measured one."""
     from snapref_ray.adapter.controls import resolve_settings
     from snapref_ray.jobs.flop_model import real_size_ratios
-    from snapref_ray.sampling.ref_guidance import plan_step
+    from snapref_ray.sampling.ref_guidance import step_rows
     from snapref_ray.sampling.schedules import get_sigmas
 
     shares = {}
     for s in settings:
         resolved = resolve_settings(s.settings, s.adapter_kind or "snapref")
         sigmas = get_sigmas("simple", resolved.steps)[:-1]
-        active = [plan_step(resolved, float(sig), s.reference).ref_guidance_active for sig in sigmas]
+        active = [step_rows(resolved, float(sig), s.reference).ref_guidance_active for sig in sigmas]
         shares[s.name] = sum(active) / len(active)
     ratios = real_size_ratios(shares, steps=spec.steps, cfg=spec.cfg != 1.0)
     for r in rows:

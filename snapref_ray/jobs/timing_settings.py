@@ -1,6 +1,6 @@
 """The timing table's rows for one spec: the catalogue (timing_catalogue.py) filled in, and which rows can run.
 
-`timing_plan` leaves out, with the reason, the rows the loaded adapters cannot render.
+`settings_to_time` leaves out, with the reason, the rows the loaded adapters cannot render.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ class TimingSetting:
 
 
 def timing_settings(spec: TimingSpec, adapter_kind: str | None = "snapref") -> list[TimingSetting]:
-    """The settings of the table that can run, in table order (no_reference first); see `timing_plan`."""
-    return timing_plan(spec, adapter_kind)[0]
+    """The settings of the table that can run, in table order (no_reference first); see `settings_to_time`."""
+    return settings_to_time(spec, adapter_kind)[0]
 
 
-def timing_plan(spec: TimingSpec, adapter_kind: str | None = "snapref") -> tuple[list[TimingSetting], dict[str, str]]:
+def settings_to_time(
+    spec: TimingSpec, adapter_kind: str | None = "snapref"
+) -> tuple[list[TimingSetting], dict[str, str]]:
     """(the settings of the table that can run, in table order; the asked-for ones left out -> why).
 
     `adapter_kind` is the kind of `model.adapter` (or the models folder's adapter): SnapRef rows need a

@@ -22,7 +22,7 @@ import time
 from PIL import Image
 
 from snapref_ray.jobs.timing_report import add_flop_ratios, default_title, format_markdown, table_rows
-from snapref_ray.jobs.timing_settings import TimingSetting, timing_plan
+from snapref_ray.jobs.timing_settings import TimingSetting, settings_to_time
 from snapref_ray.jobs.timing_spec import TimingSpec, load_timing_spec
 from snapref_ray.jobs.timing_worker import TimingWorker
 from snapref_ray.storage.backends import open_storage, read_uri
@@ -50,7 +50,7 @@ def run_timing(spec: TimingSpec) -> dict:
         spec = spec.model_copy(
             update={"model": spec.model.model_copy(update={"adapter": str(adapter_file(spec.model, s3=s3))})}
         )
-    settings, left_out = timing_plan(spec, kind)
+    settings, left_out = settings_to_time(spec, kind)
     for name, why in left_out.items():
         log.warning("timing row %s left out: %s", name, why)
     reference_uri = spec.reference_uri()

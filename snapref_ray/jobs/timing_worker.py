@@ -69,6 +69,8 @@ class TimingWorker:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         base = load_renderer(model, s3=s3)
+        # The model this table describes (`environment`): the worker loaded it, and renders only through services.
+        self._model = base
         self.base = RenderService(base, refkv_cache_bytes=0, model_spec=model)
         self.turbo = (
             RenderService(load_renderer(turbo_model, s3=s3), refkv_cache_bytes=0, model_spec=turbo_model)
@@ -88,7 +90,7 @@ class TimingWorker:
 
         import snapref_ray
 
-        r = self.base.renderer
+        r = self._model
         device = torch.device(r.device)
         if device.type == "cuda":
             name = torch.cuda.get_device_name(device)
@@ -130,7 +132,7 @@ class TimingWorker:
         service = self.turbo if setting.turbo and self.turbo is not None else self.base
         if setting.adapter_kind is not None:
             service = self.arcanima[setting.adapter_kind]
-        device = service.renderer.device
+        device = torch.device(service.device_description().device)
         s = setting.settings
         ref = Reference.of_images([reference], "single", s, ["reference"]) if setting.reference else None
         sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)

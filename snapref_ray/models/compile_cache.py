@@ -9,8 +9,8 @@ caches in one blob) where all workers see it:
 
 - **Where**: `ModelSpec.compile_cache` (`--compile-cache`), a local folder or an `s3://` prefix; by
   default `compile/` beside the node's model cache (`storage/model_cache.py`). This module reads and
-  writes it through an `ArtifactStore` its caller opens (the engine opens the project's storage backend):
-  the network layer stays a leaf that imports no storage.
+  writes it through an `ArtifactStore` its caller opens (render_service/loading.py hands the storage backend down
+  through the engine): the network layer and the engine stay below storage.
 - **Keyed by what makes it valid** (`CompileKey`): torch and Triton versions, the device's name and
   compute capability, the compute dtype, the quantisation and the DiT's block geometry. Each key is a
   folder of artifacts named by the graphs' shape key; a worker loads every artifact of its key before

@@ -97,7 +97,7 @@ class VAEMemoryPolicy:
 
 
 @dataclass(frozen=True)
-class VAEPlan:
+class VAEChoice:
     """What a call will do and why: the mode, its estimated peak and the budget it was held to."""
 
     mode: Mode
@@ -260,13 +260,13 @@ def _global_encode_live(config: VAEConfig, encoder: Encoder) -> float:
 # --- plans ------------------------------------------------------------------------------------
 
 
-def plan_decode(
+def choose_decode(
     config: VAEConfig,
     latent_shape: tuple[int, int, int],
     dtype: torch.dtype,
     budget_bytes: int | None,
     policy: VAEMemoryPolicy | None = None,
-) -> VAEPlan:
+) -> VAEChoice:
     """The plan for decoding latents of `latent_shape` (batch, h, w) within `budget_bytes`.
 
     `budget_bytes` may be None only where the policy fixes the mode and tile size.
@@ -279,16 +279,16 @@ def plan_decode(
         return tiled_decode_peak_bytes(config, (h, w), tile, dtype, batch)
 
     one, whole = decode_peak_bytes(config, (h, w), dtype), decode_peak_bytes(config, (h, w), dtype, batch)
-    return _plan(batch, one, whole, max(h, w), overlap, tiled, budget_bytes, policy)
+    return _choose(batch, one, whole, max(h, w), overlap, tiled, budget_bytes, policy)
 
 
-def plan_encode(
+def choose_encode(
     config: VAEConfig,
     pixel_shape: tuple[int, int, int],
     dtype: torch.dtype,
     budget_bytes: int | None,
     policy: VAEMemoryPolicy | None = None,
-) -> VAEPlan:
+) -> VAEChoice:
     """The plan for encoding images of `pixel_shape` (batch, H, W) within `budget_bytes`."""
     policy = policy or VAEMemoryPolicy()
     batch, height, width = pixel_shape
@@ -302,10 +302,10 @@ def plan_encode(
         encode_peak_bytes(config, (height, width), dtype, batch),
     )
     longest_side = max(height, width) // config.spatial_factor
-    return _plan(batch, one, whole, longest_side, overlap, tiled, budget_bytes, policy)
+    return _choose(batch, one, whole, longest_side, overlap, tiled, budget_bytes, policy)
 
 
-def _plan(
+def _choose(
     batch: int,
     one: int,
     whole: int,
@@ -314,26 +314,26 @@ def _plan(
     tiled_peak: Callable[[int], int],
     budget: int | None,
     policy: VAEMemoryPolicy,
-) -> VAEPlan:
+) -> VAEChoice:
     if policy.tile is not None:
         if policy.tile <= overlap and policy.tile < longest_side:
             raise ValueError(
                 f"VAEMemoryPolicy.tile={policy.tile} latent cells must exceed the overlap ({overlap} cells);"
                 f" pass a larger tile or a smaller overlap"
             )
-        return VAEPlan("tiled", tiled_peak(policy.tile), budget, policy.tile, overlap)
+        return VAEChoice("tiled", tiled_peak(policy.tile), budget, policy.tile, overlap)
     if policy.mode == "whole":
-        return VAEPlan("whole", whole, budget)
+        return VAEChoice("whole", whole, budget)
     if policy.mode == "per_image":
-        return VAEPlan("per_image", one, budget)
+        return VAEChoice("per_image", one, budget)
     if budget is None:
         raise ValueError(f"VAE plan: mode {policy.mode!r} without a tile size needs budget_bytes")
     if policy.mode == "auto" and one <= budget:
         if batch == 1 or whole <= min(budget, policy.max_batch_bytes):
-            return VAEPlan("whole", whole, budget)
-        return VAEPlan("per_image", one, budget)
+            return VAEChoice("whole", whole, budget)
+        return VAEChoice("per_image", one, budget)
     tile = _largest_tile(longest_side, overlap, tiled_peak, budget)
-    return VAEPlan("tiled", tiled_peak(tile), budget, tile, overlap)
+    return VAEChoice("tiled", tiled_peak(tile), budget, tile, overlap)
 
 
 def _largest_tile(longest_side: int, overlap: int, tiled_peak: Callable[[int], int], budget: int) -> int:
@@ -360,7 +360,7 @@ def _largest_tile(longest_side: int, overlap: int, tiled_peak: Callable[[int], i
 
 
 def decode_in_budget(vae: WanVAE, latent: torch.Tensor, policy: VAEMemoryPolicy | None = None) -> torch.Tensor:
-    """`vae.decode(latent)` within the free memory: whole batch, per image or tiled (see `plan_decode`).
+    """`vae.decode(latent)` within the free memory: whole batch, per image or tiled (see `choose_decode`).
 
     `policy` defaults to `vae.memory_policy`, else `VAEMemoryPolicy()`. The result has the shape
     and dtype of `vae.decode(latent)`; per image it has its values bit for bit wherever each
@@ -372,7 +372,7 @@ def decode_in_budget(vae: WanVAE, latent: torch.Tensor, policy: VAEMemoryPolicy 
     policy = policy or vae.memory_policy or VAEMemoryPolicy()
     z_BCHW = vae.prepare_latent(latent)
     batch, _, h, w = z_BCHW.shape
-    plan = plan_decode(vae.config, (batch, h, w), vae.dtype, _budget(vae, policy), policy)
+    plan = choose_decode(vae.config, (batch, h, w), vae.dtype, _budget(vae, policy), policy)
     log.debug("VAE decode of %d x %dx%d latent: %s", batch, h, w, plan.describe())
     out_dtype = latent.dtype if latent.is_floating_point() else vae.dtype
     if plan.mode != "tiled":
@@ -380,7 +380,9 @@ def decode_in_budget(vae: WanVAE, latent: torch.Tensor, policy: VAEMemoryPolicy 
             return _decode_untiled(vae, z_BCHW, plan.mode, out_dtype)
         except torch.OutOfMemoryError:
             pass  # retried below, once the failed call's tensors are released with the exception
-        plan = _after_out_of_memory(plan, policy, "decode", partial(plan_decode, vae.config, (batch, h, w), vae.dtype))
+        plan = _after_out_of_memory(
+            plan, policy, "decode", partial(choose_decode, vae.config, (batch, h, w), vae.dtype)
+        )
     return decode_tiled(vae, z_BCHW, plan.tile, plan.overlap).to(out_dtype)
 
 
@@ -389,7 +391,7 @@ def encode_in_budget(vae: WanVAE, pixels: torch.Tensor, policy: VAEMemoryPolicy 
     policy = policy or vae.memory_policy or VAEMemoryPolicy()
     x_BCHW = vae.prepare_pixels(pixels)
     batch, _, height, width = x_BCHW.shape
-    plan = plan_encode(vae.config, (batch, height, width), vae.dtype, _budget(vae, policy), policy)
+    plan = choose_encode(vae.config, (batch, height, width), vae.dtype, _budget(vae, policy), policy)
     log.debug("VAE encode of %d x %dx%d pixels: %s", batch, height, width, plan.describe())
     out_dtype = pixels.dtype if pixels.is_floating_point() else vae.dtype
     if plan.mode != "tiled":
@@ -399,7 +401,7 @@ def encode_in_budget(vae: WanVAE, pixels: torch.Tensor, policy: VAEMemoryPolicy 
             return torch.cat([vae.encode(x_BCHW[i : i + 1]) for i in range(batch)]).to(out_dtype)
         except torch.OutOfMemoryError:
             pass
-        replan = partial(plan_encode, vae.config, (batch, height, width), vae.dtype)
+        replan = partial(choose_encode, vae.config, (batch, height, width), vae.dtype)
         plan = _after_out_of_memory(plan, policy, "encode", replan)
     mus = [encode_tiled(vae, x_BCHW[i : i + 1], plan.tile, plan.overlap) for i in range(batch)]
     return torch.cat(mus).to(out_dtype)
@@ -417,8 +419,8 @@ def _decode_untiled(vae: WanVAE, z_BCHW: torch.Tensor, mode: Mode, out_dtype: to
 
 
 def _after_out_of_memory(
-    failed: VAEPlan, policy: VAEMemoryPolicy, what: str, replan: Callable[[int | None, VAEMemoryPolicy], VAEPlan]
-) -> VAEPlan:
+    failed: VAEChoice, policy: VAEMemoryPolicy, what: str, replan: Callable[[int | None, VAEMemoryPolicy], VAEChoice]
+) -> VAEChoice:
     """The tiled plan to retry with: tiles sized for half the activations of one image, which did not fit."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # what the failed call cached is of the wrong sizes for tiles

@@ -5,7 +5,8 @@ line (`cli.py`) all render through a `RenderService` (service.py) and record wha
 `records.py`. What they share lives here, once: the model spec's loading (loading.py), the reference's
 identity, RefKV key and the typed `Reference` every door hands the service (references.py), the RefKV
 cache (refkv_cache.py), what may share a forward (batching.py), the memory fit (memory.py), row parsing
-(rows.py) and a job's work items (work_items.py).
+(rows.py) and the work item with its stable id (work_items.py); a job's planning is the jobs' side
+(snapref_ray/jobs/manifest_check.py, spilled_items.py).
 
 The names below are imported on first use (lazy_exports.py): Serve's ingress replicas take the
 torch-free parts (image checks, reference identities) without importing torch.

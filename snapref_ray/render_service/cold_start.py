@@ -86,17 +86,18 @@ def warmup_reference_png(size: int = 256) -> bytes:
 
 def warm_up(
     service,
+    renderer,
     sizes: Sequence[tuple[int, int]],
     batch_sizes: Sequence[int] = (1,),
     settings: RenderSettings | None = None,
 ) -> list[str]:
-    """Render every (width, height) x batch size once, with `settings` (the work's; one step).
+    """Render with `renderer` (the service's own) every (width, height) x batch size once, with `settings` (the
+    work's; one step).
 
     With a reference adapter loaded, each batch also reads a grey reference, so the reading rows' graphs
     are built too (their row count is static); the plain rows' graph is shared by every batch size.
     Returns what was warmed ("WxH xB[+ref]"). Holds the device for each render, as a real one does.
     """
-    renderer = service.renderer
     base = settings or RenderSettings()
     warmed = []
     # Read as a render's own reference (encoded for that call and dropped): nothing enters the RefKV cache,

@@ -19,7 +19,7 @@ from snapref_ray.adapter.kinds import detect_kind
 from snapref_ray.engine import Renderer
 from snapref_ray.model_spec import MODEL_FILE_FIELDS, ModelSpec
 from snapref_ray.models.bundle import ADAPTER_PATTERNS
-from snapref_ray.storage.backends import S3Options, S3Storage
+from snapref_ray.storage.backends import S3Options, S3Storage, open_storage
 from snapref_ray.storage.model_cache import default_compile_cache_dir, ensure_local, ensure_local_folder
 from snapref_ray.uris import is_remote
 
@@ -64,7 +64,7 @@ def load_renderer(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: st
         compile=spec.compile,
         quantize=None if spec.quantize == "none" else spec.quantize,
         compile_cache=compile_cache_location(spec, cache_dir) if spec.compile else None,
-        s3=s3,
+        open_compile_store=lambda location: open_storage(location, s3),
     )
 
 

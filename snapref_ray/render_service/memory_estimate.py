@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from snapref_ray.geometry import token_count
 from snapref_ray.models.bundle import ModelFiles
 from snapref_ray.models.checkpoint import read_header, strip_prefix
 from snapref_ray.models.dit import DiTConfig
@@ -78,7 +79,7 @@ def estimate_worker_memory(
         weights = sum(_elements(_header(f)) for f in weight_files if f != files.vae) * element
         weights += _elements(_header(files.vae)) * vae_element
         runtime = RUNTIME_BYTES
-        tokens = (height // 16) * (width // 16)
+        tokens = token_count(height=height, width=width)
         rows = 3  # cond, uncond and the reference-guidance row: the most an image runs
         per_image = rows * tokens * config.model_channels * element * DIT_LIVE_TENSORS_PER_TOKEN
         vae = infer_vae_config(strip_prefix(_meta(_header(files.vae)), VAE_PREFIXES), str(files.vae))

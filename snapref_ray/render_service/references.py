@@ -25,10 +25,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from snapref_ray.adapter.images import ReferenceImageError as ReferenceImageError  # raised by check_reference
-from snapref_ray.adapter.images import content_hash, fitted_size, open_reference
+from snapref_ray.adapter.images import content_hash, fitted_size, open_reference, stitch_side_by_side
+from snapref_ray.geometry import PIXELS_PER_TOKEN, token_grid
 from snapref_ray.requests import RenderError, RenderSettings
 
 if TYPE_CHECKING:  # Serve's ingress imports this module without torch
+    from PIL import Image
+
     from snapref_ray.adapter.refkv import RefKV
 
 Layout = Literal["single", "pair", "multi"]
@@ -93,17 +96,24 @@ class RefKVKey:
 
     @classmethod
     def for_settings(cls, reference_hash: str, settings: RenderSettings) -> RefKVKey:
-        return cls(
-            reference_hash, settings.ref_caption, settings.ref_megapixels, settings.height // 16, settings.width // 16
+        return cls.for_size(
+            reference_hash, settings.ref_caption, settings.ref_megapixels, width=settings.width, height=settings.height
         )
+
+    @classmethod
+    def for_size(
+        cls, reference_hash: str, ref_caption: str, ref_megapixels: float, *, width: int, height: int
+    ) -> RefKVKey:
+        """The key of a reference read for a target of `width` x `height` pixels."""
+        return cls(reference_hash, ref_caption, ref_megapixels, *token_grid(height=height, width=width))
 
     @property
     def width(self) -> int:
-        return self.grid_w * 16
+        return self.grid_w * PIXELS_PER_TOKEN
 
     @property
     def height(self) -> int:
-        return self.grid_h * 16
+        return self.grid_h * PIXELS_PER_TOKEN
 
     def token(self) -> str:
         """The key as one string (Serve's multiplexed model id, log lines); the caption enters as a hash."""
@@ -167,13 +177,19 @@ def check_reference(
     too elongated to fit is refused too); Serve's uploads report that."""
     refused = layout_refusal(layout, adapter_kind)
     if refused:
-        raise RenderError(f"layout: {refused}", field="layout")
+        raise RenderError(f"layout: {refused}", field="layout", reason=refused)
     checked = []
     for data, source in zip(images, sources):
         with open_reference(data, source) as img:
             size = img.size if megapixels is None else fitted_size(img.size, megapixels)
         checked.append(CheckedImage(content_hash(data), *size))
     return checked
+
+
+def reference_picture(images: Sequence[bytes], sources: Sequence[str], layout: str) -> Image.Image:
+    """A reference's images as one picture: a pair side by side, else the first image."""
+    pictures = [open_reference(data, source) for data, source in zip(images, sources)]
+    return stitch_side_by_side(*pictures) if layout == "pair" else pictures[0]
 
 
 def layout_refusal(layout: str, adapter_kind: str | None) -> str | None:

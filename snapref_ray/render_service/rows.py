@@ -31,6 +31,7 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import Field, TypeAdapter, ValidationError
 
+from snapref_ray.input_errors import InputError
 from snapref_ray.render_service.references import ReferenceInput
 from snapref_ray.requests import RenderSettings, RowDefaults
 from snapref_ray.uris import is_remote, resolve_relative
@@ -57,13 +58,13 @@ class RowProblem:
         return f"field {self.field!r}: {self.message}" if self.field else self.message
 
 
-class RowInputError(ValueError):
+class RowInputError(InputError):
     """A row that cannot be rendered; `problems` lists every problem found, `field` is the first's column."""
 
-    def __init__(self, problems: list[RowProblem]) -> None:
+    def __init__(self, problems: list[RowProblem], index: int | None = None) -> None:
         self.problems = problems
-        self.field = problems[0].field
-        super().__init__(str(problems[0]) if len(problems) == 1 else "; ".join(map(str, problems)))
+        message = str(problems[0]) if len(problems) == 1 else "; ".join(map(str, problems))
+        super().__init__(message, reason=problems[0].message, field=problems[0].field, index=index)
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,9 @@ def unknown_column_hints(columns: list[str]) -> list[str]:
     return hints
 
 
-def parse_row(row: dict[str, Any], defaults: RowDefaults, rules: RowRules) -> ParsedRow:
-    """Check every column of `row`; raises `RowInputError` listing every problem found."""
+def parse_row(row: dict[str, Any], defaults: RowDefaults, rules: RowRules, index: int | None = None) -> ParsedRow:
+    """Check every column of `row`; raises `RowInputError` listing every problem found (at `index`, the
+    row's number at its door: a manifest row, a batch row)."""
     row = {key: value for key, value in ((k, plain(v)) for k, v in row.items()) if value is not None}
     problems: list[RowProblem] = []
 
@@ -146,7 +148,7 @@ def parse_row(row: dict[str, Any], defaults: RowDefaults, rules: RowRules) -> Pa
     explicit_id = _parse_id(row, fail)
     settings, seeds = _parse_settings_and_seeds(row, defaults, rules.one_image, fail)
     if problems:
-        raise RowInputError(problems)
+        raise RowInputError(problems, index)
     return ParsedRow(reference, prompt, explicit_id, tuple(seeds), settings)
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from PIL import Image
@@ -43,7 +43,7 @@ from snapref_ray.render_service.batching import rows_per_image
 from snapref_ray.render_service.cold_start import ColdStart, ColdStartClock, warm_up
 from snapref_ray.render_service.loading import load_renderer
 from snapref_ray.render_service.memory import FitKey, MemoryFit, describe_device_memory
-from snapref_ray.render_service.references import Reference, RefKVKey
+from snapref_ray.render_service.references import Reference, reference_picture
 from snapref_ray.render_service.refkv_cache import RefKVCache
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.storage.backends import S3Options
@@ -95,6 +95,26 @@ class ReferenceRead:
     images: tuple[bytes, ...] | None = None
 
 
+@dataclass(frozen=True)
+class DeviceDescription:
+    """What a service renders on: the device, the dtype and the seconds its model took to load."""
+
+    device: str
+    dtype: str
+    load_seconds: float
+
+
+@dataclass(frozen=True)
+class IdentityGapLosses:
+    """The loss grids of one target read with its right and its wrong reference ([σ][seed] each), and whether
+    each reference's RefKV came from the cache (`RenderService.identity_gap_losses`)."""
+
+    loss_right: list[list[float]]
+    loss_wrong: list[list[float]]
+    right_cache_hit: bool
+    wrong_cache_hit: bool
+
+
 @dataclass
 class _Health:
     busy_since: float | None = None
@@ -112,7 +132,7 @@ class RenderService:
         memory_budget_bytes: int | None = None,
         model_spec: ModelSpec | None = None,
     ) -> None:
-        self.renderer = renderer
+        self._renderer = renderer  # private: a door asks the service, never the renderer behind it
         self.model_spec = model_spec
         self.cache = RefKVCache(refkv_cache_bytes)
         self.memory = MemoryFit.for_device(renderer.device, memory_budget_bytes)
@@ -140,24 +160,24 @@ class RenderService:
     # -- what is loaded --------------------------------------------------------------------------
     @property
     def model_id(self) -> str:
-        return self.renderer.model_id
+        return self._renderer.model_id
 
     @property
     def adapter_id(self) -> str | None:
-        adapter = self.renderer.adapter
+        adapter = self._renderer.adapter
         return adapter.identity if adapter is not None else None
 
     @property
     def adapter_kind(self) -> str | None:
-        return self.renderer.adapter_kind
+        return self._renderer.adapter_kind
 
     def resolve(self, settings: RenderSettings) -> RenderSettings:
         """`settings` as they render with the loaded adapter kind (a misfit raises RenderError naming the field)."""
-        return self.renderer.resolve(settings)
+        return self._renderer.resolve(settings)
 
     def describe(self) -> dict:
         """The loaded model, adapter, LoRAs, device and the figures behind its choices (for /v1/models, logs)."""
-        r = self.renderer
+        r = self._renderer
         spec = self.model_spec
         adapter = r.adapter
         described = adapter.describe() if adapter is not None else None
@@ -191,7 +211,7 @@ class RenderService:
         """Build (or load from the compile cache) the graphs of these sizes and batch sizes now, so the
         first real request does not pay for them (render_service/cold_start.py); returns the cold start so far."""
         t0 = time.monotonic()
-        warmed = warm_up(self, sizes, batch_sizes, settings)
+        warmed = warm_up(self, self._renderer, sizes, batch_sizes, settings)
         self._cold_start.warmup_s = (self._cold_start.warmup_s or 0.0) + time.monotonic() - t0
         self._cold_start.warmed += warmed
         log.info("warmed %s in %.1f s", ", ".join(warmed), time.monotonic() - t0)
@@ -199,36 +219,49 @@ class RenderService:
 
     def cold_start(self) -> ColdStart:
         """Model load, compile (built vs loaded), warm-up and first-image seconds of this service."""
-        return self._cold_start.record(self.renderer)
+        return self._cold_start.record(self._renderer)
+
+    def warm_up_image(self) -> None:
+        """One small image (256x256, one step), so that the first real batch does not pay for kernel selection
+        and allocation; it is the cold start's first image."""
+        settings = RenderSettings(width=256, height=256, steps=1, cfg=1.0)
+        with self.device("render"):
+            self._renderer.render([RenderRequest(prompt="warm-up", settings=settings)])
+
+    def device_description(self) -> DeviceDescription:
+        """The device, dtype and model load seconds this service renders with (what a door reports)."""
+        r = self._renderer
+        return DeviceDescription(
+            str(r.device), str(getattr(r, "dtype", "")).removeprefix("torch."), float(getattr(r, "load_seconds", 0.0))
+        )
 
     # -- references ------------------------------------------------------------------------------
-    def refkv(
-        self,
-        key: RefKVKey,
-        layout: str,
-        load_images: Callable[[], Sequence[bytes]],
-        *,
-        sources: Sequence[str] | None = None,
-        fetch: Callable[[], RefKV | None] | None = None,
-    ) -> tuple[RefKV, str]:
-        """(RefKV for `key`, where it came from: "cache", "fetched" or "encoded").
+    def private_refkv(self, shared: RefKV) -> RefKV:
+        """`shared` (a RefKV read from another process, e.g. Ray's object store) on this device, as a copy the
+        cache may keep: on the same device (CPU) the tensor still maps the store's shared memory and would pin
+        the object after its owner drops it, so the cache keeps a private clone."""
+        kv = shared.to(self._renderer.device)
+        if kv.kv_N2HLD.data_ptr() == shared.kv_N2HLD.data_ptr():
+            kv = replace(shared, kv_N2HLD=shared.kv_N2HLD.clone())
+        return kv
 
-        The device LRU first; else `fetch()` (a copy someone else holds, e.g. a job's object store; None
-        when it is gone), else the reference stream over `load_images()`. Concurrent callers asking for
-        one missing key wait for a single encode.
+    def reference_picture(self, reference: Reference) -> Image.Image:
+        """The reference as one picture (a pair side by side), as the gallery shows it."""
+        return reference_picture(reference.load(), reference.sources, reference.layout)
+
+    def refkv(self, reference: Reference) -> tuple[RefKV, str]:
+        """(RefKV of `reference`, where it came from: "cache", "fetched" or "encoded").
+
+        The device LRU first; else `reference.fetch()` (a copy someone else holds, e.g. a job's object store;
+        None when it is gone), else the reference stream over `reference.load()`. Concurrent callers asking
+        for one missing key wait for a single encode.
         """
-        kv, source, _ = self._refkv(key, layout, load_images, sources, fetch)
+        kv, source, _ = self._refkv(reference)
         return kv, source
 
-    def _refkv(
-        self,
-        key: RefKVKey,
-        layout: str,
-        load_images: Callable[[], Sequence[bytes]],
-        sources: Sequence[str] | None,
-        fetch: Callable[[], RefKV | None] | None,
-    ) -> tuple[RefKV, ReferenceSource, float]:
+    def _refkv(self, reference: Reference) -> tuple[RefKV, ReferenceSource, float]:
         """`refkv`, and the wall seconds its encode took (read, decode, VAE, reference stream; 0 unless encoded)."""
+        key, fetch, sources = reference.key, reference.fetch, reference.sources
         cached = self.cache.get(key)
         if cached is not None:
             return cached, "cache", 0.0
@@ -243,13 +276,13 @@ class RenderService:
                     source = "fetched"
                     return fetched
             t0 = time.perf_counter()
-            images = list(load_images())
+            images = list(reference.load())
             loaded_s = time.perf_counter() - t0
             with self.device("encode"):
                 t0 = time.perf_counter()  # waiting for the device is not encoding
-                kv = self.renderer.encode_reference(
+                kv = self._renderer.encode_reference(
                     images,
-                    layout=layout,
+                    layout=reference.layout,
                     ref_caption=key.ref_caption,
                     ref_megapixels=key.ref_megapixels,
                     width=key.width,
@@ -277,9 +310,7 @@ class RenderService:
         batching) reads each one's reference as it arrives and passes the read to `render`."""
         if self.resolve(settings).recompute_reference_every_step:
             return ReferenceRead(reference, "recomputed", images=tuple(reference.load()))
-        kv, source, encode_s = self._refkv(
-            reference.key, reference.layout, reference.load, reference.sources, reference.fetch
-        )
+        kv, source, encode_s = self._refkv(reference)
         return ReferenceRead(reference, source, encode_s, refkv=kv)
 
     def cached_read(self, reference: Reference, settings: RenderSettings) -> ReferenceRead | None:
@@ -337,7 +368,7 @@ class RenderService:
         layout = read.reference.layout if read is not None else "single"
 
         def forward(chunk: list[RenderRequest], on_step=progress):
-            return self.renderer.render(
+            return self._renderer.render(
                 chunk, refkv=refkv, references=images, layout=layout, init_image=init_image, progress=on_step
             )
 
@@ -394,8 +425,8 @@ class RenderService:
 
         if self._judges is None:
             self._judges = Judges(
-                self.renderer,
-                lambda ref: self._refkv(ref.key, ref.layout, ref.load, ref.sources, ref.fetch)[0],
+                self._renderer,
+                lambda ref: self._refkv(ref)[0],
                 lambda: self.device("judge"),
             )
         groups: dict[int, list[int]] = {}
@@ -412,7 +443,7 @@ class RenderService:
                 results[i].judgement = judgement
 
     def _out_of_memory(self, s: RenderSettings, key: FitKey, error: BaseException) -> RenderOutOfMemory:
-        device = self.renderer.device
+        device = self._renderer.device
         fit = "; ".join(
             f"one image peaked at {limit['image_peak_bytes'] / 2**30:.2f} GiB"
             f" with {limit['available_bytes'] / 2**30:.2f} GiB available"
@@ -427,6 +458,34 @@ class RenderService:
             field="width",
         )
 
+    # -- evaluation ------------------------------------------------------------------------------
+    def identity_gap_losses(
+        self,
+        target: Image.Image,
+        prompt: str,
+        right: Reference,
+        wrong: Reference,
+        sigmas: Sequence[float],
+        noise_seeds: Sequence[int],
+        *,
+        mode: str,
+        ref_weight: float,
+    ) -> IdentityGapLosses:
+        """Flow-matching loss grids of `target` under `prompt` read with the right and with the wrong reference
+        (`snapref_ray.evaluation.denoising_losses`): both share `sigmas` and `noise_seeds`, and each reference
+        goes through the RefKV cache, so it is encoded once per target size however many cases use it."""
+        from snapref_ray.evaluation import denoising_losses
+
+        grids, hits = {}, {}
+        for role, reference in (("right", right), ("wrong", wrong)):
+            kv, source, _ = self._refkv(reference)
+            hits[role] = source == "cache"
+            with self.device("evaluate"):
+                grids[role] = denoising_losses(
+                    self._renderer, target, prompt, kv, sigmas, noise_seeds, mode=mode, ref_weight=ref_weight
+                ).tolist()
+        return IdentityGapLosses(grids["right"], grids["wrong"], hits["right"], hits["wrong"])
+
     # -- the device ------------------------------------------------------------------------------
     @contextmanager
     def device(self, what: str):
@@ -436,7 +495,7 @@ class RenderService:
             try:
                 yield
                 if what == "render":
-                    self._cold_start.render_done(self.renderer)
+                    self._cold_start.render_done(self._renderer)
             finally:
                 self._health.busy_since = None
                 self._health.last_progress = time.monotonic()

@@ -39,7 +39,7 @@ class Row(str, Enum):
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepRows:
     rows: tuple[Row, ...]
     reads: tuple[bool, ...]  # per row kind: does it read the reference
     ref_guidance_active: bool
@@ -59,7 +59,7 @@ def _concrete(settings: RenderSettings) -> RenderSettings:
     return settings
 
 
-def plan_step(settings: RenderSettings, sigma: float, has_reference: bool) -> StepPlan:
+def step_rows(settings: RenderSettings, sigma: float, has_reference: bool) -> StepRows:
     """The rows this step needs (the uncond pass is skipped at cfg 1, as ComfyUI does).
 
     ref_outside="no_reference" (ArcAnima's guider option): outside [ref_start, ref_end] no row
@@ -70,13 +70,13 @@ def plan_step(settings: RenderSettings, sigma: float, has_reference: bool) -> St
     inside = in_ref_window(settings, sigma)
     if not has_reference or (settings.ref_outside == "no_reference" and not inside):
         rows = (Row.COND, Row.UNCOND) if need_uncond else (Row.COND,)
-        return StepPlan(rows, (False,) * len(rows), False)
+        return StepRows(rows, (False,) * len(rows), False)
     guided = settings.ref_guidance != 1.0 and settings.ref_weight > 0
     active = guided and inside
     rows = [Row.COND] + ([Row.UNCOND] if need_uncond else []) + ([Row.COND_NOREF] if active else [])
     uncond_reads = settings.ref_in_uncond or guided
     reads = tuple({Row.COND: True, Row.UNCOND: uncond_reads, Row.COND_NOREF: False}[r] for r in rows)
-    return StepPlan(tuple(rows), reads, active)
+    return StepRows(tuple(rows), reads, active)
 
 
 @dataclass
@@ -90,7 +90,7 @@ class Combiner:
         self.settings = _concrete(self.settings)
 
     def __call__(
-        self, x: torch.Tensor, sigma: torch.Tensor, plan: StepPlan, denoised: dict[Row, torch.Tensor]
+        self, x: torch.Tensor, sigma: torch.Tensor, plan: StepRows, denoised: dict[Row, torch.Tensor]
     ) -> torch.Tensor:
         s = self.settings
         d_cond = denoised[Row.COND]

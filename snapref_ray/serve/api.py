@@ -21,7 +21,7 @@ from snapref_ray.render_service.judges.scores import Judgement
 from snapref_ray.render_service.judges.spec import JudgeSpec
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.serve.config import ServeLimits
-from snapref_ray.serve.errors import ApiError
+from snapref_ray.serve.errors import ApiError, non_finite_refusal
 from snapref_ray.validation import error_message, field_path
 
 ResponseFormat = Literal["png", "json"]
@@ -244,11 +244,7 @@ def parse_json_object(raw: bytes, known_fields: set[str]) -> dict:
         if isinstance(item, float) and not math.isfinite(item):
             token = getattr(item, "token", "Infinity" if item > 0 else "-Infinity") if not math.isnan(item) else "NaN"
             field = key if key in known_fields else key[:ECHO_CHARS]
-            raise ApiError(
-                400,
-                field,
-                f"{token} is not a number this API accepts (NaN and Infinity are refused); send a finite number",
-            )
+            raise ApiError(400, field, non_finite_refusal(item, token, why=" (NaN and Infinity are refused)"))
     return value
 
 
@@ -278,11 +274,7 @@ def validation_error(exc: ValidationError, known_fields: set[str] | None = None,
         field = field_path(err["loc"]) or _field_in_message(err["msg"], known_fields) or "body"
         if known_fields is not None and field not in known_fields and field != "body":
             field = field[:ECHO_CHARS]  # an unknown key: repeat at most ECHO_CHARS of it
-        value = err.get("input")
-        if isinstance(value, float) and not math.isfinite(value):
-            msg = f"{'NaN' if math.isnan(value) else 'Infinity'} is not a number this API accepts; send a finite number"
-        else:
-            msg = error_message(err, model, echo_limit=ECHO_CHARS)
+        msg = non_finite_refusal(err.get("input")) or error_message(err, model, echo_limit=ECHO_CHARS)
         messages.append(f"{field}: {msg}" if field else msg)
         first_field = first_field or field
     extra = f" (and {len(messages) - 3} more)" if len(messages) > 3 else ""

@@ -28,7 +28,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
-from snapref_ray.cluster import ray_output
+from snapref_ray import ray_console
 from snapref_ray.geometry import PIXELS_PER_TOKEN
 from snapref_ray.serve.config import ServeConfig, is_loopback
 from snapref_ray.serve.direct_ingress import direct_ingress_env, environment, haproxy_binary
@@ -190,7 +190,7 @@ def start_local_serve(
                 include_dashboard=False,
                 log_to_driver=log_to_driver,
             )
-        ray_output.install()  # Ray's process output: the terminal, or the server's log (cluster/ray_output.py)
+        ray_console.install()  # Ray's process output: the terminal, or the server's log (ray_console.py)
     elif config.direct_ingress:
         log.info("Ray was already running: its own environment decides between Serve's proxy and direct ingress")
     serve.start(http_options={"host": config.host, "port": config.port, "request_timeout_s": config.proxy_timeout_s()})

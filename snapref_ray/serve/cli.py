@@ -78,7 +78,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from snapref_ray.job_console import ray_start_failures_in_one_line, serve_console
+    from snapref_ray.ray_console import ray_start_failures_in_one_line, serve_console
     from snapref_ray.serve import app  # noqa: F401  (Ray Serve sets its logger up on import: before ours)
 
     config = config_from_args(args)

@@ -7,6 +7,9 @@ and `retry_after` whichever side it is on. Importing this module imports nothing
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 TOKEN_ENV = "SNAPREF_API_TOKEN"  # the bearer token, for the server (when its config sets none) and the client
 
 
@@ -31,3 +34,13 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"field": self.field, "message": self.message}}
+
+
+def non_finite_refusal(value: Any, token: str | None = None, *, why: str = "") -> str | None:
+    """The message that refuses NaN or Infinity sent as a number; None for anything else (a finite number, a
+    string). `token` is how the client spelled it, where the parser kept it ("-Infinity"); `why` is added after
+    "accepts". JSON and form fields both go through here, so every door refuses them with one sentence."""
+    if not isinstance(value, float) or math.isfinite(value):
+        return None
+    token = token or ("NaN" if math.isnan(value) else "Infinity")
+    return f"{token} is not a number this API accepts{why}; send a finite number"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import difflib
 import io
 import json
-import math
 import re
 import secrets
 import time
@@ -36,7 +35,7 @@ from snapref_ray.serve.api import (
     validation_error,
 )
 from snapref_ray.serve.config import ServeLimits
-from snapref_ray.serve.errors import ApiError
+from snapref_ray.serve.errors import ApiError, non_finite_refusal
 from snapref_ray.serve.openai_errors import ClientFieldError, renamed
 
 # RenderBody fields these routes take under another name. width and height are both parts of `size`.
@@ -306,14 +305,15 @@ def form_values(texts: dict[str, str]) -> dict[str, Any]:
 
 def _json_value(text: str, name: str) -> Any:
     def refuse(token: str):
-        raise ApiError(400, name, f"{token} is not a number this API accepts; send a finite number")
+        raise ApiError(400, name, non_finite_refusal(float(token), token))
 
     try:
         value = json.loads(text, parse_constant=refuse)
     except ValueError:
         return text
-    if isinstance(value, float) and not math.isfinite(value):  # 1e999
-        refuse("Infinity")
+    refused = non_finite_refusal(value, "Infinity")  # 1e999 (NaN and Infinity spelled out were refused above)
+    if refused:
+        raise ApiError(400, name, refused)
     return value
 
 

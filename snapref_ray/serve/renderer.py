@@ -178,12 +178,8 @@ class ReplicaRenderer:
             self._replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (unit use)
             self._replica = "local"
-        log.info(
-            "renderer replica %s ready on %s in %.1f s",
-            self._replica,
-            self.service.renderer.device,
-            self.service.renderer.load_seconds,
-        )
+        described = self.service.device_description()
+        log.info("renderer replica %s ready on %s in %.1f s", self._replica, described.device, described.load_seconds)
 
     async def render(self, call: RenderCall) -> RenderReply | ApiError:
         """The rendered images; bad input is answered with an ApiError *value*, so that Serve does not

@@ -11,7 +11,6 @@ to encode it answers 404.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
@@ -19,7 +18,6 @@ from contextlib import aclosing
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from snapref_ray.geometry import token_grid
 from snapref_ray.render_service.references import (
     ReferenceIdentity,
     ReferenceImageError,
@@ -38,7 +36,7 @@ from snapref_ray.serve.api import (
 )
 from snapref_ray.serve.bodies import BodyReceiver
 from snapref_ray.serve.config import ServeLimits
-from snapref_ray.serve.errors import ApiError
+from snapref_ray.serve.errors import ApiError, non_finite_refusal
 from snapref_ray.serve.forms import MultipartForm
 from snapref_ray.serve.renderer import UploadedReference
 
@@ -185,7 +183,7 @@ def _reference_of(infos: list[ReferenceInfo], layout: str, body: RenderBody) -> 
     return UploadedReference(
         identity=identity,
         reference_ids=tuple(i.reference_id for i in infos),
-        key=RefKVKey(identity.hash, caption, megapixels, *token_grid(height=body.height, width=body.width)),
+        key=RefKVKey.for_size(identity.hash, caption, megapixels, width=body.width, height=body.height),
     )
 
 
@@ -204,10 +202,7 @@ def _form_number(text: str, field: str) -> float:
         value = float(text)
     except ValueError:
         raise ApiError(400, field, f"not a number: {echo(text)}") from None
-    if not math.isfinite(value):
-        raise ApiError(
-            400,
-            field,
-            f"{'NaN' if math.isnan(value) else 'Infinity'} is not a number this API accepts; send a finite number",
-        )
+    refused = non_finite_refusal(value)
+    if refused:
+        raise ApiError(400, field, refused)
     return value

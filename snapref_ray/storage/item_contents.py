@@ -4,7 +4,7 @@ An item's id is a hash of what makes its image (reference, prompt, seed, setting
 manifest row gave an explicit `id`; then the id says nothing of the content, and a row edited under the same id would
 count as done and never be rendered again. So every metadata row records its content id beside its item id
 (METADATA_SCHEMA `content_id`), and before rendering the driver compares, for each explicit id the manifest gives
-and the output holds, the content id the manifest now gives with the committed one (`WorkPlan.compare_contents`,
+and the output holds, the content id the manifest now gives with the committed one (`SpilledItems.compare_contents`,
 vectorised). One that differs is refused in one line naming the manifest rows, unless the job asks to render them
 again (`output.rerender_changed`): then the new row is the one readers keep (storage/metadata.py `winning_rows`).
 
@@ -148,8 +148,8 @@ class Found:
 
 @dataclass
 class ContentCheck:
-    """The manifest's items against the committed contents (`WorkPlan.compare_contents`): explicit ids committed with
-    other content, ids another job committed, and the changed ids (what a re-render renders again)."""
+    """The manifest's items against the committed contents (`SpilledItems.compare_contents`): explicit ids committed
+    with other content, ids another job committed, and the changed ids (what a re-render renders again)."""
 
     changed: Found = field(default_factory=Found)
     foreign: Found = field(default_factory=Found)

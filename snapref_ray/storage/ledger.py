@@ -8,7 +8,6 @@ the same output would mix two datasets, so `claim_output` refuses it unless aske
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import time
@@ -18,6 +17,7 @@ import pyarrow as pa
 
 from .backends import Storage
 from .metadata import METADATA_PREFIX, iter_part_columns
+from .sorted_keys import SortedKeys
 
 JOB_KEY = "job.json"
 JOB_FORMAT = "snapref-ray/job/1"
@@ -98,16 +98,16 @@ def read_job(storage: Storage) -> dict | None:
 
 
 class CommittedIds:
-    """A set of item ids held as one sorted, de-duplicated numpy array of fixed-width bytes.
+    """The item ids committed in an output, as their own bytes in one sorted run of `SortedKeys`
+    (storage/sorted_keys.py).
 
     What a resume keeps for a committed output: at 10 M ids of 20 characters a Python ``set`` of ``str``
     is about 1 GB; this is the ids' own bytes, 200 MB, built without a Python object per id. It answers
-    ``id in ids`` (a binary search), `contains` for many ids at once (vectorised), ``len``, iteration
-    (sorted), ``ids & other`` and equality with a plain set, so callers written for a set keep working.
+    ``id in ids`` (a binary search), `contains` for many ids at once (vectorised), ``len`` and `sorted_ids`.
     """
 
     def __init__(self, sorted_unique: np.ndarray):
-        self._ids = sorted_unique  # dtype S<width>, sorted, unique
+        self._ids = SortedKeys.of_sorted_unique(sorted_unique)  # dtype S<width>, sorted, unique
 
     @classmethod
     def from_arrow(cls, ids: pa.Array | pa.ChunkedArray) -> CommittedIds:
@@ -144,7 +144,7 @@ class CommittedIds:
         return len(self._ids)
 
     def contains(self, ids: list[str] | np.ndarray | pa.Array | pa.ChunkedArray) -> np.ndarray:
-        """For each of `ids`, whether it is in the set (a bool array); an Arrow string column (no nulls) is
+        """For each of `ids`, whether it is committed (a bool array); an Arrow string column (no nulls) is
         packed without a Python object per id."""
         if isinstance(ids, pa.ChunkedArray):
             ids = pa.concat_arrays(ids.chunks) if ids.num_chunks else pa.array([], pa.string())
@@ -152,58 +152,21 @@ class CommittedIds:
             query = _pack(ids)
         else:
             query = np.asarray([i.encode() for i in ids] if isinstance(ids, list) else ids, dtype=np.bytes_)
-        if not len(self._ids) or not len(query):
-            return np.zeros(len(query), dtype=bool)
-        at = np.searchsorted(self._ids, query)
-        found = np.zeros(len(query), dtype=bool)
-        inside = at < len(self._ids)
-        found[inside] = self._ids[at[inside]] == query[inside]
-        return found
+        return self._ids.find(query)[0]
 
     def index_of(self, ids: pa.Array | pa.ChunkedArray) -> np.ndarray:
         """For each of `ids` (an Arrow string column, no nulls), its position in the sorted set, or -1 when it is not
         in it: what looks up a value kept beside each id (storage/item_contents.py)."""
         if isinstance(ids, pa.ChunkedArray):
             ids = pa.concat_arrays(ids.chunks) if ids.num_chunks else pa.array([], pa.string())
-        query = _pack(ids)
-        where = np.full(len(query), -1, dtype=np.int64)
-        if not len(self._ids) or not len(query):
-            return where
-        at = np.searchsorted(self._ids, query)
-        inside = at < len(self._ids)
-        hit = np.zeros(len(query), dtype=bool)
-        hit[inside] = self._ids[at[inside]] == query[inside]
-        where[hit] = at[hit]
-        return where
+        return self._ids.rank(_pack(ids))
 
     def __contains__(self, item_id: object) -> bool:
-        if not isinstance(item_id, str) or not len(self._ids):
-            return False
-        key = item_id.encode()
-        if len(key) > self._ids.dtype.itemsize:
-            return False
-        # bisect over the array: a few microseconds, several times less than a numpy call per id; for many
-        # ids at once use `contains`.
-        at = bisect.bisect_left(self._ids, key)
-        return at < len(self._ids) and self._ids[at] == key
+        return isinstance(item_id, str) and item_id.encode() in self._ids
 
-    def __iter__(self):
-        return (v.decode() for v in self._ids)
-
-    def __and__(self, other) -> set[str]:
-        other = list(other)
-        return {i for i, hit in zip(other, self.contains(other)) if hit}
-
-    __rand__ = __and__
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, CommittedIds):
-            return np.array_equal(self._ids, other._ids)
-        if isinstance(other, (set, frozenset)):
-            return len(other) == len(self) and all(i in self for i in other)
-        return NotImplemented
-
-    __hash__ = None  # mutable-set semantics: equal to a set, so not hashable
+    def sorted_ids(self) -> list[str]:
+        """Every id, sorted by its UTF-8 bytes (= by code point): a Python object per id, for small outputs."""
+        return [v.decode() for v in self._ids.sorted_keys()]
 
     def __repr__(self) -> str:
         return f"CommittedIds({len(self)} ids, {self.nbytes} bytes)"

@@ -255,17 +255,17 @@ def test_renderer_refuses_a_misfit_setting(files):
 
 
 def test_arcanima_guidance_rows_and_the_outside_option():
-    from snapref_ray.sampling.ref_guidance import Row, plan_step
+    from snapref_ray.sampling.ref_guidance import Row, step_rows
 
     v2 = resolve_settings(RenderSettings(ref_end=0.5), "arcanima-v2")
-    inside, outside = plan_step(v2, 0.99, True), plan_step(v2, 0.05, True)
+    inside, outside = step_rows(v2, 0.99, True), step_rows(v2, 0.05, True)
     assert inside.rows == (Row.COND, Row.UNCOND, Row.COND_NOREF) and inside.reads == (True, True, False)
     assert outside.rows == (Row.COND, Row.UNCOND) and outside.reads == (True, True)  # outside: "reference"
     plain = resolve_settings(RenderSettings(ref_end=0.5, ref_outside="no_reference"), "arcanima-v2")
-    assert plan_step(plain, 0.05, True).reads == (False, False)
-    assert plan_step(plain, 0.99, True).reads == (True, True, False)
+    assert step_rows(plain, 0.05, True).reads == (False, False)
+    assert step_rows(plain, 0.99, True).reads == (True, True, False)
     # SnapRef keeps its own default: only the cond row reads, no extra row.
-    snap = plan_step(resolve_settings(RenderSettings(), "snapref"), 0.99, True)
+    snap = step_rows(resolve_settings(RenderSettings(), "snapref"), 0.99, True)
     assert snap.rows == (Row.COND, Row.UNCOND) and snap.reads == (True, False)
 
 

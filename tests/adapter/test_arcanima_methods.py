@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from snapref_ray.adapter.kinds import detect_kind
 from snapref_ray.engine import Renderer
 from snapref_ray.requests import RenderRequest, RenderSettings
-from snapref_ray.sampling.ref_guidance import Row, StepPlan
+from snapref_ray.sampling.ref_guidance import Row, StepRows
 from snapref_ray.sampling.schedules import get_sigmas
 from snapref_ray.tiny import TinyConfig, make_tiny, write_tiny_adapter
 from tests.adapter.arcanima_oracle import Oracle
@@ -62,7 +62,7 @@ def contexts(seed: int) -> list[torch.Tensor]:
 
 
 def velocity(renderer, x, sigma, ctx, refkv, reads, strength) -> torch.Tensor:
-    plan = StepPlan((Row.COND, Row.UNCOND), tuple(reads), False)
+    plan = StepRows((Row.COND, Row.UNCOND), tuple(reads), False)
     reader = renderer.adapter.reader(renderer.resolve(RenderSettings(strength=strength)))
     d = renderer.denoise_rows(x, sigma, plan, {Row.COND: [ctx[0]], Row.UNCOND: [ctx[1]]}, refkv, reader)
     return torch.cat([(x - d[Row.COND]) / sigma, (x - d[Row.UNCOND]) / sigma])
@@ -165,7 +165,7 @@ def test_v2_lora_flops_scale_with_the_reading_rows(tiny_arc, renderers, rows, re
     ctx = contexts(7)
     ctx_for = {Row.COND: [ctx[0]], Row.UNCOND: [ctx[1]], Row.COND_NOREF: [ctx[0]]}
     x = torch.randn(1, 16, 1, HEIGHT // 8, WIDTH // 8, generator=torch.Generator().manual_seed(8))
-    plan = StepPlan(rows, reads, False)
+    plan = StepRows(rows, reads, False)
     flops = {}
     for strength in (0.0, 1.0):  # strength 0: the same forward and reads, no LoRA
         reader = renderer.adapter.reader(renderer.resolve(RenderSettings(strength=strength)))

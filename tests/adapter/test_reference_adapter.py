@@ -27,7 +27,7 @@ from snapref_ray.adapter.refkv import ReadsCache, RefKV
 from snapref_ray.engine import Renderer, RenderError
 from snapref_ray.models.dit import AnimaDiT
 from snapref_ray.requests import RenderRequest, RenderSettings
-from snapref_ray.sampling.ref_guidance import Row, StepPlan
+from snapref_ray.sampling.ref_guidance import Row, StepRows
 from snapref_ray.tiny import TinyConfig, write_tiny_adapter
 from tests.adapter.arcanima_oracle import Oracle
 
@@ -168,7 +168,7 @@ def test_a_new_kind_is_one_module_and_one_row(tiny_models, renderers, self_ref_f
     ctx = [torch.randn(1, 7, TinyConfig().text_dim, generator=g) for _ in range(2)]
     sigma = torch.tensor(0.6)
     reader = renderer.adapter.reader(renderer.resolve(RenderSettings()))
-    plan = StepPlan((Row.COND, Row.UNCOND), (True, False), False)
+    plan = StepRows((Row.COND, Row.UNCOND), (True, False), False)
     d = renderer.denoise_rows(x, sigma, plan, {Row.COND: [ctx[0]], Row.UNCOND: [ctx[1]]}, refkv, reader)
     assert reader.calls == [(True, False)]
     v_prod = torch.cat([(x - d[Row.COND]) / sigma, (x - d[Row.UNCOND]) / sigma]).double()

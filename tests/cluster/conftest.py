@@ -154,7 +154,7 @@ def job_spec(
 
 def expected_item_ids(spec) -> set[str]:
     """The ids the spec's valid rows must render to (the same validation run_job does)."""
+    from snapref_ray.jobs.manifest_check import load_work_items
     from snapref_ray.render_service.loading import adapter_kind
-    from snapref_ray.render_service.work_items import load_work_items
 
     return {item.item_id for item in load_work_items(spec, adapter_kind=adapter_kind(spec.model)).items}

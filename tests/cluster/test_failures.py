@@ -360,7 +360,7 @@ def test_poison_item_is_recorded_with_its_last_exception(tmp_path, tiny_models):
 
 
 def _poison_id(spec) -> str:
-    from snapref_ray.render_service.work_items import load_work_items
+    from snapref_ray.jobs.manifest_check import load_work_items
 
     (item,) = [i for i in load_work_items(spec).items if i.prompt == "1girl, poison"]
     return item.item_id
@@ -427,6 +427,6 @@ def test_torch_out_of_memory_halves_batches_and_an_image_that_never_fits_fails_w
 
 
 def _items_by_prompt(spec) -> dict[str, str]:
-    from snapref_ray.render_service.work_items import load_work_items
+    from snapref_ray.jobs.manifest_check import load_work_items
 
     return {item.item_id: item.prompt for item in load_work_items(spec).items}

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from snapref_ray.cluster import feasibility, ray_output
+from snapref_ray import ray_console
+from snapref_ray.cluster import feasibility
 from snapref_ray.cluster.feasibility import (
     InfeasibilityWatch,
     WorkerCannotBePlaced,
@@ -73,12 +74,12 @@ def test_the_watch_raises_on_the_autoscalers_report_of_the_workers_request_only(
     other = "No available node types can fulfill resource requests {'CPU': 4.0}*1."
     watch = InfeasibilityWatch(WORKER)
     try:
-        ray_output._on_output({"pid": "autoscaler", "lines": ["Resized to 2 CPUs.", other]})
-        ray_output._on_output({"pid": 4242, "lines": [V1_LINE]})  # a worker printing it is not Ray's report
+        ray_console._on_output({"pid": "autoscaler", "lines": ["Resized to 2 CPUs.", other]})
+        ray_console._on_output({"pid": 4242, "lines": [V1_LINE]})  # a worker printing it is not Ray's report
         watch.check()  # nothing about the workers' request from the autoscaler: keep waiting
-        ray_output._on_output({"pid": "autoscaler", "lines": [V1_LINE]})
+        ray_console._on_output({"pid": "autoscaler", "lines": [V1_LINE]})
         with pytest.raises(WorkerCannotBePlaced, match="no node type has enough memory"):
             watch.check()
-        assert watch.feed not in ray_output._listeners  # it stopped listening
+        assert watch.feed not in ray_console._listeners  # it stopped listening
     finally:
         watch.stop()

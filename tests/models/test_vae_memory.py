@@ -20,11 +20,11 @@ from snapref_ray.models.tiny_vae import make_tiny_vae
 from snapref_ray.models.vae import VAEConfig
 from snapref_ray.models.vae_memory import (
     VAEMemoryPolicy,
+    choose_decode,
+    choose_encode,
     decode_in_budget,
     decode_peak_bytes,
     encode_in_budget,
-    plan_decode,
-    plan_encode,
     tiled_decode_peak_bytes,
 )
 from snapref_ray.models.vae_tiles import (
@@ -212,11 +212,11 @@ def test_plan_chooses_whole_then_per_image_then_tiles_as_the_budget_shrinks():
     assert one < four < 4 * one  # the fixed part is counted once
 
     roomy = VAEMemoryPolicy(max_batch_bytes=four)
-    assert plan_decode(TINY, (4, 128, 128), torch.float32, four, roomy).mode == "whole"
+    assert choose_decode(TINY, (4, 128, 128), torch.float32, four, roomy).mode == "whole"
     # By default a batch of 1024x1024 images is not joined, whatever the budget.
-    assert plan_decode(TINY, (4, 128, 128), torch.float32, 100 * GiB).mode == "per_image"
-    assert plan_decode(TINY, (1, 128, 128), torch.float32, one).mode == "whole"
-    plan = plan_decode(TINY, (4, 128, 128), torch.float32, one - 1)
+    assert choose_decode(TINY, (4, 128, 128), torch.float32, 100 * GiB).mode == "per_image"
+    assert choose_decode(TINY, (1, 128, 128), torch.float32, one).mode == "whole"
+    plan = choose_decode(TINY, (4, 128, 128), torch.float32, one - 1)
     assert plan.mode == "tiled" and plan.overlap == 28
     # The largest tile whose estimate fits: one more cell would not.
     assert plan.peak_bytes <= one - 1
@@ -224,15 +224,15 @@ def test_plan_chooses_whole_then_per_image_then_tiles_as_the_budget_shrinks():
 
 
 def test_forced_modes_and_tiles_need_no_budget():
-    assert plan_decode(TINY, (4, 16, 16), torch.float32, None, VAEMemoryPolicy(mode="whole")).mode == "whole"
-    assert plan_decode(TINY, (4, 16, 16), torch.float32, None, VAEMemoryPolicy(mode="per_image")).mode == "per_image"
-    forced = plan_decode(TINY, (1, 64, 64), torch.float32, None, VAEMemoryPolicy(tile=40, overlap=8))
+    assert choose_decode(TINY, (4, 16, 16), torch.float32, None, VAEMemoryPolicy(mode="whole")).mode == "whole"
+    assert choose_decode(TINY, (4, 16, 16), torch.float32, None, VAEMemoryPolicy(mode="per_image")).mode == "per_image"
+    forced = choose_decode(TINY, (1, 64, 64), torch.float32, None, VAEMemoryPolicy(tile=40, overlap=8))
     assert (forced.mode, forced.tile, forced.overlap) == ("tiled", 40, 8)
-    assert plan_encode(TINY, (1, 512, 512), torch.float32, None, VAEMemoryPolicy(tile=30)).overlap == 22
+    assert choose_encode(TINY, (1, 512, 512), torch.float32, None, VAEMemoryPolicy(tile=30)).overlap == 22
     with pytest.raises(ValueError, match="needs budget_bytes"):
-        plan_decode(TINY, (1, 16, 16), torch.float32, None, VAEMemoryPolicy(mode="tiled"))
+        choose_decode(TINY, (1, 16, 16), torch.float32, None, VAEMemoryPolicy(mode="tiled"))
     with pytest.raises(ValueError, match=r"tile=20 latent cells must exceed the overlap \(28 cells\)"):
-        plan_decode(TINY, (1, 64, 64), torch.float32, None, VAEMemoryPolicy(tile=20))
+        choose_decode(TINY, (1, 64, 64), torch.float32, None, VAEMemoryPolicy(tile=20))
     with pytest.raises(ValueError, match=r"tile=16 asks for tiles, but mode is 'whole'"):
         VAEMemoryPolicy(mode="whole", tile=16)
 

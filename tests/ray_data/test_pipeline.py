@@ -25,7 +25,7 @@ from PIL import Image
 
 from snapref_ray.adapter.images import content_hash
 from snapref_ray.job_spec import JobSpec
-from snapref_ray.render_service.work_items import load_work_items
+from snapref_ray.jobs.manifest_check import load_work_items
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.storage.image_files import read_image_info, read_image_parameters
 from tests.cluster.conftest import make_reference_png, write_manifest

@@ -3,31 +3,31 @@ import pytest
 import torch
 
 from snapref_ray.requests import RenderSettings
-from snapref_ray.sampling.ref_guidance import Combiner, Row, in_ref_window, plan_step
+from snapref_ray.sampling.ref_guidance import Combiner, Row, in_ref_window, step_rows
 
 
 def test_default_path_cond_reads_uncond_does_not():
-    plan = plan_step(RenderSettings(), 0.5, has_reference=True)
+    plan = step_rows(RenderSettings(), 0.5, has_reference=True)
     assert plan.rows == (Row.COND, Row.UNCOND) and plan.reads == (True, False)
     assert not plan.ref_guidance_active
 
 
 def test_ref_in_uncond_makes_the_uncond_row_read():
-    plan = plan_step(RenderSettings(ref_in_uncond=True), 0.5, has_reference=True)
+    plan = step_rows(RenderSettings(ref_in_uncond=True), 0.5, has_reference=True)
     assert plan.reads == (True, True)
 
 
 def test_cfg_one_skips_the_uncond_row():
-    assert plan_step(RenderSettings(cfg=1.0), 0.5, True).rows == (Row.COND,)
-    assert plan_step(RenderSettings(cfg=1.0), 0.5, False).rows == (Row.COND,)
+    assert step_rows(RenderSettings(cfg=1.0), 0.5, True).rows == (Row.COND,)
+    assert step_rows(RenderSettings(cfg=1.0), 0.5, False).rows == (Row.COND,)
 
 
 def test_ref_guidance_adds_a_no_reference_row_inside_the_window_only():
     s = RenderSettings(ref_guidance=2.0, ref_end=0.6)
-    inside = plan_step(s, 0.9, True)
+    inside = step_rows(s, 0.9, True)
     assert inside.rows == (Row.COND, Row.UNCOND, Row.COND_NOREF)
     assert inside.reads == (True, True, False) and inside.ref_guidance_active
-    outside = plan_step(s, 0.3, True)  # past 60% of the schedule: sigma below shift3(0.4) = 0.667
+    outside = step_rows(s, 0.3, True)  # past 60% of the schedule: sigma below shift3(0.4) = 0.667
     assert outside.rows == (Row.COND, Row.UNCOND) and outside.reads == (True, True)
 
 
@@ -44,7 +44,7 @@ def test_combine_matches_the_design_formula_without_correction():
     x = torch.randn(1, 16, 1, 4, 4, generator=g)
     dc, du, dn = (torch.randn(1, 16, 1, 4, 4, generator=g) for _ in range(3))
     s = RenderSettings(cfg=4.5, ref_guidance=1.8, correction="none")
-    plan = plan_step(s, 0.9, True)
+    plan = step_rows(s, 0.9, True)
     out = Combiner(s)(x, torch.tensor(0.9), plan, {Row.COND: dc, Row.UNCOND: du, Row.COND_NOREF: dn})
     expected = du + 4.5 * (dc - du) + 0.8 * (dc - dn)
     assert torch.allclose(out, expected, atol=1e-6)
@@ -57,14 +57,14 @@ def test_corrections_change_only_the_guided_estimate(correction):
     dc, du, dn = (torch.randn(1, 16, 1, 4, 4, generator=g) * 3 for _ in range(3))
     s_none = RenderSettings(cfg=4.0, ref_guidance=3.0, correction="none")
     s_corr = RenderSettings(cfg=4.0, ref_guidance=3.0, correction=correction)
-    plan = plan_step(s_none, 0.9, True)
+    plan = step_rows(s_none, 0.9, True)
     rows = {Row.COND: dc, Row.UNCOND: du, Row.COND_NOREF: dn}
     plain = Combiner(s_none)(x, torch.tensor(0.9), plan, rows)
     corrected = Combiner(s_corr)(x, torch.tensor(0.9), plan, rows)
     assert torch.isfinite(corrected).all()
     assert not torch.allclose(plain, corrected)
     # Without the reference row the correction has nothing to act on.
-    plan_default = plan_step(RenderSettings(cfg=4.0), 0.9, True)
+    plan_default = step_rows(RenderSettings(cfg=4.0), 0.9, True)
     base = {Row.COND: dc, Row.UNCOND: du}
     assert torch.equal(
         Combiner(RenderSettings(cfg=4.0, correction=correction))(x, torch.tensor(0.9), plan_default, base),
@@ -132,7 +132,7 @@ def test_reference_guidance_matches_a_float64_rederivation(correction, cfg_corre
     dn = dc + 0.8 * (dn - dc)
     sigma = 0.7
     s = RenderSettings(cfg=4.5, ref_guidance=2.5, correction=correction, cfg_correction=cfg_correction)
-    plan = plan_step(s, sigma, True)
+    plan = step_rows(s, sigma, True)
     assert plan.ref_guidance_active
     x, dc, du, dn = (a.astype(np.float32) for a in (x, dc, du, dn))  # the sampler's dtype
     t = torch.from_numpy

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from snapref_ray.requests import RenderRequest, RenderSettings, StepCache
-from snapref_ray.sampling.ref_guidance import Row, plan_step
+from snapref_ray.sampling.ref_guidance import Row, step_rows
 from snapref_ray.sampling.schedules import get_sigmas, percent_to_sigma
 from snapref_ray.sampling.step_cache import StepCacheState
 from tests.test_host_reads import recorded  # noqa: F401  (the fixture)
@@ -67,7 +67,7 @@ def test_a_skipping_row_gets_exactly_its_last_delta(tiny_renderer, refkv):
     xs = [torch.randn(1, 16, 1, 32, 32, generator=gen) * (1.0 - 0.05 * i) for i in range(4)]
     outputs = []
     for step, x in enumerate(xs):
-        plan = plan_step(r.resolve(s), sigmas[step], True)
+        plan = step_rows(r.resolve(s), sigmas[step], True)
         runs_before = sum(c.skipped for c in cache._state)
         denoised = r.denoise_rows(x, sigmas[step], plan, ctx_for, refkv, reader, cache)
         skipped = sum(c.skipped for c in cache._state) > runs_before

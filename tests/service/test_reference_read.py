@@ -3,13 +3,10 @@ every front door checks a reference the same way before any device work (render_
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from snapref_ray.adapter.images import ReferenceImageError
 from snapref_ray.render_service.references import Reference, ReferenceIdentity, RefKVKey, check_reference
-from snapref_ray.render_service.service import RenderService
 from snapref_ray.requests import RenderError, RenderRequest, RenderSettings
 
 SMALL = RenderSettings(width=256, height=256, steps=1, cfg=1.0, sampler="euler")
@@ -25,16 +22,6 @@ class Loads:
     def __call__(self) -> list[bytes]:
         self.calls += 1
         return [self.data]
-
-
-@pytest.fixture
-def service(tiny_renderer) -> RenderService:
-    return RenderService(tiny_renderer)
-
-
-@pytest.fixture(scope="module")
-def reference_png(tiny_models: Path) -> bytes:
-    return (tiny_models / "reference.png").read_bytes()
 
 
 def _reference(data: bytes, load: Loads, fetch=None) -> Reference:
@@ -80,9 +67,13 @@ def test_recompute_reference_every_step_reads_the_images_at_every_door(service, 
 
 def test_a_reference_is_checked_the_same_way_at_every_door(reference_png):
     check_reference([reference_png, reference_png], "multi", ["a.png", "b.png"], "snapref")
-    with pytest.raises(ReferenceImageError, match=r"^b\.png: not an image format PIL can read"):
+    with pytest.raises(ReferenceImageError, match=r"^b\.png: not an image format PIL can read") as unreadable:
         check_reference([reference_png, b"not an image"], "pair", ["a.png", "b.png"], "snapref")
+    # The error names the file and the reason as fields: no door finds the file by parsing the message.
+    assert unreadable.value.source == "b.png"
+    assert unreadable.value.reason.startswith("not an image format PIL can read")
     with pytest.raises(RenderError, match="several references of one character are a SnapRef feature") as refused:
         check_reference([reference_png, reference_png], "multi", ["a.png", "b.png"], "arcanima-v2")
     assert refused.value.field == "layout"
+    assert refused.value.reason == str(refused.value).removeprefix("layout: ")
     check_reference([reference_png, reference_png], "pair", ["a.png", "b.png"], "arcanima-v2")

@@ -16,16 +16,10 @@ from PIL import Image
 
 from snapref_ray.adapter.controls import resolve_settings
 from snapref_ray.job_spec import JobSpec, load_job_spec
+from snapref_ray.jobs.manifest_check import JobValidationError, RowError, build_work_items, load_work_items
 from snapref_ray.render_service.references import ReferenceInput
 from snapref_ray.render_service.references import reference_hash as combined_reference_hash
-from snapref_ray.render_service.work_items import (
-    JobValidationError,
-    RowError,
-    WorkItem,
-    build_work_items,
-    item_id_for,
-    load_work_items,
-)
+from snapref_ray.render_service.work_items import WorkItem, item_id_for
 from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.manifest import ROW_KEY, read_manifest
 

@@ -1,7 +1,7 @@
 """Explicit ids keep their content: a resume refuses a row edited under a committed explicit id (or renders it again
 when asked, its new row then the one readers keep), an appended job's ids that collide with another job's are
 refused, and a resume counts the committed items its manifest no longer produces. No Ray: the plan is the driver's
-(render_service/work_plan.py), the rows are built by the worker's row builder (render_service/records.py)."""
+(jobs/spilled_items.py), the rows are built by the worker's row builder (render_service/records.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pytest
 
+from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
 from snapref_ray.render_service.records import metadata_row
 from snapref_ray.render_service.work_items import WorkItem
-from snapref_ray.render_service.work_plan import WorkPlan, plan_against_output
 from snapref_ray.report.rows import JobRows
 from snapref_ray.storage.backends import LocalStorage, open_storage
 from snapref_ray.storage.item_contents import JOB_COLUMN, ItemContentError
@@ -46,14 +46,14 @@ def job(tmp_path) -> Path:
     return tmp_path
 
 
-def plan_of(folder: Path, rows: list[dict], name: str = "manifest.csv") -> WorkPlan:
+def plan_of(folder: Path, rows: list[dict], name: str = "manifest.csv") -> SpilledItems:
     manifest = write_manifest(folder / name, rows)
-    return WorkPlan.build(
+    return SpilledItems.build(
         spec_for(manifest, defaults={"width": 256, "height": 256, "steps": 4}), adapter_kind="snapref"
     )
 
 
-def items_to_render(plan: WorkPlan) -> list[WorkItem]:
+def items_to_render(plan: SpilledItems) -> list[WorkItem]:
     return [item for group in plan.reference_groups() for item in group]
 
 
@@ -84,7 +84,9 @@ def commit(storage, items: list[WorkItem], *, job: str | None = None) -> None:
             writer.add(row_of(item, job=job))
 
 
-def render_all(storage, folder: Path, rows: list[dict], fingerprint: str, *, append: bool = False, **kw) -> WorkPlan:
+def render_all(
+    storage, folder: Path, rows: list[dict], fingerprint: str, *, append: bool = False, **kw
+) -> SpilledItems:
     """What a run of the job does to the output, without Ray: claim, plan against it, commit every item left."""
     claim_output(storage, fingerprint, {"job": fingerprint}, append=append)
     with plan_of(folder, rows) as plan:
@@ -230,6 +232,6 @@ def test_the_check_holds_explicit_ids_as_bytes_not_objects(job):
     storage = LocalStorage(job / "out")
     render_all(storage, job, ROWS, "f1")
     contents = read_committed_contents(storage, "f1")
-    assert sorted(contents.explicit) == ["a-0", "b-0", "c-0", "c-1"]  # the id-less item costs nothing
+    assert contents.explicit.sorted_ids() == ["a-0", "b-0", "c-0", "c-1"]  # the id-less item costs nothing
     assert contents.contents.dtype == "S20" and len(contents.contents) == 4
     assert not len(contents.foreign) and not contents.rows_name_their_job and not contents.other_jobs

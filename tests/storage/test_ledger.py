@@ -119,17 +119,17 @@ def test_two_drivers_claiming_at_once(tmp_path):
 
 
 def test_committed_ids_are_the_written_rows_only(storage):
-    assert committed_item_ids(storage) == set()
+    assert len(committed_item_ids(storage)) == 0
     writer = MetadataWriter(storage, flush_rows=2, flush_seconds=0)
     for i in range(3):
         writer.add(make_row(i))
     # Two rows are in a written part; the third is still buffered, so not done: a crash now re-renders it.
-    assert committed_item_ids(storage) == {"item-0000", "item-0001"}
+    assert committed_item_ids(storage).sorted_ids() == ["item-0000", "item-0001"]
     writer.close()
-    assert committed_item_ids(storage) == {"item-0000", "item-0001", "item-0002"}
+    assert committed_item_ids(storage).sorted_ids() == ["item-0000", "item-0001", "item-0002"]
 
 
-def test_the_compact_committed_set_answers_as_a_python_set():
+def test_the_compact_committed_ids_answer_what_a_python_set_would():
     import random
 
     from snapref_ray.storage.ledger import CommittedIds
@@ -142,21 +142,33 @@ def test_the_compact_committed_set_answers_as_a_python_set():
     oracle = set(ids)
     committed = CommittedIds.from_strings(ids)
     assert len(committed) == len(oracle)
-    assert list(committed) == sorted(oracle)  # sorted by UTF-8 bytes = by code point
+    assert committed.sorted_ids() == sorted(oracle)  # sorted by UTF-8 bytes = by code point
     absent = ["row1", "row1-00", "row40-0", "", "キャラ", "café-1x", f"{rng.getrandbits(80):020x}", "y" * 40]
     queries = list(oracle) + absent
     assert [q in committed for q in queries] == [q in oracle for q in queries]
     assert committed.contains(queries).tolist() == [q in oracle for q in queries]
-    assert committed == oracle and committed != oracle - {"x"}
-    probe = set(rng.sample(sorted(oracle), 30)) | set(absent)
-    assert committed & probe == oracle & probe == probe & committed
     # The ids' own bytes, padded to the longest: no Python object per id.
     assert committed.nbytes == len(oracle) * max(len(i.encode()) for i in oracle)
     # Built part by part (as from metadata parts): parts of one id length and of several, nulls dropped.
     import pyarrow as pa
 
     parts = [pa.array(hashes[:100]), pa.array(named + [None]), pa.array(hashes[50:150]), pa.array([], pa.string())]
-    assert CommittedIds.from_arrow_parts(parts) == set(hashes[:150]) | set(named)
-    assert list(CommittedIds.from_arrow_parts(parts)) == sorted(set(hashes[:150]) | set(named))
+    assert CommittedIds.from_arrow_parts(parts).sorted_ids() == sorted(set(hashes[:150]) | set(named))
     empty = CommittedIds.from_strings([])
-    assert len(empty) == 0 and "x" not in empty and empty == set() and empty.contains(["x"]).tolist() == [False]
+    assert len(empty) == 0 and "x" not in empty and empty.sorted_ids() == []
+    assert empty.contains(["x"]).tolist() == [False]
+
+
+def test_index_of_is_each_ids_place_in_the_sorted_ids():
+    """What storage/item_contents.py looks a committed id's content id up by: its index in `sorted_ids()`."""
+    import pyarrow as pa
+
+    from snapref_ray.storage.ledger import CommittedIds
+
+    committed = CommittedIds.from_strings(["b-0", "a-0", "キャラ-0", "c-1", "a-0"])
+    order = committed.sorted_ids()
+    queries = ["c-1", "zz", "a-0", "キャラ-0", "b-0", ""]
+    expected = [order.index(q) if q in order else -1 for q in queries]
+    assert committed.index_of(pa.array(queries)).tolist() == expected == [2, -1, 0, 3, 1, -1]
+    assert committed.index_of(pa.chunked_array([pa.array(queries[:2]), pa.array(queries[2:])])).tolist() == expected
+    assert CommittedIds.from_strings([]).index_of(pa.array(["a-0"])).tolist() == [-1]

@@ -206,7 +206,7 @@ def test_a_worker_killed_mid_shard_leaves_nothing_visible_and_a_rerun_makes_ever
     ids = [f"item-{i:02d}" for i in range(5)]
     visible = [k for k in storage.list("shards/") if k.endswith(".tar")]
     assert len(visible) == 1
-    assert sorted(committed_item_ids(storage)) == ids[:3]
+    assert committed_item_ids(storage).sorted_ids() == ids[:3]
     # The rerun renders what is not committed, into a new shard.
     rerun = ShardWriter(storage, name="rerun", max_items=3)
     for i in ids:

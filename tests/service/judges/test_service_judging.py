@@ -19,7 +19,6 @@ from snapref_ray.render_service.judges.near_duplicate import nearest_distance, p
 from snapref_ray.render_service.judges.registry import JudgeCall
 from snapref_ray.render_service.judges.spec import JudgeSpec
 from snapref_ray.render_service.references import Reference
-from snapref_ray.render_service.service import RenderService
 from snapref_ray.requests import RenderError, RenderRequest, RenderSettings
 
 SETTINGS = RenderSettings(width=256, height=256, steps=2, sampler="euler")
@@ -32,14 +31,9 @@ def _png(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture
-def service(tiny_renderer) -> RenderService:
-    return RenderService(tiny_renderer)
-
-
 @pytest.fixture(scope="module")
-def own(tiny_models: Path) -> bytes:
-    return (tiny_models / "reference.png").read_bytes()
+def own(reference_png: bytes) -> bytes:
+    return reference_png  # the judged render's own reference (tests/service/conftest.py: `service` too)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from snapref_ray.render_service.work_items import build_work_items
-from snapref_ray.render_service.work_plan import WorkPlan
+from snapref_ray.jobs.manifest_check import build_work_items
+from snapref_ray.jobs.spilled_items import SpilledItems
 from snapref_ray.storage.id_claims import ClaimedIds
 from snapref_ray.storage.ledger import CommittedIds
 from snapref_ray.storage.manifest import read_manifest
@@ -70,7 +70,7 @@ def test_a_manifest_in_chunks_gives_the_whole_manifests_items_ids_and_errors(ref
     spec = spec_for(manifest, defaults={"width": 256, "height": 256, "steps": 4})
     whole = build_work_items(spec, read_manifest(str(manifest)), adapter_kind="snapref")
 
-    with WorkPlan.build(spec, adapter_kind="snapref", chunk_rows=chunk_rows, folder=refs / "plan") as plan:
+    with SpilledItems.build(spec, adapter_kind="snapref", chunk_rows=chunk_rows, folder=refs / "plan") as plan:
         plan.skip_committed(CommittedIds.from_strings([]))
         groups = list(plan.reference_groups())
         errors = list(plan.all_errors())
@@ -106,7 +106,7 @@ def test_committed_items_are_skipped_and_the_figures_count_what_is_left(refs):
     spec = spec_for(manifest, defaults={"width": 256, "height": 256, "steps": 4})
     whole = build_work_items(spec, read_manifest(str(manifest)), adapter_kind="snapref")
     done = set(rng.sample([i.item_id for i in whole.items], 200))
-    with WorkPlan.build(spec, adapter_kind="snapref", chunk_rows=64) as plan:
+    with SpilledItems.build(spec, adapter_kind="snapref", chunk_rows=64) as plan:
         plan.skip_committed(CommittedIds.from_strings(done))
         left = [item for group in plan.reference_groups() for item in group]
         assert left == [i for i in whole.items if i.item_id not in done]
@@ -128,7 +128,7 @@ def test_workers_warm_the_forward_sizes_the_plan_will_send(refs):
         ]
         random.Random(0).shuffle(rows)  # the manifest's order does not matter
         manifest = write_manifest(refs / "sizes.csv", rows)
-        with WorkPlan.build(spec_for(manifest), adapter_kind="snapref", chunk_rows=5) as plan:
+        with SpilledItems.build(spec_for(manifest), adapter_kind="snapref", chunk_rows=5) as plan:
             plan.skip_committed(CommittedIds.from_strings([]))
             return plan.planned_batch_sizes(max_batch)
 
@@ -153,13 +153,13 @@ def test_claimed_ids_find_every_duplicate_and_its_first_row_as_a_dict_does():
     assert len(claimed) == len(owner) and claimed.nbytes == 16 * len(owner)
     assert all(claimed.owner(item_id) == row for item_id, row in list(owner.items())[:500])
     assert claimed.owner("never-claimed") is None
-    assert len(claimed._runs) <= int(np.log2(len(owner))) + 1  # runs merge as they grow
+    assert claimed._claimed.run_count <= int(np.log2(len(owner))) + 1  # runs merge as they grow
 
 
 _PLAN_IN_A_FRESH_PROCESS = """
 import json, resource, sys
 from snapref_ray.job_spec import JobSpec
-from snapref_ray.render_service.work_plan import WorkPlan
+from snapref_ray.jobs.spilled_items import SpilledItems
 from snapref_ray.storage.id_claims import ClaimedIds
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.storage.ledger import CommittedIds
@@ -167,7 +167,7 @@ from snapref_ray.storage.ledger import CommittedIds
 spec = JobSpec.model_validate(json.loads(sys.argv[1]))
 with open("/proc/self/statm") as f:
     before = int(f.read().split()[1]) * resource.getpagesize()  # resident now: imports, no rows yet
-with WorkPlan.build(spec, adapter_kind="snapref") as plan:
+with SpilledItems.build(spec, adapter_kind="snapref") as plan:
     plan.skip_committed(CommittedIds.from_strings([]))
     read = sum(len(group) for group in plan.reference_groups())
 peak = peak_resident_bytes()  # VmHWM: ru_maxrss would carry pytest's RSS at the fork
@@ -180,7 +180,7 @@ def test_the_planning_paths_memory_does_not_grow_with_the_manifest(tmp_path):
     """The driver's planning path (validate in chunks, spill, read every reference back) over a 100 k-row and a
     1 M-row manifest written prompt-major (each reference's rows spread over the whole file), each in a fresh
     process: the peak resident memory it adds at 1 M rows stays under twice what it adds at 100 k (measured: 173
-    and 139 MiB). With the items kept in memory (a scratch break of WorkPlan) it was 668 against 174 MiB."""
+    and 139 MiB). With the items kept in memory (a scratch break of SpilledItems) it was 668 against 174 MiB."""
     import csv
     import subprocess
     import sys
@@ -217,7 +217,7 @@ def test_validation_shows_rows_read_and_invalid_rows_as_it_goes(refs, capsys):
     rows[3]["steps"] = 0
     rows[31]["reference"] = "refs/missing.png"
     manifest = write_manifest(refs / "m.csv", rows)
-    with WorkPlan.build(spec_for(manifest), adapter_kind="snapref", chunk_rows=10, progress=True) as plan:
+    with SpilledItems.build(spec_for(manifest), adapter_kind="snapref", chunk_rows=10, progress=True) as plan:
         assert plan.invalid_rows == 2
     bar = capsys.readouterr().err
     assert "validating" in bar and "40row" in bar.replace(" ", "") and "invalid=2" in bar

@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 
 from snapref_ray.job_spec import JobSpec, JobSpecError, spec_fingerprint
+from snapref_ray.jobs.manifest_check import RowError
+from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
 from snapref_ray.render_service.loading import adapter_kind
-from snapref_ray.render_service.work_items import RowError
-from snapref_ray.render_service.work_plan import WorkPlan, plan_against_output
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.ledger import committed_item_ids, job_fingerprint, read_job
 
@@ -25,7 +25,7 @@ class NothingToRender(ValueError):
 
 
 @dataclass(frozen=True)
-class JobPlan:
+class RunPreview:
     """A job's work, as validation and the output's ledger see it before anything runs."""
 
     manifest: str
@@ -66,18 +66,23 @@ _OWNER_TEXT = {
 }
 
 
-def plan_job(spec: JobSpec) -> JobPlan:
-    """Validate `spec` and read its output's ledger, writing nothing."""
-    s3 = spec.s3_options()
-    kind = adapter_kind(spec.model, s3=s3)
+def job_adapter_kind(spec: JobSpec) -> str:
+    """The kind of the job's reference adapter; a job without one is refused (every item reads a reference)."""
+    kind = adapter_kind(spec.model, s3=spec.s3_options())
     if kind is None:
         raise JobSpecError(
             "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
             f" the models folder ({spec.model.models_dir})"
         )
-    with WorkPlan.build(spec, s3=s3, adapter_kind=kind) as plan:
+    return kind
+
+
+def preview_run(spec: JobSpec) -> RunPreview:
+    """Validate `spec` and read its output's ledger, writing nothing."""
+    s3 = spec.s3_options()
+    with SpilledItems.build(spec, s3=s3, adapter_kind=job_adapter_kind(spec)) as plan:
         owner, committed = _output_state(spec, s3, plan)
-        return JobPlan(
+        return RunPreview(
             manifest=spec.manifest,
             output=spec.output.uri,
             rows=plan.rows,
@@ -89,7 +94,7 @@ def plan_job(spec: JobSpec) -> JobPlan:
         )
 
 
-def _output_state(spec: JobSpec, s3, plan: WorkPlan) -> tuple[str, int]:
+def _output_state(spec: JobSpec, s3, plan: SpilledItems) -> tuple[str, int]:
     """Who owns the output, and how many of the plan's items it holds already (marked in the plan)."""
     owner = "new"
     if _output_exists(spec.output.uri):
@@ -114,7 +119,7 @@ def _output_state(spec: JobSpec, s3, plan: WorkPlan) -> tuple[str, int]:
     return owner, plan.committed
 
 
-def check_something_to_render(manifest: str, validated: WorkPlan | JobPlan) -> None:
+def check_something_to_render(manifest: str, validated: SpilledItems | RunPreview) -> None:
     """NothingToRender when the manifest has rows and none of them is valid, naming the first row's reasons."""
     errors, rows, items = validated.errors, validated.rows, validated.items
     if items or not errors:

@@ -1,9 +1,9 @@
-"""A batch job's plan: the manifest validated in chunks, its items spilled to local disk, read back by reference.
+"""A job's spilled items: the manifest validated in chunks, its items spilled to local disk, read back by reference.
 
 The driver of a 10 M-row job cannot hold a `WorkItem` per image (about 8 KB each with its settings object). So:
 
 1. The manifest is read `chunk_rows` rows at a time (storage/manifest.py `iter_manifest_chunks`) and each chunk is
-   validated by the one `ManifestValidator` (work_items.py), which keeps across chunks only what must be global:
+   validated by the one `ManifestValidator` (manifest_check.py), which keeps across chunks only what must be global:
    each reference file's check, the item ids claimed (16 bytes each, for duplicates), the references in order of
    first use and the distinct settings.
 2. A chunk's valid items are written as one *run*: an Arrow IPC file on local disk, sorted by reference (stably, so
@@ -38,14 +38,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from snapref_ray.job_spec import JobSpec
+from snapref_ray.jobs.manifest_check import JobValidationError, ManifestValidator, RowError
 from snapref_ray.render_service.references import ReferenceInput
-from snapref_ray.render_service.work_items import (
-    JobValidationError,
-    ManifestValidator,
-    RowError,
-    WorkItem,
-    rerender_of,
-)
+from snapref_ray.render_service.work_items import WorkItem, rerender_of
 from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.backends import S3Options, Storage
 from snapref_ray.storage.item_contents import (
@@ -97,7 +92,7 @@ class _Run:
     rerender: np.ndarray | None = None  # a judged job's round: per item, the render to make (-1: none)
 
 
-class WorkPlan:
+class SpilledItems:
     """A job's validated items on local disk, with the figures the driver needs; see the module docstring."""
 
     def __init__(self, folder: Path, validator: ManifestValidator, manifest: str) -> None:
@@ -141,7 +136,7 @@ class WorkPlan:
         chunk_rows: int = CHUNK_ROWS,
         progress: bool = False,
         folder: str | Path | None = None,
-    ) -> WorkPlan:
+    ) -> SpilledItems:
         """Validate the spec's manifest chunk by chunk and spill its items; raises `JobValidationError` in a strict
         job with any invalid row (after reading them all, so that every one is named). `folder`: where the runs go
         (default: a new temporary folder, removed by `close`)."""
@@ -353,7 +348,7 @@ class WorkPlan:
         """(group, run index, that group's items of one record batch), in group order: what the merge sorts on.
         `rerender`: the run's items a round re-renders (`rerender_work`), as those renders."""
         if run.todo is None:
-            raise RuntimeError("WorkPlan.skip_committed must run before the plan is read")
+            raise RuntimeError("SpilledItems.skip_committed must run before the items are read")
         todo = run.rerender >= 0 if rerender else np.unpackbits(run.todo, count=run.rows).astype(bool)
         settings, inputs, hashes = self.validator.settings, self._input_list, self._hashes
         offset = 0
@@ -412,7 +407,7 @@ class WorkPlan:
             self._errors_writer = None
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def __enter__(self) -> WorkPlan:
+    def __enter__(self) -> SpilledItems:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -424,7 +419,7 @@ def _item_render(item: WorkItem, render_index: int) -> WorkItem:
 
 
 def plan_against_output(
-    plan: WorkPlan,
+    plan: SpilledItems,
     storage: Storage,
     committed: CommittedIds,
     *,
