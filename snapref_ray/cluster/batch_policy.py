@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence, Set
 from typing import TYPE_CHECKING
 
-from snapref_ray.cluster.call_records import EncodeCall, ProbeCall, ReleaseCall, RenderCall, StartCall
+from snapref_ray.cluster.call_records import EncodeCall, ProbeCall, PublishCall, ReleaseCall, RenderCall, StartCall
 from snapref_ray.cluster.members import Members, PoolLimits
 from snapref_ray.cluster.placement import Placement, PlannedWork, QueuedReference
 from snapref_ray.cluster.recovery import Recovery
@@ -48,7 +48,7 @@ from snapref_ray.cluster.scheduling_policy import (
     StepOutcome,
 )
 from snapref_ray.cluster.shard_ledger import Rendered
-from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, RenderTask, WorkerInfo
+from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, RenderTask, ShardReport, WorkerInfo
 
 if TYPE_CHECKING:  # an item is only carried here; its module (the job's planning) imports torch
     from snapref_ray.render_service.work_items import WorkItem
@@ -90,9 +90,14 @@ class BatchPolicy(SchedulingPolicy):
         commit_shard: Callable[[str], bool] | None = None,
         skip_reference: Callable[[str], bool] | None = None,
         limits: PoolLimits | None = None,
+        adds_work: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config, self.clock = config, clock
+        # The job may `add` items while the run goes (a judged job's re-renders, decided as renders are committed):
+        # idle workers are kept, not given back, and asked to stage their open shard (`PublishCall`) instead, so
+        # that the verdicts on it come in while there is a worker to render what they ask for.
+        self.adds_work = adds_work
         self.on_done, self.on_progress, self.on_event = on_done, on_progress, on_event
         # The quota seam (a judged job: jobs/judge_loop.py): a reference for which this says True when a worker is
         # about to be given its next batch has its queued items dropped instead; they count as finished.
@@ -118,6 +123,7 @@ class BatchPolicy(SchedulingPolicy):
         self._requeued: list[str] = []
         self._rendering: Counter[int] = Counter()  # render calls out per worker
         self._skipped_since = 0  # items skipped at this dispatch (skip_reference)
+        self._unpublished: set[int] = set()  # workers with renders in their open shard (adds_work)
 
     # -- work in ------------------------------------------------------------------------------------------------
     def start(self, work: Sequence[WorkItem] | PlannedWork) -> None:
@@ -153,7 +159,8 @@ class BatchPolicy(SchedulingPolicy):
     def scale(self, starting: int) -> PoolOrder:
         if self.remaining <= 0:
             return PoolOrder()
-        return self.members.scale(self.placement.unassigned_work(), starting, self._keeps_worker)
+        unassigned = self.placement.unassigned_work()
+        return self.members.scale(unassigned, starting, self._keeps_worker, keep_idle=self.adds_work)
 
     def schedule(self, free: Sequence[FreeWorker]) -> list[Dispatch]:
         self._finish(self.placement.take_dropped())  # items of dropped references skipped as the plan was read
@@ -167,6 +174,11 @@ class BatchPolicy(SchedulingPolicy):
                 if sent is None:
                     break
                 slots -= sent
+        if self.adds_work and self._unpublished and not self.placement.unassigned_work():
+            for worker in free:  # idle: every slot free
+                if worker.index in self._unpublished and not self._rendering[worker.index]:
+                    self._unpublished.discard(worker.index)
+                    dispatches.append(Dispatch(PublishCall(worker.index), "publish_outputs"))
         skipped, self._skipped_since = self._skipped_since, 0
         if skipped and self.on_progress:
             self.on_progress(skipped)
@@ -185,6 +197,8 @@ class BatchPolicy(SchedulingPolicy):
                 self.recovery.probe_returned(call.worker, r.value, r.error, restarting=r.cause == RESTARTING)
             elif isinstance(call, StartCall):
                 self._joined(call, r)
+            elif isinstance(call, PublishCall):
+                self._published(call.worker, r.value, r.error)
             elif isinstance(call, ReleaseCall):
                 self.members.released(call.worker, r.value)
                 self.placement.forget_worker(call.worker, drop_refkvs=False)
@@ -292,6 +306,15 @@ class BatchPolicy(SchedulingPolicy):
             assert index == call.worker, (index, call.worker)  # the loop keeps the handles in the same order
             self._emit("worker_joined", index)
 
+    def _published(self, index: int, report: ShardReport | None, error: Exception | None) -> None:
+        if error is None:
+            if report is not None:
+                self.members.shards.report(index, report)
+            return
+        # Its open shard could not be staged (the store refused it, or the worker went): its renders go back.
+        log.warning("worker %d could not stage its open shard (%s); its items render again", index, error)
+        self.members.shards.lose(index)
+
     def _encode_returned(self, call: EncodeCall, info: EncodeInfo | None, error: Exception | None) -> None:
         ref = call.reference
         current = ref.refkv is call.refkv  # else the RefKV was dropped (and maybe re-opened) meanwhile
@@ -350,6 +373,7 @@ class BatchPolicy(SchedulingPolicy):
                     writer = outcomes[0].shards.writer if outcomes[0].shards else outcome.row["worker_id"]
                     entry = Rendered(call.worker, _held_while_sharded(outcome), item, ref)
                     self.members.shards.rendered(writer, outcome.row["shard_key"], entry)
+                    self._unpublished.add(call.worker)
                     self._emit("item_rendered", call.worker, ref, (item,))
                     continue
                 self._done(call.worker, ref, outcome, item)

@@ -22,6 +22,7 @@ class CallKind(StrEnum):
     EVALUATE = "evaluate"  # RenderWorker.evaluate: one identity-evaluation case
     START = "start"  # RenderWorker.info on an actor the elastic pool started: it joins (or failed to start)
     RELEASE = "release"  # a worker the policy gave back: its shard report (RenderWorker.publish_outputs)
+    PUBLISH = "publish"  # RenderWorker.publish_outputs on a worker that stays: it stages its open shard
 
 
 @dataclass(frozen=True)
@@ -82,4 +83,12 @@ class ReleaseCall(CallRecord):
     kind: ClassVar[CallKind] = CallKind.RELEASE
 
 
-Call = EncodeCall | RenderCall | ProbeCall | EvaluateCall | StartCall | ReleaseCall
+@dataclass(frozen=True)
+class PublishCall(CallRecord):
+    """An idle worker kept by a run that may still grow, asked to stage its open webdataset shard now (so the
+    verdicts on its renders, and the re-renders they ask for, need not wait for its release)."""
+
+    kind: ClassVar[CallKind] = CallKind.PUBLISH
+
+
+Call = EncodeCall | RenderCall | ProbeCall | EvaluateCall | StartCall | ReleaseCall | PublishCall

@@ -79,10 +79,8 @@ class EngineCore:
             self.fence()
         if self.pool is not None:
             released = self._carry_out_pool_order()
-            if released:
-                self._update(released)
-                if not self.policy.has_work():
-                    return StepOutcome()
+            if released:  # what they held may give work back (a lost shard, a re-render): the pool scales first
+                return self._update(released)
         free = [FreeWorker(i, self.per_worker - self.calls.load(i, self.kind)) for i in range(len(self.workers))]
         for dispatch in self.policy.schedule([w for w in free if w.slots > 0]):
             self._send(dispatch)
@@ -140,13 +138,3 @@ class EngineCore:
             log.info("cancelled %d worker(s) still starting: no work left for them", cancelled)
         reports = release([self.workers[i] for i in order.release], publish=order.publish) if order.release else []
         return [ReturnedCall(ReleaseCall(i), report) for i, report in zip(order.release, reports)]
-
-    def release_all(self, live: Sequence[int], dead: Sequence[int], *, publish: bool) -> list[ReturnedCall]:
-        """The job ended (however it ended): kill the `live` workers, each staging what it holds first when
-        `publish`, the `dead` ones and the actors still starting; the live ones come back as ReleaseCalls."""
-        if self.pool is not None:
-            self.pool.cancel_starting()
-        reports = release([self.workers[i] for i in live], publish=publish)
-        for i in dead:
-            kill(self.workers[i])
-        return [ReturnedCall(ReleaseCall(i), report) for i, report in zip(live, reports)]

@@ -118,9 +118,11 @@ class Members:
         self._peak = max(self._peak, sum(1 for m in self.members if m.live and m.info is not None))
         self.stats.peak_workers = max(self.stats.peak_workers, self._peak)
 
-    def scale(self, unassigned_work: bool, starting: int, keep: Callable[[int], bool]) -> PoolOrder:
+    def scale(
+        self, unassigned_work: bool, starting: int, keep: Callable[[int], bool], *, keep_idle: bool = False
+    ) -> PoolOrder:
         """Keep the pool at max_workers while unassigned work exists; once none does, give back the idle workers
-        that `keep(index)` does not hold back."""
+        that `keep(index)` does not hold back (none with `keep_idle`: the run may still grow)."""
         limits = self.limits
         if limits is None:
             return PoolOrder()
@@ -144,7 +146,7 @@ class Members:
         # Every remaining item is in flight: let the autoscaler take back what is idle.
         released = []
         for index, member in enumerate(self.members):
-            if member.live and not keep(index):
+            if member.live and not keep_idle and not keep(index):
                 member.retired = member.released = True
                 member.available, member.probe_due = False, None
                 self.stats.workers_released += 1

@@ -18,16 +18,17 @@ from collections.abc import Callable, Sequence
 import ray
 
 from snapref_ray.cluster.batch_policy import BatchPolicy
-from snapref_ray.cluster.call_records import CallKind
+from snapref_ray.cluster.call_records import CallKind, ReleaseCall
 from snapref_ray.cluster.engine_core import EngineCore
 from snapref_ray.cluster.failures import call_cause, dead_nodes
 from snapref_ray.cluster.members import PoolLimits
 from snapref_ray.cluster.placement import PlannedWork
-from snapref_ray.cluster.pool import WorkerPool
+from snapref_ray.cluster.pool import WorkerPool, kill, release
 from snapref_ray.cluster.recovery import RequeueBudgetExceeded
 from snapref_ray.cluster.scheduler_config import SchedulerConfig
 from snapref_ray.cluster.scheduler_events import EVENT_KINDS, SchedulerEvent
 from snapref_ray.cluster.scheduler_stats import SchedulerStats
+from snapref_ray.cluster.scheduling_policy import ReturnedCall
 from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
 from snapref_ray.render_service.work_items import WorkItem
 
@@ -62,6 +63,7 @@ class BatchScheduler:
         fence: Callable[[], object] | None = None,
         commit_shard: Callable[[str], bool] | None = None,
         skip_reference: Callable[[str], bool] | None = None,
+        adds_work: bool = False,
     ) -> None:
         limits = None
         if pool is not None:
@@ -78,6 +80,7 @@ class BatchScheduler:
             commit_shard=commit_shard,
             skip_reference=skip_reference,
             limits=limits,
+            adds_work=adds_work,
         )
         self.stats = SchedulerStats()  # the sum the engine core keeps
         self.core = EngineCore(
@@ -139,5 +142,11 @@ class BatchScheduler:
         several jobs, or was interrupted, must not keep them, and the autoscaler can only remove idle nodes);
         `publish=False` (the driver lost the output) kills them without asking them to stage what they hold."""
         live, dead, publishes = self.policy.workers_to_release()
-        returned = self.core.release_all(live, dead, publish=publish and publishes)
+        if self.core.pool is not None:
+            self.core.pool.cancel_starting()
+        handles = self.core.workers
+        reports = release([handles[i] for i in live], publish=publish and publishes)
+        for i in dead:
+            kill(handles[i])
+        returned = [ReturnedCall(ReleaseCall(i), report) for i, report in zip(live, reports)]
         self.stats.update(self.policy.released_at_end(returned, published=publish).stats)
