@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from snapref_ray.cluster.batch_policy import BatchPolicy
-from snapref_ray.cluster.call_records import EncodeCall, ProbeCall, ReleaseCall, RenderCall, StartCall
+from snapref_ray.cluster.call_records import EncodeCall, ProbeCall, PublishCall, ReleaseCall, RenderCall, StartCall
 from snapref_ray.cluster.members import PoolLimits
 from snapref_ray.cluster.recovery import RequeueBudgetExceeded
 from snapref_ray.cluster.scheduler_config import SchedulerConfig
@@ -240,3 +240,19 @@ def test_the_loops_sum_of_the_returned_stats_is_the_runs_count():
         s.update(rendered(call))
     assert (s.stats.done_items, s.stats.dispatched_batches, s.stats.peak_open_references) == (3, 3, 1)
     assert s.policy.stats == SchedulerStats()  # every count was handed over: the policy keeps none
+
+
+def test_a_run_that_adds_work_keeps_its_idle_workers_and_has_them_stage_their_open_shard():
+    limits = PoolLimits(1, 2, publishes_outputs=True)
+    s = Step(workers=2, config=SchedulerConfig(max_batch=1), limits=limits)
+    s.policy.adds_work = True
+    s.policy.start(items("A", 1) + items("B", 1))
+    first = renders(s.schedule(0, 1))
+    sharded = [
+        ItemOutcome(i.item_id, row={"item_id": i.item_id, "shard_key": "w1-000001", "worker_id": "w1"})
+        for i in first[1].task.items
+    ]
+    s.update(ReturnedCall(first[1], sharded))  # worker 1's item waits in its open shard for a commit
+    assert s.policy.scale(starting=0).release == ()  # idle, but the run may still grow: kept
+    assert [(type(d.call), d.call.worker) for d in s.schedule(1)] == [(PublishCall, 1)]
+    assert s.schedule(1) == []  # asked once, until it renders into a shard again
