@@ -70,7 +70,7 @@ class EngineCore:
 
     def run(self) -> Any:
         """Step until the policy has no work and no call of `kind` is out; returns the summed stats."""
-        while self.policy.has_work() or self.calls.futures(self.kind):
+        while self.policy.has_work() or self.calls.count(self.kind):
             self.step()
         return self.stats
 
