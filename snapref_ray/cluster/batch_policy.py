@@ -120,7 +120,6 @@ class BatchPolicy(SchedulingPolicy):
         self.remaining = 0  # items neither finished nor dropped
         self._next_task_id = 0
         self._finished: list[str] = []  # item ids finished (done or failed for good) this step
-        self._requeued: list[str] = []
         self._rendering: Counter[int] = Counter()  # render calls out per worker
         self._skipped_since = 0  # items skipped at this dispatch (skip_reference)
         self._unpublished: set[int] = set()  # workers with renders in their open shard (adds_work)
@@ -428,8 +427,8 @@ class BatchPolicy(SchedulingPolicy):
         return failed
 
     def _outcome(self) -> StepOutcome:
-        finished, requeued = tuple(self._finished), tuple(self._requeued)
-        self._finished, self._requeued = [], []
+        finished, requeued = tuple(self._finished), tuple(self.recovery.requeued)
+        self._finished, self.recovery.requeued = [], []
         return StepOutcome(finished, requeued, self.stats.take(), self.members.take_killed())
 
     def _emit(
@@ -442,8 +441,6 @@ class BatchPolicy(SchedulingPolicy):
         refkv_node: str | None = None,
         cause: str | None = None,
     ) -> None:
-        if kind == "requeued":
-            self._requeued.extend(i.item_id for i in items)
         if self.on_event is None:
             return
         node = self.members.members[index].node_id if index is not None else None

@@ -87,6 +87,7 @@ class Recovery:
         self.budget = 0  # requeues the run may take: max_requeues_per_item x its items (`add_budget`)
         self.spent: Counter[str] = Counter()  # requeues by cause, over the run
         self.dead: set[str] = set()  # nodes Ray listed dead (the loop's answers to `suspect_nodes`)
+        self.requeued: list[str] = []  # item ids put back since the policy last took them (its step's outcome)
         self._attempts: dict[str, int] = {}
         self._unclassified: list[_Loss] = []
 
@@ -111,7 +112,7 @@ class Recovery:
             self.stats.failed_items += 1
             return 1
         self.stats.retried_items += 1
-        self.placement.requeue(ref, [item])
+        self._put_back(ref, [item])
         return 0
 
     def items_failed(self, ref: QueuedReference, outcomes: Sequence[tuple[WorkItem, ItemOutcome]]) -> int:
@@ -125,7 +126,7 @@ class Recovery:
         charged."""
         self.placement.render_alone(items)
         self.stats.isolated_batches += 1
-        self.placement.requeue(ref, items)
+        self._put_back(ref, items)
         return 0
 
     # -- the cluster's failures ---------------------------------------------------------------------------------
@@ -142,9 +143,15 @@ class Recovery:
                 f"(max_requeues_per_item={self.config.max_requeues_per_item} x the job's items); about {left} "
                 "item(s) not rendered. Committed items are kept: run the same spec again once the cluster is healthy."
             )
-        self.placement.requeue(ref, items)
+        self._put_back(ref, items)
         self.emit("requeued", worker, ref, items, cause=cause)
         return 0
+
+    def _put_back(self, ref: QueuedReference, items: Sequence[WorkItem]) -> None:
+        """The one way items go back to the queue (a retry, a lone retry of a failed batch, a cluster requeue): at
+        the front of their reference's queue, in their order; `requeued` lists them for the step's outcome."""
+        self.placement.requeue(ref, items)
+        self.requeued.extend(i.item_id for i in items)
 
     def _count_requeues(self, cause: str, n: int) -> None:
         self.stats.requeues[cause] = self.stats.requeues.get(cause, 0) + n
