@@ -212,9 +212,9 @@ class BatchPolicy(SchedulingPolicy):
         due = self.recovery.next_probe_due()
         if due is not None:  # only restarting workers left
             return max(0.0, due - self.clock())
-        if self.remaining <= 0:
+        if self.remaining <= 0:  # the last items were skipped as they were dispatched, or a loss is unsettled
             until = self.recovery.losses_unsettled_until(self.config.loss_classification_grace_s)
-            return None if until is None else min(0.5, max(0.0, until - self.clock()))
+            return 0.0 if until is None else min(0.5, max(0.0, until - self.clock()))
         workers = self.members.members
         if workers and all(m.retired for m in workers):
             raise RuntimeError(

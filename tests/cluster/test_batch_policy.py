@@ -208,6 +208,15 @@ def test_the_quota_seam_skips_a_references_queue_at_dispatch():
     assert s.policy.skipped_items == 2 and s.policy.remaining == 1
 
 
+def test_a_run_whose_last_queue_is_skipped_at_dispatch_ends_without_anything_in_flight():
+    s = Step(workers=1, config=SchedulerConfig(max_batch=1))
+    s.policy.skip_reference = lambda reference_hash: True  # the quota was met before anything was sent
+    s.policy.start(items("A", 2))
+    assert s.schedule(0) == [] and s.policy.skipped_items == 2
+    # Nothing was sent and nothing is out: not a stall, the loop steps again and finds the work done.
+    assert s.policy.pause_s() == 0.0 and not s.policy.has_work()
+
+
 def test_the_elastic_pool_grows_while_work_is_unassigned_and_gives_back_idle_workers_after():
     s = Step(workers=0, config=SchedulerConfig(max_batch=4), limits=PoolLimits(1, 2, publishes_outputs=False))
     s.policy.start(items("A", 4) + items("B", 1))
