@@ -76,22 +76,28 @@ class SchedulerStats:
     seconds_to_start: float = 0.0  # from run() until min_workers were ready and rendering began
 
     def take(self) -> SchedulerStats:
-        """This delta as it stands, and this one reset (in place: the policy's parts hold it)."""
-        taken = SchedulerStats(**{f.name: getattr(self, f.name) for f in fields(self)})
-        self.__init__()  # type: ignore[misc]
+        """This delta as it stands, and this one reset (in place: the policy's parts hold it). Once a step: a swap
+        of the fields, not a copy."""
+        taken = SchedulerStats.__new__(SchedulerStats)
+        taken.__dict__, self.__dict__ = self.__dict__, SchedulerStats().__dict__
         return taken
 
     def update(self, delta: SchedulerStats) -> None:
-        """Add one step's counts (a delta the policy returned) to this sum."""
-        for f in fields(self):
-            name, value = f.name, getattr(delta, f.name)
+        """Add one step's counts (a delta the policy returned) to this sum; fields a step left at their default
+        (most, most steps) are passed over."""
+        for name, value in delta.__dict__.items():
             if name == "requeues":
                 for cause, n in value.items():
-                    self.requeues[cause] = self.requeues.get(cause, 0) + n
+                    if n:
+                        self.requeues[cause] = self.requeues.get(cause, 0) + n
+            elif value == _DEFAULTS[name] or value is None:
+                continue
             elif name in _HIGHEST:
                 setattr(self, name, max(getattr(self, name), value))
             elif name in _LATEST:
-                if value is not None and value != f.default and value != []:
-                    setattr(self, name, value)
+                setattr(self, name, value)
             else:
                 setattr(self, name, getattr(self, name) + value)
+
+
+_DEFAULTS = {f.name: getattr(SchedulerStats(), f.name) for f in fields(SchedulerStats)}
