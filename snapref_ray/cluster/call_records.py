@@ -20,6 +20,9 @@ class CallKind(StrEnum):
     RENDER = "render"  # RenderWorker.render: a batch's outcomes
     PROBE = "probe"  # RenderWorker.info on a worker that lost a call: is it back?
     EVALUATE = "evaluate"  # RenderWorker.evaluate: one identity-evaluation case
+    START = "start"  # RenderWorker.info on an actor the elastic pool started: it joins (or failed to start)
+    RELEASE = "release"  # a worker the policy gave back: its shard report (RenderWorker.publish_outputs)
+    PUBLISH = "publish"  # RenderWorker.publish_outputs on a worker that stays: it stages its open shard
 
 
 @dataclass(frozen=True)
@@ -65,4 +68,27 @@ class EvaluateCall(CallRecord):
     case: int
 
 
-Call = EncodeCall | RenderCall | ProbeCall | EvaluateCall
+@dataclass(frozen=True)
+class StartCall(CallRecord):
+    """An actor of the elastic pool that became ready (`worker`: its index now) or failed to start (`worker` -1)."""
+
+    kind: ClassVar[CallKind] = CallKind.START
+
+
+@dataclass(frozen=True)
+class ReleaseCall(CallRecord):
+    """A worker the policy gave back (no work left for it), killed by the loop: its value is the `ShardReport` of
+    what it staged on the way out, or None."""
+
+    kind: ClassVar[CallKind] = CallKind.RELEASE
+
+
+@dataclass(frozen=True)
+class PublishCall(CallRecord):
+    """An idle worker kept by a run that may still grow, asked to stage its open webdataset shard now (so the
+    verdicts on its renders, and the re-renders they ask for, need not wait for its release)."""
+
+    kind: ClassVar[CallKind] = CallKind.PUBLISH
+
+
+Call = EncodeCall | RenderCall | ProbeCall | EvaluateCall | StartCall | ReleaseCall | PublishCall

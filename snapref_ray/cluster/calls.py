@@ -33,6 +33,7 @@ class InFlight:
     def __init__(self) -> None:
         self._calls: dict[ray.ObjectRef, Call] = {}
         self._load: Counter[tuple[CallKind, int]] = Counter()
+        self._by_kind: Counter[CallKind] = Counter()
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -40,10 +41,15 @@ class InFlight:
     def send(self, future: ray.ObjectRef, call: Call) -> None:
         self._calls[future] = call
         self._load[call.kind, call.worker] += 1
+        self._by_kind[call.kind] += 1
 
     def load(self, worker: int, kind: CallKind) -> int:
         """Calls of `kind` the worker has out."""
         return self._load[kind, worker]
+
+    def count(self, kind: CallKind) -> int:
+        """Calls of `kind` out, over every worker."""
+        return self._by_kind[kind]
 
     def futures(self, kind: CallKind | None = None) -> list[ray.ObjectRef]:
         return [f for f, call in self._calls.items() if kind is None or call.kind == kind]
@@ -67,6 +73,7 @@ class InFlight:
         """Take a ready call out of flight with what it returned (never blocks: the future is ready)."""
         call = self._calls.pop(future)
         self._load[call.kind, call.worker] -= 1
+        self._by_kind[call.kind] -= 1
         try:
             return Returned(call, ray.get(future, timeout=0))
         except Exception as e:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from snapref_ray.cluster.scheduler_stats import REQUEUE_CAUSES, Cause
+from snapref_ray.cluster.scheduler_stats import REQUEUE_CAUSES, RESTARTING, Cause
 from snapref_ray.render_service.memory import describe_device_memory
 
 LOST_REFKV_ERRORS: tuple[type[BaseException], ...] = (
@@ -70,6 +70,14 @@ def infrastructure_cause(error: BaseException) -> Cause | None:
     if isinstance(error, _LOST_WORKER_ERRORS):
         return Cause.WORKER_LOST
     return None
+
+
+def call_cause(error: BaseException) -> str | None:
+    """The batch policy's reading of an exception a call raised: `infrastructure_cause`, except that an actor Ray
+    is restarting (a probe's ActorUnavailableError) is RESTARTING, which costs a probe nothing."""
+    if isinstance(error, ray.exceptions.ActorUnavailableError):
+        return RESTARTING
+    return infrastructure_cause(error)
 
 
 def dead_nodes(node_ids: set[str]) -> set[str]:

@@ -118,6 +118,20 @@ class UnopenedReferences:
         self.items -= dropped
         return dropped
 
+    def add(self, item: WorkItem, task: ReferenceTask) -> None:
+        """An item added to a running schedule whose reference is not open: it joins a reference already waiting to
+        be opened (read from the plan), else waits as a new one after those (so that late items of one reference
+        are opened together)."""
+        ref = next((r for r in self._ready if r.task.key == task.key), None)
+        if ref is None:
+            self._fill()  # the plan's next group first: added items never jump the plan's order
+            ref = next((r for r in self._ready if r.task.key == task.key), None)
+        if ref is None:
+            ref = QueuedReference(task, deque())
+            self._ready.append(ref)
+        ref.pending.append(item)
+        self.items += 1
+
     def popleft(self) -> QueuedReference:
         self._fill()
         ref = self._ready.popleft()
@@ -160,6 +174,18 @@ class Placement:
         """Queue a plan's reference groups; they are read as references open."""
         self.unopened = UnopenedReferences(work.groups, work.items)
         self.open = []
+
+    def add(self, items: Sequence[WorkItem]) -> None:
+        """Items added to the running schedule (a judged job's re-renders, as their verdicts come in): each joins
+        its reference's queue while that reference is open, so its RefKV is not encoded again; else it waits to be
+        opened (`UnopenedReferences.add`)."""
+        for item in items:
+            task = ReferenceTask.for_item(item)
+            ref = next((r for r in self.open if r.task.key == task.key), None)
+            if ref is not None:
+                ref.pending.append(item)
+            else:
+                self.unopened.add(item, task)
 
     def max_open(self, live_workers: int) -> int:
         """References with a RefKV in the object store at once: configured, else 2 per live worker."""

@@ -6,23 +6,16 @@ start (as an earlier version did) makes a cold autoscaling cluster look GPU-less
 then ran CPU workers on whatever node was there. CPU workers are only for `device: cpu`, or for
 a local Ray on a machine without GPUs (the demo and the tests).
 
-`WorkerPool` creates actors and reports them as they become ready; it never waits for them.
-`PoolMembers` is the schedule's side of the pool: the workers that joined it, and when to grow, replace and release
-them. With a `WorkerPool` the set of workers is elastic (an autoscaling cluster):
-- rendering starts as soon as `min_workers` are ready; actors still waiting for a node never block, and each one
-  joins the running schedule the moment its `info()` comes back;
-- while items are left that no worker has taken, the pool is kept at `max_workers` (a retired worker is replaced; a
-  worker whose node died is restarted by Ray, which makes the autoscaler add a node);
-- once every remaining item is in flight, idle workers and actors still starting are killed, so the autoscaler can
-  remove their nodes, except a worker whose RefKV other workers may still fetch: its node's object store holds the
-  primary copy, and releasing the worker would let the autoscaler take the node (and the copy) away.
+`WorkerPool` creates actors and reports them as they become ready; it never waits for them: actors still waiting
+for a node never block, and each one joins the running schedule the moment its `info()` comes back (a worker whose
+node died is restarted by Ray, which makes the autoscaler add a node). When the pool grows and which workers it gives
+back is the batch policy's decision (cluster/members.py); the engine core's loop carries it out with these.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,9 +23,6 @@ import ray
 
 from snapref_ray import ray_console
 from snapref_ray.cluster.feasibility import InfeasibilityWatch
-from snapref_ray.cluster.scheduler_config import SchedulerConfig
-from snapref_ray.cluster.scheduler_stats import SchedulerStats
-from snapref_ray.cluster.shard_ledger import ShardLedger
 from snapref_ray.cluster.tasks import ShardReport, WorkerInfo
 from snapref_ray.cluster.worker import RenderWorker, WorkerConfig
 from snapref_ray.model_spec import ModelSpec
@@ -272,169 +262,6 @@ def release(handles: Sequence[ray.actor.ActorHandle], *, publish: bool = True) -
     for handle in handles:
         kill(handle)
     return reports
-
-
-@dataclass
-class Member:
-    """A worker of the schedule: its actor, what it answered last, and whether it takes work."""
-
-    handle: ray.actor.ActorHandle
-    info: WorkerInfo | None
-    available: bool = True  # False while it is probed after losing a call (cluster/recovery.py)
-    probe: ray.ObjectRef | None = None
-    probe_due: float | None = None  # time.monotonic() at which to send the next probe
-    probe_failures: int = 0
-    retired: bool = False  # dead for good, or released: never given work again
-    released: bool = False  # killed by the schedule because no work was left for it
-
-    @property
-    def live(self) -> bool:
-        return not self.retired
-
-    @property
-    def node_id(self) -> str | None:
-        return self.info.node_id if self.info else None
-
-
-class PoolMembers:
-    """The workers a schedule runs on: a fixed set, or those a `WorkerPool` starts as they join; see the module
-    docstring for when the pool grows and what it gives back."""
-
-    def __init__(
-        self,
-        handles: Sequence[ray.actor.ActorHandle],
-        infos: Sequence[WorkerInfo | None],
-        pool: WorkerPool | None,
-        config: SchedulerConfig,
-        stats: SchedulerStats,
-        commit_shard: Callable[[str], bool] | None = None,
-    ) -> None:
-        self.members = [Member(h, i) for h, i in zip(handles, infos)]
-        self.pool, self.config, self.stats = pool, config, stats
-        # Items in the workers' open webdataset shards, committed by the driver (`commit_shard`) once staged; a
-        # worker that goes gives its open shard back to render.
-        self.shards = ShardLedger(commit_shard)
-        self.started = pool is None or pool.plan.min_workers <= len(self.members)
-        self._t_run = time.monotonic()
-
-    @property
-    def publishes_outputs(self) -> bool:
-        """Whether a worker holds outputs to stage before it is released (webdataset shards)."""
-        return self.pool is None or self.pool.config.output_format == "webdataset"
-
-    def _released(self, indices: Sequence[int], reports: Sequence[ShardReport | None]) -> None:
-        """Released workers' commits go to the ledger; whatever a worker still held open is lost with it."""
-        for index, report in zip(indices, reports):
-            if report is not None:
-                self.shards.report(index, report)
-            self.shards.lose(index)
-
-    def start_clock(self) -> None:
-        """The job's workers are counted from now (start_timeout_s, seconds_to_start)."""
-        self._t_run = time.monotonic()
-        self.count()
-        if self.started:
-            self.stats.seconds_to_start = 0.0
-
-    def live(self) -> int:
-        return sum(1 for m in self.members if m.live)
-
-    def takes_work(self, index: int) -> bool:
-        member = self.members[index]
-        return member.available and member.live
-
-    def starting(self) -> list[ray.ObjectRef]:
-        """The `info()` futures of actors still starting: the loop waits on them with its calls."""
-        return self.pool.starting_futures() if self.pool else []
-
-    def is_starting(self, future: ray.ObjectRef) -> bool:
-        return self.pool is not None and future in self.pool.starting
-
-    def join(self, future: ray.ObjectRef) -> int | None:
-        """An actor's `info()` came back: its index among the members, or None when it failed to start."""
-        handle, info = self.pool.ready(future)
-        if info is None:
-            self.stats.worker_start_failures += 1
-            return None
-        self.members.append(Member(handle, info))
-        self.count()
-        if not self.started and self.live() >= self.pool.plan.min_workers:
-            self.started = True
-            self.stats.seconds_to_start = time.monotonic() - self._t_run
-            log.info(
-                "%d worker(s) ready after %.1f s: rendering starts",
-                self.pool.plan.min_workers,
-                self.stats.seconds_to_start,
-            )
-        return len(self.members) - 1
-
-    def count(self) -> None:
-        live = sum(1 for m in self.members if m.live and m.info is not None)
-        self.stats.workers_started = sum(1 for m in self.members if m.info is not None)
-        self.stats.peak_workers = max(self.stats.peak_workers, live)
-
-    def scale(self, unassigned_work: bool, keep: Callable[[int], bool]) -> list[int]:
-        """Keep the pool at max_workers while unassigned work exists; once none does, release the idle workers that
-        `keep(index)` does not hold back. Returns the indices released."""
-        if self.pool is None:
-            return []
-        plan = self.pool.plan
-        if not self.started and time.monotonic() - self._t_run > self.config.start_timeout_s:
-            raise TimeoutError(
-                f"only {sum(1 for m in self.members if m.live and m.info)} of min_workers={plan.min_workers} "
-                f"{'GPU' if plan.use_gpu else 'CPU'} worker(s) ready after {self.config.start_timeout_s:.0f} s; "
-                f"can the cluster provide {'a GPU' if plan.use_gpu else 'a CPU slot'} per worker? "
-                f"(start failures: {self.pool.start_failures[-1:] or 'none'})"
-            )
-        if unassigned_work:
-            live = self.live()
-            missing = plan.max_workers - live - len(self.pool.starting)
-            if len(self.pool.start_failures) >= self.config.max_start_failures:
-                if live == 0 and not self.pool.starting:
-                    raise RuntimeError(
-                        f"{len(self.pool.start_failures)} workers failed to start; the last: "
-                        f"{self.pool.start_failures[-1]}"
-                    )
-                missing = 0  # a model that does not load: do not keep trying
-            if missing > 0:
-                self.pool.launch(missing)
-            return []
-        # Every remaining item is in flight: let the autoscaler take back what is idle.
-        cancelled = self.pool.cancel_starting()
-        released = []
-        for index, member in enumerate(self.members):
-            if member.live and not keep(index):
-                self._released([index], release([member.handle], publish=self.publishes_outputs))
-                member.retired = member.released = True
-                member.available = False
-                member.probe_due = None
-                self.stats.workers_released += 1
-                log.info("released worker %s: no work left for it", member.info.worker_id if member.info else index)
-                released.append(index)
-        if cancelled:
-            log.info("cancelled %d worker(s) still starting: no work left for them", cancelled)
-        return released
-
-    def retire(self, index: int) -> None:
-        """Given up for dead: killed, never given work again."""
-        self.members[index].retired = True
-        self.stats.retired_workers += 1
-        self.count()
-        kill(self.members[index].handle)
-        self.shards.lose(index)
-
-    def release_all(self, *, publish: bool = True) -> None:
-        """Kill every worker not released yet and the actors still starting (the job ended, however it ended):
-        a driver that runs several jobs, or was interrupted, must not keep them, and the autoscaler can only
-        remove idle nodes."""
-        if self.pool is not None:
-            self.pool.cancel_starting()
-        indices = [i for i, m in enumerate(self.members) if not m.released and not m.retired]
-        handles = [self.members[i].handle for i in indices]
-        self._released(indices, release(handles, publish=publish and self.publishes_outputs))
-        for member in self.members:
-            if member.retired and not member.released:
-                kill(member.handle)
 
 
 def start_workers(

@@ -20,17 +20,22 @@
   `shard_lost` and render again in the same run (cluster/shard_ledger.py).
 - A lost worker is `worker_lost` until Ray lists its node dead (failures.py says why that comes later): losses are
   classified when the worker answers its probe, when Ray declares it dead, or at the end of the job.
+
+What is Ray's comes in as values: the loop's reading of an exception (a `Cause`), a probe's answer, the nodes Ray
+lists dead (`nodes_dead`). A probe is asked for by making it due (`due_probes`: the policy dispatches it).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from snapref_ray.cluster.call_records import RenderCall
+from snapref_ray.cluster.members import Members
 from snapref_ray.cluster.placement import Placement, QueuedReference
 from snapref_ray.cluster.scheduler_config import SchedulerConfig
 from snapref_ray.cluster.scheduler_stats import Cause, SchedulerStats
@@ -38,16 +43,13 @@ from snapref_ray.cluster.shard_ledger import Rendered
 from snapref_ray.cluster.tasks import ItemOutcome, WorkerInfo
 from snapref_ray.render_service.batching import batch_shape
 
-if TYPE_CHECKING:  # Ray's side (the pool's members) and the items are only handed through here
-    from snapref_ray.cluster.pool import PoolMembers
+if TYPE_CHECKING:  # the items are only handed through here; their module (the job's planning) imports torch
     from snapref_ray.render_service.work_items import WorkItem
 
 log = logging.getLogger(__name__)
 
-# emit(kind, worker, reference, items, refkv_node=..., cause=...): the loop's SchedulerEvent
+# emit(kind, worker, reference, items, refkv_node=..., cause=...): the policy's SchedulerEvent
 Emit = Callable[..., None]
-# The nodes among these that Ray lists dead (cluster/failures.py `dead_nodes`): the loop's, injected.
-DeadNodes = Callable[[set[str]], set[str]]
 
 
 class RequeueBudgetExceeded(RuntimeError):
@@ -72,21 +74,27 @@ class Recovery:
         config: SchedulerConfig,
         stats: SchedulerStats,
         placement: Placement,
-        members: PoolMembers,
+        members: Members,
         *,
         on_failed: Callable[[ItemOutcome, WorkItem, int], None],
         on_progress: Callable[[int], None] | None,
         emit: Emit,
-        send_probe: Callable[[int], None],
-        dead_nodes: DeadNodes,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # `stats`: the policy's delta, taken each step; the budget's count is recovery's own, over the whole run.
         self.config, self.stats, self.placement, self.members = config, stats, placement, members
-        self.on_failed, self.on_progress, self.emit = on_failed, on_progress, emit
-        # What Ray does for recovery, done by the loop: ask a worker for its info (a probe), list dead nodes.
-        self.send_probe, self.dead_nodes, self.clock = send_probe, dead_nodes, clock
+        self.on_failed, self.on_progress, self.emit, self.clock = on_failed, on_progress, emit, clock
+        self.budget = 0  # requeues the run may take: max_requeues_per_item x its items (`add_budget`)
+        self.spent: Counter[str] = Counter()  # requeues by cause, over the run
+        self.dead: set[str] = set()  # nodes Ray listed dead (the loop's answers to `suspect_nodes`)
+        self.requeued: list[str] = []  # item ids put back since the policy last took them (its step's outcome)
         self._attempts: dict[str, int] = {}
         self._unclassified: list[_Loss] = []
+
+    def add_budget(self, items: int) -> None:
+        """Items joined the run: the budget grows by max_requeues_per_item for each."""
+        self.budget += self.config.max_requeues_per_item * items
+        self.stats.requeue_budget += self.config.max_requeues_per_item * items
 
     def attempt(self, item_id: str) -> int:
         """The attempt number the item's next render is (1-based)."""
@@ -104,7 +112,7 @@ class Recovery:
             self.stats.failed_items += 1
             return 1
         self.stats.retried_items += 1
-        self.placement.requeue(ref, [item])
+        self._put_back(ref, [item])
         return 0
 
     def items_failed(self, ref: QueuedReference, outcomes: Sequence[tuple[WorkItem, ItemOutcome]]) -> int:
@@ -118,26 +126,36 @@ class Recovery:
         charged."""
         self.placement.render_alone(items)
         self.stats.isolated_batches += 1
-        self.placement.requeue(ref, items)
+        self._put_back(ref, items)
         return 0
 
     # -- the cluster's failures ---------------------------------------------------------------------------------
     def requeue(self, ref: QueuedReference, items: Sequence[WorkItem], cause: Cause, worker: int | None) -> int:
         """Put items back at the front of their reference's queue without counting an attempt; returns 0 (none
         finished). Raises RequeueBudgetExceeded past the job's budget."""
-        self.stats.requeues[cause] += len(items)
-        spent = sum(n for c, n in self.stats.requeues.items() if c != Cause.REFKV_LOST)
-        if spent > self.stats.requeue_budget:
-            counts = ", ".join(f"{c}={n}" for c, n in self.stats.requeues.items() if n)
+        self._count_requeues(cause, len(items))
+        spent = sum(n for c, n in self.spent.items() if c != Cause.REFKV_LOST)
+        if spent > self.budget:
+            counts = ", ".join(f"{c}={n}" for c, n in self.spent.items() if n)
             left = self.placement.pending_items() + len(items)
             raise RequeueBudgetExceeded(
-                f"the cluster lost work {spent} times ({counts}), over the budget of {self.stats.requeue_budget} "
+                f"the cluster lost work {spent} times ({counts}), over the budget of {self.budget} "
                 f"(max_requeues_per_item={self.config.max_requeues_per_item} x the job's items); about {left} "
                 "item(s) not rendered. Committed items are kept: run the same spec again once the cluster is healthy."
             )
-        self.placement.requeue(ref, items)
+        self._put_back(ref, items)
         self.emit("requeued", worker, ref, items, cause=cause)
         return 0
+
+    def _put_back(self, ref: QueuedReference, items: Sequence[WorkItem]) -> None:
+        """The one way items go back to the queue (a retry, a lone retry of a failed batch, a cluster requeue): at
+        the front of their reference's queue, in their order; `requeued` lists them for the step's outcome."""
+        self.placement.requeue(ref, items)
+        self.requeued.extend(i.item_id for i in items)
+
+    def _count_requeues(self, cause: str, n: int) -> None:
+        self.stats.requeues[cause] = self.stats.requeues.get(cause, 0) + n
+        self.spent[cause] += n
 
     def requeue_lost_shards(self, entries: Sequence[Rendered]) -> None:
         """Render again, in this run, items whose webdataset shard will never be committed (shard_lost)."""
@@ -184,7 +202,7 @@ class Recovery:
             self.drop_refkv(ref, f"worker {index}, which encoded it, failed")
         if member.available and not member.retired:
             member.available = False
-            self._send_probe(index)
+            member.probe_due = self.clock()  # probed at once: the policy's next schedule sends it
 
     def drop_refkv(self, ref: QueuedReference, why: str) -> None:
         """Forget a RefKV handle: no worker is sent to fetch it again; the next one without it encodes it."""
@@ -197,7 +215,7 @@ class Recovery:
     def refkv_lost(self, call: RenderCall, error_class: str) -> None:
         """The render could not fetch the RefKV it was handed and encoded the reference itself."""
         ref = call.reference
-        self.stats.requeues[Cause.REFKV_LOST] += len(call.task.items)
+        self._count_requeues(Cause.REFKV_LOST, len(call.task.items))
         if call.refkv is not None and ref.refkv is call.refkv:
             self.drop_refkv(ref, f"worker {call.worker} could not fetch it ({error_class})")
 
@@ -231,16 +249,14 @@ class Recovery:
         return self.items_failed(ref, [(item, ItemOutcome(item.item_id, error=error, stage="sample"))])
 
     # -- probes: is a worker that lost a call back? -------------------------------------------------------------
-    def _send_probe(self, index: int) -> None:
-        member = self.members.members[index]
-        member.probe_due = None
-        self.send_probe(index)  # the loop sends it and sets member.probe
-
-    def send_due_probes(self) -> None:
-        now = self.clock()
+    def due_probes(self) -> list[int]:
+        """The workers to probe now (each is then counted as probing until its probe returns)."""
+        now, due = self.clock(), []
         for index, member in enumerate(self.members.members):
             if member.probe_due is not None and member.probe_due <= now and not member.retired:
-                self._send_probe(index)
+                member.probe_due, member.probing = None, True
+                due.append(index)
+        return due
 
     def next_probe_due(self) -> float | None:
         """When the next probe is due (time.monotonic()), or None when no worker waits for one."""
@@ -253,10 +269,10 @@ class Recovery:
         """A probe came back: `info`, or `error` (`restarting`: the loop read it as Ray's ActorUnavailableError, an
         actor that is coming back, which costs it no probe failure)."""
         member = self.members.members[index]
+        member.probing = False
         if member.retired:
             return  # released (no work left) while its probe was out
         if error is not None:
-            member.probe = None
             # Restarting (not dead): ask again later, without blocking the loop for the others.
             if not restarting:
                 member.probe_failures += 1
@@ -273,7 +289,7 @@ class Recovery:
             member.probe_due = self.clock() + self.config.probe_interval_s
             return
         member.info = info
-        member.available, member.probe, member.probe_failures = True, None, 0
+        member.available, member.probe_failures = True, 0
         self.members.shards.writer_seen(index, info.worker_id)  # a restarted actor: its open shard is gone
         log.info("worker %d is back (%s)", index, info.worker_id)
         self.classify_losses(settled=index)
@@ -285,15 +301,22 @@ class Recovery:
         had the node died), and all that are left when `final`, stay worker_lost."""
         if not self._unclassified:
             return
-        dead = self.dead_nodes({loss.node_id for loss in self._unclassified if loss.node_id})
         left = []
         for loss in self._unclassified:
-            if loss.node_id in dead:
-                self.stats.requeues[Cause.WORKER_LOST] -= loss.items
-                self.stats.requeues[Cause.NODE_LOST] += loss.items
+            if loss.node_id in self.dead:
+                self._count_requeues(Cause.WORKER_LOST, -loss.items)
+                self._count_requeues(Cause.NODE_LOST, loss.items)
             elif not (final or loss.worker == settled):
                 left.append(loss)
         self._unclassified = left
+
+    def suspect_nodes(self) -> Set[str]:
+        """The nodes of losses not classified yet: the loop asks Ray whether they are dead (`nodes_dead`)."""
+        return {loss.node_id for loss in self._unclassified if loss.node_id and loss.node_id not in self.dead}
+
+    def nodes_dead(self, dead: Set[str]) -> None:
+        self.dead |= set(dead)
+        self.classify_losses()
 
     def losses_unsettled_until(self, grace_s: float) -> float | None:
         """Classify what Ray has settled; then the time (`clock()`) until which the loop should keep answering probes

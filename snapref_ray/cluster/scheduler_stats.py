@@ -1,9 +1,13 @@
 """What the batch schedule counts (`SchedulerStats`, summary.json `scheduler`) and why it requeues (`Cause`), the
-key of its requeue counts. No Ray here: cluster/failures.py tells the cause from the exception a call raised."""
+key of its requeue counts. No Ray here: cluster/failures.py tells the cause from the exception a call raised.
+
+The policy's parts count into a fresh `SchedulerStats` per step (a delta) and hand it over in the step's outcome;
+the engine core's loop keeps the one running sum (`update`). No one else writes the sum.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 
 
@@ -23,6 +27,15 @@ class Cause(StrEnum):
 
 
 REQUEUE_CAUSES = tuple(c.value for c in Cause)
+
+# The loop's reading of a probe's error that says the actor is being restarted (Ray's ActorUnavailableError): not a
+# probe failure. For a render call it is a lost worker (cluster/failures.py gives it WORKER_LOST).
+RESTARTING = "restarting"
+
+# Fields a delta carries as the highest value seen (the sum keeps the highest); and fields a delta sets (the latest
+# value that is not None wins). Every other number is summed.
+_HIGHEST = frozenset({"max_encodes_per_reference", "peak_open_references", "peak_workers"})
+_LATEST = frozenset({"measured_transfer_bytes_per_s", "seconds_to_start", "batch_limits"})
 
 
 @dataclass
@@ -61,3 +74,30 @@ class SchedulerStats:
     worker_start_failures: int = 0
     peak_workers: int = 0  # most workers ready at once
     seconds_to_start: float = 0.0  # from run() until min_workers were ready and rendering began
+
+    def take(self) -> SchedulerStats:
+        """This delta as it stands, and this one reset (in place: the policy's parts hold it). Once a step: a swap
+        of the fields, not a copy."""
+        taken = SchedulerStats.__new__(SchedulerStats)
+        taken.__dict__, self.__dict__ = self.__dict__, SchedulerStats().__dict__
+        return taken
+
+    def update(self, delta: SchedulerStats) -> None:
+        """Add one step's counts (a delta the policy returned) to this sum; fields a step left at their default
+        (most, most steps) are passed over."""
+        for name, value in delta.__dict__.items():
+            if name == "requeues":
+                for cause, n in value.items():
+                    if n:
+                        self.requeues[cause] = self.requeues.get(cause, 0) + n
+            elif value == _DEFAULTS[name] or value is None:
+                continue
+            elif name in _HIGHEST:
+                setattr(self, name, max(getattr(self, name), value))
+            elif name in _LATEST:
+                setattr(self, name, value)
+            else:
+                setattr(self, name, getattr(self, name) + value)
+
+
+_DEFAULTS = {f.name: getattr(SchedulerStats(), f.name) for f in fields(SchedulerStats)}

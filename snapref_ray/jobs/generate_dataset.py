@@ -305,8 +305,9 @@ def _record_invalid_rows(spec: JobSpec, plan: SpilledItems, output: JobOutput) -
 
 def _render(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run, hooks: _Hooks) -> None:
     """Phase 4: start the pool, run the schedule over the plan's references, commit each image's row (each staged
-    shard) as it lands; the workers are killed however it ends. A judged job runs the schedule again on the same
-    pool over each round's re-renders (jobs/judge_loop.py) until none is left."""
+    shard) as it lands; the workers are killed however it ends. A judged job adds a rejected render's next render
+    to the running schedule as its verdict is committed (jobs/judge_loop.py); what an earlier run left to render
+    again runs after, on the same pool, until none is left."""
     judge = _judge_loop(spec, plan, output, run)
     if not plan.to_render and not (judge is not None and judge.queue.count):
         return
@@ -322,6 +323,8 @@ def _render(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run, hoo
             commit_judged_row(output, judge, outcome.row)
         else:
             _commit(output, outcome)
+        if judge is not None and (render := judge.next_render(item)) is not None:
+            scheduler.add([render])  # its reference's RefKV is still open if its other items are running
 
     def commit_shard(shard_key: str) -> bool:
         if judge is None:
@@ -350,6 +353,7 @@ def _render(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run, hoo
         fence=output.fence,
         commit_shard=commit_shard,
         skip_reference=judge.at_quota if judge is not None and spec.judge.kept_per_reference else None,
+        adds_work=judge is not None,  # re-renders join the run as verdicts come in (`done`)
     )
     run.encodes_by_reference = scheduler.encodes_by_reference
     run.stats = scheduler.stats  # interrupted or failed: what was done still counts
@@ -362,14 +366,15 @@ def _render(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run, hoo
                 scheduler.run(work)
             if judge is None:
                 break
-            judge.figures.items_skipped_by_quota += scheduler.skipped_items
-            scheduler.skipped_items = 0
-            queued = judge.queue.take()  # this round's rejects (and, first, what an earlier run left to re-render)
+            judge.spill_wanted()
+            queued = judge.queue.take()  # what an earlier run left to re-render (and their own re-renders)
             if not queued.num_rows:
                 break
             groups, count = plan.rerender_work(queued)
-            log.info("judge round %d: %d rejected item(s) render again", round_index + 1, count)
+            log.info("judge pass %d: %d item(s) an earlier run left render again", round_index + 1, count)
             work = PlannedWork(groups, count)
+        if judge is not None:
+            judge.figures.items_skipped_by_quota += scheduler.skipped_items
     except LeaseLostError:
         lost = True  # another driver holds the output: the workers are not asked to publish what they hold
         raise

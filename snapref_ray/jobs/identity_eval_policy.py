@@ -15,10 +15,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from snapref_ray.cluster.call_records import EvaluateCall
-from snapref_ray.cluster.scheduling_policy import Dispatch, FreeWorker, ReturnedCall, StepOutcome
+from snapref_ray.cluster.scheduling_policy import Dispatch, FreeWorker, ReturnedCall, SchedulingPolicy, StepOutcome
 
 
-class IdentityEvalPolicy:
+class IdentityEvalPolicy(SchedulingPolicy):
     """Affinity per right reference, retries of lost calls; `results` and `errors` by case index."""
 
     def __init__(self, cases: Sequence[dict], workers: int, max_attempts: int) -> None:

@@ -9,8 +9,11 @@ order renders are committed (docs/judging.md, "In a batch job"):
 - the quota: once `kept_per_reference` images of a reference are kept, a render that still comes in is rejected
   ("quota") and the reference's queued items are skipped (the scheduler's `skip_reference` seam);
 - the loop: a rejected item renders again (render_service/work_items.py `rerender_of`: a new seed from the item's
-  recorded sequence) until one render is kept or `max_renders_per_item` were made. The re-renders of the next
-  round are spilled to a local file as they are decided (`RerenderQueue`), not held in memory.
+  recorded sequence) until one render is kept or `max_renders_per_item` were made. While the schedule runs, a
+  rejected render's next render joins it as soon as the verdict is committed (`next_render`, handed to the
+  scheduler's `add`): its reference's RefKV is still open while the re-renders run, and the rounds are one run.
+  What cannot join the running schedule (the re-renders an earlier run left, whose item's first seed this driver
+  never saw) is spilled to a local file (`RerenderQueue`) and rendered in a run of its own after it.
 
 `resume` rebuilds all of it from the committed rows (render_of, render_index, accepted, phash, reference_hash, and
 the render times for the cost figures), vectorised: what a killed driver had decided and committed is where the
@@ -23,7 +26,7 @@ import logging
 from array import array
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +35,7 @@ import pyarrow.compute as pc
 
 from snapref_ray.job_spec import JudgeSection
 from snapref_ray.render_service.judges.near_duplicate import nearest_distance, parse_phash
+from snapref_ray.render_service.work_items import WorkItem, rerender_of
 from snapref_ray.storage.backends import Storage
 from snapref_ray.storage.metadata import read_table_columns
 
@@ -155,6 +159,12 @@ class JudgeLoop:
         self.kept_count: Counter[str] = Counter()  # reference hash -> images kept (with or without a pHash)
         self.figures = JudgeFigures()
         self.queue = RerenderQueue(folder)
+        # Renders whose verdict asked for a next render, until that render's item passes `next_render`:
+        # row id -> (the plan item's id, the next render's index).
+        self._wanted: dict[str, tuple[str, int]] = {}
+        # The first seed of the plan items whose re-render is in the running schedule, by that re-render's id: a
+        # render k's seed is a hash of it (render_service/work_items.py `render_seed`), not its successor's base.
+        self._first_seed: dict[str, int] = {}
 
     # -- resume -----------------------------------------------------------------------------------------------
     def resume(self, storage: Storage) -> None:
@@ -264,7 +274,31 @@ class JudgeLoop:
             if d.render_index + 1 >= self.section.max_renders_per_item:
                 f.items_without_kept_image += 1
             else:
-                self.queue.add(d.render_of, d.render_index + 1)
+                self._wanted[d.row_id] = (d.render_of, d.render_index + 1)
+
+    def next_render(self, item: WorkItem) -> WorkItem | None:
+        """The next render of `item`, a render whose verdict was just committed, when that verdict asked for one
+        (None otherwise, or when it went to the `queue` instead: an earlier run's re-render, whose item's first
+        seed is not known here)."""
+        wanted = self._wanted.pop(item.item_id, None)
+        first_seed = item.seed if item.render_index == 0 else self._first_seed.pop(item.item_id, None)
+        if wanted is None:
+            return None
+        render_of, render_index = wanted
+        if first_seed is None:
+            self.queue.add(render_of, render_index)
+            return None
+        first = replace(item, item_id=render_of, seed=first_seed, render_of=None, render_index=0)
+        render = rerender_of(first, render_index)
+        self._first_seed[render.item_id] = first_seed
+        return render
+
+    def spill_wanted(self) -> None:
+        """The run ended: next renders whose item never came past `next_render` go to the `queue`."""
+        for render_of, render_index in self._wanted.values():
+            self.queue.add(render_of, render_index)
+        self._wanted.clear()
+        self._first_seed.clear()
 
     def finish_figures(self, skipped_by_quota: int | None) -> dict:
         """summary.json's `judge` block; `skipped_by_quota`: the job's items skipped by the quota (skipped.parquet;

@@ -15,6 +15,8 @@ POLICY_MODULES = (
     "snapref_ray.cluster.shard_ledger",
     "snapref_ray.cluster.call_records",
     "snapref_ray.cluster.recovery",
+    "snapref_ray.cluster.members",
+    "snapref_ray.cluster.batch_policy",
     "snapref_ray.cluster.scheduling_policy",
     "snapref_ray.jobs.identity_eval_policy",
     "snapref_ray.cluster.scheduler_config",

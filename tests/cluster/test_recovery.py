@@ -1,7 +1,8 @@
 """Recovery's decisions without Ray: whose fault a failure was, what it costs, and where the items go.
 
-The loop's part (reading an exception into a `Cause`, sending probes, listing dead nodes) is handed in as values and
-plain functions; workers are indices with a node id. Each expected count is worked out from the rules in
+The loop's part (reading an exception into a `Cause`, a probe's answer, the nodes Ray lists dead) is handed in as
+values; workers are indices with a node id (cluster/members.py, itself free of Ray); a probe is asked for by making it
+due (`due_probes`). Each expected count is worked out from the rules in
 cluster/recovery.py's docstring, not read back from the implementation.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from snapref_ray.cluster.call_records import RenderCall
+from snapref_ray.cluster.members import Members
 from snapref_ray.cluster.placement import Placement
 from snapref_ray.cluster.recovery import Recovery, RequeueBudgetExceeded
 from snapref_ray.cluster.scheduler_config import SchedulerConfig
@@ -32,41 +34,6 @@ def items(reference: str, n: int) -> list[WorkItem]:
 
 
 @dataclass
-class Worker:
-    """What recovery reads and writes of a pool member (cluster/pool.py `Member`), without an actor."""
-
-    node_id: str
-    info: object = None
-    available: bool = True
-    probe: object = None
-    probe_due: float | None = None
-    probe_failures: int = 0
-    retired: bool = False
-    released: bool = False
-
-
-@dataclass
-class Shards:
-    """The shard ledger's side recovery touches: a worker seen answering from a (new) process."""
-
-    seen: list[tuple[int, str]] = field(default_factory=list)
-
-    def writer_seen(self, worker: int, writer: str) -> None:
-        self.seen.append((worker, writer))
-
-
-@dataclass
-class Members:
-    members: list[Worker]
-    retired: list[int] = field(default_factory=list)
-    shards: Shards = field(default_factory=Shards)
-
-    def retire(self, index: int) -> None:
-        self.members[index].retired = True
-        self.retired.append(index)
-
-
-@dataclass
 class World:
     """A schedule of `n` items of one reference on two workers (nodes n0, n1), and what recovery told the loop."""
 
@@ -75,8 +42,6 @@ class World:
     max_attempts: int = 2
     max_requeues_per_item: int = 10
     now: float = 0.0
-    dead: set[str] = field(default_factory=set)
-    probes: list[int] = field(default_factory=list)
     failed: list[tuple[str, int, str]] = field(default_factory=list)  # (item, attempt, error)
     events: list[tuple[str, str | None]] = field(default_factory=list)  # (kind, cause)
 
@@ -87,10 +52,11 @@ class World:
             max_requeues_per_item=self.max_requeues_per_item,
             probe_interval_s=0.5,
         )
-        self.stats = SchedulerStats(requeue_budget=self.max_requeues_per_item * self.n)
+        self.stats = SchedulerStats()
         self.placement = Placement(config, self.stats)
         self.placement.queue(items("A", self.n))
-        self.members = Members([Worker("n0"), Worker("n1")])
+        infos = [WorkerInfo(f"w{i}", f"n{i}", "cpu", 1, 0.0) for i in range(2)]
+        self.members = Members(infos, None, config, self.stats, clock=lambda: self.now)
         self.recovery = Recovery(
             config,
             self.stats,
@@ -99,10 +65,9 @@ class World:
             on_failed=lambda outcome, item, attempt: self.failed.append((item.item_id, attempt, outcome.error)),
             on_progress=None,
             emit=lambda kind, worker, ref=None, items=(), **kw: self.events.append((kind, kw.get("cause"))),
-            send_probe=self.probes.append,
-            dead_nodes=lambda nodes: nodes & self.dead,
             clock=lambda: self.now,
         )
+        self.recovery.add_budget(self.n)
 
     def render(self, worker: int = 0) -> RenderCall:
         """The next batch, sent to `worker`, as the loop records it."""
@@ -132,7 +97,8 @@ def test_a_lost_worker_requeues_its_batch_at_the_front_without_an_attempt_and_is
     assert w.pending() == ["A-0", "A-1", "A-2", "A-3", "A-4", "A-5"]
     assert w.stats.attempts_charged == 0 and w.stats.requeues[Cause.WORKER_LOST] == 4
     assert w.recovery.attempt("A-0") == 1
-    assert w.probes == [0] and w.members.members[0].available is False and w.stats.worker_failures == 1
+    assert w.recovery.due_probes() == [0] and w.members.members[0].available is False
+    assert w.stats.worker_failures == 1 and w.recovery.due_probes() == []  # asked once: it is out
     assert ("requeued", Cause.WORKER_LOST) in w.events
 
 
@@ -141,7 +107,7 @@ def test_a_loss_becomes_a_node_loss_once_ray_lists_its_node_dead_else_stays_a_wo
     lost_on_n0, lost_on_n1 = w.render(worker=0), w.render(worker=1)
     w.recovery.render_raised(lost_on_n0, RuntimeError("gone"), Cause.WORKER_LOST)
     w.recovery.render_raised(lost_on_n1, RuntimeError("gone"), Cause.WORKER_LOST)
-    w.dead = {"n0"}  # n0's node died; n1's worker process only
+    w.recovery.nodes_dead({"n0"} & w.recovery.suspect_nodes())  # n0's node died; n1's worker process only
     # Worker 0 answers its probe (Ray restarted it elsewhere: after declaring n0 dead); worker 1 is still restarting.
     w.recovery.probe_returned(0, WorkerInfo("w0-again", "n2", "cpu", 1, 0.0), None)
     w.recovery.probe_returned(1, None, RuntimeError("unavailable"), restarting=True)
@@ -158,10 +124,10 @@ def test_a_probe_that_finds_the_actor_dead_max_probe_failures_times_retires_it_b
     w.recovery.render_raised(w.render(worker=0), RuntimeError("gone"), Cause.WORKER_LOST)
     for _ in range(10):  # restarting (ActorUnavailableError, as the loop read it): asked again, never counted
         w.recovery.probe_returned(0, None, RuntimeError("unavailable"), restarting=True)
-    assert w.members.retired == [] and w.members.members[0].probe_due == 0.5
+    assert w.members.take_killed() == () and w.members.members[0].probe_due == 0.5
     for _ in range(3):  # SchedulerConfig.max_probe_failures
         w.recovery.probe_returned(0, None, RuntimeError("dead"))
-    assert w.members.retired == [0]
+    assert w.members.take_killed() == (0,) and w.members.members[0].retired
 
 
 def test_the_requeue_budget_is_the_jobs_items_times_max_requeues_per_item():

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -571,6 +572,7 @@ class FixedPool:
 
     def __init__(self, size: int) -> None:
         self.plan = PoolPlan(use_gpu=False, min_workers=size, max_workers=size)
+        self.config = SimpleNamespace(output_format="files")  # what the schedule reads of the workers' config
         self.starting: dict = {}
         self.start_failures: list[str] = []
 
