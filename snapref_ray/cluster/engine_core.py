@@ -89,8 +89,8 @@ class EngineCore:
             pause = self.policy.pause_s()
             if pause is None:
                 raise EngineStalled("work is queued but nothing was sent and nothing is in flight")
-            time.sleep(pause)  # only workers waiting for their next probe are left
-            return StepOutcome()
+            time.sleep(pause)  # only workers waiting for their next probe, or losses Ray has yet to settle, are left
+            return self._update([])  # ... so ask Ray about the lost workers' nodes each pause too
         ready = self.calls.wait(also=starting, timeout=self.wait_timeout_s)
         joining = set(starting)
         return self._update([self._joined(f) if f in joining else self._returned(f) for f in ready])
