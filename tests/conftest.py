@@ -40,8 +40,8 @@ Two lanes, side by side (pytest-xdist, `-n 2 --dist loadgroup` in pyproject.toml
 A driver is connected to one Ray at a time, so a process runs one environment at a time.
 `pytest_collection_modifyitems` below puts each environment's modules together (local Ray, local
 Serve, fake cluster; each module's tests in file order) and marks them with the environment's
-lane (`XDIST_LANES` in tests/ray_session.py): the local Ray and the local Serve are one lane, the
-fake cluster the other. pytest-xdist gives each lane, whole, to one of its two workers, so each
+lane (`XDIST_LANES` in tests/ray_session.py): the local Ray is one lane, the local Serve and then
+the fake cluster the other. pytest-xdist gives each lane, whole, to one of its two workers, so each
 environment starts once, in its lane's worker, while the other lane runs in the other; the modules
 that need no environment fill the workers once their lanes are done. A test that starts its own
 Ray (a subprocess, a benchmark's own `ray.init`) needs no fixture; the worker stops its lane's
