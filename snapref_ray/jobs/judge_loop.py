@@ -37,7 +37,7 @@ from snapref_ray.job_spec import JudgeSection
 from snapref_ray.render_service.judges.near_duplicate import nearest_distance, parse_phash
 from snapref_ray.render_service.work_items import WorkItem, rerender_of
 from snapref_ray.storage.backends import Storage
-from snapref_ray.storage.metadata import read_table_columns
+from snapref_ray.storage.metadata import first_row_per_id, read_table_columns
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class JudgeLoop:
         table = table.filter(pc.is_valid(table.column("render_of"))) if table.num_rows else table
         if not table.num_rows:
             return
-        table = _first_per_id(table)
+        table = first_row_per_id(table)
         accepted = pc.fill_null(table.column("accepted").cast(pa.bool_()), False)
         kept = table.filter(accepted).select(["reference_hash", "phash"])
         for ref, ph in zip(kept.column("reference_hash").to_pylist(), kept.column("phash").to_pylist()):
@@ -331,15 +331,6 @@ def _gpu_seconds(table: pa.Table) -> pa.Array:
     )
     batch = pc.max_element_wise(pc.fill_null(table.column("forward_batch").cast(pa.float64()), 1.0), 1.0)
     return pc.divide(seconds, batch)
-
-
-def _first_per_id(table: pa.Table) -> pa.Table:
-    """The first committed row of each item_id (what every reader keeps), vectorised."""
-    indexed = table.append_column("_row", pa.array(np.arange(table.num_rows)))
-    first = indexed.group_by("item_id", use_threads=False).aggregate([("_row", "min")]).column("_row_min")
-    if len(first) == table.num_rows:
-        return table
-    return table.take(pa.array(np.sort(first.to_numpy())))
 
 
 __all__ = ["QUOTA", "Decision", "JudgeFigures", "JudgeLoop", "RerenderQueue", "decided_row"]

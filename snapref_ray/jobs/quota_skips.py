@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from snapref_ray.storage.backends import Storage, StorageError
-from snapref_ray.storage.metadata import read_table_columns
+from snapref_ray.storage.metadata import first_row_per_id, read_table_columns
 
 SKIPPED_KEY = "skipped.parquet"
 QUOTA_REASON = "quota"
@@ -131,9 +131,7 @@ def _renders_per_item(storage: Storage) -> pa.Table:
     if not table.num_rows:
         return empty
     # One row per item_id (the first committed, as every reader keeps), then each item's renders in order.
-    indexed = table.append_column("_row", pa.array(np.arange(table.num_rows)))
-    first = indexed.group_by("item_id", use_threads=False).aggregate([("_row", "min")]).column("_row_min")
-    table = table.take(pa.array(np.sort(first.to_numpy())))
+    table = first_row_per_id(table)
     table = table.sort_by([("render_of", "ascending"), ("render_index", "ascending")])
     table = table.set_column(
         table.schema.get_field_index("accepted"),

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from snapref_ray.report.plots import _matplotlib_style, _new_figure, _no_data, _svg
-from snapref_ray.storage.metadata import read_table_columns
+from snapref_ray.storage.metadata import first_row_per_id, read_table_columns
 
 SCORES_KEY = "report/scores.svg"
 JUDGING_KEY = "report/judging.json"
@@ -57,9 +57,7 @@ def read_judged(storage) -> pa.Table | None:
     table = table.filter(pc.is_valid(table.column("render_of")))
     if not table.num_rows:
         return None
-    indexed = table.append_column("_row", pa.array(np.arange(table.num_rows)))
-    first = indexed.group_by("item_id", use_threads=False).aggregate([("_row", "min")]).column("_row_min")
-    return table if len(first) == table.num_rows else table.take(pa.array(np.sort(first.to_numpy())))
+    return first_row_per_id(table)
 
 
 def judge_report(table: pa.Table) -> JudgeReport:

@@ -528,8 +528,9 @@ def winning_rows(
     return np.sort(first.to_numpy())
 
 
-def _first_per_id(table: pa.Table) -> pa.Table:
-    """One row per item_id, the one `winning_rows` picks, in commit order."""
+def first_row_per_id(table: pa.Table) -> pa.Table:
+    """One row per item_id, the one every reader keeps (`winning_rows`: the first of its latest content, or the
+    first committed when `table` has no content_id column), in commit order."""
     content = table.column("content_id") if "content_id" in table.column_names else None
     keep = winning_rows(table.column("item_id"), content)
     return table if keep is None else table.take(pa.array(keep))
@@ -549,7 +550,7 @@ def read_metadata_table(storage: Storage) -> pa.Table:
 
     An empty METADATA_SCHEMA table if nothing is committed.
     """
-    return _first_per_id(_concat(_read_parts(storage, METADATA_PREFIX), METADATA_SCHEMA))
+    return first_row_per_id(_concat(_read_parts(storage, METADATA_PREFIX), METADATA_SCHEMA))
 
 
 def read_errors_table(
