@@ -75,21 +75,17 @@ def _assert_exactly_once(storage_uri: str, expected: set[str], s3=None) -> pd.Da
     return frame
 
 
-@pytest.mark.slow
-def test_killed_worker_mid_job_loses_and_duplicates_nothing(tmp_path, tiny_models):
-    manifest = _manifest(tmp_path, "m.csv", references=3, prompts=4)
-    out = tmp_path / "out"
-    spec = job_spec(manifest, tiny_models, str(out), defaults={"steps": 3}, cluster={"max_batch": 1})
+def run_job_killing_a_worker(spec):
+    """`run_job(spec)` with its first worker SIGKILLed once the first item is committed: (summary, the killed
+    process's pid, the workers' infos)."""
     handles, infos = [], []
     first_commit = threading.Event()
     killed: dict[str, int] = {}
 
     def kill_a_worker() -> None:
-        if not first_commit.wait(120):
-            return
-        pid = ray.get(handles[0].pid.remote(), timeout=60)
-        os.kill(pid, signal.SIGKILL)
-        killed["pid"] = pid
+        if first_commit.wait(120):
+            killed["pid"] = ray.get(handles[0].pid.remote(), timeout=60)
+            os.kill(killed["pid"], signal.SIGKILL)
 
     killer = threading.Thread(target=kill_a_worker, daemon=True)
     killer.start()
@@ -101,7 +97,16 @@ def test_killed_worker_mid_job_loses_and_duplicates_nothing(tmp_path, tiny_model
         on_progress=lambda n: first_commit.set(),
     )
     killer.join(timeout=60)
-    assert killed["pid"] in {i.pid for i in infos}
+    return summary, killed.get("pid"), infos
+
+
+@pytest.mark.slow
+def test_killed_worker_mid_job_loses_and_duplicates_nothing(tmp_path, tiny_models):
+    manifest = _manifest(tmp_path, "m.csv", references=3, prompts=4)
+    out = tmp_path / "out"
+    spec = job_spec(manifest, tiny_models, str(out), defaults={"steps": 3}, cluster={"max_batch": 1})
+    summary, killed_pid, infos = run_job_killing_a_worker(spec)
+    assert killed_pid in {i.pid for i in infos}
     assert (summary.images_this_run, summary.failed_items) == (12, 0)
     frame = _assert_exactly_once(str(out), expected_item_ids(spec))
     # Recovered one way or the other: Ray re-ran the dead actor's calls on its restarted process (a

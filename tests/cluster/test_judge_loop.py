@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,6 +32,7 @@ from snapref_ray.jobs.generate_dataset import run_job
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.metadata import read_item_ids, read_metadata_table, read_summary
 from tests.cluster.conftest import REPO, expected_item_ids, job_spec, make_reference_png, write_manifest
+from tests.cluster.test_failures import run_job_killing_a_worker
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(600)]
 
@@ -268,26 +268,8 @@ def test_a_worker_killed_mid_loop_loses_no_kept_image_and_keeps_none_twice(tiny_
         cluster={"num_workers": 2, "max_batch": 1},
         judge=judge,
     )
-    handles, infos = [], []
-    first_commit = threading.Event()
-    killed: dict[str, int] = {}
-
-    def kill_a_worker() -> None:
-        if first_commit.wait(120):
-            killed["pid"] = ray.get(handles[0].pid.remote(), timeout=60)
-            os.kill(killed["pid"], signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_a_worker, daemon=True)
-    killer.start()
-    summary = run_job(
-        spec,
-        progress=False,
-        write_gallery=False,
-        on_workers=lambda h, i: (handles.extend(h), infos.extend(i)),
-        on_progress=lambda n: first_commit.set(),
-    )
-    killer.join(timeout=60)
-    assert killed["pid"] in {i.pid for i in infos} and summary.failed_items == 0
+    summary, killed_pid, infos = run_job_killing_a_worker(spec)
+    assert killed_pid in {i.pid for i in infos} and summary.failed_items == 0
     rows = _check_loop(open_storage(spec.output.uri), tmp_path, max_distance=10, max_renders=3, quota=None)
     assert {r["render_of"] for r in rows} == expected_item_ids(spec)
     assert summary.judge["renders"] == len(rows)
