@@ -58,10 +58,14 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: every socket stays bound until all are chosen, so the OS cannot hand the same
+    port out twice (one at a time, a port released by the first call could come back from the second)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def _free_port_range(size: int, low: int = 20000, high: int = 32000) -> tuple[int, int]:
@@ -172,8 +176,17 @@ class RayHead:
         import ray._private.services
 
         self.ip = ray._private.services.get_node_ip_address()
-        self.port = _free_port()
-        self.dashboard_port = _free_port()
+        (
+            self.port,
+            self.dashboard_port,
+            client_port,
+            node_manager_port,
+            object_manager_port,
+            metrics_port,
+            runtime_env_port,
+            agent_grpc_port,
+            agent_listen_port,
+        ) = _free_ports(9)
         worker_lo, worker_hi = _free_port_range(200)
         cmd = [
             sys.executable,
@@ -185,15 +198,15 @@ class RayHead:
             f"--num-cpus={self.num_cpus}",
             "--num-gpus=0",
             f"--temp-dir={self.temp_dir}",
-            f"--ray-client-server-port={_free_port()}",
+            f"--ray-client-server-port={client_port}",
             f"--min-worker-port={worker_lo}",
             f"--max-worker-port={worker_hi}",
-            f"--node-manager-port={_free_port()}",
-            f"--object-manager-port={_free_port()}",
-            f"--metrics-export-port={_free_port()}",
-            f"--runtime-env-agent-port={_free_port()}",
-            f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--node-manager-port={node_manager_port}",
+            f"--object-manager-port={object_manager_port}",
+            f"--metrics-export-port={metrics_port}",
+            f"--runtime-env-agent-port={runtime_env_port}",
+            f"--dashboard-agent-grpc-port={agent_grpc_port}",
+            f"--dashboard-agent-listen-port={agent_listen_port}",
             "--disable-usage-stats",
             *self._autoscaler_args(),
         ]

@@ -197,13 +197,15 @@ def with_image_column(schema: pa.Schema) -> pa.Schema:
     return schema.with_metadata(meta)
 
 
-def part_key(prefix: str, suffix: str | None = None) -> str:
+def part_key(prefix: str, suffix: str | None = None, *, at: datetime | None = None) -> str:
     """A new part's key under `prefix`: ``part-<UTC time>-<suffix or uuid>.parquet``.
 
     UTC time first: names sort in commit order (what "keep the first committed row" relies on); the
     suffix (a uuid unless the caller's name is unique, like a shard's) keeps concurrent writers apart.
+    `at` (default now) names the moment of the commit when it was decided before the part is written: two
+    writers finishing the same commit then write the same key.
     """
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    stamp = (at or datetime.now(UTC)).astimezone(UTC).strftime("%Y%m%dT%H%M%S%fZ")
     return f"{prefix}/part-{stamp}-{suffix or uuid.uuid4().hex}.parquet"
 
 

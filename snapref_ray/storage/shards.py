@@ -49,6 +49,7 @@ import uuid
 import zlib
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -458,6 +459,13 @@ def recorded_verdict(storage: Storage, shard_key: str) -> str | None:
 verdict = recorded_verdict
 
 
+def _decided_at(storage: Storage, shard_key: str) -> datetime | None:
+    """When the shard was decided (its index's metadata); None for an index written before that was recorded."""
+    meta = pq.read_schema(io.BytesIO(storage.get_bytes(_index_key(shard_key)))).metadata or {}
+    stamp = meta.get(b"snapref_decided_at")
+    return datetime.fromtimestamp(float(stamp), UTC) if stamp else None
+
+
 def commit_shard(storage: Storage, shard_key: str, *, by: str = "") -> bool:
     """Commit a staged shard (the driver, holding the output's lease): decide it, then move its tar and index into
     ``shards/`` and its rows into ``metadata/``. False (and its staged files deleted) when it had been voided by a
@@ -496,7 +504,10 @@ def _move_into_place(storage: Storage, shard_key: str) -> None:
     storage.delete(staging_key(_index_key(shard_key)))
     staged_rows = staging_key(_rows_key(shard_key))
     if storage.exists(staged_rows):
-        storage.copy(staged_rows, part_key(METADATA_PREFIX, suffix=_stem(shard_key)))
+        # Named by the decision's time, not this call's: a paused committer and the driver settling after it may
+        # both find the staged rows and copy them, and then they write one part, not the rows twice.
+        at = _decided_at(storage, shard_key)
+        storage.copy(staged_rows, part_key(METADATA_PREFIX, suffix=_stem(shard_key), at=at))
         storage.delete(staged_rows)
 
 

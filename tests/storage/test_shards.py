@@ -318,6 +318,30 @@ def test_committer_and_sweeper_racing_from_threads_never_lose_or_double_an_item(
     assert len(committed) == sum(results.values())
 
 
+def test_two_drivers_finishing_one_commit_write_its_rows_once(storage, tmp_path):
+    """A paused committer copied the staged rows and stopped before deleting them; the driver settling after it
+    finds them too: both copies land on one part (named by the decision), not the rows twice."""
+    writer = ShardWriter(storage, name="w1", max_items=2)
+    for i in ("a", "b"):
+        writer.add(_row(i), _image(i), "png", i)
+    (staged,) = writer.drain()
+    settled_inside: list = []
+
+    class PausedAfterCopy(type(storage)):
+        def copy(self, src, dst):
+            super().copy(src, dst)
+            if src.endswith(".rows.parquet") and not settled_inside:  # the committer is paused here
+                settled_inside.append(settle_staged_shards(storage, by="the next driver"))
+
+    paused = object.__new__(PausedAfterCopy)
+    paused.__dict__.update(storage.__dict__)
+    assert commit_shard(paused, staged.key) is True
+    assert settled_inside[0].committed == [staged.key]
+    assert len([k for k in storage.list("metadata/") if k.endswith(".parquet")]) == 1
+    assert read_item_ids(storage) == ["a", "b"]
+    assert _assert_exactly_once(storage, tmp_path) == ["a", "b"]
+
+
 def test_compaction_does_not_make_a_committed_shard_look_uncommitted(tmp_path):
     from snapref_ray.storage.metadata import compact_output_parts
 
