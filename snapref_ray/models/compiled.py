@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-from torch._dynamo.utils import counters
 
 from snapref_ray.models.attention import RefRead
 from snapref_ray.models.compile_cache import CompileCache
@@ -176,6 +175,10 @@ def shape_key(x: torch.Tensor, context: torch.Tensor, refs: Sequence[RefRead | N
 
 def _graph_counters() -> tuple[int, int, int]:
     """(graphs dynamo captured, FX-graph cache misses = inductor builds, hits) in this process so far."""
+    # Imported here, when something is compiled: torch._dynamo costs ~1 CPU-s to import, and every process that
+    # renders uncompiled (a CPU worker, a driver importing the worker's class) would pay it for nothing.
+    from torch._dynamo.utils import counters
+
     return (
         counters["stats"]["unique_graphs"],
         counters["inductor"]["fxgraph_cache_miss"],
