@@ -223,7 +223,11 @@ class RenderService:
 
     def warm_up_image(self) -> None:
         """One small image (256x256, one step), so that the first real batch does not pay for kernel selection
-        and allocation; it is the cold start's first image."""
+        and allocation; it is the cold start's first image. Nothing on a CPU: there is no caching allocator to fill
+        and no autotuning, and what a first call costs there is small against the whole image the warm-up would
+        render (the tiny models' 256x256 image: ~0.5 CPU-s, paid by every CPU worker of a test or demo job)."""
+        if str(self._renderer.device).startswith("cpu"):
+            return
         settings = RenderSettings(width=256, height=256, steps=1, cfg=1.0)
         with self.device("render"):
             self._renderer.render([RenderRequest(prompt="warm-up", settings=settings)])

@@ -52,3 +52,24 @@ def test_identity_gap_losses_read_each_reference_once_per_target_size(service, r
     assert (first.right_cache_hit, first.wrong_cache_hit, again.right_cache_hit) == (False, False, True)
     assert len(first.loss_right) == 2 and len(first.loss_right[0]) == 1
     assert first.loss_right == again.loss_right and first.loss_right != first.loss_wrong
+
+
+class _CountingRenderer:
+    """A renderer on `device` that counts the images asked of it (the warm-up's is the only render here)."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.load_seconds, self.images_rendered, self.asked = device, 0.0, 0, []
+
+    def render(self, requests):
+        self.asked.extend(r.settings for r in requests)
+        self.images_rendered += len(requests)
+        return []
+
+
+@pytest.mark.parametrize("device, warmed", [("cpu", []), ("cuda:0", [(256, 256, 1)])])
+def test_the_warm_up_image_is_rendered_on_a_gpu_and_skipped_on_a_cpu(device, warmed):
+    from snapref_ray.render_service.service import RenderService
+
+    renderer = _CountingRenderer(device)
+    RenderService(renderer).warm_up_image()
+    assert [(s.width, s.height, s.steps) for s in renderer.asked] == warmed
