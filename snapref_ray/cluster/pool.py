@@ -142,8 +142,17 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, num_gpus
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        # "local" never attaches to a stale cluster left by an unclean exit.
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True)
+        # "local" never attaches to a stale cluster left by an unclean exit. Ray would prestart an idle Python
+        # worker per CPU for the first driver's tasks (~80 MiB and ~0.4 CPU-s each): a job's workers are actors,
+        # each started when the pool asks, and the few tasks a job runs start their own.
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            _system_config={"prestart_worker_first_driver": False},
+        )
     ray_console.install()  # Ray's process output: the terminal, or the job's log (snapref_ray/ray_console.py)
 
 
