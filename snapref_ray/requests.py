@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from snapref_ray.geometry import PIXELS_PER_TOKEN
 from snapref_ray.input_errors import InputError
+from snapref_ray.validation import field_error
 
 Sampler = Literal["euler", "er_sde"]
 Scheduler = Literal["simple"]
@@ -43,7 +44,7 @@ class StepCache(BaseModel):
     @model_validator(mode="after")
     def _window(self) -> StepCache:
         if self.start > self.end:
-            raise ValueError(f"step_cache start ({self.start}) must not exceed its end ({self.end})")
+            raise field_error("start", f"step_cache start ({self.start}) must not exceed its end ({self.end})")
         return self
 
 
@@ -183,7 +184,7 @@ class RenderSettings(BaseModel):
     @model_validator(mode="after")
     def _window(self) -> RenderSettings:
         if self.ref_start > self.ref_end:
-            raise ValueError(f"ref_start ({self.ref_start}) must not exceed ref_end ({self.ref_end})")
+            raise field_error("ref_start", f"ref_start ({self.ref_start}) must not exceed ref_end ({self.ref_end})")
         return self
 
     def batch_key(self) -> tuple:

@@ -14,6 +14,20 @@ from collections.abc import Callable
 from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticCustomError
+
+
+def field_error(field: str, message: str) -> PydanticCustomError:
+    """The error a model-level check raises about one of its fields. pydantic gives such an error no location; the
+    field travels in its context (`error_field` reads it), so no door has to find it in the message."""
+    # pydantic fills `{name}` placeholders of the context's keys only: the message is otherwise kept as it is.
+    return PydanticCustomError("value_error", message, {"field": field})
+
+
+def error_field(error: dict) -> str:
+    """Where one pydantic error is: its location, ended by the field a model-level check named (`field_error`)."""
+    named = (error.get("ctx") or {}).get("field")
+    return field_path((*error["loc"], named) if named else error["loc"])
 
 
 def field_path(loc: tuple) -> str:

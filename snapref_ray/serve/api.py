@@ -22,7 +22,7 @@ from snapref_ray.render_service.judges.spec import JudgeSpec
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.serve.config import ServeLimits
 from snapref_ray.serve.errors import ApiError, non_finite_refusal
-from snapref_ray.validation import error_message, field_path
+from snapref_ray.validation import error_field, error_message
 
 ResponseFormat = Literal["png", "json"]
 
@@ -270,8 +270,8 @@ def validation_error(exc: ValidationError, known_fields: set[str] | None = None,
     """A pydantic error as a 400 naming the first field at fault (all of them in the message)."""
     messages, first_field = [], None
     for err in exc.errors():
-        # No location: a model-level check (its message starts with the field) or unparsable JSON (the body).
-        field = field_path(err["loc"]) or _field_in_message(err["msg"], known_fields) or "body"
+        # No location: a model-level check (it names its field: validation.field_error) or unparsable JSON (the body).
+        field = error_field(err) or "body"
         if known_fields is not None and field not in known_fields and field != "body":
             field = field[:ECHO_CHARS]  # an unknown key: repeat at most ECHO_CHARS of it
         msg = non_finite_refusal(err.get("input")) or error_message(err, model, echo_limit=ECHO_CHARS)
@@ -279,11 +279,6 @@ def validation_error(exc: ValidationError, known_fields: set[str] | None = None,
         first_field = first_field or field
     extra = f" (and {len(messages) - 3} more)" if len(messages) > 3 else ""
     return ApiError(400, first_field, "; ".join(messages[:3]) + extra)
-
-
-def _field_in_message(msg: str, known: set[str] | None) -> str | None:
-    word = msg.removeprefix("Value error, ").split(" ", 1)[0]
-    return word if known and word in known else None
 
 
 def decode_base64(text: str, field: str) -> bytes:
