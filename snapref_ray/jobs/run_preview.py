@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from snapref_ray.job_spec import JobSpec, JobSpecError, spec_fingerprint
-from snapref_ray.jobs.manifest_check import RowError
+from snapref_ray.job_spec import JobSpec, JobSpecError
+from snapref_ray.jobs.job_settings import OutputPlace
+from snapref_ray.jobs.manifest_check import ManifestSettings, RowError
 from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
+from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.loading import adapter_kind
-from snapref_ray.storage.backends import open_storage
-from snapref_ray.storage.ledger import committed_item_ids, job_fingerprint, read_job
+from snapref_ray.storage.backends import S3Options, open_storage
+from snapref_ray.storage.item_contents import read_committed_state
 
 
 class NothingToRender(ValueError):
@@ -66,25 +68,26 @@ _OWNER_TEXT = {
 }
 
 
-def job_adapter_kind(spec: JobSpec) -> str:
+def job_adapter_kind(model: ModelSpec, s3: S3Options | None) -> str:
     """The kind of the job's reference adapter; a job without one is refused (every item reads a reference)."""
-    kind = adapter_kind(spec.model, s3=spec.s3_options())
+    kind = adapter_kind(model, s3=s3)
     if kind is None:
         raise JobSpecError(
             "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
-            f" the models folder ({spec.model.models_dir})"
+            f" the models folder ({model.models_dir})"
         )
     return kind
 
 
 def preview_run(spec: JobSpec) -> RunPreview:
     """Validate `spec` and read its output's ledger, writing nothing."""
-    s3 = spec.s3_options()
-    with SpilledItems.build(spec, s3=s3, adapter_kind=job_adapter_kind(spec)) as plan:
-        owner, committed = _output_state(spec, s3, plan)
+    manifest = ManifestSettings.of(spec)
+    output = OutputPlace.of(spec, s3=manifest.s3)
+    with SpilledItems.build(manifest, adapter_kind=job_adapter_kind(spec.model, manifest.s3)) as plan:
+        owner, committed = _output_state(output, plan)
         return RunPreview(
-            manifest=spec.manifest,
-            output=spec.output.uri,
+            manifest=manifest.manifest,
+            output=output.uri,
             rows=plan.rows,
             items=plan.items,
             errors=list(plan.errors_head),
@@ -94,28 +97,16 @@ def preview_run(spec: JobSpec) -> RunPreview:
         )
 
 
-def _output_state(spec: JobSpec, s3, plan: SpilledItems) -> tuple[str, int]:
+def _output_state(output: OutputPlace, plan: SpilledItems) -> tuple[str, int]:
     """Who owns the output, and how many of the plan's items it holds already (marked in the plan)."""
-    owner = "new"
-    if _output_exists(spec.output.uri):
-        storage = open_storage(spec.output.uri, s3)
-        fingerprint = job_fingerprint(spec_fingerprint(spec))
-        job = read_job(storage)
-        ids = committed_item_ids(storage)
-        if job is not None or ids:
-            fingerprints = {(job or {}).get("fingerprint")} | {
-                a.get("fingerprint") for a in (job or {}).get("appended", [])
-            }
-            if fingerprint in fingerprints:
-                owner = "this job"
-            else:
-                owner = "appended" if spec.output.append else "another job"
-        if owner in ("this job", "appended"):  # what the run would refuse, refused here the same way
-            plan_against_output(
-                plan, storage, ids, fingerprint=fingerprint, rerender_changed=spec.output.rerender_changed
-            )
-            return owner, plan.committed
-        plan.skip_committed(ids)
+    if not _output_exists(output.uri):
+        return "new", plan.committed
+    committed = read_committed_state(open_storage(output.uri, output.s3), output.fingerprint)
+    owner = committed.owner(output.fingerprint, append=output.settings.append)
+    if owner in ("this job", "appended"):  # what the run would refuse, refused here the same way
+        plan_against_output(plan, committed, rerender_changed=output.rerender_changed)
+    else:
+        plan.skip_committed(committed.ids)
     return owner, plan.committed
 
 

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .backends import Storage
-from .ledger import CommittedIds, _pack, read_job
+from .ledger import CommittedIds, _fingerprints, _pack, committed_item_ids, read_job
 from .metadata import iter_part_columns
 
 JOB_COLUMN = "job"  # a row's job fingerprint, where rows record it (read when present, never required)
@@ -54,9 +54,46 @@ class CommittedContents:
     rerenders: CommittedIds = field(default_factory=lambda: CommittedIds(np.array([], dtype="S1")))
 
 
+@dataclass
+class CommittedState:
+    """What an output holds, as a job about to render on it needs it: its claim (``job.json``), the committed ids
+    and the content of the explicit ones. One value, read in one call (`read_committed_state`), so that the jobs
+    side decides on it without going back to the store."""
+
+    uri: str  # the output's, as the store names it (messages)
+    job: dict | None  # the parsed job.json; None where the output was never claimed
+    ids: CommittedIds  # every committed item id (storage/ledger.py `committed_item_ids`)
+    contents: CommittedContents
+
+    def owner(self, fingerprint: str, *, append: bool) -> str:
+        """Whose output this is for the job `fingerprint`: "new" (nothing there), "this job" (a run resumes it),
+        "appended" (another job's, and `append` adds to it) or "another job" (refused without `append`)."""
+        if self.job is None and not len(self.ids):
+            return "new"
+        if self.job is not None and fingerprint in _fingerprints(self.job):
+            return "this job"
+        return "appended" if append else "another job"
+
+
+def read_committed_state(storage: Storage, fingerprint: str) -> CommittedState:
+    """The output's claim, committed ids and committed contents for the job `fingerprint` (see CommittedState)."""
+    job = read_job(storage)
+    return CommittedState(
+        uri=storage.uri,
+        job=job,
+        ids=committed_item_ids(storage),
+        contents=_read_contents(storage, fingerprint, job),
+    )
+
+
 def read_committed_contents(storage: Storage, fingerprint: str) -> CommittedContents:
     """What the output's metadata parts say of the content of committed explicit ids, reading only the item_id,
     content_id and (if any part has one) job columns, a few parts at a time."""
+    return _read_contents(storage, fingerprint, read_job(storage))
+
+
+def _read_contents(storage: Storage, fingerprint: str, record: dict | None) -> CommittedContents:
+    """`read_committed_contents`, with the output's job.json (`record`) read already."""
     ids: list[np.ndarray] = []
     contents: list[np.ndarray] = []
     foreign: list[pa.Array] = []
@@ -82,8 +119,7 @@ def read_committed_contents(storage: Storage, fingerprint: str) -> CommittedCont
         if job.null_count < len(job):
             named = True
             foreign.append(item_id.filter(pc.fill_null(pc.not_equal(job, fingerprint), False)))
-    record = read_job(storage) or {}
-    jobs = {record.get("fingerprint")} | {a.get("fingerprint") for a in record.get("appended", [])}
+    jobs = _fingerprints(record or {})
     explicit_ids, latest = _latest_content(ids, contents)
     return CommittedContents(
         explicit=explicit_ids,
