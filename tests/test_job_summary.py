@@ -130,6 +130,25 @@ def test_the_lines_name_what_was_left_out_and_the_exit_status():
     assert not_rendered_lines(outcome(items=8, job_images=8), errors_at="E") == []
 
 
+def test_the_memory_line_gives_the_request_and_the_smallest_batch_that_fit_per_size():
+    from snapref_ray.jobs.job_outcome import memory_line
+
+    fits = [
+        {"worker_id": "w1", "width": 512, "height": 512, "batch": 4},
+        {"worker_id": "w2", "width": 512, "height": 512, "batch": 3},  # the smaller one is what every worker fits
+        {"worker_id": "w1", "width": 256, "height": 384, "batch": 8},
+    ]
+    summary = outcome(items=1, job_images=1, memory_per_worker={"bytes": 3 * 2**30 // 2}, memory_fit=fits)
+    assert memory_line(summary) == (
+        "memory: each worker asked Ray for 1.50 GiB; at 256x384 8 image(s) fit in one batch;"
+        " at 512x512 3 image(s) fit in one batch"
+    )
+    assert memory_line(outcome(items=1, job_images=1, memory_per_worker=None, memory_fit=fits[2:])) == (
+        "memory: at 256x384 8 image(s) fit in one batch"
+    )
+    assert memory_line(outcome(items=1, job_images=1, memory_per_worker=None, memory_fit=None)) is None
+
+
 def test_a_run_that_renders_nothing_says_so_and_an_appended_output_counts_every_jobs_images():
     from snapref_ray.jobs.job_outcome import summary_line
 
