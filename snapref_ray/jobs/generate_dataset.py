@@ -40,6 +40,7 @@ from snapref_ray.jobs.job_settings import JobSettings, OutputPlace
 from snapref_ray.jobs.job_summary import (
     NOT_RENDERED_KEPT,
     AttemptFigures,
+    EarlierSummary,
     JobPart,
     JobSummary,
     NotRendered,
@@ -245,17 +246,6 @@ def _take_output(place: OutputPlace, plan: SpilledItems) -> JobOutput:
     return JobOutput.open(open_storage(place.uri, place.s3), place.settings, admit=admit)
 
 
-def _earlier_runs(output: JobOutput) -> list[RunFigures]:
-    """The runs an earlier summary.json recorded (none when it cannot be read: see JobOutput)."""
-    try:
-        return RunFigures.from_earlier_summary(output.earlier_summary) if output.earlier_summary else []
-    except (ValueError, TypeError, KeyError) as e:  # pydantic's ValidationError is a ValueError
-        log.warning(
-            "%s cannot be read (%s); its earlier runs are not counted", output.storage.uri_for("summary.json"), e
-        )
-        return []
-
-
 def _record_invalid_rows(plan: SpilledItems, output: JobOutput) -> None:
     """Phase 3: the items not committed yet (a bit per item of the plan); the invalid rows go to errors/, once per
     output (a resumed job validates the same manifest again)."""
@@ -401,14 +391,6 @@ def _start_pool(job: JobSettings, plan: SpilledItems, run: _Run, hooks: _Hooks) 
     return WorkerPool(config, pool_plan, hooks.renderer_factory)
 
 
-def _earlier_jobs(output: JobOutput) -> list[JobPart]:
-    """The jobs' parts an earlier summary.json recorded (none when it cannot be read)."""
-    try:
-        return JobPart.from_earlier_summary(output.earlier_summary) if output.earlier_summary else []
-    except (ValueError, TypeError, KeyError):  # told once, by _earlier_runs
-        return []
-
-
 def _summarise(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Run) -> JobSummary:
     """Phase 5: this run's figures, and the job's over every run on this output."""
     stats = run.stats or SchedulerStats()
@@ -428,7 +410,8 @@ def _summarise(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Ru
         render_seconds=round(run.render_seconds, 3),
         manifest_sha256=plan.manifest_sha256,
     )
-    runs = [*_earlier_runs(output), this_run]
+    earlier = EarlierSummary.of(output.earlier_summary, where=output.storage.uri_for("summary.json"))
+    runs = [*earlier.runs, this_run]
     quota = run.judge is not None and job.judge.kept_per_reference is not None
     skips = _quota_skips(job.judge, plan, output) if quota and not run.interrupted else None
     # A judged job's rows are renders (an item may have several): its items in the output are those whose first
@@ -445,6 +428,8 @@ def _summarise(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Ru
         failed_items=stats.failed_items,
         finished_at=now,
     )
+    throughput = job_throughput(runs)  # the output's, over its runs that had work
+    jobs = job_parts(earlier.jobs, this_job)
     invalid = [
         NotRendered(kind="invalid row", manifest_row=e.manifest_row, item_id=e.item_id, reason=_reason(e))
         for e in _first_per_row(plan.errors_head, NOT_RENDERED_KEPT)
@@ -476,7 +461,7 @@ def _summarise(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Ru
         ),
         requeues={**stats.requeues, "budget": stats.requeue_budget},
         interrupted=run.interrupted,
-        **job_throughput(runs),
+        **throughput,
         references=references,
         reference_encodes=stats.reference_encodes,
         encodes_per_reference=round(stats.reference_encodes / references, 3) if references else 0.0,
@@ -502,7 +487,7 @@ def _summarise(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Ru
         if run.judge is not None
         else None,
         finished_at=now,
-        jobs=job_parts(_earlier_jobs(output), this_job),
+        jobs=jobs,
         runs=runs,
     )
 
