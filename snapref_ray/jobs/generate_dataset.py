@@ -54,7 +54,7 @@ from snapref_ray.jobs.job_summary import (
 from snapref_ray.jobs.judge_loop import JudgeLoop
 from snapref_ray.jobs.judged_commit import commit_judged_row, commit_judged_shard
 from snapref_ray.jobs.quota_skips import QuotaSkips, find_quota_skips, plan_item_tables, write_skipped
-from snapref_ray.jobs.run_preview import check_something_to_render, job_adapter_kind
+from snapref_ray.jobs.run_preview import check_something_to_render, validate_manifest
 from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.references import RefKVKey
@@ -224,8 +224,7 @@ class _Run:
 def _validate(job: JobSettings, *, progress: bool = False) -> SpilledItems:
     """Phase 1: every manifest row checked, a chunk at a time, and the valid items spilled to local disk
     (jobs/spilled_items.py); a strict spec with an invalid row stops here, naming them."""
-    kind = job_adapter_kind(job.model, job.manifest.s3)
-    plan = SpilledItems.build(job.manifest, adapter_kind=kind, progress=progress)
+    plan = validate_manifest(job.manifest, job.model, progress=progress)
     try:
         check_something_to_render(job.manifest.manifest, plan)  # every row invalid: say why, and write nothing
     except BaseException:

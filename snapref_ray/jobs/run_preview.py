@@ -1,10 +1,10 @@
 """What a job would do, found without doing it: `snapref-ray render --dry-run`, and the reason a job that can
 render nothing gives before it starts Ray.
 
-The same steps as the start of `run_job` (snapref_ray/jobs/generate_dataset.py), each read-only: the adapter kind,
-the manifest validated row by row (references read and hashed), whether the output is new, this job's
-(a resume) or another job's (which needs `--append`), and which items are already committed there. Nothing
-is written: a local output folder that does not exist is not created.
+The same steps as the start of `run_job` (snapref_ray/jobs/generate_dataset.py), each read-only: the adapter kind and
+the manifest validated row by row (references read and hashed: `validate_manifest`, the run's own first phase), whether
+the output is new, this job's (a resume) or another job's (which needs `--append`), and which items are already
+committed there. Nothing is written: a local output folder that does not exist is not created.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from snapref_ray.jobs.manifest_check import ManifestSettings, RowError
 from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.loading import adapter_kind
-from snapref_ray.storage.backends import S3Options, open_storage
+from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.item_contents import read_committed_state
 
 
@@ -68,22 +68,24 @@ _OWNER_TEXT = {
 }
 
 
-def job_adapter_kind(model: ModelSpec, s3: S3Options | None) -> str:
-    """The kind of the job's reference adapter; a job without one is refused (every item reads a reference)."""
-    kind = adapter_kind(model, s3=s3)
+def validate_manifest(manifest: ManifestSettings, model: ModelSpec, *, progress: bool = False) -> SpilledItems:
+    """Every row of the manifest validated for the kind of the job's reference adapter, the valid items spilled to
+    local disk (jobs/spilled_items.py): a run's first phase, and what a dry run counts. A job without a reference
+    adapter is refused (every item reads a reference)."""
+    kind = adapter_kind(model, s3=manifest.s3)
     if kind is None:
         raise JobSpecError(
             "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
             f" the models folder ({model.models_dir})"
         )
-    return kind
+    return SpilledItems.build(manifest, adapter_kind=kind, progress=progress)
 
 
 def preview_run(spec: JobSpec) -> RunPreview:
     """Validate `spec` and read its output's ledger, writing nothing."""
     manifest = ManifestSettings.of(spec)
     output = OutputPlace.of(spec, s3=manifest.s3)
-    with SpilledItems.build(manifest, adapter_kind=job_adapter_kind(spec.model, manifest.s3)) as plan:
+    with validate_manifest(manifest, spec.model) as plan:
         owner, committed = _output_state(output, plan)
         return RunPreview(
             manifest=manifest.manifest,
