@@ -61,16 +61,17 @@ class CommittedState:
     side decides on it without going back to the store."""
 
     uri: str  # the output's, as the store names it (messages)
-    job: dict | None  # the parsed job.json; None where the output was never claimed
+    claimed: bool  # job.json is there
+    jobs: frozenset[str]  # the fingerprints job.json records: the claiming job's and the appended ones'
     ids: CommittedIds  # every committed item id (storage/ledger.py `committed_item_ids`)
     contents: CommittedContents
 
     def owner(self, fingerprint: str, *, append: bool) -> str:
         """Whose output this is for the job `fingerprint`: "new" (nothing there), "this job" (a run resumes it),
         "appended" (another job's, and `append` adds to it) or "another job" (refused without `append`)."""
-        if self.job is None and not len(self.ids):
+        if not self.claimed and not len(self.ids):
             return "new"
-        if self.job is not None and fingerprint in _fingerprints(self.job):
+        if fingerprint in self.jobs:
             return "this job"
         return "appended" if append else "another job"
 
@@ -78,22 +79,29 @@ class CommittedState:
 def read_committed_state(storage: Storage, fingerprint: str) -> CommittedState:
     """The output's claim, committed ids and committed contents for the job `fingerprint` (see CommittedState)."""
     job = read_job(storage)
+    jobs = _recorded_jobs(job)
     return CommittedState(
         uri=storage.uri,
-        job=job,
+        claimed=job is not None,
+        jobs=jobs,
         ids=committed_item_ids(storage),
-        contents=_read_contents(storage, fingerprint, job),
+        contents=_read_contents(storage, fingerprint, jobs),
     )
 
 
 def read_committed_contents(storage: Storage, fingerprint: str) -> CommittedContents:
     """What the output's metadata parts say of the content of committed explicit ids, reading only the item_id,
     content_id and (if any part has one) job columns, a few parts at a time."""
-    return _read_contents(storage, fingerprint, read_job(storage))
+    return _read_contents(storage, fingerprint, _recorded_jobs(read_job(storage)))
 
 
-def _read_contents(storage: Storage, fingerprint: str, record: dict | None) -> CommittedContents:
-    """`read_committed_contents`, with the output's job.json (`record`) read already."""
+def _recorded_jobs(job: dict | None) -> frozenset[str]:
+    """The fingerprints a job.json records (none without one)."""
+    return frozenset(_fingerprints(job or {}) - {None})
+
+
+def _read_contents(storage: Storage, fingerprint: str, jobs: frozenset[str]) -> CommittedContents:
+    """`read_committed_contents`, with the fingerprints the output's job.json records (`jobs`) read already."""
     ids: list[np.ndarray] = []
     contents: list[np.ndarray] = []
     foreign: list[pa.Array] = []
@@ -119,14 +127,13 @@ def _read_contents(storage: Storage, fingerprint: str, record: dict | None) -> C
         if job.null_count < len(job):
             named = True
             foreign.append(item_id.filter(pc.fill_null(pc.not_equal(job, fingerprint), False)))
-    jobs = _fingerprints(record or {})
     explicit_ids, latest = _latest_content(ids, contents)
     return CommittedContents(
         explicit=explicit_ids,
         contents=latest,
         foreign=CommittedIds.from_arrow_parts(foreign),
         rows_name_their_job=named,
-        other_jobs=bool(jobs - {None, fingerprint}),
+        other_jobs=bool(jobs - {fingerprint}),
         rerenders=CommittedIds.from_arrow_parts(rerenders),
     )
 

@@ -235,3 +235,27 @@ def test_the_check_holds_explicit_ids_as_bytes_not_objects(job):
     assert contents.explicit.sorted_ids() == ["a-0", "b-0", "c-0", "c-1"]  # the id-less item costs nothing
     assert contents.contents.dtype == "S20" and len(contents.contents) == 4
     assert not len(contents.foreign) and not contents.rows_name_their_job and not contents.other_jobs
+
+
+def test_the_committed_state_says_whose_output_it_is(job):
+    """One read of what an output holds (its claim, ids and contents); the dry run's owner line is decided on it."""
+    storage = open_storage(str(job / "out"))
+    assert read_committed_state(storage, "f1").owner("f1", append=False) == "new"
+    render_all(storage, job, ROWS, "f1")
+    state = read_committed_state(storage, "f1")
+    assert (state.uri, state.claimed, state.jobs, len(state.ids)) == (storage.uri, True, {"f1"}, 5)
+    assert [state.owner("f1", append=False), state.owner("f2", append=False), state.owner("f2", append=True)] == [
+        "this job",
+        "another job",
+        "appended",
+    ]
+    claim_output(storage, "f2", {"job": "f2"}, append=True)
+    state = read_committed_state(storage, "f2")
+    assert state.jobs == {"f1", "f2"} and state.owner("f2", append=False) == "this job"
+    assert state.contents.other_jobs  # f1's claim, seen from f2
+    # Rows without a job.json (written by something else) are no new output.
+    unclaimed = open_storage(str(job / "bare"))
+    with plan_of(job, ROWS) as plan:
+        plan.skip_committed(CommittedIds.from_strings([]))
+        commit(unclaimed, items_to_render(plan))
+    assert read_committed_state(unclaimed, "f1").owner("f1", append=False) == "another job"
