@@ -213,6 +213,7 @@ def one_plan(items: int, order: str = "reference-major", committed: str = "none"
     schedule runs): validate the manifest in chunks and spill it, mark what an earlier run committed, then read
     every reference group back as the schedule would. `committed`: "none", or "all" (a finished job's resume:
     every id in the output's ledger)."""
+    from snapref_ray.jobs.manifest_check import ManifestSettings
     from snapref_ray.jobs.spilled_items import SpilledItems
     from snapref_ray.storage.ledger import CommittedIds
     from snapref_ray.tiny import make_tiny
@@ -223,7 +224,7 @@ def one_plan(items: int, order: str = "reference-major", committed: str = "none"
         spec = _spec(manifest, root / "out", make_tiny(root / "tiny"), "files", 4)
         base = _peak_rss_mib()
         cpu0, t0 = _cpu_s(), time.time()
-        plan = SpilledItems.build(spec, adapter_kind="snapref")
+        plan = SpilledItems.build(ManifestSettings.of(spec), adapter_kind="snapref")
         t_validated = time.time()
         done = CommittedIds.from_strings([])
         if committed == "all":

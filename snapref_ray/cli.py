@@ -10,8 +10,7 @@ from pathlib import Path
 
 from snapref_ray.cli_flags import HelpFormatter, add_model_flags, add_settings_flags, model_spec_from, settings_from
 from snapref_ray.eval_cli import add_eval_parsers
-from snapref_ray.jobs.job_outcome import exit_status, not_rendered_lines, plural, summary_line
-from snapref_ray.jobs.job_summary import JobSummary
+from snapref_ray.jobs.job_outcome import exit_status, memory_line, not_rendered_lines, plural, summary_line
 from snapref_ray.requests import RenderSettings
 from snapref_ray.serve.cli import add_serve_parser
 from snapref_ray.validation import run_reporting_usage_errors
@@ -298,7 +297,7 @@ def _run_job_from_the_command_line(
                 str(e).replace("pass append=True", "add --append (output.append: true in a spec)")
             ) from None
     print(summary_line(summary))
-    memory = _memory_line(summary)
+    memory = memory_line(summary)
     if memory:
         print(memory)
     if gallery_note:
@@ -311,21 +310,6 @@ def _run_job_from_the_command_line(
 
 def _join(uri: str, name: str) -> str:
     return uri.rstrip("/") + "/" + name if uri.startswith("s3://") else str(Path(uri).resolve() / name)
-
-
-def _memory_line(summary: JobSummary) -> str | None:
-    """One line on memory: what each worker asked Ray for, and per image size the batch its workers measured fits
-    (the smallest over the workers; each worker's figures are in summary.json and job.log)."""
-    request = (summary.memory_per_worker or {}).get("bytes")
-    fits: dict[tuple[int, int], int] = {}
-    for fit in summary.memory_fit or []:
-        size = (fit["width"], fit["height"])
-        fits[size] = min(fits.get(size, fit["batch"]), fit["batch"])
-    if not request and not fits:
-        return None
-    parts = [f"each worker asked Ray for {request / 2**30:.2f} GiB"] if request else []
-    parts += [f"at {w}x{h} {n} image(s) fit in one batch" for (w, h), n in sorted(fits.items())]
-    return "memory: " + "; ".join(parts)
 
 
 def _add_progress_flag(parser: argparse.ArgumentParser) -> None:

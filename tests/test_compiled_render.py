@@ -20,6 +20,7 @@ from torch._dynamo.testing import CompileCounter
 
 import snapref_ray.engine as engine_module
 from snapref_ray.engine import Renderer
+from snapref_ray.jobs.job_settings import JobSettings
 from snapref_ray.models.compiled import compile_forward
 from snapref_ray.render_service.cold_start import WARMUP_STEPS
 from snapref_ray.render_service.references import Reference
@@ -153,5 +154,5 @@ def test_cli_compile_flag_reaches_the_job_spec(monkeypatch, tmp_path: Path, caps
     ((spec, progress),) = seen
     assert progress is False
     assert spec.model.compile is True
-    assert generate_dataset.worker_config(spec).model.compile is True
+    assert generate_dataset.worker_config(JobSettings.of(spec)).model.compile is True
     assert f"0 images in {out} (0 this run" in capsys.readouterr().out

@@ -58,14 +58,14 @@ def test_a_summary_written_before_runs_existed_counts_as_one_run():
 
 
 def test_an_unreadable_earlier_summary_starts_the_figures_again(tmp_path):
-    from snapref_ray.jobs.generate_dataset import _earlier_runs
+    from snapref_ray.jobs.job_summary import EarlierSummary
     from snapref_ray.storage.backends import open_storage
     from snapref_ray.storage.job_output import JobOutput, OutputSettings
 
     def earlier_runs() -> list:
         output = JobOutput.open(open_storage(str(tmp_path)), OutputSettings(fingerprint="f", spec={}))
         try:
-            return _earlier_runs(output)
+            return EarlierSummary.of(output.earlier_summary, where="summary.json").runs
         finally:
             output.abandon()
 
@@ -74,6 +74,20 @@ def test_an_unreadable_earlier_summary_starts_the_figures_again(tmp_path):
     assert earlier_runs() == []
     (tmp_path / "summary.json").write_text('{"runs": [' + run(3, wall=9.0, render=6.0).model_dump_json() + "]}")
     assert earlier_runs() == [run(3, wall=9.0, render=6.0)]
+
+
+def test_an_earlier_summary_whose_runs_cannot_be_read_keeps_its_jobs_and_says_so_once(caplog):
+    from snapref_ray.jobs.job_summary import EarlierSummary, JobPart
+
+    part = JobPart(
+        job="f", manifest="m.csv", manifest_rows=3, invalid_rows=0, items=3, images=3, failed_items=0, finished_at=5.0
+    )
+    summary = {"runs": [{"images": "three"}], "jobs": [part.model_dump(mode="json")]}
+    with caplog.at_level("WARNING", logger="snapref_ray.jobs.job_summary"):
+        earlier = EarlierSummary.of(summary, where="/out/summary.json")
+    assert earlier == EarlierSummary(runs=[], jobs=[part])
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["/out/summary.json cannot be read"]
+    assert EarlierSummary.of(None, where="x") == EarlierSummary(runs=[], jobs=[])
 
 
 # -- the outcome of a run: its exit status and its last lines (snapref_ray/jobs/job_outcome.py) ----------------------
@@ -128,6 +142,25 @@ def test_the_lines_name_what_was_left_out_and_the_exit_status():
         " (--allow-invalid); exit status 0"
     )
     assert not_rendered_lines(outcome(items=8, job_images=8), errors_at="E") == []
+
+
+def test_the_memory_line_gives_the_request_and_the_smallest_batch_that_fit_per_size():
+    from snapref_ray.jobs.job_outcome import memory_line
+
+    fits = [
+        {"worker_id": "w1", "width": 512, "height": 512, "batch": 4},
+        {"worker_id": "w2", "width": 512, "height": 512, "batch": 3},  # the smaller one is what every worker fits
+        {"worker_id": "w1", "width": 256, "height": 384, "batch": 8},
+    ]
+    summary = outcome(items=1, job_images=1, memory_per_worker={"bytes": 3 * 2**30 // 2}, memory_fit=fits)
+    assert memory_line(summary) == (
+        "memory: each worker asked Ray for 1.50 GiB; at 256x384 8 image(s) fit in one batch;"
+        " at 512x512 3 image(s) fit in one batch"
+    )
+    assert memory_line(outcome(items=1, job_images=1, memory_per_worker=None, memory_fit=fits[2:])) == (
+        "memory: at 256x384 8 image(s) fit in one batch"
+    )
+    assert memory_line(outcome(items=1, job_images=1, memory_per_worker=None, memory_fit=None)) is None
 
 
 def test_a_run_that_renders_nothing_says_so_and_an_appended_output_counts_every_jobs_images():

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.placement import PlannedWork
 from snapref_ray.cluster.pool import (
-    PoolShape,
     WorkerPool,
     check_memory_fits,
     connect,
@@ -32,14 +31,16 @@ from snapref_ray.cluster.pool import (
     plan_pool,
     worker_memory,
 )
-from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, SchedulerEvent, SchedulerStats
+from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerEvent, SchedulerStats
 from snapref_ray.cluster.tasks import ItemOutcome, ReferenceTask, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
-from snapref_ray.job_spec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
+from snapref_ray.job_spec import JobSpec, JobSpecError, JudgeSection, load_job_spec
 from snapref_ray.jobs.job_outcome import exit_status
+from snapref_ray.jobs.job_settings import JobSettings, OutputPlace
 from snapref_ray.jobs.job_summary import (
     NOT_RENDERED_KEPT,
     AttemptFigures,
+    EarlierSummary,
     JobPart,
     JobSummary,
     NotRendered,
@@ -53,16 +54,16 @@ from snapref_ray.jobs.job_summary import (
 from snapref_ray.jobs.judge_loop import JudgeLoop
 from snapref_ray.jobs.judged_commit import commit_judged_row, commit_judged_shard
 from snapref_ray.jobs.quota_skips import QuotaSkips, find_quota_skips, plan_item_tables, write_skipped
-from snapref_ray.jobs.run_preview import check_something_to_render, job_adapter_kind
+from snapref_ray.jobs.run_preview import check_something_to_render, validate_manifest
 from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.references import RefKVKey
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.requests import RenderSettings
 from snapref_ray.storage.backends import StorageError, open_storage
-from snapref_ray.storage.job_output import JobOutput, OutputSettings
+from snapref_ray.storage.item_contents import CommittedState
+from snapref_ray.storage.job_output import JobOutput
 from snapref_ray.storage.lease import LeaseLostError
-from snapref_ray.storage.ledger import job_fingerprint
 from snapref_ray.validation import run_reporting_usage_errors
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ _STAGES = {"worker": "sample"}  # a worker death is reported against the samplin
 
 
 def worker_config(
-    spec: JobSpec,
+    job: JobSettings,
     *,
     warmup: bool = True,
     memory_budget_bytes: int | None = None,
@@ -79,34 +80,22 @@ def worker_config(
 ) -> WorkerConfig:
     """A worker's configuration; a compiling worker warms the resolutions and forward sizes of `plan` before it is
     ready (a graph per shape: docs/performance.md, "Compile cold start")."""
-    c = spec.cluster
-    sizes = plan.sizes if plan is not None else []
-    return WorkerConfig(
-        model=spec.model,
-        refkv_cache_bytes=c.refkv_cache_bytes,
-        output_uri=spec.output.uri,
-        s3=spec.s3_options(),
-        image_format=spec.output.image_format,
+    if plan is None:
+        return dataclasses.replace(job.worker, warmup=warmup, memory_budget_bytes=memory_budget_bytes or None)
+    return dataclasses.replace(
+        job.worker,
         warmup=warmup,
-        output_threads=c.output_threads,
-        warmup_sizes=tuple(sizes) or ((spec.defaults.width, spec.defaults.height),),
-        warmup_batch_sizes=plan.planned_batch_sizes(c.max_batch) if plan is not None else (1,),
-        refkv_fetch_timeout_s=c.refkv_fetch_timeout_s,
+        warmup_sizes=tuple(plan.sizes) or job.worker.warmup_sizes,
+        warmup_batch_sizes=plan.planned_batch_sizes(job.scheduler.max_batch),
         memory_budget_bytes=memory_budget_bytes or None,
-        output_format=spec.output.format,
-        shard_max_bytes=spec.output.shard_max_bytes,
-        shard_max_items=spec.output.shard_max_items,
-        thumbnail_every=spec.output.thumbnail_every,
-        judge=spec.judge.checks_spec() if spec.judge is not None else None,
-        judge_contrasts=_contrast_tasks(spec, plan),
-        job=job_fingerprint(spec_fingerprint(spec)),  # each metadata row names its job (an output may hold several)
+        judge_contrasts=_contrast_tasks(job.judge, plan),
     )
 
 
-def _contrast_tasks(spec: JobSpec, plan: SpilledItems | None) -> tuple[ReferenceTask, ...]:
+def _contrast_tasks(judge: JudgeSection | None, plan: SpilledItems) -> tuple[ReferenceTask, ...]:
     """The identity gap's contrast references: the job's first two, in order of first use (a render takes the
     first that is not its own: docs/judging.md)."""
-    if spec.judge is None or spec.judge.identity_gap is None or plan is None:
+    if judge is None or judge.identity_gap is None:
         return ()
     firsts = plan.first_references()
     if len(firsts) < 2:
@@ -147,16 +136,17 @@ def run_job(
     through it). The workers are killed when the job ends, however it ends.
     """
     run = _Run(started_at=time.time())
-    plan = _validate(spec, progress=progress)  # 1. every row, before any worker starts (spilled to local disk)
+    job = JobSettings.of(spec)  # the spec read once, into what each phase needs
+    plan = _validate(job, progress=progress)  # 1. every row, before any worker starts (spilled to local disk)
     try:
-        output = _take_output(spec, plan)  # 2. the lease, what earlier runs left, the items checked, the claim
+        output = _take_output(job.output, plan)  # 2. the lease, what earlier runs left, the items checked, the claim
     except BaseException:
         plan.close()
         raise
     hooks = _Hooks(progress, renderer_factory, warmup, on_progress, on_workers, on_event)
     try:
-        _record_invalid_rows(spec, plan, output)  # 3. what is left to render, logged; invalid rows recorded once
-        _render(spec, plan, output, run, hooks)  # 4. workers publish, this driver commits
+        _record_invalid_rows(plan, output)  # 3. what is left to render, logged; invalid rows recorded once
+        _render(job, plan, output, run, hooks)  # 4. workers publish, this driver commits
     except KeyboardInterrupt:
         run.interrupted = True
         log.warning("interrupted: committing what is done; run the same spec again to resume")
@@ -166,12 +156,12 @@ def run_job(
         raise
     finally:
         try:
-            summary = _summarise(spec, plan, output, run)  # 5. summary.json, then compaction, under the lease
+            summary = _summarise(job, plan, output, run)  # 5. summary.json, then compaction, under the lease
         finally:
             plan.close()  # after the summary: a judged job's items skipped by the quota are read from the plan
         output.finish(summary.to_json(), compact=not run.interrupted)
     if write_gallery:
-        _write_gallery(spec)
+        _write_gallery(job.output)
     log.info("done: %s", json.dumps({k: getattr(summary, k) for k in _LOGGED}))
     return summary
 
@@ -231,59 +221,31 @@ class _Run:
             self.step_cache.forwards += row["steps"]
 
 
-def _validate(spec: JobSpec, *, progress: bool = False) -> SpilledItems:
+def _validate(job: JobSettings, *, progress: bool = False) -> SpilledItems:
     """Phase 1: every manifest row checked, a chunk at a time, and the valid items spilled to local disk
     (jobs/spilled_items.py); a strict spec with an invalid row stops here, naming them."""
-    plan = SpilledItems.build(spec, s3=spec.s3_options(), adapter_kind=job_adapter_kind(spec), progress=progress)
+    plan = validate_manifest(job.manifest, job.model, progress=progress)
     try:
-        check_something_to_render(spec.manifest, plan)  # every row invalid: say why, and write nothing
+        check_something_to_render(job.manifest.manifest, plan)  # every row invalid: say why, and write nothing
     except BaseException:
         plan.close()
         raise
     return plan
 
 
-def _take_output(spec: JobSpec, plan: SpilledItems) -> JobOutput:
+def _take_output(place: OutputPlace, plan: SpilledItems) -> JobOutput:
     """Phase 2: the output, held by this driver (storage/job_output.py): the same spec resumes, `append` adds to
     another job's output; what earlier runs committed is read, and the plan's explicit ids are checked against it
     before the claim writes anything: ids committed with other content, or by another job, are refused in one line
     (or rendered again with `rerender_changed`; jobs/spilled_items.py, storage/item_contents.py)."""
-    fingerprint = job_fingerprint(spec_fingerprint(spec))
-    settings = OutputSettings(
-        fingerprint=fingerprint,
-        spec=spec_fingerprint(spec),
-        append=spec.output.append,
-        webdataset=spec.output.format == "webdataset",
-        embed_images=spec.output.embed_images,
-        flush_seconds=spec.output.metadata_flush_seconds,
-        lease_seconds=spec.output.lease_seconds,
-        lease_wait_seconds=spec.output.lease_wait_seconds,
-    )
 
-    def admit(output: JobOutput) -> None:
-        plan_against_output(
-            plan,
-            output.storage,
-            output.done_before,
-            fingerprint=fingerprint,
-            rerender_changed=spec.output.rerender_changed,
-        )
+    def admit(committed: CommittedState) -> None:
+        plan_against_output(plan, committed, rerender_changed=place.rerender_changed)
 
-    return JobOutput.open(open_storage(spec.output.uri, spec.s3_options()), settings, admit=admit)
+    return JobOutput.open(open_storage(place.uri, place.s3), place.settings, admit=admit)
 
 
-def _earlier_runs(output: JobOutput) -> list[RunFigures]:
-    """The runs an earlier summary.json recorded (none when it cannot be read: see JobOutput)."""
-    try:
-        return RunFigures.from_earlier_summary(output.earlier_summary) if output.earlier_summary else []
-    except (ValueError, TypeError, KeyError) as e:  # pydantic's ValidationError is a ValueError
-        log.warning(
-            "%s cannot be read (%s); its earlier runs are not counted", output.storage.uri_for("summary.json"), e
-        )
-        return []
-
-
-def _record_invalid_rows(spec: JobSpec, plan: SpilledItems, output: JobOutput) -> None:
+def _record_invalid_rows(plan: SpilledItems, output: JobOutput) -> None:
     """Phase 3: the items not committed yet (a bit per item of the plan); the invalid rows go to errors/, once per
     output (a resumed job validates the same manifest again)."""
     # The committed items were marked when the output was taken (`admit` in _take_output).
@@ -303,15 +265,15 @@ def _record_invalid_rows(spec: JobSpec, plan: SpilledItems, output: JobOutput) -
             output.record_error(message, "validate", item_id=e.item_id, manifest_row=e.manifest_row)
 
 
-def _render(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run, hooks: _Hooks) -> None:
+def _render(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Run, hooks: _Hooks) -> None:
     """Phase 4: start the pool, run the schedule over the plan's references, commit each image's row (each staged
     shard) as it lands; the workers are killed however it ends. A judged job adds a rejected render's next render
     to the running schedule as its verdict is committed (jobs/judge_loop.py); what an earlier run left to render
     again runs after, on the same pool, until none is left."""
-    judge = _judge_loop(spec, plan, output, run)
+    judge = _judge_loop(job.judge, plan, output, run)
     if not plan.to_render and not (judge is not None and judge.queue.count):
         return
-    pool = _start_pool(spec, plan, run, hooks)
+    pool = _start_pool(job, plan, run, hooks)
     bar = _progress_bar(plan.items, plan.committed) if hooks.progress else None
     callbacks = [f for f in (bar.update if bar else None, hooks.on_progress) if f is not None]
 
@@ -340,7 +302,7 @@ def _render(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run, hoo
     scheduler = BatchScheduler(
         [],
         [],
-        scheduler_config(spec),
+        job.scheduler,
         on_done=done,
         on_failed=lambda outcome, item, attempt: (
             run.item_failed(outcome, item),
@@ -352,7 +314,7 @@ def _render(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run, hoo
         on_event=hooks.on_event,
         fence=output.fence,
         commit_shard=commit_shard,
-        skip_reference=judge.at_quota if judge is not None and spec.judge.kept_per_reference else None,
+        skip_reference=judge.at_quota if judge is not None and job.judge.kept_per_reference else None,
         adds_work=judge is not None,  # re-renders join the run as verdicts come in (`done`)
     )
     run.encodes_by_reference = scheduler.encodes_by_reference
@@ -388,42 +350,23 @@ def _render(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run, hoo
             bar.close()
 
 
-def _judge_loop(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run) -> JudgeLoop | None:
+def _judge_loop(section: JudgeSection | None, plan: SpilledItems, output: JobOutput, run: _Run) -> JudgeLoop | None:
     """A judged job's driver state, continued from what earlier runs committed (None: the job does not judge)."""
-    if spec.judge is None:
+    if section is None:
         return None
-    judge = JudgeLoop(spec.judge, plan.folder)
+    judge = JudgeLoop(section, plan.folder)
     judge.resume(output.storage)
     run.judge = judge
     return judge
 
 
-def scheduler_config(spec: JobSpec) -> SchedulerConfig:
-    """The schedule's settings from the job spec's cluster section."""
-    c = spec.cluster
-    return SchedulerConfig(
-        c.max_in_flight_per_worker,
-        c.max_attempts,
-        c.max_batch,
-        transfer_bytes_per_s=c.transfer_gbps * 1e9 / 8 if c.transfer_gbps else None,
-        start_timeout_s=c.start_timeout_s,
-        max_requeues_per_item=c.max_requeues_per_item,
-    )
-
-
-def _start_pool(spec: JobSpec, plan: SpilledItems, run: _Run, hooks: _Hooks) -> WorkerPool:
+def _start_pool(job: JobSettings, plan: SpilledItems, run: _Run, hooks: _Hooks) -> WorkerPool:
     """Connect to Ray and size the pool: GPU or CPU workers, how many, and the memory each asks for (at the job's
     largest image and max_batch)."""
-    c = spec.cluster
-    connect(c.address)
-    pool_plan = plan_pool(
-        PoolShape(
-            c.num_workers, c.cpu_workers, c.num_cpus_per_worker, min_workers=c.min_workers, max_workers=c.max_workers
-        ),
-        spec.model.device,
-        on_cluster=on_a_cluster(c.address),
-        gpus_now=gpus_in_cluster(),
-    )
+    pool = job.pool
+    connect(pool.address)
+    on_cluster = on_a_cluster(pool.address)
+    pool_plan = plan_pool(pool.shape, pool.device, on_cluster=on_cluster, gpus_now=gpus_in_cluster())
     log.info(
         "worker pool: %d to %d %s worker(s)",
         pool_plan.min_workers,
@@ -431,31 +374,23 @@ def _start_pool(spec: JobSpec, plan: SpilledItems, run: _Run, hooks: _Hooks) -> 
         "GPU" if pool_plan.use_gpu else "CPU",
     )
     memory_bytes, memory_estimate = worker_memory(
-        spec.model,
-        override=c.memory_per_worker,
+        job.model,
+        override=pool.memory_per_worker,
         width=plan.largest.width,
         height=plan.largest.height,
-        batch=c.max_batch,
+        batch=pool.max_batch,
         use_gpu=pool_plan.use_gpu,
     )
     pool_plan = dataclasses.replace(pool_plan, memory_bytes=memory_bytes)
     run.memory_request.update(bytes=memory_bytes, estimate=memory_estimate)
-    check_memory_fits(pool_plan, on_cluster=on_a_cluster(c.address))
+    check_memory_fits(pool_plan, on_cluster=on_cluster)
     config = worker_config(
-        spec, warmup=hooks.warmup, memory_budget_bytes=None if pool_plan.use_gpu else memory_bytes, plan=plan
+        job, warmup=hooks.warmup, memory_budget_bytes=None if pool_plan.use_gpu else memory_bytes, plan=plan
     )
     return WorkerPool(config, pool_plan, hooks.renderer_factory)
 
 
-def _earlier_jobs(output: JobOutput) -> list[JobPart]:
-    """The jobs' parts an earlier summary.json recorded (none when it cannot be read)."""
-    try:
-        return JobPart.from_earlier_summary(output.earlier_summary) if output.earlier_summary else []
-    except (ValueError, TypeError, KeyError):  # told once, by _earlier_runs
-        return []
-
-
-def _summarise(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run) -> JobSummary:
+def _summarise(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Run) -> JobSummary:
     """Phase 5: this run's figures, and the job's over every run on this output."""
     stats = run.stats or SchedulerStats()
     now = time.time()
@@ -474,16 +409,17 @@ def _summarise(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run) 
         render_seconds=round(run.render_seconds, 3),
         manifest_sha256=plan.manifest_sha256,
     )
-    runs = [*_earlier_runs(output), this_run]
-    quota = run.judge is not None and spec.judge.kept_per_reference is not None
-    skips = _quota_skips(spec, plan, output) if quota and not run.interrupted else None
+    earlier = EarlierSummary.of(output.earlier_summary, where=output.storage.uri_for("summary.json"))
+    runs = [*earlier.runs, this_run]
+    quota = run.judge is not None and job.judge.kept_per_reference is not None
+    skips = _quota_skips(job.judge, plan, output) if quota and not run.interrupted else None
     # A judged job's rows are renders (an item may have several): its items in the output are those whose first
     # render is (a re-render is made only once the render before it is committed).
     rendered = run.judge.figures.items_first_rendered if run.judge is not None else stats.done_items
     job_images = plan.committed + rendered
     this_job = JobPart(
         job=output.settings.fingerprint,
-        manifest=spec.manifest,
+        manifest=plan.manifest,
         manifest_rows=plan.rows,
         invalid_rows=plan.invalid_rows,
         items=plan.items,
@@ -491,6 +427,8 @@ def _summarise(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run) 
         failed_items=stats.failed_items,
         finished_at=now,
     )
+    throughput = job_throughput(runs)  # the output's, over its runs that had work
+    jobs = job_parts(earlier.jobs, this_job)
     invalid = [
         NotRendered(kind="invalid row", manifest_row=e.manifest_row, item_id=e.item_id, reason=_reason(e))
         for e in _first_per_row(plan.errors_head, NOT_RENDERED_KEPT)
@@ -498,8 +436,8 @@ def _summarise(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run) 
     references = plan.references_to_render
     measured = stats.measured_transfer_bytes_per_s
     return JobSummary(
-        manifest=spec.manifest,
-        output=spec.output.uri,
+        manifest=plan.manifest,
+        output=job.output.uri,
         config_hash=output.settings.fingerprint,
         manifest_rows=plan.rows,
         invalid_rows=plan.invalid_rows,  # a row with two errors is one invalid row
@@ -515,14 +453,14 @@ def _summarise(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run) 
         skipped_not_rendered=skips.not_rendered if skips is not None else 0,
         not_rendered=[*invalid, *run.failures],
         attempts=AttemptFigures(
-            max_attempts=spec.cluster.max_attempts,
+            max_attempts=job.max_attempts,
             charged=stats.attempts_charged,
             retried_items=stats.retried_items,
             failed_items=stats.failed_items,
         ),
         requeues={**stats.requeues, "budget": stats.requeue_budget},
         interrupted=run.interrupted,
-        **job_throughput(runs),
+        **throughput,
         references=references,
         reference_encodes=stats.reference_encodes,
         encodes_per_reference=round(stats.reference_encodes / references, 3) if references else 0.0,
@@ -540,7 +478,7 @@ def _summarise(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run) 
             cross_node_fetches=stats.cross_node_fetches,
             cross_node_reencodes=stats.local_encodes,
             transfer_gbps=TransferRate(
-                configured=spec.cluster.transfer_gbps, measured=round(8 * measured / 1e9, 3) if measured else None
+                configured=job.transfer_gbps, measured=round(8 * measured / 1e9, 3) if measured else None
             ),
         ),
         scheduler=asdict(run.stats) if run.stats else None,
@@ -548,12 +486,12 @@ def _summarise(spec: JobSpec, plan: SpilledItems, output: JobOutput, run: _Run) 
         if run.judge is not None
         else None,
         finished_at=now,
-        jobs=job_parts(_earlier_jobs(output), this_job),
+        jobs=jobs,
         runs=runs,
     )
 
 
-def _quota_skips(spec: JobSpec, plan: SpilledItems, output: JobOutput) -> QuotaSkips | None:
+def _quota_skips(section: JudgeSection, plan: SpilledItems, output: JobOutput) -> QuotaSkips | None:
     """A judged job's items skipped by the quota, from its plan and the committed rows (this run's flushed first),
     written to skipped.parquet (jobs/quota_skips.py). None when they cannot be read (the run is failing, or lost the
     output): the summary then counts what this run's schedule skipped."""
@@ -563,8 +501,8 @@ def _quota_skips(spec: JobSpec, plan: SpilledItems, output: JobOutput) -> QuotaS
         skips = find_quota_skips(
             output.storage,
             lambda: plan_item_tables(run.path for run in plan.runs),
-            kept_per_reference=spec.judge.kept_per_reference,
-            max_renders_per_item=spec.judge.max_renders_per_item,
+            kept_per_reference=section.kept_per_reference,
+            max_renders_per_item=section.max_renders_per_item,
         )
         write_skipped(output.storage, skips)
     except (StorageError, LeaseLostError, OSError) as e:
@@ -588,11 +526,11 @@ def _first_per_row(errors: list, n: int) -> list:
     return list(seen.values())
 
 
-def _write_gallery(spec: JobSpec) -> None:
+def _write_gallery(place: OutputPlace) -> None:
     from snapref_ray.report import write_report
 
     try:
-        write_report(spec.output.uri, spec.s3_options())
+        write_report(place.uri, place.s3)
     except Exception as e:  # a report must never fail a finished job
         log.warning("could not write the gallery: %s", e)
 

@@ -53,6 +53,21 @@ def summary_line(summary: JobSummary) -> str:
     )
 
 
+def memory_line(summary: JobSummary) -> str | None:
+    """One line on memory: what each worker asked Ray for, and per image size the batch its workers measured fits
+    (the smallest over the workers; each worker's figures are in summary.json and job.log)."""
+    request = (summary.memory_per_worker or {}).get("bytes")
+    fits: dict[tuple[int, int], int] = {}
+    for fit in summary.memory_fit or []:
+        size = (fit["width"], fit["height"])
+        fits[size] = min(fits.get(size, fit["batch"]), fit["batch"])
+    if not request and not fits:
+        return None
+    parts = [f"each worker asked Ray for {request / 2**30:.2f} GiB"] if request else []
+    parts += [f"at {w}x{h} {n} image(s) fit in one batch" for (w, h), n in sorted(fits.items())]
+    return "memory: " + "; ".join(parts)
+
+
 def not_rendered_lines(summary: JobSummary, *, errors_at: str, allow_invalid: bool = False) -> list[str]:
     """The rows the job left out, the first few with their reason, and one last line: how many, where every one
     is (`errors_at`: the output's errors/ and errors.html), what to do, and the exit status. Empty when nothing

@@ -10,9 +10,13 @@ and every run names the job it rendered.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, Field
+
+log = logging.getLogger(__name__)
 
 
 class RunFigures(BaseModel):
@@ -254,6 +258,31 @@ class JobSummary(BaseModel):
     def to_json(self) -> dict[str, Any]:
         """summary.json's content."""
         return self.model_dump(mode="json")
+
+
+@dataclass(frozen=True)
+class EarlierSummary:
+    """What a run carries on from the summary.json an earlier run wrote: its runs and its jobs' parts, read once."""
+
+    runs: list[RunFigures]
+    jobs: list[JobPart]
+
+    @classmethod
+    def of(cls, summary: dict | None, *, where: str) -> EarlierSummary:
+        """`summary` (None: there was none) read; a part that cannot be read is left out, and told once, naming
+        `where` the file is (a driver killed while writing it: the figures start again from this run)."""
+        if not summary:
+            return cls([], [])
+        try:
+            runs = RunFigures.from_earlier_summary(summary)
+        except (ValueError, TypeError, KeyError) as e:  # pydantic's ValidationError is a ValueError
+            log.warning("%s cannot be read (%s); its earlier runs are not counted", where, e)
+            runs = []
+        try:
+            jobs = JobPart.from_earlier_summary(summary)
+        except (ValueError, TypeError, KeyError):  # told once, above
+            jobs = []
+        return cls(runs, jobs)
 
 
 def job_parts(earlier: list[JobPart], this_job: JobPart) -> list[JobPart]:

@@ -23,7 +23,7 @@ from snapref_ray.job_spec import JobSpec
 from snapref_ray.render_service.references import ReferenceImageError, ReferenceInput, layout_refusal, reference_hash
 from snapref_ray.render_service.rows import RowInputError, RowRules, parse_row
 from snapref_ray.render_service.work_items import WorkItem, item_id_for_json, settings_json
-from snapref_ray.requests import RenderSettings
+from snapref_ray.requests import RenderSettings, RowDefaults
 from snapref_ray.storage.backends import S3Options, read_uri
 from snapref_ray.storage.id_claims import ClaimedIds
 from snapref_ray.storage.manifest import ROW_KEY, read_manifest
@@ -80,6 +80,28 @@ class JobValidationError(ValueError):
         )
 
 
+@dataclass(frozen=True)
+class ManifestSettings:
+    """What validating a job's manifest needs of its spec: the planner's narrow view (jobs/job_settings.py)."""
+
+    manifest: str  # local path or s3:// URI; relative reference paths resolve against its folder
+    defaults: RowDefaults  # what a row leaves out
+    allow_empty_prompt: bool = False
+    strict: bool = False  # any invalid row refuses the whole job (after every row is read, so all are named)
+    s3: S3Options | None = None  # for the manifest and the references
+
+    @classmethod
+    def of(cls, spec: JobSpec, *, s3: S3Options | None = None) -> ManifestSettings:
+        """The spec's manifest settings; `s3`: the spec's S3 settings where the caller has them already."""
+        return cls(
+            manifest=spec.manifest,
+            defaults=spec.defaults,
+            allow_empty_prompt=spec.allow_empty_prompt,
+            strict=spec.strict,
+            s3=s3 if s3 is not None else spec.s3_options(),
+        )
+
+
 def load_work_items(spec: JobSpec, s3: S3Options | None = None, *, adapter_kind: str | None = None) -> ValidatedJob:
     """Read the spec's manifest and validate it: `build_work_items(spec, read_manifest(...))`.
 
@@ -106,7 +128,8 @@ def build_work_items(
     the row's error). Items come back grouped by reference (in order of first use), in manifest order
     within a group. With `spec.strict`, any error raises `JobValidationError` listing them all.
     """
-    validator = ManifestValidator(spec, s3=s3, read_reference=read_reference, adapter_kind=adapter_kind)
+    settings = ManifestSettings.of(spec, s3=s3)
+    validator = ManifestValidator(settings, read_reference=read_reference, adapter_kind=adapter_kind)
     chunk = validator.validate(list(rows))
     job = ValidatedJob(items=chunk.items, errors=chunk.errors, rows=chunk.rows)
     for uri, outcome in validator.checked.items():
@@ -142,17 +165,15 @@ class ManifestValidator:
 
     def __init__(
         self,
-        spec: JobSpec,
+        settings: ManifestSettings,
         *,
-        s3: S3Options | None = None,
         read_reference: Callable[[str], bytes] | None = None,
         adapter_kind: str | None = None,
     ) -> None:
         if read_reference is None:
-            options = s3 if s3 is not None else spec.s3_options()
-            read_reference = lambda uri: read_uri(uri, options)  # noqa: E731
-        self.spec, self.adapter_kind, self._read = spec, adapter_kind, read_reference
-        self._rules = RowRules(base=base_of(spec.manifest), allow_empty_prompt=spec.allow_empty_prompt)
+            read_reference = lambda uri: read_uri(uri, settings.s3)  # noqa: E731
+        self.defaults, self.adapter_kind, self._read = settings.defaults, adapter_kind, read_reference
+        self._rules = RowRules(base=base_of(settings.manifest), allow_empty_prompt=settings.allow_empty_prompt)
         self.checked: dict[str, _Image | str] = {}  # uri -> its image's figures, or why it cannot be used
         self.claimed = ClaimedIds()
         self.rows_seen = 0
@@ -187,7 +208,7 @@ class ManifestValidator:
             number = row.get(ROW_KEY, self.rows_seen)
             try:
                 parsed_row = parse_row(
-                    {k: v for k, v in row.items() if k != ROW_KEY}, self.spec.defaults, self._rules, number
+                    {k: v for k, v in row.items() if k != ROW_KEY}, self.defaults, self._rules, number
                 )
                 settings, settings_text = self._resolve(parsed_row.settings)
             except RowInputError as exc:

@@ -1,10 +1,10 @@
 """What a job would do, found without doing it: `snapref-ray render --dry-run`, and the reason a job that can
 render nothing gives before it starts Ray.
 
-The same steps as the start of `run_job` (snapref_ray/jobs/generate_dataset.py), each read-only: the adapter kind,
-the manifest validated row by row (references read and hashed), whether the output is new, this job's
-(a resume) or another job's (which needs `--append`), and which items are already committed there. Nothing
-is written: a local output folder that does not exist is not created.
+The same steps as the start of `run_job` (snapref_ray/jobs/generate_dataset.py), each read-only: the adapter kind and
+the manifest validated row by row (references read and hashed: `validate_manifest`, the run's own first phase), whether
+the output is new, this job's (a resume) or another job's (which needs `--append`), and which items are already
+committed there. Nothing is written: a local output folder that does not exist is not created.
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from snapref_ray.job_spec import JobSpec, JobSpecError, spec_fingerprint
-from snapref_ray.jobs.manifest_check import RowError
+from snapref_ray.job_spec import JobSpec, JobSpecError
+from snapref_ray.jobs.job_settings import OutputPlace
+from snapref_ray.jobs.manifest_check import ManifestSettings, RowError
 from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
+from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.loading import adapter_kind
 from snapref_ray.storage.backends import open_storage
-from snapref_ray.storage.ledger import committed_item_ids, job_fingerprint, read_job
+from snapref_ray.storage.item_contents import read_committed_state
 
 
 class NothingToRender(ValueError):
@@ -66,25 +68,28 @@ _OWNER_TEXT = {
 }
 
 
-def job_adapter_kind(spec: JobSpec) -> str:
-    """The kind of the job's reference adapter; a job without one is refused (every item reads a reference)."""
-    kind = adapter_kind(spec.model, s3=spec.s3_options())
+def validate_manifest(manifest: ManifestSettings, model: ModelSpec, *, progress: bool = False) -> SpilledItems:
+    """Every row of the manifest validated for the kind of the job's reference adapter, the valid items spilled to
+    local disk (jobs/spilled_items.py): a run's first phase, and what a dry run counts. A job without a reference
+    adapter is refused (every item reads a reference)."""
+    kind = adapter_kind(model, s3=manifest.s3)
     if kind is None:
         raise JobSpecError(
             "no reference adapter: set model.adapter in the job spec (--adapter), or put adapter.safetensors in"
-            f" the models folder ({spec.model.models_dir})"
+            f" the models folder ({model.models_dir})"
         )
-    return kind
+    return SpilledItems.build(manifest, adapter_kind=kind, progress=progress)
 
 
 def preview_run(spec: JobSpec) -> RunPreview:
     """Validate `spec` and read its output's ledger, writing nothing."""
-    s3 = spec.s3_options()
-    with SpilledItems.build(spec, s3=s3, adapter_kind=job_adapter_kind(spec)) as plan:
-        owner, committed = _output_state(spec, s3, plan)
+    manifest = ManifestSettings.of(spec)
+    output = OutputPlace.of(spec, s3=manifest.s3)
+    with validate_manifest(manifest, spec.model) as plan:
+        owner, committed = _output_state(output, plan)
         return RunPreview(
-            manifest=spec.manifest,
-            output=spec.output.uri,
+            manifest=manifest.manifest,
+            output=output.uri,
             rows=plan.rows,
             items=plan.items,
             errors=list(plan.errors_head),
@@ -94,28 +99,16 @@ def preview_run(spec: JobSpec) -> RunPreview:
         )
 
 
-def _output_state(spec: JobSpec, s3, plan: SpilledItems) -> tuple[str, int]:
+def _output_state(output: OutputPlace, plan: SpilledItems) -> tuple[str, int]:
     """Who owns the output, and how many of the plan's items it holds already (marked in the plan)."""
-    owner = "new"
-    if _output_exists(spec.output.uri):
-        storage = open_storage(spec.output.uri, s3)
-        fingerprint = job_fingerprint(spec_fingerprint(spec))
-        job = read_job(storage)
-        ids = committed_item_ids(storage)
-        if job is not None or ids:
-            fingerprints = {(job or {}).get("fingerprint")} | {
-                a.get("fingerprint") for a in (job or {}).get("appended", [])
-            }
-            if fingerprint in fingerprints:
-                owner = "this job"
-            else:
-                owner = "appended" if spec.output.append else "another job"
-        if owner in ("this job", "appended"):  # what the run would refuse, refused here the same way
-            plan_against_output(
-                plan, storage, ids, fingerprint=fingerprint, rerender_changed=spec.output.rerender_changed
-            )
-            return owner, plan.committed
-        plan.skip_committed(ids)
+    if not _output_exists(output.uri):
+        return "new", plan.committed
+    committed = read_committed_state(open_storage(output.uri, output.s3), output.fingerprint)
+    owner = committed.owner(output.fingerprint, append=output.settings.append)
+    if owner in ("this job", "appended"):  # what the run would refuse, refused here the same way
+        plan_against_output(plan, committed, rerender_changed=output.rerender_changed)
+    else:
+        plan.skip_committed(committed.ids)
     return owner, plan.committed
 
 

@@ -37,18 +37,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from snapref_ray.job_spec import JobSpec
-from snapref_ray.jobs.manifest_check import JobValidationError, ManifestValidator, RowError
+from snapref_ray.jobs.manifest_check import JobValidationError, ManifestSettings, ManifestValidator, RowError
 from snapref_ray.render_service.references import ReferenceInput
 from snapref_ray.render_service.work_items import WorkItem, rerender_of
 from snapref_ray.requests import RenderSettings
-from snapref_ray.storage.backends import S3Options, Storage
 from snapref_ray.storage.item_contents import (
     CommittedContents,
+    CommittedState,
     ContentCheck,
     ItemContentError,
     compare_run,
-    read_committed_contents,
     refusal,
 )
 from snapref_ray.storage.ledger import CommittedIds
@@ -129,25 +127,23 @@ class SpilledItems:
     @classmethod
     def build(
         cls,
-        spec: JobSpec,
+        settings: ManifestSettings,
         *,
-        s3: S3Options | None = None,
         adapter_kind: str | None = None,
         chunk_rows: int = CHUNK_ROWS,
         progress: bool = False,
         folder: str | Path | None = None,
     ) -> SpilledItems:
-        """Validate the spec's manifest chunk by chunk and spill its items; raises `JobValidationError` in a strict
-        job with any invalid row (after reading them all, so that every one is named). `folder`: where the runs go
-        (default: a new temporary folder, removed by `close`)."""
-        s3 = s3 if s3 is not None else spec.s3_options()
+        """Validate the manifest chunk by chunk and spill its items; raises `JobValidationError` in a strict job with
+        any invalid row (after reading them all, so that every one is named). `folder`: where the runs go (default:
+        a new temporary folder, removed by `close`)."""
         where = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="snapref-plan-"))
         where.mkdir(parents=True, exist_ok=True)
-        plan = cls(where, ManifestValidator(spec, s3=s3, adapter_kind=adapter_kind), spec.manifest)
+        plan = cls(where, ManifestValidator(settings, adapter_kind=adapter_kind), settings.manifest)
         bar = _validation_bar() if progress else None
         digest = hashlib.sha256()  # of the bytes as they are read: what this run's manifest held
         try:
-            for rows in iter_manifest_chunks(spec.manifest, s3, chunk_rows=chunk_rows, digest=digest):
+            for rows in iter_manifest_chunks(settings.manifest, settings.s3, chunk_rows=chunk_rows, digest=digest):
                 plan._add_chunk(rows)
                 if bar is not None:
                     bar.set_postfix(invalid=plan.invalid_rows, refresh=False)  # shown by the update's refresh
@@ -165,9 +161,9 @@ class SpilledItems:
                 plan._errors_writer = None
         plan.manifest_sha256 = digest.hexdigest()
         plan.validator.done()  # the claimed ids and reference checks are not needed any more (160 MB at 10 M)
-        if spec.strict and plan.error_count:
+        if settings.strict and plan.error_count:
             plan.close()
-            raise JobValidationError(spec.manifest, plan.errors_head, count=plan.error_count)
+            raise JobValidationError(settings.manifest, plan.errors_head, count=plan.error_count)
         return plan
 
     def _add_chunk(self, rows: list[dict]) -> None:
@@ -419,45 +415,41 @@ def _item_render(item: WorkItem, render_index: int) -> WorkItem:
 
 
 def plan_against_output(
-    plan: SpilledItems,
-    storage: Storage,
-    committed: CommittedIds,
-    *,
-    fingerprint: str,
-    rerender_changed: bool = False,
+    plan: SpilledItems, committed: CommittedState, *, rerender_changed: bool = False
 ) -> ContentCheck:
-    """What is left to render of `plan` on an output that holds `committed` (read under the lease), the job being
-    `fingerprint`: explicit ids the output holds with other content, or that another job committed, are refused with
-    one line naming the manifest rows (`ItemContentError`), unless `rerender_changed` asks to render the changed ones
-    again; then the committed items are skipped, and the committed items the manifest no longer produces counted
-    (`plan.committed_not_in_manifest`: None where the output holds other jobs' items and its rows do not say
-    whose). Memory: the committed explicit ids with their content ids, as fixed-width bytes."""
-    contents = read_committed_contents(storage, fingerprint)
+    """What is left to render of `plan` on an output that holds `committed` (read under the lease, for this job's
+    fingerprint: storage/item_contents.py `read_committed_state`): explicit ids the output holds with other content,
+    or that another job committed, are refused with one line naming the manifest rows (`ItemContentError`), unless
+    `rerender_changed` asks to render the changed ones again; then the committed items are skipped, and the
+    committed items the manifest no longer produces counted (`plan.committed_not_in_manifest`: None where the output
+    holds other jobs' items and its rows do not say whose). Memory: the committed explicit ids with their content
+    ids, as fixed-width bytes."""
+    contents, ids = committed.contents, committed.ids
     check = plan.compare_contents(contents)
-    line = refusal(check, contents, manifest=plan.manifest, output=storage.uri, rerender=rerender_changed)
+    line = refusal(check, contents, manifest=plan.manifest, output=committed.uri, rerender=rerender_changed)
     if line is not None:
         raise ItemContentError(line)
-    plan.skip_committed(committed, rerender=check.changed_ids if check.changed.items else None)
+    plan.skip_committed(ids, rerender=check.changed_ids if check.changed.items else None)
     if plan.rerendered:
         log.warning(
             "rendering again %d item(s) of %d manifest row(s) whose explicit ids %s holds with other content "
             "(rerender_changed)",
             plan.rerendered,
             len(check.changed.rows),
-            storage.uri,
+            committed.uri,
         )
     # A judged job's re-renders (`<item_id>-r<k>`) are committed ids no manifest row produces: not counted.
     if contents.rows_name_their_job:
-        own = len(committed) - len(contents.foreign) - len(contents.rerenders)
+        own = len(ids) - len(contents.foreign) - len(contents.rerenders)
         plan.committed_not_in_manifest = max(0, own - (plan.committed_found - check.foreign.items))
     elif not contents.other_jobs:
-        plan.committed_not_in_manifest = max(0, len(committed) - len(contents.rerenders) - plan.committed_found)
+        plan.committed_not_in_manifest = max(0, len(ids) - len(contents.rerenders) - plan.committed_found)
     if plan.committed_not_in_manifest:
         log.warning(
             "%d committed item(s) of %s are no longer produced by manifest %s (rows removed, or their ids or "
             "content changed); they stay in the output",
             plan.committed_not_in_manifest,
-            storage.uri,
+            committed.uri,
             plan.manifest,
         )
     return check

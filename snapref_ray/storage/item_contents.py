@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .backends import Storage
-from .ledger import CommittedIds, _pack, read_job
+from .ledger import CommittedIds, _fingerprints, _pack, committed_item_ids, read_job
 from .metadata import iter_part_columns
 
 JOB_COLUMN = "job"  # a row's job fingerprint, where rows record it (read when present, never required)
@@ -54,9 +54,54 @@ class CommittedContents:
     rerenders: CommittedIds = field(default_factory=lambda: CommittedIds(np.array([], dtype="S1")))
 
 
+@dataclass
+class CommittedState:
+    """What an output holds, as a job about to render on it needs it: its claim (``job.json``), the committed ids
+    and the content of the explicit ones. One value, read in one call (`read_committed_state`), so that the jobs
+    side decides on it without going back to the store."""
+
+    uri: str  # the output's, as the store names it (messages)
+    claimed: bool  # job.json is there
+    jobs: frozenset[str]  # the fingerprints job.json records: the claiming job's and the appended ones'
+    ids: CommittedIds  # every committed item id (storage/ledger.py `committed_item_ids`)
+    contents: CommittedContents
+
+    def owner(self, fingerprint: str, *, append: bool) -> str:
+        """Whose output this is for the job `fingerprint`: "new" (nothing there), "this job" (a run resumes it),
+        "appended" (another job's, and `append` adds to it) or "another job" (refused without `append`)."""
+        if not self.claimed and not len(self.ids):
+            return "new"
+        if fingerprint in self.jobs:
+            return "this job"
+        return "appended" if append else "another job"
+
+
+def read_committed_state(storage: Storage, fingerprint: str) -> CommittedState:
+    """The output's claim, committed ids and committed contents for the job `fingerprint` (see CommittedState)."""
+    job = read_job(storage)
+    jobs = _recorded_jobs(job)
+    return CommittedState(
+        uri=storage.uri,
+        claimed=job is not None,
+        jobs=jobs,
+        ids=committed_item_ids(storage),
+        contents=_read_contents(storage, fingerprint, jobs),
+    )
+
+
 def read_committed_contents(storage: Storage, fingerprint: str) -> CommittedContents:
     """What the output's metadata parts say of the content of committed explicit ids, reading only the item_id,
     content_id and (if any part has one) job columns, a few parts at a time."""
+    return _read_contents(storage, fingerprint, _recorded_jobs(read_job(storage)))
+
+
+def _recorded_jobs(job: dict | None) -> frozenset[str]:
+    """The fingerprints a job.json records (none without one)."""
+    return frozenset(_fingerprints(job or {}) - {None})
+
+
+def _read_contents(storage: Storage, fingerprint: str, jobs: frozenset[str]) -> CommittedContents:
+    """`read_committed_contents`, with the fingerprints the output's job.json records (`jobs`) read already."""
     ids: list[np.ndarray] = []
     contents: list[np.ndarray] = []
     foreign: list[pa.Array] = []
@@ -82,15 +127,13 @@ def read_committed_contents(storage: Storage, fingerprint: str) -> CommittedCont
         if job.null_count < len(job):
             named = True
             foreign.append(item_id.filter(pc.fill_null(pc.not_equal(job, fingerprint), False)))
-    record = read_job(storage) or {}
-    jobs = {record.get("fingerprint")} | {a.get("fingerprint") for a in record.get("appended", [])}
     explicit_ids, latest = _latest_content(ids, contents)
     return CommittedContents(
         explicit=explicit_ids,
         contents=latest,
         foreign=CommittedIds.from_arrow_parts(foreign),
         rows_name_their_job=named,
-        other_jobs=bool(jobs - {None, fingerprint}),
+        other_jobs=bool(jobs - {fingerprint}),
         rerenders=CommittedIds.from_arrow_parts(rerenders),
     )
 

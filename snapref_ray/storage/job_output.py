@@ -8,8 +8,9 @@ output's lease commits — metadata rows, shards, errors, the summary — and ev
 1. the store is probed for conditional creates (storage/lease.py `check_conditional_create`), and the lease taken:
    from here on this driver alone writes what readers read;
 2. what earlier drivers left half done is settled: staged shards decided "committed" are moved into place, those
-   nobody decided are voided (storage/shards.py `settle_staged_shards`); the committed item ids are read (what
-   this run skips), and the caller's `admit` checks the job against them (explicit ids with other content);
+   nobody decided are voided (storage/shards.py `settle_staged_shards`); what the output holds is read as one
+   value (its claim, the committed item ids this run skips, their contents: storage/item_contents.py
+   `CommittedState`), and the caller's `admit` checks the job against it (explicit ids with other content);
 3. the claim (``job.json``: the same job resumes, `append` adds another job's images; under the lease, so two
    appending drivers cannot lose each other's fingerprint, and after `admit`, so a refused job claims nothing);
 4. the parts are compacted (best effort).
@@ -29,8 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backends import Storage, bounded_by
+from .item_contents import CommittedState, read_committed_state
 from .lease import DEFAULT_LEASE_SECONDS, LeaseLostError, OutputLease
-from .ledger import CommittedIds, claim_output, committed_item_ids
+from .ledger import CommittedIds, claim_output
 from .metadata import (
     ErrorWriter,
     MetadataWriter,
@@ -79,21 +81,23 @@ class JobOutput:
 
     @classmethod
     def open(
-        cls, storage: Storage, settings: OutputSettings, *, admit: Callable[[JobOutput], None] | None = None
+        cls, storage: Storage, settings: OutputSettings, *, admit: Callable[[CommittedState], None] | None = None
     ) -> JobOutput:
         """Take the output (steps 1-4 of the module docstring); raises LeaseHeldError, OutputConflictError,
-        ConditionalCreateIgnored in one line. `admit(output)` is called once the committed ids are read and before
-        the claim writes: a job it refuses (it raises) leaves the output as it found it, but for what earlier runs
-        left half done."""
+        ConditionalCreateIgnored in one line. `admit(committed)` is called with what the output holds (its claim,
+        committed ids and their contents: storage/item_contents.py `CommittedState`) once it is read and before the
+        claim writes: a job it refuses (it raises) leaves the output as it found it, but for what earlier runs left
+        half done."""
         lease = OutputLease.acquire(
             storage, duration_s=settings.lease_seconds, wait_s=settings.lease_wait_seconds, probe=True
         )
         try:
             output = cls(storage, settings, lease)
             output._settle()
-            output.done_before = committed_item_ids(storage)
+            committed = read_committed_state(storage, settings.fingerprint)
+            output.done_before = committed.ids  # the contents are the check's alone: not held through the run
             if admit is not None:
-                admit(output)
+                admit(committed)
             claim_output(storage, settings.fingerprint, settings.spec, append=settings.append)
             output._compact("before rendering")
             output.earlier_summary = output._read_earlier_summary()

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from snapref_ray.jobs.manifest_check import build_work_items
+from snapref_ray.jobs.manifest_check import ManifestSettings, build_work_items
 from snapref_ray.jobs.spilled_items import SpilledItems
 from snapref_ray.storage.id_claims import ClaimedIds
 from snapref_ray.storage.ledger import CommittedIds
@@ -70,7 +70,9 @@ def test_a_manifest_in_chunks_gives_the_whole_manifests_items_ids_and_errors(ref
     spec = spec_for(manifest, defaults={"width": 256, "height": 256, "steps": 4})
     whole = build_work_items(spec, read_manifest(str(manifest)), adapter_kind="snapref")
 
-    with SpilledItems.build(spec, adapter_kind="snapref", chunk_rows=chunk_rows, folder=refs / "plan") as plan:
+    with SpilledItems.build(
+        ManifestSettings.of(spec), adapter_kind="snapref", chunk_rows=chunk_rows, folder=refs / "plan"
+    ) as plan:
         plan.skip_committed(CommittedIds.from_strings([]))
         groups = list(plan.reference_groups())
         errors = list(plan.all_errors())
@@ -106,7 +108,7 @@ def test_committed_items_are_skipped_and_the_figures_count_what_is_left(refs):
     spec = spec_for(manifest, defaults={"width": 256, "height": 256, "steps": 4})
     whole = build_work_items(spec, read_manifest(str(manifest)), adapter_kind="snapref")
     done = set(rng.sample([i.item_id for i in whole.items], 200))
-    with SpilledItems.build(spec, adapter_kind="snapref", chunk_rows=64) as plan:
+    with SpilledItems.build(ManifestSettings.of(spec), adapter_kind="snapref", chunk_rows=64) as plan:
         plan.skip_committed(CommittedIds.from_strings(done))
         left = [item for group in plan.reference_groups() for item in group]
         assert left == [i for i in whole.items if i.item_id not in done]
@@ -128,7 +130,7 @@ def test_workers_warm_the_forward_sizes_the_plan_will_send(refs):
         ]
         random.Random(0).shuffle(rows)  # the manifest's order does not matter
         manifest = write_manifest(refs / "sizes.csv", rows)
-        with SpilledItems.build(spec_for(manifest), adapter_kind="snapref", chunk_rows=5) as plan:
+        with SpilledItems.build(ManifestSettings.of(spec_for(manifest)), adapter_kind="snapref", chunk_rows=5) as plan:
             plan.skip_committed(CommittedIds.from_strings([]))
             return plan.planned_batch_sizes(max_batch)
 
@@ -159,6 +161,7 @@ def test_claimed_ids_find_every_duplicate_and_its_first_row_as_a_dict_does():
 _PLAN_IN_A_FRESH_PROCESS = """
 import json, resource, sys
 from snapref_ray.job_spec import JobSpec
+from snapref_ray.jobs.manifest_check import ManifestSettings
 from snapref_ray.jobs.spilled_items import SpilledItems
 from snapref_ray.storage.id_claims import ClaimedIds
 from snapref_ray.render_service.memory import peak_resident_bytes
@@ -167,7 +170,7 @@ from snapref_ray.storage.ledger import CommittedIds
 spec = JobSpec.model_validate(json.loads(sys.argv[1]))
 with open("/proc/self/statm") as f:
     before = int(f.read().split()[1]) * resource.getpagesize()  # resident now: imports, no rows yet
-with SpilledItems.build(spec, adapter_kind="snapref") as plan:
+with SpilledItems.build(ManifestSettings.of(spec), adapter_kind="snapref") as plan:
     plan.skip_committed(CommittedIds.from_strings([]))
     read = sum(len(group) for group in plan.reference_groups())
 peak = peak_resident_bytes()  # VmHWM: ru_maxrss would carry pytest's RSS at the fork
@@ -220,7 +223,9 @@ def test_validation_shows_rows_read_and_invalid_rows_as_it_goes(refs, capsys):
     rows[3]["steps"] = 0
     rows[31]["reference"] = "refs/missing.png"
     manifest = write_manifest(refs / "m.csv", rows)
-    with SpilledItems.build(spec_for(manifest), adapter_kind="snapref", chunk_rows=10, progress=True) as plan:
+    with SpilledItems.build(
+        ManifestSettings.of(spec_for(manifest)), adapter_kind="snapref", chunk_rows=10, progress=True
+    ) as plan:
         assert plan.invalid_rows == 2
     bar = capsys.readouterr().err
     assert "validating" in bar and "40row" in bar.replace(" ", "") and "invalid=2" in bar

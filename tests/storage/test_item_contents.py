@@ -13,13 +13,14 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pytest
 
+from snapref_ray.jobs.manifest_check import ManifestSettings
 from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
 from snapref_ray.render_service.records import metadata_row
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.report.rows import JobRows
 from snapref_ray.storage.backends import LocalStorage, open_storage
-from snapref_ray.storage.item_contents import JOB_COLUMN, ItemContentError
-from snapref_ray.storage.ledger import CommittedIds, claim_output, committed_item_ids
+from snapref_ray.storage.item_contents import JOB_COLUMN, ItemContentError, read_committed_state
+from snapref_ray.storage.ledger import CommittedIds, claim_output
 from snapref_ray.storage.metadata import (
     METADATA_SCHEMA,
     MetadataWriter,
@@ -48,9 +49,8 @@ def job(tmp_path) -> Path:
 
 def plan_of(folder: Path, rows: list[dict], name: str = "manifest.csv") -> SpilledItems:
     manifest = write_manifest(folder / name, rows)
-    return SpilledItems.build(
-        spec_for(manifest, defaults={"width": 256, "height": 256, "steps": 4}), adapter_kind="snapref"
-    )
+    spec = spec_for(manifest, defaults={"width": 256, "height": 256, "steps": 4})
+    return SpilledItems.build(ManifestSettings.of(spec), adapter_kind="snapref")
 
 
 def items_to_render(plan: SpilledItems) -> list[WorkItem]:
@@ -90,7 +90,7 @@ def render_all(
     """What a run of the job does to the output, without Ray: claim, plan against it, commit every item left."""
     claim_output(storage, fingerprint, {"job": fingerprint}, append=append)
     with plan_of(folder, rows) as plan:
-        plan_against_output(plan, storage, committed_item_ids(storage), fingerprint=fingerprint, **kw)
+        plan_against_output(plan, read_committed_state(storage, fingerprint), **kw)
         commit(storage, items_to_render(plan))
         return plan
 
@@ -117,14 +117,14 @@ def test_a_resume_refuses_an_edited_explicit_id_row_naming_it(job):
     edited[1]["prompt"] = "1girl, library, rain"  # row 2, id b
     edited[2]["seed"] = 30  # row 3, id c: both of its images change
     with plan_of(job, edited) as plan, pytest.raises(ItemContentError) as refused:
-        plan_against_output(plan, storage, committed_item_ids(storage), fingerprint="f1")
+        plan_against_output(plan, read_committed_state(storage, "f1"))
     message = str(refused.value)
     assert "\n" not in message
     assert "2 row(s) (3 item(s)): row 2 (id 'b-0'), row 3 (id 'c-0')" in message
     assert "--rerender-changed" in message and "from an earlier version of this manifest" in message
     # The unedited manifest resumes with nothing to do: the check compares content, not row numbers.
     with plan_of(job, ROWS) as plan:
-        plan_against_output(plan, storage, committed_item_ids(storage), fingerprint="f1")
+        plan_against_output(plan, read_committed_state(storage, "f1"))
         assert (plan.committed, plan.to_render, plan.rerendered) == (5, 0, 0)
 
 
@@ -134,7 +134,7 @@ def test_rerender_changed_renders_the_edited_rows_and_readers_keep_their_new_row
     edited = [dict(r) for r in ROWS]
     edited[1]["prompt"] = "1girl, library, rain"
     with plan_of(job, edited) as plan:
-        plan_against_output(plan, storage, committed_item_ids(storage), fingerprint="f1", rerender_changed=True)
+        plan_against_output(plan, read_committed_state(storage, "f1"), rerender_changed=True)
         again = items_to_render(plan)
         assert [i.item_id for i in again] == ["b-0"] and (plan.rerendered, plan.committed) == (1, 4)
         commit(storage, again)
@@ -154,7 +154,7 @@ def test_rerender_changed_renders_the_edited_rows_and_readers_keep_their_new_row
     assert compact_parts(storage, min_parts=2)
     assert prompts(read_metadata_table(storage)) == prompts(table)
     with plan_of(job, edited) as plan:
-        plan_against_output(plan, storage, committed_item_ids(storage), fingerprint="f1")
+        plan_against_output(plan, read_committed_state(storage, "f1"))
         assert (plan.to_render, plan.rerendered) == (0, 0)
 
 
@@ -194,11 +194,11 @@ def test_rows_that_name_their_job_refuse_another_jobs_ids_even_with_the_same_con
         commit(storage, items_to_render(plan), job="f1")
     claim_output(storage, "f2", {"job": "f2"}, append=True)
     with plan_of(job, ROWS[:2], name="same.csv") as plan, pytest.raises(ItemContentError) as refused:
-        plan_against_output(plan, storage, committed_item_ids(storage), fingerprint="f2")
+        plan_against_output(plan, read_committed_state(storage, "f2"))
     assert "2 row(s) (2 item(s)): row 1 (id 'a-0'), row 2 (id 'b-0') give ids that another job" in str(refused.value)
     # The job that committed them resumes as before; its count of items no longer produced is its own.
     with plan_of(job, ROWS[:3], name="fewer.csv") as plan:
-        plan_against_output(plan, storage, committed_item_ids(storage), fingerprint="f1")
+        plan_against_output(plan, read_committed_state(storage, "f1"))
         assert (plan.to_render, plan.committed_not_in_manifest) == (0, 1)
 
 
@@ -207,16 +207,16 @@ def test_a_resume_counts_the_committed_items_the_manifest_no_longer_produces(job
     render_all(storage, job, ROWS, "f1")
     shorter = [ROWS[0], ROWS[2]]  # rows b and the id-less one removed
     with caplog.at_level(logging.WARNING), plan_of(job, shorter) as plan:
-        plan_against_output(plan, storage, committed_item_ids(storage), fingerprint="f1")
+        plan_against_output(plan, read_committed_state(storage, "f1"))
         assert (plan.committed, plan.to_render, plan.committed_not_in_manifest) == (3, 0, 2)
     assert f"2 committed item(s) of {storage.uri} are no longer produced by manifest" in caplog.text
     with plan_of(job, ROWS) as plan:
-        plan_against_output(plan, storage, committed_item_ids(storage), fingerprint="f1")
+        plan_against_output(plan, read_committed_state(storage, "f1"))
         assert plan.committed_not_in_manifest == 0
     # An output that holds another job's items, whose rows do not say whose: the count is unknown, not wrong.
     claim_output(storage, "f2", {"job": "f2"}, append=True)
     with plan_of(job, shorter) as plan:
-        plan_against_output(plan, storage, committed_item_ids(storage), fingerprint="f2")
+        plan_against_output(plan, read_committed_state(storage, "f2"))
         assert plan.committed_not_in_manifest is None
 
 
@@ -235,3 +235,27 @@ def test_the_check_holds_explicit_ids_as_bytes_not_objects(job):
     assert contents.explicit.sorted_ids() == ["a-0", "b-0", "c-0", "c-1"]  # the id-less item costs nothing
     assert contents.contents.dtype == "S20" and len(contents.contents) == 4
     assert not len(contents.foreign) and not contents.rows_name_their_job and not contents.other_jobs
+
+
+def test_the_committed_state_says_whose_output_it_is(job):
+    """One read of what an output holds (its claim, ids and contents); the dry run's owner line is decided on it."""
+    storage = open_storage(str(job / "out"))
+    assert read_committed_state(storage, "f1").owner("f1", append=False) == "new"
+    render_all(storage, job, ROWS, "f1")
+    state = read_committed_state(storage, "f1")
+    assert (state.uri, state.claimed, state.jobs, len(state.ids)) == (storage.uri, True, {"f1"}, 5)
+    assert [state.owner("f1", append=False), state.owner("f2", append=False), state.owner("f2", append=True)] == [
+        "this job",
+        "another job",
+        "appended",
+    ]
+    claim_output(storage, "f2", {"job": "f2"}, append=True)
+    state = read_committed_state(storage, "f2")
+    assert state.jobs == {"f1", "f2"} and state.owner("f2", append=False) == "this job"
+    assert state.contents.other_jobs  # f1's claim, seen from f2
+    # Rows without a job.json (written by something else) are no new output.
+    unclaimed = open_storage(str(job / "bare"))
+    with plan_of(job, ROWS) as plan:
+        plan.skip_committed(CommittedIds.from_strings([]))
+        commit(unclaimed, items_to_render(plan))
+    assert read_committed_state(unclaimed, "f1").owner("f1", append=False) == "another job"
