@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
+import pyarrow as pa
 import pytest
 
+from snapref_ray.report.judging import scores_svg
 from snapref_ray.report.plots import latency_svg, throughput_svg, workers_svg
 from snapref_ray.report.svg_chart import Chart, LegendEntry, nice_step, nice_ticks, tick_labels
 from tests.report.test_plots import box, parse, y_scale
@@ -95,3 +97,24 @@ def test_latency_axis_ends_at_a_round_value_and_bins_share_it():
     x0 = box(element(root, "latency-bar-0"))[0]
     x_end = box(element(root, "latency-bar-9"))[2]
     assert box(element(root, "latency-bar-1"))[0] - x0 == pytest.approx((x_end - x0) / 10, rel=1e-3)
+
+
+def ids(svg: str) -> set[str]:
+    return {el.get("id") for el in parse(svg).iter() if el.get("id") and not el.get("id").startswith("axes-")}
+
+
+def test_charts_carry_the_ids_readers_look_up():
+    """Exactly the ids tests, the judge loop's checks and readers of the SVG find the drawn elements by."""
+    t0 = 1_700_000_000.0
+    finished = [t0 + 1, t0 + 2, t0 + 3]  # 3 s in 1 s bins
+    assert ids(throughput_svg(finished, start=t0)) == {"throughput-bar-0", "throughput-bar-1", "throughput-bar-2"} | {
+        "throughput-mean"
+    }
+    assert ids(workers_svg(["a", "b"], [t0, t0 + 1], [t0 + 2, t0 + 3])) == {
+        f"workers-{part}-{i}" for part in ("track", "bar", "busy") for i in (0, 1)
+    }
+    assert ids(latency_svg([1.0, 2.0], [0.5], bins=3)) == {
+        f"{s}-bar-{i}" for s in ("latency", "sample") for i in range(3)
+    }
+    table = pa.table({"accepted": [True, False], "score_sanity_std": [10.0, 50.0]})
+    assert ids(scores_svg(table, bins=2)) == {f"score-sanity_std-{k}-{i}" for k in ("kept", "rejected") for i in (0, 1)}
