@@ -16,7 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from snapref_ray.report.plots import _matplotlib_style, _new_figure, _no_data, _svg
+from snapref_ray.report.plots import _MUTED, _PT, _RIGHT, _WIDTH, _left_margin, _no_data, _stack, _top_of, _value_ticks
+from snapref_ray.report.svg_chart import Chart, LegendEntry
 from snapref_ray.storage.metadata import first_row_per_id, read_table_columns
 
 SCORES_KEY = "report/scores.svg"
@@ -102,7 +103,6 @@ def judge_report(table: pa.Table) -> JudgeReport:
     )
 
 
-@_matplotlib_style
 def scores_svg(table: pa.Table, bins: int = 24) -> str:
     """One histogram per score a check recorded, kept and rejected renders stacked."""
     title = "Judge scores (kept and rejected renders)"
@@ -117,26 +117,48 @@ def scores_svg(table: pa.Table, bins: int = 24) -> str:
             series.append((name, axis, values, finite))
     if not series:
         return _no_data(title, "no scores recorded")
-    fig = _new_figure(8.8, 0.6 + 2.2 * len(series), title, f"{len(accepted)} renders; blue kept, red rejected")
-    axes = fig.subplots(len(series), 1, squeeze=False)[:, 0]
-    for ax, (name, axis, values, finite) in zip(axes, series):
+    chart = Chart(
+        _WIDTH,
+        (0.6 + 2.2 * len(series)) * _PT,
+        title,
+        f"{len(accepted)} renders; blue kept, red rejected",
+        muted=_MUTED,
+    )
+    gap = 36.0  # each score has its own axis: tick labels and the axis label between the plots
+    top, height = _stack(chart, len(series), gap)
+    drawn = []
+    for name, axis, values, finite in series:
         lo, hi = float(values[finite].min()), float(values[finite].max())
         if hi <= lo:
             hi = lo + 1.0
         edges = np.linspace(lo, hi, bins + 1)
         kept, _ = np.histogram(values[finite & accepted], edges)
         rejected, _ = np.histogram(values[finite & ~accepted], edges)
-        width = edges[1] - edges[0]
+        y_hi = float((kept + rejected).max()) * 1.05
+        drawn.append((name, axis, finite, edges, kept, rejected, y_hi, _value_ticks(0.0, y_hi, height, vertical=True)))
+    left = _left_margin(label for *_, (_, labels) in drawn for label in labels)
+    width = chart.width - left - _RIGHT
+    for k, (name, axis, finite, edges, kept, rejected, y_hi, (y_ticks, y_labels)) in enumerate(drawn):
+        margin = 0.05 * (edges[-1] - edges[0])  # bars off the axes' ends, as a plotting library's autoscale leaves them
+        x_lim = (float(edges[0]) - margin, float(edges[-1]) + margin)
+        plot = chart.plot(left, _top_of(k, top, height, gap), width, height, x_lim, (0.0, y_hi))
         short = name.removeprefix("score_")
-        for i, bar in enumerate(ax.bar(edges[:-1], kept, width=width, align="edge", color=_KEPT)):
-            bar.set_gid(f"score-{short}-kept-{i}")
-        bars = ax.bar(edges[:-1], rejected, width=width, bottom=kept, align="edge", color=_REJECTED)
-        for i, bar in enumerate(bars):
-            bar.set_gid(f"score-{short}-rejected-{i}")
-        ax.set_title(f"{name}: n={int(finite.sum())}, kept {int((finite & accepted).sum())}")
-        ax.set_xlabel(axis)
-        ax.set_ylabel("renders")
-    return _svg(fig)
+        for i, (a, b, n_kept, n_rejected) in enumerate(zip(edges, edges[1:], kept, rejected)):
+            plot.bar(float(a), float(b), 0.0, float(n_kept), _KEPT, id=f"score-{short}-kept-{i}")
+            plot.bar(
+                float(a),
+                float(b),
+                float(n_kept),
+                float(n_kept + n_rejected),
+                _REJECTED,
+                id=f"score-{short}-rejected-{i}",
+            )
+        plot.title(f"{name}: n={int(finite.sum())}, kept {int((finite & accepted).sum())}")
+        if k == 0:
+            plot.legend([LegendEntry("kept", _KEPT), LegendEntry("rejected", _REJECTED)])
+        plot.x_axis(*_value_ticks(*x_lim, width, vertical=False), axis)
+        plot.y_axis(y_ticks, y_labels, "renders")
+    return chart.svg()
 
 
 def write_judging(storage, table: pa.Table) -> JudgeReport:

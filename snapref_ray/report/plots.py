@@ -1,4 +1,4 @@
-"""Throughput plots of a batch job as standalone SVG files, drawn with matplotlib.
+"""Throughput plots of a batch job as standalone SVG files (drawn by report/svg_chart.py).
 
 Three charts are drawn from the metadata table's timing columns:
 
@@ -14,24 +14,29 @@ The numbers behind each chart are computed by small public functions
 The drawn elements carry ids (``throughput-bar-3``, ``throughput-mean``, ``workers-bar-0``,
 ``latency-bar-7``...) so the charts can be read back and checked as drawn.
 
-matplotlib is imported on the first chart, not with this module: a job imports the report
-package at its end, and a job that writes no gallery should not pay for it. Figures are built
-as plain :class:`~matplotlib.figure.Figure` objects (no pyplot): no GUI backend is selected,
-no global figure state is kept, and nothing needs a display. Text stays text in the SVG
-(``svg.fonttype: none``), which keeps the files small and searchable; the hash salt and the
-date are fixed so the same table gives the same bytes.
+The SVG is written directly (report/svg_chart.py), not by a plotting library: importing one and
+drawing three figures cost every job's driver about a CPU-second. Text stays text in the SVG, which
+keeps the files small and searchable, and the same table gives the same bytes.
 """
 
 from __future__ import annotations
 
-import functools
-import io
 import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from snapref_ray.report.svg_chart import (
+    FONT_SIZE,
+    Chart,
+    LegendEntry,
+    nice_step,
+    nice_ticks,
+    text_width,
+    tick_labels,
+)
 
 __all__ = [
     "PLOT_KEYS",
@@ -61,16 +66,6 @@ PLOT_KEYS: dict[str, str] = {
 # same steps space the ticks of elapsed-time axes (15 s, 5 min, 1 h...).
 _BIN_WIDTHS_S = (1, 2, 5, 10, 15, 20, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 28800, 86400)
 
-_RC = {
-    "svg.fonttype": "none",
-    "svg.hashsalt": "snapref-ray",
-    "font.family": "sans-serif",
-    "font.size": 9,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-    "axes.titlesize": 8.5,
-    "axes.titlelocation": "left",
-}
 _BAR = "#3b82c4"
 _BAR_SAMPLE = "#c8793b"
 _TRACK = "#eef1f4"
@@ -233,60 +228,57 @@ def format_rate(per_minute: float) -> str:
     return f"{per_minute:,.0f}" if per_minute >= 100 else f"{per_minute:.3g}"
 
 
-# ----------------------------------------------------------------------------- matplotlib
+# ----------------------------------------------------------------------------- layout
+
+_PT = 72.0  # points per inch: the figures keep the sizes they had in inches
+_WIDTH = 8.8 * _PT
+_RIGHT = 14.0  # right margin
+_BOTTOM = 36.0  # x tick labels and the x axis label under a plot
+_TITLED = 18.0  # room for a plot's own title (or legend) above it
 
 
-def _matplotlib_style(draw):
-    """Run a chart function inside the charts' rc settings (fonts and spines apply as artists are made)."""
-
-    @functools.wraps(draw)
-    def styled(*args, **kwargs):
-        import matplotlib
-
-        with matplotlib.rc_context(_RC):
-            return draw(*args, **kwargs)
-
-    return styled
+def _auto_intervals(length_pt: float, per_tick_pt: float) -> int:
+    """How many tick intervals fit an axis: one per label's room, 1 to 9."""
+    return int(min(max(length_pt // per_tick_pt, 1), 9))
 
 
-def _new_figure(width_in: float, height_in: float, title: str, subtitle: str):
-    """A figure with its title and a muted subtitle in a band above the plots (0.55 in high)."""
-    from matplotlib.figure import Figure
-    from matplotlib.layout_engine import ConstrainedLayoutEngine
-
-    band = 0.55 / height_in
-    fig = Figure(figsize=(width_in, height_in), layout=ConstrainedLayoutEngine(rect=(0, 0, 1, 1 - band)))
-    fig.text(0.1 / width_in, 1 - 0.08 / height_in, title, va="top", fontsize=11, fontweight="bold")
-    fig.text(0.1 / width_in, 1 - 0.32 / height_in, subtitle, va="top", fontsize=8.5, color=_MUTED)
-    return fig
+def _value_ticks(lo: float, hi: float, length_pt: float, *, vertical: bool, integer: bool = False, most: int = 9):
+    """Round ticks inside ``[lo, hi]`` and their labels; vertical axes take a tick per 2 label heights."""
+    step = nice_step(
+        hi - lo, min(_auto_intervals(length_pt, 2 * FONT_SIZE if vertical else 3 * FONT_SIZE), most), integer
+    )
+    ticks = nice_ticks(lo, hi, step)
+    return ticks, tick_labels(ticks, step)
 
 
-def _figure(width_in: float, height_in: float, title: str, subtitle: str):
-    fig = _new_figure(width_in, height_in, title, subtitle)
-    return fig, fig.subplots()
+def _left_margin(labels: Iterable[str], axis_label: bool = True) -> float:
+    """Room left of a plot for its widest y tick label and, when it has one, the rotated axis label."""
+    widest = max((text_width(s) for s in labels), default=0.0)
+    return 7.2 + (FONT_SIZE * 1.2 + 4 if axis_label else 0) + widest + 7.0
 
 
-def _clock_axis(axis, span_s: float, label: str) -> None:
+def _stack(chart: Chart, n: int, gap: float) -> tuple[float, float]:
+    """(top of the first, height of each) for ``n`` plots stacked under the band, each with a title above it."""
+    top = chart.band + _TITLED
+    height = (chart.height - top - _BOTTOM - (n - 1) * (gap + _TITLED)) / n
+    return top, height
+
+
+def _top_of(i: int, top: float, height: float, gap: float) -> float:
+    return top + i * (height + gap + _TITLED)
+
+
+def _clock_ticks(span_s: float) -> tuple[list[float], list[str]]:
     """Ticks at clock-friendly steps (the first of 1 s, 2 s, 5 s... 1 day giving at most 6), as m:ss."""
-    from matplotlib.ticker import FuncFormatter, MultipleLocator
-
     step = next((float(w) for w in _BIN_WIDTHS_S if span_s / w <= 6), 86400.0 * math.ceil(span_s / (86400.0 * 6)))
-    axis.set_major_locator(MultipleLocator(step))
-    axis.set_major_formatter(FuncFormatter(lambda v, _pos: _fmt_clock(v)))
-    axis.set_label_text(label)
+    ticks = nice_ticks(0.0, span_s, step)
+    return ticks, [_fmt_clock(t) for t in ticks]
 
 
 def _no_data(title: str, why: str) -> str:
-    fig, ax = _figure(6.4, 1.4, title, why)
-    ax.set_axis_off()
-    ax.text(0, 0.3, "No data to plot.", transform=ax.transAxes, color=_MUTED)
-    return _svg(fig)
-
-
-def _svg(fig) -> str:
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None}, facecolor="white")
-    return buf.getvalue()
+    chart = Chart(6.4 * _PT, 1.4 * _PT, title, why, muted=_MUTED)
+    chart.text(7.2, chart.band + 0.6 * (chart.height - chart.band), "No data to plot.", colour=_MUTED)
+    return chart.svg()
 
 
 def _fmt_clock(seconds: float) -> str:
@@ -300,7 +292,6 @@ def _fmt_clock(seconds: float) -> str:
 # ----------------------------------------------------------------------------- drawing
 
 
-@_matplotlib_style
 def throughput_svg(finished_at: Sequence[float], start: float | None = None, max_bins: int = 60) -> str:
     """Bar chart of images per minute over elapsed time (``throughput-bar-{i}``) and its mean line."""
     title = "Images per minute over time"
@@ -311,38 +302,31 @@ def throughput_svg(finished_at: Sequence[float], start: float | None = None, max
     elapsed = float(times.max()) - t0
     edges = bin_edges(max(elapsed, 0.0), bin_s)
     mean = mean_images_per_minute(finished_at, start)
-    fig, ax = _figure(
-        8.8,
-        4.0,
+    chart = Chart(
+        _WIDTH,
+        4.0 * _PT,
         title,
         f"{len(times)} images in {format_duration(elapsed)}; bins of "
         f"{format_duration(bin_s)} (the last runs to the last image)",
+        muted=_MUTED,
     )
-    widths = [b - a for a, b in zip(edges, edges[1:])]
-    bars = ax.bar(edges[:-1], rates, width=widths, align="edge", color=_BAR, edgecolor="white", linewidth=0.6)
-    for i, bar in enumerate(bars):
-        bar.set_gid(f"throughput-bar-{i}")
+    top = chart.band + _TITLED  # the legend sits above the plot so it never hides a bar
+    height = chart.height - top - _BOTTOM
+    y_hi = max(max(rates), mean) * 1.05  # a 5% margin over the tallest bar or the mean line
+    y_ticks, y_labels = _value_ticks(0.0, y_hi, height, vertical=True)
+    left = _left_margin(y_labels)
+    plot = chart.plot(left, top, chart.width - left - _RIGHT, height, (0.0, edges[-1]), (0.0, y_hi))
+    plot.y_grid(y_ticks)
+    for i, (a, b, rate) in enumerate(zip(edges, edges[1:], rates)):
+        plot.bar(a, b, 0.0, rate, _BAR, id=f"throughput-bar-{i}", edge=("#ffffff", 0.6))
     if mean > 0:
-        ax.axhline(
-            mean,
-            color=_MEAN,
-            linewidth=1.4,
-            linestyle=(0, (6, 4)),
-            gid="throughput-mean",
-            label=f"mean {format_rate(mean)} images / min",
-        )
-        # The legend sits above the plot so it never hides a bar.
-        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, labelcolor=_MEAN)
-    ax.set_xlim(0, edges[-1])
-    ax.set_ylim(0, None)
-    ax.set_ylabel("images / minute")
-    _clock_axis(ax.xaxis, edges[-1], "elapsed time (m:ss or h:mm:ss)")
-    ax.grid(axis="y", linestyle=":", color="#d1d9e0")
-    ax.set_axisbelow(True)
-    return _svg(fig)
+        plot.hline(mean, _MEAN, width=1.4, dash="8.4,5.6", id="throughput-mean")
+        plot.legend([LegendEntry(f"mean {format_rate(mean)} images / min", _MEAN, dash="8.4,5.6", text_colour=_MEAN)])
+    plot.x_axis(*_clock_ticks(edges[-1]), "elapsed time (m:ss or h:mm:ss)")
+    plot.y_axis(y_ticks, y_labels, "images / minute")
+    return chart.svg()
 
 
-@_matplotlib_style
 def workers_svg(
     worker_ids: Sequence[str | None],
     started_at: Sequence[float | None],
@@ -360,36 +344,32 @@ def workers_svg(
         f"{len(uses)} workers over {format_duration(span)}; "
         f"mean utilisation {mean_util:.0%} (union of each worker's started_at–finished_at)"
     )
-    fig = _new_figure(8.8, 1.4 + 0.28 * len(uses), title, subtitle)
-    util_ax, line_ax = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [1, 2.3]})
-    rows = range(len(uses))
-    tracks = util_ax.barh(rows, [1.0] * len(uses), height=0.7, color=_TRACK)
-    bars = util_ax.barh(rows, [u.utilisation for u in uses], height=0.7, color=_BAR)
-    for i, (track, bar, u) in enumerate(zip(tracks, bars, uses)):
-        track.set_gid(f"workers-track-{i}")
-        bar.set_gid(f"workers-bar-{i}")
-        util_ax.text(1.02, i, f"{u.utilisation:.0%}", va="center", fontsize=8)
+    chart = Chart(_WIDTH, (1.4 + 0.28 * len(uses)) * _PT, title, subtitle, muted=_MUTED)
     shown = [u.worker_id if len(u.worker_id) <= 20 else u.worker_id[:9] + "…" + u.worker_id[-9:] for u in uses]
-    util_ax.set_yticks(list(rows), shown)
-    util_ax.invert_yaxis()  # the first worker on top
-    util_ax.set_xlim(0, 1)
-    util_ax.set_xticks([0, 0.5, 1.0], ["0%", "50%", "100%"])
-    util_ax.set_xlabel("busy / job span")
+    left, top = _left_margin(shown, axis_label=False), chart.band + 8
+    height = chart.height - top - _BOTTOM
+    gap = 40.0  # the utilisation's percentages sit in it
+    util_w = (chart.width - left - _RIGHT - gap) / 3.3  # widths 1 : 2.3
+    rows = (-0.5, len(uses) - 0.5)  # the first worker on top
+    util = chart.plot(left, top, util_w, height, (0.0, 1.0), rows, y_down=True)
     for i, u in enumerate(uses):
-        line_ax.broken_barh(
-            [(s, max(e - s, span / 1200)) for s, e in u.intervals], (i - 0.35, 0.7), color=_BAR, gid=f"workers-busy-{i}"
-        )
-    line_ax.set_xlim(0, span or 1.0)
-    line_ax.tick_params(axis="y", left=False)
-    _clock_axis(line_ax.xaxis, span, "elapsed time (busy intervals)")
-    return _svg(fig)
+        util.bar(0.0, 1.0, i - 0.35, i + 0.35, _TRACK, id=f"workers-track-{i}")
+        util.bar(0.0, u.utilisation, i - 0.35, i + 0.35, _BAR, id=f"workers-bar-{i}")
+        util.text(1.02, i, f"{u.utilisation:.0%}", size=8)
+    util.x_axis([0.0, 0.5, 1.0], ["0%", "50%", "100%"], "busy / job span")
+    util.y_axis(list(range(len(uses))), shown)
+    line = chart.plot(left + util_w + gap, top, 2.3 * util_w, height, (0.0, span or 1.0), rows, y_down=True)
+    for i, u in enumerate(uses):
+        # A busy box is at least 1/1200 of the span wide, so an instant's work still shows.
+        boxes = [(s, s + max(e - s, span / 1200)) for s, e in u.intervals]
+        line.group(f"workers-busy-{i}", lambda b=boxes, i=i: [line.bar(s, e, i - 0.35, i + 0.35, _BAR) for s, e in b])
+    line.x_axis(*_clock_ticks(span), "elapsed time (busy intervals)")
+    line.y_axis([], None)  # shares the rows of the utilisation plot: a spine, no labels
+    return chart.svg()
 
 
-@_matplotlib_style
 def latency_svg(latency_s: Sequence[float | None], sample_s: Sequence[float | None], bins: int = 30) -> str:
     """Two histograms on one time axis: item latency and sampling time (``{series}-bar-{i}``)."""
-    from matplotlib.ticker import MaxNLocator
-
     title = "Latency per image"
     series = [
         ("latency", "end to end (finished_at − started_at)", np.sort(_finite_values(latency_s)), _BAR),
@@ -399,35 +379,34 @@ def latency_svg(latency_s: Sequence[float | None], sample_s: Sequence[float | No
     if not series:
         return _no_data(title, "no timings")
     hi = max(float(vals[-1]) for _, _, vals, _ in series)
-    # A round upper end (the locator's last tick at or above the slowest item) so bins have round edges.
-    x_hi = float(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(0, hi if hi > 0 else 1.0)[-1])
+    # A round upper end (the first 1-2-2.5-5 tick at or above the slowest item, at most 6 intervals) so bins
+    # have round edges.
+    hi = hi if hi > 0 else 1.0
+    x_hi = nice_ticks(0.0, hi, nice_step(hi, 6), cover=True)[-1]
     width = x_hi / bins
-    fig = _new_figure(8.8, 1.0 + 2.3 * len(series), title, f"{bins} bins of {width:.3g} s")
-    axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, (name, label, vals, colour) in zip(axes, series):
-        counts = histogram(vals, bins, 0.0, x_hi)
-        p50, p90, p99 = (_quantile(vals, q) for q in (0.5, 0.9, 0.99))
-        bars = ax.bar(
-            [i * width for i in range(bins)],
-            counts,
-            width=width,
-            align="edge",
-            color=colour,
-            edgecolor="white",
-            linewidth=0.5,
+    chart = Chart(_WIDTH, (1.0 + 2.3 * len(series)) * _PT, title, f"{bins} bins of {width:.3g} s", muted=_MUTED)
+    gap = 12.0  # a shared time axis: no tick labels between the plots
+    top, height = _stack(chart, len(series), gap)
+    counts = [histogram(vals, bins, 0.0, x_hi) for _, _, vals, _ in series]
+    y_axes = [_value_ticks(0.0, max(c) * 1.05, height, vertical=True, integer=True, most=4) for c in counts]
+    left = _left_margin(label for _, labels in y_axes for label in labels)
+    x_ticks, x_labels = _value_ticks(0.0, x_hi, chart.width - left - _RIGHT, vertical=False)
+    for k, ((name, label, vals, colour), c, (y_ticks, y_labels)) in enumerate(zip(series, counts, y_axes)):
+        y_hi = max(c) * 1.05
+        plot = chart.plot(
+            left, _top_of(k, top, height, gap), chart.width - left - _RIGHT, height, (0.0, x_hi), (0, y_hi)
         )
-        for i, bar in enumerate(bars):
-            bar.set_gid(f"{name}-bar-{i}")
-        ax.set_title(
+        plot.y_grid(y_ticks)
+        for i, count in enumerate(c):
+            plot.bar(i * width, (i + 1) * width, 0.0, count, colour, id=f"{name}-bar-{i}", edge=("#ffffff", 0.5))
+        p50, p90, p99 = (_quantile(vals, q) for q in (0.5, 0.9, 0.99))
+        plot.title(
             f"{label}: n={len(vals)}, p50 {p50:.3g} s, p90 {p90:.3g} s, p99 {p99:.3g} s, max {float(vals[-1]):.3g} s"
         )
-        ax.set_ylabel("images")
-        ax.yaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))
-        ax.set_xlim(0, x_hi)
-        ax.grid(axis="y", linestyle=":", color="#d1d9e0")
-        ax.set_axisbelow(True)
-    axes[-1].set_xlabel("seconds")
-    return _svg(fig)
+        last = k == len(series) - 1
+        plot.x_axis(x_ticks, x_labels if last else None, "seconds" if last else None)
+        plot.y_axis(y_ticks, y_labels, "images")
+    return chart.svg()
 
 
 def write_plots(storage, table) -> dict[str, str]:

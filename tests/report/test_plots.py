@@ -1,7 +1,8 @@
-"""Report plots: the numbers behind each chart, and the charts read back from the SVG matplotlib drew.
+"""Report plots: the numbers behind each chart, and the charts read back from the SVG drawn.
 
 The charts' bars and lines carry ids (``throughput-bar-3``, ``throughput-mean``...); a value is read
-back through the drawn axis: the y tick labels and their positions give the pixel-to-value scale.
+back through the drawn axis: the y tick labels and their tick marks' positions give the point-to-value
+scale (report/svg_chart.py: a ``<g class="axes">`` per plot, a ``<g class="ytick">`` per tick).
 """
 
 from __future__ import annotations
@@ -37,34 +38,42 @@ def parse(svg: str) -> ET.Element:
 
 
 def bars(svg: str, series: str | None = None) -> list[ET.Element]:
-    """The groups of the drawn bars (``{series}-bar-{i}``), in index order."""
+    """The drawn bars (``{series}-bar-{i}``), in index order."""
     found = []
-    for g in parse(svg).iter(f"{SVG}g"):
-        m = re.fullmatch(r"(\w+)-bar-(\d+)", g.get("id", ""))
+    for el in parse(svg).iter():
+        m = re.fullmatch(r"(\w+)-bar-(\d+)", el.get("id", ""))
         if m and (series is None or m.group(1) == series):
-            found.append((m.group(1), int(m.group(2)), g))
-    return [g for _, _, g in sorted(found, key=lambda t: (t[0], t[1]))]
+            found.append((m.group(1), int(m.group(2)), el))
+    return [el for _, _, el in sorted(found, key=lambda t: (t[0], t[1]))]
 
 
 def box(element: ET.Element) -> tuple[float, float, float, float]:
-    """(x0, y0, x1, y1) in pixels of the first path under ``element`` (y grows downwards)."""
-    path = next(element.iter(f"{SVG}path"))
-    nums = [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", path.get("d"))]
-    xs, ys = nums[0::2], nums[1::2]
-    return min(xs), min(ys), max(xs), max(ys)
+    """(x0, y0, x1, y1) in points of a ``<rect>`` or ``<line>`` (y grows downwards)."""
+    if element.tag == f"{SVG}line":
+        xs, ys = (float(element.get(k)) for k in ("x1", "x2")), (float(element.get(k)) for k in ("y1", "y2"))
+        (x0, x1), (y0, y1) = sorted(xs), sorted(ys)
+        return x0, y0, x1, y1
+    assert element.tag == f"{SVG}rect", element.tag
+    x, y, w, h = (float(element.get(k)) for k in ("x", "y", "width", "height"))
+    return x, y, x + w, y + h
+
+
+def y_ticks(axes: ET.Element) -> list[tuple[float, ET.Element]]:
+    """(y of the tick mark, its label) of each y tick of a plot."""
+    ticks = []
+    for g in axes.iter(f"{SVG}g"):
+        if g.get("class") == "ytick":
+            ticks.append((float(next(g.iter(f"{SVG}line")).get("y1")), next(g.iter(f"{SVG}text"))))
+    return ticks
 
 
 def y_scale(svg: str, element_id: str):
-    """pixel y -> data value on the y axis of the axes that hold ``element_id``, from its tick labels."""
+    """point y -> data value on the y axis of the plot that holds ``element_id``, from its tick labels."""
     root = parse(svg)
     axes = next(
-        g for g in root.iter(f"{SVG}g") if g.get("id", "").startswith("axes_") and g.find(f".//*[@id='{element_id}']")
+        g for g in root.iter(f"{SVG}g") if g.get("class") == "axes" and g.find(f".//*[@id='{element_id}']") is not None
     )
-    ticks = []
-    for g in axes.iter(f"{SVG}g"):
-        if g.get("id", "").startswith("ytick_"):
-            y = float(next(g.iter(f"{SVG}use")).get("y"))
-            ticks.append((y, float(next(g.iter(f"{SVG}text")).text.replace("\u2212", "-"))))
+    ticks = [(y, float(label.text.replace("\u2212", "-"))) for y, label in y_ticks(axes)]
     (ya, va), (yb, vb) = ticks[0], ticks[-1]
     return lambda y: va + (y - ya) * (vb - va) / (yb - ya)
 
@@ -78,7 +87,7 @@ def bar_values(svg: str, series: str) -> list[float]:
 
 def mean_line_value(svg: str) -> float:
     value = y_scale(svg, "throughput-mean")
-    mean = next(g for g in parse(svg).iter(f"{SVG}g") if g.get("id") == "throughput-mean")
+    mean = next(el for el in parse(svg).iter() if el.get("id") == "throughput-mean")
     x0, y0, x1, y1 = box(mean)
     assert y0 == y1  # horizontal
     return value(y0)
@@ -154,16 +163,15 @@ def test_workers_svg_one_bar_per_worker_in_natural_order_with_escaped_ids():
     assert len(rects) == 3
     # Ordered w1<&>, w9, w10 from the top: numbers in ids compare as numbers. A bar's share of its track
     # is the utilisation.
-    tracks = {g.get("id"): g for g in root.iter(f"{SVG}g") if g.get("id", "").startswith("workers-track-")}
+    tracks = {el.get("id"): el for el in root.iter() if el.get("id", "").startswith("workers-track-")}
     shares = [
         (box(r)[2] - box(r)[0]) / (box(tracks[f"workers-track-{i}"])[2] - box(tracks[f"workers-track-{i}"])[0])
         for i, r in enumerate(rects)
     ]
     assert shares == pytest.approx([1.0, 0.25, 0.75], rel=1e-3)
     assert [box(r)[1] for r in rects] == sorted(box(r)[1] for r in rects)  # first worker on top
-    labels = [t for g in root.iter(f"{SVG}g") if g.get("id", "").startswith("ytick_") for t in g.iter(f"{SVG}text")]
-    labels.sort(key=lambda t: float(t.get("y")))
-    assert [t.text for t in labels] == ["w1<&>", "w9", "w10"]
+    util_axes = next(g for g in root.iter(f"{SVG}g") if g.get("class") == "axes")
+    assert [label.text for _, label in sorted(y_ticks(util_axes), key=lambda t: t[0])] == ["w1<&>", "w9", "w10"]
     assert "w1&lt;&amp;&gt;" in svg
 
 
