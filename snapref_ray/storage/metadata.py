@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 
 from .backends import Storage, bounded_by
 from .id_claims import ClaimedIds
+from .row_check import RowCheck
 
 log = logging.getLogger(__name__)
 
@@ -241,10 +242,9 @@ class _PartWriter:
         self.guard = guard
         self.parts_written: list[str] = []
         self.rows_written = 0
-        self._fields = {f.name: f for f in schema}
-        self._required = frozenset(schema.names) - frozenset(JUDGE_METADATA_COLUMNS)  # what every row names
-        # What add() checks a row against, per set of non-null columns (rows of one job share a few such sets).
-        self._row_types: dict[tuple[str, ...], pa.StructType] = {}
+        self._names = frozenset(schema.names)
+        self._required = self._names - frozenset(JUDGE_METADATA_COLUMNS)  # what every row names
+        self._row_check = RowCheck(schema)  # what add() checks each row's values with (storage/row_check.py)
         self._rows: list[dict] = []  # the rows added, each checked against the schema
         self._lock = threading.Lock()  # guards _rows
         self._flush_lock = threading.Lock()  # one part upload at a time, so parts keep row order
@@ -260,33 +260,19 @@ class _PartWriter:
 
     def _check_row(self, row: dict) -> None:
         # A judged job's columns may be left out (null): a row of a job that does not judge need not name them.
-        missing, unknown = self._required - row.keys(), row.keys() - self._fields.keys()
+        missing, unknown = self._required - row.keys(), row.keys() - self._names
         if missing or unknown:
             raise ValueError(
                 f"{self.prefix} row {row.get('item_id')!r}: missing columns {sorted(missing)}, unknown "
                 f"columns {sorted(unknown)}"
             )
 
-    def _row_type(self, row: dict) -> pa.StructType:
-        """The struct of the row's non-null columns: a None converts to null in any column, so only the values can
-        fail, and a row leaves most of the judge's columns null. Converting those alone costs a third of the whole
-        row's (~35 against ~110 us for an unjudged job's row of 54 columns): the driver's main cost per item."""
-        names = tuple(name for name, value in row.items() if value is not None and name in self._fields)
-        row_type = self._row_types.get(names)
-        if row_type is None:
-            if len(self._row_types) > 256:  # a job's rows fall into a few sets; bound it whatever the caller sends
-                self._row_types.clear()
-            row_type = self._row_types[names] = pa.struct([self._fields[name] for name in names])
-        return row_type
-
     def _append(self, row: dict) -> bool:
         """Buffer `row`; True when the buffer is full and should be flushed."""
-        # Converting here, one row at a time, makes a bad value fail in add() with its item id
-        # (and not, later, the whole part inside a flush).
-        # A struct array of one row is the cheapest full conversion (~4x cheaper than a one-row table); the part
-        # is converted again, all rows at once, when it is written.
+        # Checked here, one row at a time, so that a bad value fails in add() with its item id (and not, later, the
+        # whole part inside a flush); the part is converted again, all rows at once, when it is written.
         try:
-            pa.array([row], type=self._row_type(row))
+            self._row_check.check(row)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
             raise ValueError(f"{self.prefix} row {row.get('item_id')!r} does not fit the schema: {e}") from e
         with self._lock:
