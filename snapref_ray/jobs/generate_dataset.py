@@ -33,6 +33,7 @@ from snapref_ray.cluster.pool import (
     worker_memory,
 )
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerConfig, SchedulerEvent, SchedulerStats
+from snapref_ray.cluster.static_heap import static_heap
 from snapref_ray.cluster.tasks import ItemOutcome, ReferenceTask, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.job_spec import JobSpec, JobSpecError, load_job_spec, spec_fingerprint
@@ -126,6 +127,7 @@ def _driver_usage() -> tuple[float, int]:
     return usage.ru_utime + usage.ru_stime, peak_resident_bytes()
 
 
+@static_heap()  # the driver's start-up heap is left out of the job's GC collections (cluster/static_heap.py)
 def run_job(
     spec: JobSpec,
     *,
