@@ -30,6 +30,7 @@ from snapref_ray.cluster.scheduling_policy import (
     SchedulingPolicy,
     StepOutcome,
 )
+from snapref_ray.cluster.static_heap import static_heap
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,9 @@ class EngineCore:
 
     def run(self) -> Any:
         """Step until the policy has no work and no call of `kind` is out; returns the summed stats."""
-        while self.policy.has_work() or self.calls.count(self.kind):
-            self.step()
+        with static_heap():  # the heap the loop starts with is left out of its collections (static_heap.py)
+            while self.policy.has_work() or self.calls.count(self.kind):
+                self.step()
         return self.stats
 
     def step(self) -> StepOutcome:

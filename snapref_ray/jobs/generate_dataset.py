@@ -32,6 +32,7 @@ from snapref_ray.cluster.pool import (
     worker_memory,
 )
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerEvent, SchedulerStats
+from snapref_ray.cluster.static_heap import static_heap
 from snapref_ray.cluster.tasks import ItemOutcome, ReferenceTask, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.job_spec import JobSpec, JobSpecError, JudgeSection, load_job_spec
@@ -115,6 +116,7 @@ def _driver_usage() -> tuple[float, int]:
     return usage.ru_utime + usage.ru_stime, peak_resident_bytes()
 
 
+@static_heap()  # the driver's start-up heap is left out of the job's GC collections (cluster/static_heap.py)
 def run_job(
     spec: JobSpec,
     *,

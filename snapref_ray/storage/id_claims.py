@@ -65,5 +65,4 @@ class ClaimedIds:
 
     def owner(self, item_id: str) -> int | None:
         """The row that claimed `item_id`, or None when no one has (one id: a binary search per run)."""
-        held, rows = self._claimed.find(np.array([_digest(item_id)], dtype="S12"))
-        return int(rows[0]) if held[0] else None
+        return self._claimed.value_of(_digest(item_id))

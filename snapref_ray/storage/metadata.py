@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 
 from .backends import Storage, bounded_by
 from .id_claims import ClaimedIds
+from .row_check import RowCheck
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,9 @@ class _PartWriter:
         self.guard = guard
         self.parts_written: list[str] = []
         self.rows_written = 0
-        self._row_type = pa.struct(list(schema))  # what add() checks each row against
+        self._names = frozenset(schema.names)
+        self._required = self._names - frozenset(JUDGE_METADATA_COLUMNS)  # what every row names
+        self._row_check = RowCheck(schema)  # what add() checks each row's values with (storage/row_check.py)
         self._rows: list[dict] = []  # the rows added, each checked against the schema
         self._lock = threading.Lock()  # guards _rows
         self._flush_lock = threading.Lock()  # one part upload at a time, so parts keep row order
@@ -256,9 +259,8 @@ class _PartWriter:
         self.close()
 
     def _check_row(self, row: dict) -> None:
-        names = set(self.schema.names)
         # A judged job's columns may be left out (null): a row of a job that does not judge need not name them.
-        missing, unknown = names - row.keys() - set(JUDGE_METADATA_COLUMNS), row.keys() - names
+        missing, unknown = self._required - row.keys(), row.keys() - self._names
         if missing or unknown:
             raise ValueError(
                 f"{self.prefix} row {row.get('item_id')!r}: missing columns {sorted(missing)}, unknown "
@@ -267,12 +269,10 @@ class _PartWriter:
 
     def _append(self, row: dict) -> bool:
         """Buffer `row`; True when the buffer is full and should be flushed."""
-        # Converting here, one row at a time, makes a bad value fail in add() with its item id
-        # (and not, later, the whole part inside a flush).
-        # A struct array of one row is the cheapest full conversion (~4x cheaper than a one-row table); the part
-        # is converted again, all rows at once, when it is written.
+        # Checked here, one row at a time, so that a bad value fails in add() with its item id (and not, later, the
+        # whole part inside a flush); the part is converted again, all rows at once, when it is written.
         try:
-            pa.array([row], type=self._row_type)
+            self._row_check.check(row)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
             raise ValueError(f"{self.prefix} row {row.get('item_id')!r} does not fit the schema: {e}") from e
         with self._lock:

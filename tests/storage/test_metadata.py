@@ -256,6 +256,26 @@ def test_rows_must_match_the_schema(tmp_path):
     assert read_metadata_table(LocalStorage(tmp_path)).column("item_id").to_pylist() == ["item-0002"]
 
 
+def test_every_value_is_checked_whichever_columns_a_row_leaves_null(tmp_path):
+    """add() checks only a row's non-null values (a None fits any column): a bad value is still refused with its
+    item id, in a column earlier rows left null and after rows with the same columns set."""
+    writer = MetadataWriter(LocalStorage(tmp_path), flush_seconds=0)
+    assert writer.add(make_row(1))  # the judge's columns left out
+    assert writer.add(make_row(2, render_of="item-0002", render_index=0, accepted=True, phash="00ff00ff00ff00ff"))
+    with pytest.raises(ValueError, match=r"metadata row 'item-0003' does not fit the schema"):
+        writer.add(make_row(3, render_of="item-0003", render_index="first", accepted=True, phash="00ff00ff00ff00ff"))
+    with pytest.raises(ValueError, match=r"metadata row 'item-0004' does not fit the schema"):
+        writer.add(make_row(4, score_near_duplicate="far"))
+    with pytest.raises(ValueError, match=r"metadata row 'item-0005' does not fit the schema"):
+        writer.add(make_row(5, seed="lucky"))  # the same columns as item-0001's row
+    with pytest.raises(ValueError, match=r"metadata row 'item-0006' does not fit the schema"):
+        writer.add(make_row(6, negative_prompt=None, width=2**40))  # another set of null columns, an int32 overflow
+    writer.close()
+    table = read_metadata_table(LocalStorage(tmp_path))
+    assert table.column("item_id").to_pylist() == ["item-0001", "item-0002"]
+    assert table.column("render_index").to_pylist() == [None, 0]
+
+
 def test_periodic_flush_commits_without_close(tmp_path):
     storage = LocalStorage(tmp_path)
     writer = MetadataWriter(storage, flush_rows=1000, flush_seconds=0.2)

@@ -24,3 +24,21 @@ def test_rank_is_the_place_in_the_sorted_keys_across_runs():
     assert held.rank(query).tolist() == expected
     assert set(expected[len(keys[::7]) :]) == {-1}
     assert SortedKeys().rank(query).tolist() == [-1] * len(query)
+
+
+def test_value_of_one_key_is_what_find_says_including_keys_that_end_in_null_bytes():
+    rng = random.Random(5)
+    # Digests can end in b"\x00": numpy strips trailing nulls from an element it hands back, and the lookup of one
+    # key must still find it.
+    keys = [rng.randbytes(10) + (b"\x00\x00" if i % 4 == 0 else rng.randbytes(2)) for i in range(600)]
+    held = SortedKeys()
+    for start in range(0, 600, 53):
+        chunk = np.array(keys[start : start + 53], dtype="S12")
+        held.add(chunk, np.arange(start, start + len(chunk)))
+    assert held.run_count > 1
+    assert [held.value_of(k) for k in keys] == list(range(600))
+    absent = [rng.randbytes(12) for _ in range(50)]
+    assert [held.value_of(k) for k in absent] == [None] * len(absent)
+    assert SortedKeys().value_of(keys[0]) is None
+    alone = SortedKeys.of_sorted_unique(np.array(sorted(keys[:5]), dtype="S12"))  # a run without values
+    assert alone.value_of(keys[0]) == -1 and alone.value_of(keys[10]) is None
