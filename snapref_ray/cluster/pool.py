@@ -25,6 +25,7 @@ from snapref_ray import ray_console
 from snapref_ray.cluster.feasibility import InfeasibilityWatch
 from snapref_ray.cluster.tasks import ShardReport, WorkerInfo
 from snapref_ray.cluster.worker import RenderWorker, WorkerConfig
+from snapref_ray.local_ray import start_local_ray
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.memory_estimate import estimate_worker_memory
 
@@ -142,17 +143,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, num_gpus
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        # "local" never attaches to a stale cluster left by an unclean exit. Ray would prestart an idle Python
-        # worker per CPU for the first driver's tasks (~80 MiB and ~0.4 CPU-s each): a job's workers are actors,
-        # each started when the pool asks, and the few tasks a job runs start their own.
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            _system_config={"prestart_worker_first_driver": False},
-        )
+        start_local_ray(num_cpus=num_cpus, num_gpus=num_gpus)
     ray_console.install()  # Ray's process output: the terminal, or the job's log (snapref_ray/ray_console.py)
 
 

@@ -30,6 +30,7 @@ from ray.serve.config import BackpressureConfig
 
 from snapref_ray import ray_console
 from snapref_ray.geometry import PIXELS_PER_TOKEN
+from snapref_ray.local_ray import start_local_ray
 from snapref_ray.serve.config import ServeConfig, is_loopback
 from snapref_ray.serve.direct_ingress import direct_ingress_env, environment, haproxy_binary
 from snapref_ray.serve.ingress import Ingress
@@ -183,13 +184,7 @@ def start_local_serve(
             # scraper, so it does not start one. Set RAY_enable_metrics_collection=1 to keep it.
             env["RAY_enable_metrics_collection"] = os.environ.get("RAY_enable_metrics_collection", "0")
         with environment(env):  # Ray's processes inherit it; this process gets its own back
-            ray.init(
-                address="local",
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                include_dashboard=False,
-                log_to_driver=log_to_driver,
-            )
+            start_local_ray(num_cpus=num_cpus, num_gpus=num_gpus, log_to_driver=log_to_driver)
         ray_console.install()  # Ray's process output: the terminal, or the server's log (ray_console.py)
     elif config.direct_ingress:
         log.info("Ray was already running: its own environment decides between Serve's proxy and direct ingress")
