@@ -200,12 +200,14 @@ class OutputLease:
         duration_s: float,
         *,
         clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
         renew: bool = True,
         outage_s: float = DEFAULT_OUTAGE_SECONDS,
     ):
         self.storage = storage
         self.duration_s = duration_s
         self.clock = clock
+        self._sleep = sleep  # `check`'s wait for a store that does not answer (the clock's companion in tests)
         self.outage_s = outage_s  # how long `check` waits out a store that does not answer, with no rival seen
         self._record = record
         self._lock = threading.RLock()
@@ -262,7 +264,7 @@ class OutputLease:
                         why = "its process is gone" if current.holder_gone() else "it expired"
                         log.warning("took over the lease of %s on %s: %s", current.describe(), storage.uri, why)
                     _forget_older(storage, record.generation)
-                    return cls(storage, record, duration_s, clock=clock, renew=renew)
+                    return cls(storage, record, duration_s, clock=clock, sleep=sleep, renew=renew)
                 continue  # another driver took this generation first (or the store said 409): read who, decide again
             if now >= deadline:
                 raise LeaseHeldError(_held_message(storage, current, waited, now))
@@ -337,7 +339,7 @@ class OutputLease:
                         self._lost = f"not renewed since {_clock(self._record.expires_at - self.duration_s)} ({e})"
                         self._check_locked()
                     log.warning("the lease on %s could not be renewed (%s); waiting for the store", self.storage.uri, e)
-                    time.sleep(min(1.0, self.duration_s / 6))
+                    self._sleep(min(1.0, self.duration_s / 6))
 
     def _check_locked(self) -> None:
         if self._lost is not None:

@@ -424,7 +424,7 @@ def test_a_store_outage_with_no_rival_is_waited_out_not_failed(tmp_path):
             return inner.list(prefix)
 
     lease = OutputLease.acquire(inner, job_id="j", duration_s=6, clock=clock, renew=False, probe=False)
-    lease = OutputLease(Outage(inner), lease.record, 6, clock=clock, renew=False)
+    lease = OutputLease(Outage(inner), lease.record, 6, clock=clock, sleep=lambda s: None, renew=False)
     clock.now += 10  # past its expiry, during the outage
     assert lease.check() > 0 and down_for[0] == 0  # it waited the store out and holds the output still
     assert current_lease(inner).holder_id == lease.record.holder_id
