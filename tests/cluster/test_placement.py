@@ -259,11 +259,18 @@ def test_a_lost_worker_that_was_encoding_a_reference_in_its_render_frees_it_for_
     first = p.assign(1, "n1", live_workers=2)
     first.reference.in_flight = 1
     p.add(items("A", 1, start=11))
-    assert p.assign(0, "n0", live_workers=2) is None  # worker 1's render is encoding A
-    first.reference.in_flight = 0  # ... and is lost with worker 1: the policy counts its call back, then
-    p.forget_worker(1, drop_refkvs=True)  # tells placement (recovery.render_raised)
+    second = p.assign(1, "n1", live_workers=2)  # worker 1's second call: its own cache
+    assert (second.reference, second.opens, ids(second)) == (first.reference, False, ["A-11"])
+    first.reference.in_flight = 2
+    p.add(items("A", 1, start=12))
+    assert p.assign(0, "n0", live_workers=2) is None  # worker 1's renders are encoding A
+    # Worker 1 is lost: the policy counts back the call that failed first, then tells placement. Its other call
+    # is still out, lost with it: worker 0 need not wait for it, and opens A (with an encode call: a render of
+    # A is still counted out).
+    first.reference.in_flight = 1
+    p.forget_worker(1, drop_refkvs=True)
     again = p.assign(0, "n0", live_workers=2)
-    assert (again.reference, ids(again), again.reference.encoder) == (first.reference, ["A-11"], 0)
+    assert (again.reference, again.opens, ids(again)) == (first.reference, True, ["A-12"])
 
 
 def test_added_items_join_the_waiting_reference_of_their_key_else_one_added_reference_in_arrival_order():
