@@ -12,6 +12,12 @@ without a cluster (tests/cluster/test_placement.py).
   store when that is cheaper than encoding (same node: shared memory; other node: bytes / bandwidth against the
   measured encode time), else encoded locally. A worker is never handed a RefKV that is still being encoded: it
   would block one of its threads in `ray.get` on a call that may be queued behind it on the same actor.
+- A reference re-opened for items added to the running schedule (a judged job's re-renders, whose reference closed
+  before their verdicts came in) whose whole queue is one batch is opened without an encode call: that batch's
+  render reads the RefKV from its worker's device cache or encodes it there (`QueuedReference.encoder`), and no
+  other worker is handed the reference while that render is out. Nobody else would fetch its RefKV, and the encode
+  call (a dispatch, an answer and a loop step on the driver) was most of what a judged webdataset job's driver paid
+  per re-opened reference (docs/performance.md, "Judging: the driver's cost").
 - The fetch-or-encode choice across nodes uses the configured bandwidth, else the one measured on the first
   cross-node fetch; the encode time is the one the workers measured.
 - A batch holds items with equal batch keys, at most `max_batch`, or fewer where a batch of that shape ran out of
@@ -59,10 +65,20 @@ class QueuedReference:
     holders: set[int] = field(default_factory=set)  # workers that have it (or will have it) on their device
     encode_seconds: float | None = None
     nbytes: int | None = None
+    added: bool = False  # made of items added to the running schedule after their reference closed (re-renders)
+    # The worker whose render encodes the RefKV itself (an added reference whose queue was one batch: no encode
+    # call); while that render is out, the reference is that worker's alone.
+    encoder: int | None = None
 
     def forget_refkv(self) -> None:
         """No RefKV handle any more: the next worker without it encodes the reference."""
         self.refkv, self.ready, self.refkv_worker, self.refkv_node = None, False, None, None
+        self.encoder = None
+
+    def encoded_in_render_elsewhere(self, worker: int) -> bool:
+        """Another worker's render is encoding this reference's RefKV now (`encoder`): `worker` must not open it
+        again beside it (a second encode), nor wait for a RefKV that will never be in the object store."""
+        return self.encoder is not None and self.encoder != worker and self.in_flight > 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,9 @@ class UnopenedReferences:
     def __init__(self, groups: Iterable[Sequence[WorkItem]], items: int) -> None:
         self._groups = iter(groups)
         self._ready: deque[QueuedReference] = deque()
+        # The first reference of `_ready` per key: `add` joins it (a scan of `_ready` per added item was a
+        # measurable part of a judged job's driver cost, with every reference of a round waiting there).
+        self._by_key: dict[tuple, QueuedReference] = {}
         self.items = items  # items in references not opened yet
         self.dropped: set[str] = set()  # reference hashes whose items are skipped as their group is read
         self.skipped = 0  # items skipped so (the schedule takes the count: `Placement.take_dropped`)
@@ -104,6 +123,8 @@ class UnopenedReferences:
                     task = tasks[id(item.settings)] = ReferenceTask.for_item(item)
                 by_key.setdefault(task.key, QueuedReference(task, deque())).pending.append(item)
             self._ready.extend(by_key.values())
+            for key, ref in by_key.items():
+                self._by_key.setdefault(key, ref)
 
     def __bool__(self) -> bool:
         self._fill()
@@ -114,6 +135,7 @@ class UnopenedReferences:
         self.dropped.add(reference_hash)
         gone = [r for r in self._ready if r.task.reference_hash == reference_hash]
         self._ready = deque(r for r in self._ready if r.task.reference_hash != reference_hash)
+        self._by_key = {k: r for k, r in self._by_key.items() if r.task.reference_hash != reference_hash}
         dropped = sum(len(r.pending) for r in gone)
         self.items -= dropped
         return dropped
@@ -122,12 +144,12 @@ class UnopenedReferences:
         """An item added to a running schedule whose reference is not open: it joins a reference already waiting to
         be opened (read from the plan), else waits as a new one after those (so that late items of one reference
         are opened together)."""
-        ref = next((r for r in self._ready if r.task.key == task.key), None)
+        ref = self._by_key.get(task.key)
         if ref is None:
             self._fill()  # the plan's next group first: added items never jump the plan's order
-            ref = next((r for r in self._ready if r.task.key == task.key), None)
+            ref = self._by_key.get(task.key)
         if ref is None:
-            ref = QueuedReference(task, deque())
+            ref = self._by_key[task.key] = QueuedReference(task, deque(), added=True)
             self._ready.append(ref)
         ref.pending.append(item)
         self.items += 1
@@ -136,6 +158,11 @@ class UnopenedReferences:
         self._fill()
         ref = self._ready.popleft()
         self.items -= len(ref.pending)
+        if self._by_key.get(ref.task.key) is ref:  # the next one of its key, if any, is the one to join now
+            del self._by_key[ref.task.key]
+            later = next((r for r in self._ready if r.task.key == ref.task.key), None)
+            if later is not None:
+                self._by_key[ref.task.key] = later
         return ref
 
 
@@ -198,6 +225,8 @@ class Placement:
             return None
         batch = self._take_batch(ref)
         opens, handle, fetch_from = ref.refkv is None, None, None
+        if opens and self._encodes_in_render(ref, worker):
+            opens, ref.encoder = False, worker
         if not opens and ref.ready:
             # A holder gets the handle too: it is only read if its LRU evicted the RefKV meanwhile.
             if worker in ref.holders or self._fetch_is_cheaper(ref, node):
@@ -220,6 +249,13 @@ class Placement:
         first), so it gets no handle: it must not wait on its own queued call."""
         ref.refkv, ref.ready, ref.refkv_node, ref.refkv_worker = refkv, False, node, worker
 
+    @staticmethod
+    def _encodes_in_render(ref: QueuedReference, worker: int) -> bool:
+        """Open `ref` without an encode call (its batch just taken): an added reference whose queue that batch
+        emptied, with no render out but `worker`'s own (see the module docstring). A larger queue keeps the
+        encode call: its RefKV in the object store is what the other workers' batches read."""
+        return ref.added and not ref.pending and (ref.in_flight == 0 or ref.encoder == worker)
+
     def _pick_reference(self, worker: int, live_workers: int) -> QueuedReference | None:
         held = [r for r in self.open if r.pending and worker in r.holders]
         if held:
@@ -231,7 +267,11 @@ class Placement:
             return ref
         # Help with the open reference that has the most work per holder, once its RefKV is ready
         # (or re-open one whose encode failed).
-        candidates = [r for r in self.open if r.pending and (r.ready or r.refkv is None)]
+        candidates = [
+            r
+            for r in self.open
+            if r.pending and (r.ready or (r.refkv is None and not r.encoded_in_render_elsewhere(worker)))
+        ]
         if not candidates:
             return None
         return max(candidates, key=lambda r: len(r.pending) / max(1, len(r.holders)))
@@ -320,6 +360,8 @@ class Placement:
         dropped = []
         for ref in self.open:
             ref.holders.discard(worker)
+            if ref.encoder == worker:  # its render is lost with it: the next worker opens the reference
+                ref.encoder = None
             if drop_refkvs and ref.refkv_worker == worker and ref.refkv is not None:
                 dropped.append(ref)
         return dropped

@@ -184,7 +184,7 @@ def test_a_re_render_added_while_its_reference_is_open_joins_it_without_another_
     assert s.done == ["A-0", "A-1", "A-10"] and s.policy.remaining == 1  # B's item is left
 
 
-def test_a_re_render_added_after_its_reference_closed_opens_it_again():
+def test_a_re_render_added_after_its_reference_closed_opens_it_again_in_one_render_call():
     s = Step(workers=1, config=SchedulerConfig(max_batch=1))
     s.policy.start(items("A", 1))
     first = s.schedule(0)
@@ -192,7 +192,29 @@ def test_a_re_render_added_after_its_reference_closed_opens_it_again():
     assert s.policy.remaining == 0 and s.policy.placement.open == []  # A closed: its RefKV was dropped
     s.policy.add(items("A", 1, start=10))
     again = s.schedule(0)
+    # Its queue is one batch: no encode call; the render reads the worker's device cache or encodes A itself.
+    assert encodes(again) == [] and [(ids(c), c.refkv, c.task.items[0].item_id) for c in renders(again)] == [
+        (["A-10"], None, "A-10")
+    ]
+    assert again[0].args[1] is None  # no handle: there is no RefKV in the object store to read
+    s.update(rendered(renders(again)[0], "encoded"))
+    assert s.done == ["A-0", "A-10"] and s.policy.remaining == 0 and s.policy.placement.open == []
+    assert (s.stats.encodes_requested, s.stats.reference_encodes, s.policy.encodes_by_reference["hash-A"]) == (1, 2, 2)
+
+
+def test_re_renders_added_after_their_reference_closed_that_fill_two_batches_open_it_with_an_encode_call():
+    s = Step(workers=2, config=SchedulerConfig(max_batch=1))
+    s.policy.start(items("A", 1))
+    first = s.schedule(0)
+    s.update(encoded(encodes(first)[0]), rendered(renders(first)[0]))
+    s.policy.add(items("A", 2, start=10))
+    again = s.schedule(0)
+    # A second batch stays queued: A's RefKV goes to the object store, where worker 1 reads it once it is ready.
     assert len(encodes(again)) == 1 and [ids(c) for c in renders(again)] == [["A-10"]]
+    assert renders(s.schedule(1)) == []  # not ready yet
+    s.update(encoded(encodes(again)[0]))
+    (helper,) = renders(s.schedule(1))
+    assert ids(helper) == ["A-11"] and helper.refkv is encodes(again)[0].refkv
 
 
 def test_the_quota_seam_skips_a_references_queue_at_dispatch():

@@ -258,14 +258,28 @@ def _check_readers_see_kept_images_only(spec, storage, rows: list[dict], fmt: st
 
 
 @pytest.mark.slow
-def test_a_worker_killed_mid_loop_loses_no_kept_image_and_keeps_none_twice(tiny_models, tmp_path):
+@pytest.mark.parametrize(
+    "output",
+    [
+        {"format": "files"},
+        # The worker is killed with renders in its open shard: they render again.
+        {"format": "webdataset", "shard_max_items": 3},
+        # A shard commits when its idle worker publishes it, after the references of its renders closed: the
+        # re-renders open them again, those whose re-renders are one batch in that batch's render alone
+        # (cluster/placement.py), on the worker left.
+        {"format": "webdataset"},
+    ],
+    ids=["files", "webdataset-small-shards", "webdataset"],
+)
+def test_a_worker_killed_mid_loop_loses_no_kept_image_and_keeps_none_twice(tiny_models, tmp_path, output):
     judge = {"near_duplicate": {"max_distance": 10}, "max_renders_per_item": 3}
     spec = job_spec(
-        _manifest(tmp_path),
+        _manifest(tmp_path, references=4, prompts=3),
         tiny_models,
         str(tmp_path / "out"),
         defaults={"steps": 3},
         cluster={"num_workers": 2, "max_batch": 1},
+        output=output,
         judge=judge,
     )
     summary, killed_pid, infos = run_job_killing_a_worker(spec)

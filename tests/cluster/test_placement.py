@@ -209,3 +209,85 @@ def test_drop_reference_takes_its_queued_items_off_and_skips_those_not_read_yet(
     assert ids(p.assign(0, "n0", live_workers=1)) == ["B-0", "B-1"]
     assert p.assign(0, "n0", live_workers=1) is None and read == ["A", "B", "C"]
     assert p.take_dropped() == 3 and p.take_dropped() == 0 and p.pending_items() == 0
+
+
+def _closed(p: Placement, reference: str) -> None:
+    """Open `reference`, render its whole queue (as the policy counts calls in flight) and close it."""
+    a = p.assign(0, "n0", live_workers=2)
+    assert a.opens and a.reference.task.reference_hash == f"hash-{reference}" and not a.reference.pending
+    p.opened(a.reference, f"refkv-{reference}", 0, "n0")
+    p.close_finished()
+    assert p.open == [] and a.reference.refkv is None
+
+
+def test_a_re_opened_reference_whose_queue_is_one_batch_is_encoded_by_its_render_alone():
+    p = placement(items("A", 2), max_batch=4)
+    _closed(p, "A")  # a plan's reference opens with an encode call, however small its queue
+    p.add(items("A", 3, start=10))  # re-renders whose verdicts came in after A closed
+    first = p.assign(1, "n1", live_workers=2)
+    # The whole queue in one batch: no encode call (nobody else reads its RefKV); the render encodes it or reads
+    # worker 1's device cache, so it gets no handle.
+    assert (first.opens, first.refkv, ids(first)) == (False, None, ["A-10", "A-11", "A-12"])
+    ref = first.reference
+    assert ref.encoder == 1 and p.open_refkvs() == []
+    ref.in_flight = 1
+    p.add(items("A", 1, start=20))  # another verdict while that render is out: joins the open reference
+    # Worker 0 would encode A a second time beside worker 1's render: it waits; worker 1 takes it, again without an
+    # encode call (its device cache has the RefKV by then, or its first render is filling it).
+    assert p.assign(0, "n0", live_workers=2) is None
+    second = p.assign(1, "n1", live_workers=2)
+    assert (second.reference, second.opens, second.refkv, ids(second)) == (ref, False, None, ["A-20"])
+
+
+def test_a_re_opened_reference_with_more_than_a_batch_queued_is_opened_with_an_encode_call():
+    p = placement(items("A", 1), max_batch=2)
+    _closed(p, "A")
+    p.add(items("A", 3, start=10))
+    first = p.assign(1, "n1", live_workers=2)
+    # Another batch stays queued: its RefKV goes to the object store, where the other workers read it.
+    assert first.opens and ids(first) == ["A-10", "A-11"] and first.reference.encoder is None
+    p.opened(first.reference, "refkv-A2", 1, "n1")
+    first.reference.ready = True
+    helper = p.assign(0, "n0", live_workers=2)
+    assert (helper.opens, helper.refkv, ids(helper)) == (False, "refkv-A2", ["A-12"])
+
+
+def test_a_lost_worker_that_was_encoding_a_reference_in_its_render_frees_it_for_the_others():
+    p = placement(items("A", 1), max_batch=1)
+    _closed(p, "A")
+    p.add(items("A", 1, start=10))
+    first = p.assign(1, "n1", live_workers=2)
+    first.reference.in_flight = 1
+    p.add(items("A", 1, start=11))
+    second = p.assign(1, "n1", live_workers=2)  # worker 1's second call: its own cache
+    assert (second.reference, second.opens, ids(second)) == (first.reference, False, ["A-11"])
+    first.reference.in_flight = 2
+    p.add(items("A", 1, start=12))
+    assert p.assign(0, "n0", live_workers=2) is None  # worker 1's renders are encoding A
+    # Worker 1 is lost: the policy counts back the call that failed first, then tells placement. Its other call
+    # is still out, lost with it: worker 0 need not wait for it, and opens A (with an encode call: a render of
+    # A is still counted out).
+    first.reference.in_flight = 1
+    p.forget_worker(1, drop_refkvs=True)
+    again = p.assign(0, "n0", live_workers=2)
+    assert (again.reference, again.opens, ids(again)) == (first.reference, True, ["A-12"])
+
+
+def test_added_items_join_the_waiting_reference_of_their_key_else_one_added_reference_in_arrival_order():
+    p = placement(items("A", 1) + items("B", 1) + items("C", 1), max_batch=8)
+    a = p.assign(0, "n0", live_workers=1)  # A opens; B and C wait, read from the plan
+    p.opened(a.reference, "refkv-A", 0, "n0")
+    p.add(items("C", 1, start=10) + items("D", 1, start=10) + items("E", 1, start=10) + items("D", 1, start=11))
+    a.reference.in_flight = 1
+    p.close_finished()
+    order = []
+    for _ in range(4):
+        got = p.assign(0, "n0", live_workers=4)
+        order.append((got.reference.task.reference_hash, ids(got), got.reference.added))
+    # C's re-render joins C's plan group; D's two make one added reference; none jumps the plan's order.
+    assert order == [
+        ("hash-B", ["B-0"], False),
+        ("hash-C", ["C-0", "C-10"], False),
+        ("hash-D", ["D-10", "D-11"], True),
+        ("hash-E", ["E-10"], True),
+    ]
