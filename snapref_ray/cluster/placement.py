@@ -97,9 +97,9 @@ class UnopenedReferences:
     def __init__(self, groups: Iterable[Sequence[WorkItem]], items: int) -> None:
         self._groups = iter(groups)
         self._ready: deque[QueuedReference] = deque()
-        # The first reference of `_ready` per key: `add` joins it (a scan of `_ready` per added item was a
-        # measurable part of a judged job's driver cost, with every reference of a round waiting there).
-        self._by_key: dict[tuple, QueuedReference] = {}
+        # `_ready`'s references per key, in its order: `add` joins the first (a scan of `_ready` per added item was
+        # a measurable part of a judged job's driver cost, with every reference of a round waiting there).
+        self._by_key: dict[tuple, deque[QueuedReference]] = {}
         self.items = items  # items in references not opened yet
         self.dropped: set[str] = set()  # reference hashes whose items are skipped as their group is read
         self.skipped = 0  # items skipped so (the schedule takes the count: `Placement.take_dropped`)
@@ -124,7 +124,7 @@ class UnopenedReferences:
                 by_key.setdefault(task.key, QueuedReference(task, deque())).pending.append(item)
             self._ready.extend(by_key.values())
             for key, ref in by_key.items():
-                self._by_key.setdefault(key, ref)
+                self._by_key.setdefault(key, deque()).append(ref)
 
     def __bool__(self) -> bool:
         self._fill()
@@ -135,7 +135,7 @@ class UnopenedReferences:
         self.dropped.add(reference_hash)
         gone = [r for r in self._ready if r.task.reference_hash == reference_hash]
         self._ready = deque(r for r in self._ready if r.task.reference_hash != reference_hash)
-        self._by_key = {k: r for k, r in self._by_key.items() if r.task.reference_hash != reference_hash}
+        self._by_key = {k: refs for k, refs in self._by_key.items() if refs[0].task.reference_hash != reference_hash}
         dropped = sum(len(r.pending) for r in gone)
         self.items -= dropped
         return dropped
@@ -144,12 +144,13 @@ class UnopenedReferences:
         """An item added to a running schedule whose reference is not open: it joins a reference already waiting to
         be opened (read from the plan), else waits as a new one after those (so that late items of one reference
         are opened together)."""
-        ref = self._by_key.get(task.key)
-        if ref is None:
+        if task.key not in self._by_key:
             self._fill()  # the plan's next group first: added items never jump the plan's order
-            ref = self._by_key.get(task.key)
-        if ref is None:
-            ref = self._by_key[task.key] = QueuedReference(task, deque(), added=True)
+        if task.key in self._by_key:
+            ref = self._by_key[task.key][0]
+        else:
+            ref = QueuedReference(task, deque(), added=True)
+            self._by_key[task.key] = deque([ref])
             self._ready.append(ref)
         ref.pending.append(item)
         self.items += 1
@@ -158,11 +159,10 @@ class UnopenedReferences:
         self._fill()
         ref = self._ready.popleft()
         self.items -= len(ref.pending)
-        if self._by_key.get(ref.task.key) is ref:  # the next one of its key, if any, is the one to join now
+        same_key = self._by_key[ref.task.key]
+        same_key.popleft()  # `ref`: both queues keep `_ready`'s order
+        if not same_key:
             del self._by_key[ref.task.key]
-            later = next((r for r in self._ready if r.task.key == ref.task.key), None)
-            if later is not None:
-                self._by_key[ref.task.key] = later
         return ref
 
 
