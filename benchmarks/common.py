@@ -28,7 +28,8 @@ import torch
 
 from snapref_ray.geometry import VAE_SCALE, token_count
 from snapref_ray.models.conditioning import CONTEXT_ROWS
-from snapref_ray.models.dit import AnimaDiT, DiTConfig, load_dit
+from snapref_ray.models.dit import AnimaDiT, load_dit
+from snapref_ray.models.dit_config import DiTConfig
 from snapref_ray.models.tiny_dit import T5_VOCAB, make_tiny_dit_state_dict, tiny_dit_config
 from snapref_ray.platform_info import cpu_model
 

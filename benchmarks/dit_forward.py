@@ -40,7 +40,8 @@ from benchmarks.common import (
     summarize,
 )
 from snapref_ray.models.device_memory import available_memory_bytes
-from snapref_ray.models.dit import AnimaDiT, real_dit_config
+from snapref_ray.models.dit import AnimaDiT
+from snapref_ray.models.dit_config import real_dit_config
 from snapref_ray.models.flops import dit_forward_flop_breakdown, dit_forward_flops
 from snapref_ray.sampling.guidance import cfg as cfg_combine
 

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from snapref_ray.adapter.file import AdapterError
 from snapref_ray.adapter.kinds import ARCANIMA_KINDS, KIND_METADATA_KEY, Detection, detect_kind
-from snapref_ray.models.checkpoint import CheckpointError, read_header
+from snapref_ray.models.safetensors_header import CheckpointError, read_header
 
 MAP_KEYS = {"rename", "drop", "kind", "metadata"}
 

@@ -25,9 +25,10 @@ import torch
 from safetensors.torch import save_file
 
 from snapref_ray.adapter.kinds import SNAPREF_FORMAT, not_a_snapref_file
-from snapref_ray.models.checkpoint import CheckpointError, load_state_dict, read_header
-from snapref_ray.models.dit import BLOCK_LINEARS
+from snapref_ray.models.checkpoint import load_state_dict
+from snapref_ray.models.dit_config import BLOCK_LINEARS
 from snapref_ray.models.ops import BlockLoRA, LoRAPair
+from snapref_ray.models.safetensors_header import CheckpointError, read_header
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from snapref_ray.models.checkpoint import DIT_PREFIXES, CheckpointError, read_header
-from snapref_ray.models.dit import BLOCK_LINEARS
+from snapref_ray.models.dit_config import BLOCK_LINEARS
 from snapref_ray.models.lora import KOHYA_PREFIXES, _module_path, _split_key
+from snapref_ray.models.safetensors_header import DIT_PREFIXES, CheckpointError, read_header
 
 # The `__metadata__["format"]` of a SnapRef file (docs/design.md#the-snapref-file-format).
 SNAPREF_FORMAT = "anima_ref_kv/1"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from snapref_ray.geometry import token_count
 from snapref_ray.models.conditioning import CONTEXT_ROWS  # every prompt's context is padded to 512 rows
-from snapref_ray.models.dit import BLOCK_LINEARS, DiTConfig, real_dit_config
+from snapref_ray.models.dit_config import BLOCK_LINEARS, DiTConfig, real_dit_config
 from snapref_ray.models.flops import dit_forward_flops
 
 

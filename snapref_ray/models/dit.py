@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -26,88 +24,20 @@ from torch import nn
 
 from snapref_ray.geometry import PATCH
 from snapref_ray.models.attention import RefRead, attention
-from snapref_ray.models.checkpoint import CheckpointError, load_into_module, load_state_dict, strip_prefix
-from snapref_ray.models.llm_adapter import LLMAdapter, LLMAdapterConfig
+from snapref_ray.models.checkpoint import load_into_module, load_state_dict
+from snapref_ray.models.dit_config import BLOCK_LINEARS, DiTConfig
+from snapref_ray.models.llm_adapter import LLMAdapter
 from snapref_ray.models.ops import FLOAT8_DTYPES, BlockLoRA, Linear, RMSNorm
 from snapref_ray.models.rope import apply_rope, dit_rope
+from snapref_ray.models.safetensors_header import strip_prefix
 
 EPS = 1e-6
-# The ten linears of a block that runtime LoRAs (and SnapRef's reference branch) can adapt.
-BLOCK_LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.output_proj",
-    "cross_attn.q_proj",
-    "cross_attn.k_proj",
-    "cross_attn.v_proj",
-    "cross_attn.output_proj",
-    "mlp.layer1",
-    "mlp.layer2",
-)
 _NO_LORA: BlockLoRA = {}
 KVSink = list[tuple[torch.Tensor, torch.Tensor]]
 Rope = tuple[torch.Tensor, torch.Tensor]
 # How a forward runs one block: (block, x, t, context, rope, lora, ref, cross_attention) -> x. None = the
 # block module itself; models/compiled.py passes its compiled graph (one for every block).
 BlockRunner = Callable[..., torch.Tensor]
-
-
-@dataclass(frozen=True)
-class DiTConfig:
-    """Shape of an Anima DiT, inferred from a checkpoint's tensor shapes (`from_state_dict`)."""
-
-    model_channels: int  # D, the residual width (2048)
-    num_blocks: int  # 28 for Anima base, 40 for the depth-expanded Anima-2.9B
-    num_heads: int  # 16
-    head_dim: int  # 128
-    in_channels: int  # latent channels (16); the patch embed sees one more, the zero padding mask
-    context_dim: int  # width of the cross-attention context = LLM adapter output (1024)
-    adaln_lora_dim: int  # bottleneck of the per-block adaLN modulation (256)
-    mlp_hidden: int  # 4 * D
-    adapter: LLMAdapterConfig
-
-    @classmethod
-    def from_state_dict(cls, sd: Mapping[str, torch.Tensor], *, source: str = "state dict") -> DiTConfig:
-        """Infer the config from a state dict whose file prefix (`net.` etc.) is already stripped."""
-
-        def shape(key: str) -> tuple[int, ...]:
-            if key not in sd:
-                raise CheckpointError(
-                    f"{source}: missing tensor {key!r}, needed to infer the model's shape (is this an Anima DiT file?)"
-                )
-            return tuple(sd[key].shape)
-
-        model_channels, patch_features = shape("x_embedder.proj.1.weight")
-        head_dim = shape("blocks.0.self_attn.q_norm.weight")[0]
-        # Count only top-level blocks: llm_adapter.blocks.N are the adapter's own.
-        block_ids = [int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))]
-        return cls(
-            model_channels=model_channels,
-            num_blocks=max(block_ids) + 1,
-            num_heads=model_channels // head_dim,
-            head_dim=head_dim,
-            in_channels=patch_features // (PATCH * PATCH) - 1,
-            context_dim=shape("blocks.0.cross_attn.k_proj.weight")[1],
-            adaln_lora_dim=shape("blocks.0.adaln_modulation_self_attn.1.weight")[0],
-            mlp_hidden=shape("blocks.0.mlp.layer1.weight")[0],
-            adapter=LLMAdapterConfig.from_state_dict(sd, source=source),
-        )
-
-
-def real_dit_config(num_blocks: int = 28) -> DiTConfig:
-    """Anima base (28 blocks) or Anima-2.9B (40 blocks) at real size."""
-    return DiTConfig(
-        model_channels=2048,
-        num_blocks=num_blocks,
-        num_heads=16,
-        head_dim=128,
-        in_channels=16,
-        context_dim=1024,
-        adaln_lora_dim=256,
-        mlp_hidden=8192,
-        adapter=LLMAdapterConfig(),
-    )
 
 
 class TimeEmbedding(NamedTuple):
@@ -510,4 +440,4 @@ def load_dit(
     return model.eval().requires_grad_(False)
 
 
-__all__ = ["AnimaDiT", "BLOCK_LINEARS", "BlockRunner", "DiTBlock", "DiTConfig", "load_dit", "real_dit_config"]
+__all__ = ["AnimaDiT", "BlockRunner", "DiTBlock", "load_dit"]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from snapref_ray.geometry import PATCH
-from snapref_ray.models.dit import BLOCK_LINEARS, DiTConfig
+from snapref_ray.models.dit_config import BLOCK_LINEARS, DiTConfig
 
 
 def _linear_flops(tokens: int, fan_in: int, fan_out: int) -> float:

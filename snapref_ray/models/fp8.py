@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snapref_ray.models.dit import BLOCK_LINEARS, AnimaDiT
+from snapref_ray.models.dit import AnimaDiT
+from snapref_ray.models.dit_config import BLOCK_LINEARS
 from snapref_ray.models.ops import FLOAT8_DTYPES, Linear
 
 log = logging.getLogger(__name__)

@@ -8,62 +8,13 @@ applies the per-token prompt weights first).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snapref_ray.models.checkpoint import CheckpointError
+from snapref_ray.models.dit_config import LLMAdapterConfig
 from snapref_ray.models.ops import Linear, RMSNorm
 from snapref_ray.models.rope import apply_rope, sequence_rope
-
-PREFIX = "llm_adapter."
-
-
-@dataclass(frozen=True)
-class LLMAdapterConfig:
-    """Shape of the adapter; Anima: 1024-d Qwen3 states in, 6 blocks of 16 x 64 heads, 1024-d out."""
-
-    source_dim: int = 1024  # Qwen3-0.6B hidden size
-    model_dim: int = 1024  # = output dim (Anima has no in_proj: target_dim == model_dim)
-    num_blocks: int = 6
-    num_heads: int = 16
-    mlp_hidden: int = 4096
-    vocab_size: int = 32128  # T5 v1.1 vocabulary (32100 pieces padded to 32128)
-
-    @property
-    def head_dim(self) -> int:
-        return self.model_dim // self.num_heads
-
-    @classmethod
-    def from_state_dict(
-        cls, sd: dict[str, torch.Tensor], *, source: str = "state dict", prefix: str = PREFIX
-    ) -> LLMAdapterConfig:
-        """Infer the config from tensor shapes (keys with `prefix`, default `llm_adapter.`)."""
-
-        def shape(key: str) -> tuple[int, ...]:
-            if prefix + key not in sd:
-                raise _missing(source, prefix + key)
-            return tuple(sd[prefix + key].shape)
-
-        vocab_size, model_dim = shape("embed.weight")
-        head_dim = shape("blocks.0.self_attn.q_norm.weight")[0]
-        num_blocks = 1 + max(int(k[len(prefix) :].split(".")[1]) for k in sd if k.startswith(prefix + "blocks."))
-        return cls(
-            source_dim=shape("blocks.0.cross_attn.k_proj.weight")[1],
-            model_dim=model_dim,
-            num_blocks=num_blocks,
-            num_heads=model_dim // head_dim,
-            mlp_hidden=shape("blocks.0.mlp.0.weight")[0],
-            vocab_size=vocab_size,
-        )
-
-
-def _missing(source: str, key: str) -> CheckpointError:
-    return CheckpointError(
-        f"{source}: missing tensor {key!r}, needed to infer the model's shape (is this an Anima DiT file?)"
-    )
 
 
 class AdapterAttention(nn.Module):

@@ -30,7 +30,7 @@ from torch import nn
 from snapref_ray.models import ops
 from snapref_ray.models.block_map import KNOWN_MAPS, BlockLayoutError, adapter_block_map
 from snapref_ray.models.checkpoint import load_state_dict
-from snapref_ray.models.dit import BLOCK_LINEARS
+from snapref_ray.models.dit_config import BLOCK_LINEARS
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snapref_ray.models.checkpoint import CheckpointError, StateDict, load_into_module, load_state_dict, strip_prefix
+from snapref_ray.models.checkpoint import StateDict, load_into_module, load_state_dict
 from snapref_ray.models.ops import Linear, RMSNorm
+from snapref_ray.models.safetensors_header import CheckpointError, strip_prefix
 
 # The forward always runs in this dtype whatever the weights are stored as (ComfyUI manual_cast).
 COMPUTE_DTYPE = torch.float32

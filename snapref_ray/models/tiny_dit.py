@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from snapref_ray.models.dit import AnimaDiT, DiTConfig
-from snapref_ray.models.llm_adapter import LLMAdapterConfig
+from snapref_ray.models.dit import AnimaDiT
+from snapref_ray.models.dit_config import DiTConfig, LLMAdapterConfig
 from snapref_ray.models.ops import RMSNorm
 
 # The real T5 vocabulary, so real tokenizer ids index the tiny embedding.

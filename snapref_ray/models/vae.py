@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snapref_ray.models.checkpoint import CheckpointError, StateDict, load_into_module, load_state_dict, strip_prefix
+from snapref_ray.models.checkpoint import StateDict, load_into_module, load_state_dict
 from snapref_ray.models.ops import FLOAT8_DTYPES
+from snapref_ray.models.safetensors_header import CheckpointError, strip_prefix
 
 if TYPE_CHECKING:
     from snapref_ray.models.vae_memory import VAEMemoryPolicy

@@ -26,8 +26,8 @@ import torch
 
 from snapref_ray.geometry import token_count
 from snapref_ray.models.bundle import ModelFiles
-from snapref_ray.models.checkpoint import read_header, strip_prefix
-from snapref_ray.models.dit import DiTConfig
+from snapref_ray.models.dit_config import DiTConfig
+from snapref_ray.models.safetensors_header import read_header, strip_prefix
 from snapref_ray.models.vae import VAE_PREFIXES, infer_vae_config, vae_compute_dtype
 from snapref_ray.models.vae_memory import decode_peak_bytes
 

@@ -23,7 +23,7 @@ from benchmarks.common import (
     paired_ratio,
 )
 from snapref_ray.models.attention import RefRead
-from snapref_ray.models.dit import real_dit_config
+from snapref_ray.models.dit_config import real_dit_config
 from snapref_ray.models.flops import block_linear_dims, dit_forward_flop_breakdown, dit_forward_flops
 from snapref_ray.models.ops import LoRAPair
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from snapref_ray.models.checkpoint import CheckpointError
 from snapref_ray.models.dit import load_dit
+from snapref_ray.models.safetensors_header import CheckpointError
 from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict
 
 

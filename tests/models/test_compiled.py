@@ -26,7 +26,8 @@ from torch._dynamo.testing import CompileCounter
 from snapref_ray.models.attention import RefRead
 from snapref_ray.models.compile_cache import CompileCache, CompileKey
 from snapref_ray.models.compiled import compile_forward
-from snapref_ray.models.dit import BLOCK_LINEARS, load_dit
+from snapref_ray.models.dit import load_dit
+from snapref_ray.models.dit_config import BLOCK_LINEARS
 from snapref_ray.models.fp8 import quantize_dit
 from snapref_ray.models.ops import LoRAPair
 from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict

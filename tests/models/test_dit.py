@@ -13,18 +13,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from snapref_ray.models.attention import RefRead
-from snapref_ray.models.dit import (
-    BLOCK_LINEARS,
-    AnimaDiT,
-    DiTConfig,
-    TimeEmbedding,
-    load_dit,
-    modulate,
-    modulation,
-    patchify,
-    real_dit_config,
-    timestep_sinusoid,
-)
+from snapref_ray.models.dit import AnimaDiT, TimeEmbedding, load_dit, modulate, modulation, patchify, timestep_sinusoid
+from snapref_ray.models.dit_config import BLOCK_LINEARS, DiTConfig, real_dit_config
 from snapref_ray.models.ops import Linear, LoRAPair
 from snapref_ray.models.rope import apply_rope, dit_rope, dit_rope_axis_dims
 from snapref_ray.models.tiny_dit import make_tiny_dit_state_dict

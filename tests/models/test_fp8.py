@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from snapref_ray.models.attention import RefRead
 from snapref_ray.models.compiled import compile_forward
-from snapref_ray.models.dit import BLOCK_LINEARS, load_dit
+from snapref_ray.models.dit import load_dit
+from snapref_ray.models.dit_config import BLOCK_LINEARS
 from snapref_ray.models.fp8 import (
     FP8,
     Float8Linear,

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapref_ray.models.checkpoint import CheckpointError, load_into_module
-from snapref_ray.models.llm_adapter import LLMAdapter, LLMAdapterConfig
+from snapref_ray.models.checkpoint import load_into_module
+from snapref_ray.models.dit_config import LLMAdapterConfig
+from snapref_ray.models.llm_adapter import LLMAdapter
 from snapref_ray.models.ops import RMSNorm
+from snapref_ray.models.safetensors_header import CheckpointError
 
 
 def random_adapter(config: LLMAdapterConfig, seed: int) -> tuple[LLMAdapter, dict[str, torch.Tensor]]:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from snapref_ray.models.checkpoint import CheckpointError
 from snapref_ray.models.qwen3 import QWEN3_06B, Qwen3Config, Qwen3Encoder, load_text_encoder
+from snapref_ray.models.safetensors_header import CheckpointError
 from snapref_ray.models.tiny_text import make_tiny_qwen3_state_dict
 
 REAL_WIDTH = dict(hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072)

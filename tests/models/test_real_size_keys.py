@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from snapref_ray.models.dit import AnimaDiT, DiTConfig, real_dit_config
+from snapref_ray.models.dit import AnimaDiT
+from snapref_ray.models.dit_config import DiTConfig, real_dit_config
 
 
 def meta_model(num_blocks: int) -> AnimaDiT:

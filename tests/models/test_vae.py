@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from snapref_ray.models.checkpoint import CheckpointError
 from snapref_ray.models.latent_format import process_out
+from snapref_ray.models.safetensors_header import CheckpointError
 from snapref_ray.models.tiny_vae import make_tiny_vae, make_tiny_vae_state_dict, random_vae_state_dict
 from snapref_ray.models.vae import CausalConv3d, VAEConfig, WanVAE, infer_vae_config, load_vae
 
