@@ -71,7 +71,7 @@ def weight_free(width: int, height: int, repeats: int) -> dict:
 def forward_counts(steps: int) -> dict:
     """Row-forwards of a CFG render and of its identity gap, counted on the tiny models (CPU)."""
     from snapref_ray.engine import Renderer
-    from snapref_ray.render_service.judges.registry import JudgeCall
+    from snapref_ray.render_service.judges.call import JudgeCall
     from snapref_ray.render_service.judges.spec import JudgeSpec
     from snapref_ray.render_service.references import Reference
     from snapref_ray.render_service.service import RenderService

@@ -79,7 +79,7 @@ def _judge_call(text: str | None):
     """--judge: check names (`sanity,near_duplicate`, each with its defaults) or a JSON object of settings."""
     if text is None:
         return None
-    from snapref_ray.render_service.judges.registry import judge_call
+    from snapref_ray.render_service.judges.call import judge_call
     from snapref_ray.render_service.judges.spec import JudgeSpec
 
     try:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Literal
 
 from snapref_ray.models.dit_config import BLOCK_LINEARS
-from snapref_ray.models.lora import KOHYA_PREFIXES, _module_path, _split_key
+from snapref_ray.models.lora_keys import KOHYA_PREFIXES, lora_module_path, split_lora_key
 from snapref_ray.models.safetensors_header import DIT_PREFIXES, CheckpointError, read_header
 
 # The `__metadata__["format"]` of a SnapRef file (docs/design.md#the-snapref-file-format).
@@ -219,11 +219,11 @@ def lora_signature(header: dict) -> LoRASignature | None:
     params = 0
     has_alpha = False
     for key, entry in header.items():
-        split = _split_key(key)
+        split = split_lora_key(key)
         if split is None:
             return None
         name, part = split
-        path = _module_path(name)
+        path = lora_module_path(name)
         if path is None:
             return None
         if part == "alpha":

@@ -24,8 +24,9 @@ good (either comes after Ray declared its node dead, had the node died), or at t
 
 from __future__ import annotations
 
+import sys
+
 import ray
-import torch
 
 from snapref_ray.cluster.scheduler_stats import REQUEUE_CAUSES, RESTARTING, Cause
 from snapref_ray.render_service.memory import describe_device_memory
@@ -59,7 +60,7 @@ def infrastructure_cause(error: BaseException) -> Cause | None:
     """
     if isinstance(error, ray.exceptions.OutOfMemoryError):
         return Cause.OOM_KILLED
-    if isinstance(error, torch.OutOfMemoryError):
+    if _is_device_out_of_memory(error):
         return Cause.DEVICE_OOM
     if isinstance(error, ray.exceptions.RayTaskError):
         return None
@@ -70,6 +71,13 @@ def infrastructure_cause(error: BaseException) -> Cause | None:
     if isinstance(error, _LOST_WORKER_ERRORS):
         return Cause.WORKER_LOST
     return None
+
+
+def _is_device_out_of_memory(error: BaseException) -> bool:
+    """`torch.OutOfMemoryError`, asked without importing torch: the driver plans and schedules without it, and an
+    instance of a torch class exists only where unpickling it imported torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(error, torch.OutOfMemoryError)
 
 
 def call_cause(error: BaseException) -> str | None:

@@ -24,11 +24,12 @@ from snapref_ray.cluster.metrics import job_metrics
 from snapref_ray.cluster.output_writer import OutputWriter
 from snapref_ray.cluster.tasks import EncodeInfo, ItemOutcome, ReferenceTask, RenderTask, ShardReport, WorkerInfo
 from snapref_ray.model_spec import ModelSpec
-from snapref_ray.render_service.judges.registry import JudgeCall
+from snapref_ray.render_service.judges.call import JudgeCall
 from snapref_ray.render_service.judges.spec import JudgeSpec
+from snapref_ray.render_service.memory import RenderOutOfMemory
 from snapref_ray.render_service.records import describe_error, encode_output, image_extension, metadata_row
 from snapref_ray.render_service.references import Reference, RefKVKey
-from snapref_ray.render_service.service import DEFAULT_REFKV_CACHE_BYTES, RenderOutOfMemory, RenderService
+from snapref_ray.render_service.refkv_cache import DEFAULT_REFKV_CACHE_BYTES
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
 from snapref_ray.storage.image_files import make_thumbnail
 from snapref_ray.storage.metadata import image_key, reference_image_key, thumb_key
@@ -85,6 +86,10 @@ class RenderWorker:
 
     def __init__(self, config: WorkerConfig, renderer_factory: Callable[[WorkerConfig], object] | None = None) -> None:
         import ray
+
+        # The service (torch, the model code) is imported here, in the worker's process: the driver imports this
+        # module to create the actor, and plans and schedules without torch.
+        from snapref_ray.render_service.service import RenderService
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = config

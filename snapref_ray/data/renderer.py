@@ -38,6 +38,7 @@ from snapref_ray.render_service.judges.scores import JUDGEMENT_COLUMNS, judgemen
 from snapref_ray.render_service.judges.spec import JudgeSpec
 from snapref_ray.render_service.records import describe_error, encode_output, metadata_row
 from snapref_ray.render_service.references import Reference, check_reference
+from snapref_ray.render_service.refkv_cache import DEFAULT_REFKV_CACHE_BYTES
 from snapref_ray.render_service.rows import (
     ParsedRow,
     RowInputError,
@@ -46,7 +47,7 @@ from snapref_ray.render_service.rows import (
     parse_row,
     unknown_column_hints,
 )
-from snapref_ray.render_service.service import DEFAULT_REFKV_CACHE_BYTES, RenderService
+from snapref_ray.render_service.service import RenderService
 from snapref_ray.render_service.work_items import item_id_for
 from snapref_ray.requests import RenderRequest, RenderSettings, RowDefaults
 from snapref_ray.storage.backends import read_uri
@@ -116,7 +117,7 @@ class SnapRefRenderer:
         renderer_factory: Callable | None = None,
         judge: dict | JudgeSpec | None = None,
     ) -> None:
-        from snapref_ray.render_service.judges.registry import judge_call
+        from snapref_ray.render_service.judges.call import judge_call
         from snapref_ray.render_service.loading import load_renderer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -11,8 +11,10 @@ a container the kernel's figure is the host's and the cgroup limit is what the O
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # cgroup v1 reports "no limit" as a huge page-rounded number (2^63 - 4096 on x86-64).
@@ -21,16 +23,18 @@ _NO_LIMIT = 2**60
 
 def available_memory_bytes(device: torch.device | str) -> int:
     """Bytes the next allocations on `device` can use (CUDA: free + cached unused; CPU: see the module)."""
-    device = torch.device(device)
-    if device.type == "cuda":
+    kind = device.type if not isinstance(device, str) else device.split(":")[0]
+    if kind == "cuda":
+        import torch  # the host's figures need no torch: a driver asks them without it
+
         free, _total = torch.cuda.mem_get_info(device)
         cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return free + cached_unused
-    if device.type == "cpu":
+    if kind == "cpu":
         available = meminfo_available_bytes()
         limit = cgroup_available_bytes()
         return available if limit is None else min(available, limit)
-    raise ValueError(f"available_memory_bytes: no memory query for device type {device.type!r} (cuda or cpu)")
+    raise ValueError(f"available_memory_bytes: no memory query for device type {kind!r} (cuda or cpu)")
 
 
 def meminfo_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:

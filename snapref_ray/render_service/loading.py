@@ -14,14 +14,17 @@ import fnmatch
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from snapref_ray.adapter.kinds import detect_kind
-from snapref_ray.engine import Renderer
 from snapref_ray.model_spec import MODEL_FILE_FIELDS, ModelSpec
 from snapref_ray.models.bundle import ADAPTER_PATTERNS
 from snapref_ray.storage.backends import S3Options, S3Storage, open_storage
 from snapref_ray.storage.model_cache import default_compile_cache_dir, ensure_local, ensure_local_folder
 from snapref_ray.uris import is_remote
+
+if TYPE_CHECKING:  # the engine (torch) is imported where a model loads, not by a driver asking a file's kind
+    from snapref_ray.engine import Renderer
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ def localise(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: str | N
 def load_renderer(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: str | None = None) -> Renderer:
     """The Renderer `spec` describes, on its device (s3:// files fetched into the node's model cache)."""
     import torch
+
+    from snapref_ray.engine import Renderer
 
     local = localise(spec, s3=s3, cache_dir=cache_dir)
     files = local.local_files()

@@ -30,12 +30,17 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from snapref_ray.models.device_memory import available_memory_bytes, total_memory_bytes
+from snapref_ray.requests import RenderError
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 256  # a bound for the report; the batch asked for caps each render anyway
 SAFETY_FRACTION = 0.85  # of what is available: fragmentation, kernels' workspaces, the RefKV cache growing
 T = TypeVar("T")
+
+
+class RenderOutOfMemory(RenderError):
+    """One image does not fit the device: the message names its size, the device and the memory figures."""
 
 
 @dataclass(frozen=True)

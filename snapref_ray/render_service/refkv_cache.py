@@ -12,8 +12,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from snapref_ray.adapter.refkv import RefKV
+if TYPE_CHECKING:  # the cache holds RefKVs and never builds one: a driver sets its size without torch
+    from snapref_ray.adapter.refkv import RefKV
+
+DEFAULT_REFKV_CACHE_BYTES = 8 * 2**30
 
 
 @dataclass

@@ -42,24 +42,18 @@ from snapref_ray.model_spec import ModelSpec
 from snapref_ray.render_service.batching import rows_per_image
 from snapref_ray.render_service.cold_start import ColdStart, ColdStartClock, warm_up
 from snapref_ray.render_service.loading import load_renderer
-from snapref_ray.render_service.memory import FitKey, MemoryFit, describe_device_memory
+from snapref_ray.render_service.memory import FitKey, MemoryFit, RenderOutOfMemory, describe_device_memory
 from snapref_ray.render_service.references import Reference, reference_picture
-from snapref_ray.render_service.refkv_cache import RefKVCache
+from snapref_ray.render_service.refkv_cache import DEFAULT_REFKV_CACHE_BYTES, RefKVCache
 from snapref_ray.requests import RenderRequest, RenderSettings
 from snapref_ray.storage.backends import S3Options
 
 if TYPE_CHECKING:
-    from snapref_ray.render_service.judges.registry import JudgeCall, Judges
+    from snapref_ray.render_service.judges.call import JudgeCall
+    from snapref_ray.render_service.judges.registry import Judges
     from snapref_ray.render_service.judges.scores import Judgement
 
 log = logging.getLogger(__name__)
-
-DEFAULT_REFKV_CACHE_BYTES = 8 * 2**30
-
-
-class RenderOutOfMemory(RenderError):
-    """One image does not fit the device: the message names its size, the device and the memory figures."""
-
 
 ReferenceSource = Literal["cache", "fetched", "encoded", "recomputed"]
 
@@ -351,7 +345,7 @@ class RenderService:
             return []
         calls = _judge_calls(judge, len(requests))
         if any(calls):
-            from snapref_ray.render_service.judges.registry import check_call
+            from snapref_ray.render_service.judges.call import check_call
 
             for call in {id(c): c for c in calls if c is not None}.values():
                 check_call(call, reference is not None)

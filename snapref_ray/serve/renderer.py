@@ -222,7 +222,7 @@ class ReplicaRenderer:
         """The service's JudgeCall for `call` (None when it asks for no judge), checked before any device work."""
         if call.judge is None:
             return None
-        from snapref_ray.render_service.judges.registry import JudgeCall, check_call
+        from snapref_ray.render_service.judges.call import JudgeCall, check_call
 
         contrast = self._stored(call.contrast) if call.contrast is not None else None
         judge = JudgeCall(call.judge, contrast=contrast)

@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from snapref_ray.engine import RenderResult
-from snapref_ray.render_service.memory import FitKey, HostMemory, MemoryFit, largest_batch
-from snapref_ray.render_service.service import RenderOutOfMemory, RenderService
+from snapref_ray.render_service.memory import FitKey, HostMemory, MemoryFit, RenderOutOfMemory, largest_batch
+from snapref_ray.render_service.service import RenderService
 from snapref_ray.requests import RenderRequest, RenderSettings
 
 GiB = 2**30

@@ -1,6 +1,6 @@
 """The judges of one render service: each check by name, run over a batch right after its decode.
 
-A door asks with a `JudgeCall` (the `JudgeSpec`, plus what only the caller knows: the reference's kept
+A door asks with a `JudgeCall` (judges/call.py: the `JudgeSpec`, plus what only the caller knows: the reference's kept
 pHashes, a contrast reference for the identity gap) and gets one `Judgement` per image. The checks
 that need no weights (sanity, pHash) run on the host; the identity gap and the embedding hold the
 device, like a render. An embedding model is loaded once per service and a reference's embedding
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from snapref_ray.render_service.judges.call import JudgeCall, check_call
 from snapref_ray.render_service.judges.embedding import (
     Embedder,
     embedding_passes,
@@ -29,9 +30,9 @@ from snapref_ray.render_service.judges.identity_gap import identity_gap, identit
 from snapref_ray.render_service.judges.near_duplicate import near_duplicate_passes, score_near_duplicate
 from snapref_ray.render_service.judges.sanity import sanity_passes, score_sanity
 from snapref_ray.render_service.judges.scores import Judgement, JudgeScores
-from snapref_ray.render_service.judges.spec import CheckName, JudgeSpec
-from snapref_ray.render_service.references import Reference, RefKVKey, check_reference
-from snapref_ray.requests import RenderError, RenderSettings
+from snapref_ray.render_service.judges.spec import CheckName
+from snapref_ray.render_service.references import Reference, RefKVKey
+from snapref_ray.requests import RenderSettings
 
 # Per check: does a render with these scores pass it (the threshold's one rule, also for a driver re-checking).
 PASSES: dict[CheckName, Callable] = {
@@ -45,20 +46,6 @@ REFERENCE_FEATURES_CACHED = 256  # references whose embedding is kept (a few KB 
 
 
 @dataclass(frozen=True)
-class JudgeCall:
-    """What a render is judged by: the checks and the inputs only its caller has.
-
-    `kept_phashes`: the pHashes (64-bit unsigned) of the images already kept for the render's reference
-    (near_duplicate scores the distance to the nearest). `contrast`: a reference of another character
-    (identity_gap; its key is re-made for each render's settings by the service).
-    """
-
-    spec: JudgeSpec
-    kept_phashes: tuple[int, ...] = ()
-    contrast: Reference | None = None
-
-
-@dataclass(frozen=True)
 class JudgeTarget:
     """One rendered image and what its judges read of the render."""
 
@@ -66,42 +53,6 @@ class JudgeTarget:
     prompt: str
     settings: RenderSettings  # as rendered
     latent_nonfinite: float | None  # fraction of the final latent not finite (None: not measured)
-
-
-def judge_call(spec: JudgeSpec | None, read: Callable[[str], bytes]) -> JudgeCall | None:
-    """The `JudgeCall` a door makes of a spec (None for none): its contrast reference, a path or URI, read
-    with `read` and checked now, before any device work."""
-    if spec is None:
-        return None
-    gap = spec.identity_gap
-    if gap is None or gap.contrast_reference is None:
-        return JudgeCall(spec)
-    source = gap.contrast_reference
-    try:
-        data = read(source)
-        check_reference([data], "single", [source], None)
-    except Exception as e:  # unreadable or not an image: the field is at fault, whatever the reason
-        raise RenderError(
-            f"judge.identity_gap.contrast_reference {source}: {e}", field="judge.identity_gap.contrast_reference"
-        ) from None
-    # Keyed for default settings here; the service re-keys it for each render's size and caption.
-    return JudgeCall(spec, contrast=Reference.of_images([data], "single", RenderSettings(), [source]))
-
-
-def check_call(call: JudgeCall, has_reference: bool) -> None:
-    """Refuse, before any device work, a call whose checks cannot run (RenderError naming the field)."""
-    spec = call.spec
-    if spec.identity_gap is not None:
-        if not has_reference:
-            raise RenderError("judge.identity_gap needs a render with a reference", field="judge.identity_gap")
-        if call.contrast is None:
-            raise RenderError(
-                "judge.identity_gap needs a contrast reference (another character): set"
-                " judge.identity_gap.contrast_reference",
-                field="judge.identity_gap.contrast_reference",
-            )
-    if spec.embedding is not None and not has_reference:
-        raise RenderError("judge.embedding compares a render with its reference; this one has none", "judge.embedding")
 
 
 class Judges:

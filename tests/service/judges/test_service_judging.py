@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from snapref_ray.evaluation import denoising_losses
+from snapref_ray.render_service.judges.call import JudgeCall
 from snapref_ray.render_service.judges.near_duplicate import nearest_distance, phash
-from snapref_ray.render_service.judges.registry import JudgeCall
 from snapref_ray.render_service.judges.spec import JudgeSpec
 from snapref_ray.render_service.references import Reference
 from snapref_ray.requests import RenderError, RenderRequest, RenderSettings
