@@ -46,7 +46,8 @@ from snapref_ray.models.tiny_text import (
 )
 from snapref_ray.models.tiny_vae import random_vae_state_dict
 from snapref_ray.models.tokenizer import AnimaTokenizer
-from snapref_ray.models.vae import VAEConfig, WanVAE, load_vae
+from snapref_ray.models.vae import WanVAE, load_vae
+from snapref_ray.models.vae_config import VAEConfig
 
 WEIGHT_DTYPE = torch.bfloat16
 DIT_FILE, TEXT_ENCODER_FILE, VAE_FILE = "dit.safetensors", "text_encoder.safetensors", "vae.safetensors"

@@ -91,7 +91,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         images = [r.image for r in renderer.render(requests)]
     else:
         from snapref_ray.models.tiny_vae import random_vae_state_dict
-        from snapref_ray.models.vae import VAEConfig, load_vae
+        from snapref_ray.models.vae import load_vae
+        from snapref_ray.models.vae_config import VAEConfig
 
         renderer.vae = load_vae(random_vae_state_dict(VAEConfig(base_dim=spec["vae_base_dim"])))
         latent = torch.randn(
@@ -151,8 +152,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _one_image_estimate(width: int, height: int, vae_base_dim: int) -> int | None:
     try:  # a tree from before the VAE's memory estimates has none; the measurement itself needs none
-        from snapref_ray.models.vae import VAEConfig
-        from snapref_ray.models.vae_memory import decode_peak_bytes
+        from snapref_ray.models.vae_config import VAEConfig
+        from snapref_ray.models.vae_estimates import decode_peak_bytes
     except ImportError:
         return None
     return decode_peak_bytes(VAEConfig(base_dim=vae_base_dim), (height // 8, width // 8), torch.float32)
@@ -217,7 +218,8 @@ def tiling_case(vae_kind: str, latent_hw: tuple[int, int], tile: int, overlaps: 
     """Max / mean |tiled - untiled| in 0..255 units and the share of uint8 values that differ, per overlap."""
     from snapref_ray.models.latent_format import process_out
     from snapref_ray.models.tiny_vae import random_vae_state_dict
-    from snapref_ray.models.vae import VAEConfig, load_vae
+    from snapref_ray.models.vae import load_vae
+    from snapref_ray.models.vae_config import VAEConfig
     from snapref_ray.models.vae_tiles import decode_reach, decode_tiled, exact_overlap
 
     config = VAEConfig() if vae_kind == "real" else VAEConfig(base_dim=8)

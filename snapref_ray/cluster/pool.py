@@ -104,11 +104,8 @@ def worker_memory(
     if model.is_remote():
         log.info("model files are remote: workers ask Ray for no memory (set cluster.memory_per_worker)")
         return 0, None
-    import torch
-
-    dtype = None if model.dtype == "auto" else getattr(torch, model.dtype)
-    if model.quantize == "fp8":
-        dtype = torch.bfloat16
+    # fp8 block matmuls write bf16 (models/fp8.py, engine.py); the dtype goes by name: the driver has no torch.
+    dtype = "bfloat16" if model.quantize == "fp8" else model.dtype
     estimate = estimate_worker_memory(
         model.local_files(), width=width, height=height, batch=batch, on_gpu=use_gpu, dtype=dtype
     )

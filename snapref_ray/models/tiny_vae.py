@@ -12,7 +12,8 @@ import math
 import torch
 
 from snapref_ray.models.checkpoint import StateDict
-from snapref_ray.models.vae import VAEConfig, WanVAE, load_vae
+from snapref_ray.models.vae import WanVAE, load_vae
+from snapref_ray.models.vae_config import VAEConfig
 
 
 def random_vae_state_dict(config: VAEConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> StateDict:

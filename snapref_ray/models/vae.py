@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -26,41 +24,14 @@ from torch import nn
 
 from snapref_ray.models.checkpoint import StateDict, load_into_module, load_state_dict
 from snapref_ray.models.ops import FLOAT8_DTYPES
-from snapref_ray.models.safetensors_header import CheckpointError, strip_prefix
+from snapref_ray.models.safetensors_header import strip_prefix
+from snapref_ray.models.vae_config import VAE_PREFIXES, VAEConfig, infer_vae_config, vae_compute_dtype_name
 
 if TYPE_CHECKING:
     from snapref_ray.models.vae_memory import VAEMemoryPolicy
 
-# Prefixes a VAE may carry when extracted from a full checkpoint.
-VAE_PREFIXES = ("first_stage_model.", "vae.")
-
-
-@dataclass(frozen=True)
-class VAEConfig:
-    """Wan 2.1 VAE hyper-parameters; `infer_vae_config` reads them from tensor shapes.
-
-    The defaults are the Qwen-Image / Wan 2.1 VAE that Anima uses (126,892,531 parameters).
-    """
-
-    base_dim: int = 96  # channels of the full-resolution stage
-    z_dim: int = 16  # latent channels (the encoder head emits 2·z_dim: mean and log-variance)
-    dim_mult: tuple[int, ...] = (1, 2, 4, 4)  # channel multiplier per stage; len-1 stages halve H and W
-    num_res_blocks: int = 2  # residual blocks per encoder stage (the decoder has one more)
-    # Which down stages also halve time. Irrelevant for images, but it decides which `time_conv`
-    # tensors the file holds, so the key layout needs it.
-    temporal_downsample: tuple[bool, ...] = (False, True, True)
-
-    def __post_init__(self) -> None:
-        if len(self.temporal_downsample) != len(self.dim_mult) - 1:
-            raise ValueError(
-                f"temporal_downsample needs {len(self.dim_mult) - 1} entries (one per down stage),"
-                f" got {len(self.temporal_downsample)}"
-            )
-
-    @property
-    def spatial_factor(self) -> int:
-        """Pixels per latent cell along H and W (8 for the real VAE)."""
-        return 2 ** (len(self.dim_mult) - 1)
+# The released VAE's shape (a frozen value, shared as the default).
+REAL_VAE_CONFIG = VAEConfig()
 
 
 class CausalConv3d(nn.Module):
@@ -314,7 +285,7 @@ class WanVAE(nn.Module):
 
     def __init__(
         self,
-        config: VAEConfig = VAEConfig(),
+        config: VAEConfig = REAL_VAE_CONFIG,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -412,54 +383,9 @@ def _out_dtype(x: torch.Tensor, fallback: torch.dtype) -> torch.dtype:
     return x.dtype if x.is_floating_point() else fallback
 
 
-def _require(sd: StateDict, key: str, source: str, rank: int) -> torch.Tensor:
-    if key not in sd:
-        raise CheckpointError(
-            f"{source}: missing tensor {key!r} (not a Wan 2.1 / Qwen-Image VAE in original key names?)"
-        )
-    t = sd[key]
-    if t.ndim != rank:
-        raise CheckpointError(f"{source}: tensor {key!r} has shape {list(t.shape)}, expected a {rank}-D tensor")
-    return t
-
-
-def infer_vae_config(sd: StateDict, source: str = "VAE state dict") -> VAEConfig:
-    """Read the VAE hyper-parameters from the tensor shapes of a state dict in original Wan key names."""
-    if "encoder.conv1.weight" not in sd and "encoder.conv_in.weight" in sd:
-        raise CheckpointError(
-            f"{source}: this is a diffusers-format VAE (it has 'encoder.conv_in.weight'); load the original"
-            " Wan / ComfyUI file (keys 'encoder.conv1.weight', 'decoder.upsamples.N...') instead"
-        )
-    base_dim = _require(sd, "encoder.conv1.weight", source, 5).shape[0]
-    z_dim = _require(sd, "conv2.weight", source, 5).shape[0]
-    indices = sorted({int(m.group(1)) for k in sd if (m := re.match(r"encoder\.downsamples\.(\d+)\.", k))})
-    if not indices:
-        raise CheckpointError(f"{source}: no 'encoder.downsamples.N.*' tensors (not a Wan 2.1 / Qwen-Image VAE?)")
-    resamples = [i for i in indices if f"encoder.downsamples.{i}.resample.1.weight" in sd]
-    num_res_blocks = resamples[0] if resamples else len(indices)
-    dim_mult = []
-    for stage in range(len(resamples) + 1):
-        last_block = stage * (num_res_blocks + 1) + num_res_blocks - 1
-        width = _require(sd, f"encoder.downsamples.{last_block}.residual.6.weight", source, 5).shape[0]
-        dim_mult.append(width // base_dim)
-    temporal = tuple(f"encoder.downsamples.{i}.time_conv.weight" in sd for i in resamples)
-    return VAEConfig(
-        base_dim=base_dim,
-        z_dim=z_dim,
-        dim_mult=tuple(dim_mult),
-        num_res_blocks=num_res_blocks,
-        temporal_downsample=temporal,
-    )
-
-
 def vae_compute_dtype(device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype the VAE runs in beside a model computing in `dtype` on `device`: float32 on a CPU, else `dtype`.
-
-    ComfyUI's `vae_dtype` makes the same choice: CPUs have no fast half-precision convolution kernels.
-    Measured on 2 CPU cores (tiny VAE, 256x256): one bf16 decode took about 3.5 s, the float32 one about
-    0.1 s, and a job at `dtype: bfloat16` or `quantize: fp8` on a CPU spent most of its time there.
-    """
-    return torch.float32 if torch.device(device).type == "cpu" else dtype
+    """The dtype the VAE runs in beside a model computing in `dtype` on `device` (`vae_compute_dtype_name`'s rule)."""
+    return getattr(torch, vae_compute_dtype_name(torch.device(device).type, str(dtype).removeprefix("torch.")))
 
 
 def load_vae(

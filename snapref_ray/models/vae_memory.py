@@ -17,49 +17,36 @@ decode runs out of memory, which is kept here as the fallback); it keeps batchin
 memory allows, here a batch is only joined while that is cheap, so the peak of a batch is about
 one image's.
 
-The estimates count the activations alive at once in each block, walking the same block lists the
-forward runs, with a copy of each convolution's input and output (the kernels' layout reorders),
-x1.1 and a fixed part for allocator slack and first-call setup; tests/models/test_vae_memory.py
-checks them against a measured peak. Weights are not included: they are resident whatever the plan.
+The estimates (models/vae_estimates.py) count the activations alive at once in each block, from the
+config alone; tests/models/test_vae_memory.py checks them against a measured peak. Weights are not
+included: they are resident whatever the plan.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
 import torch
-from torch import nn
 
 from snapref_ray.models.device_memory import available_memory_bytes
-from snapref_ray.models.vae import (
-    AttentionBlock,
-    CausalConv3d,
-    Decoder,
-    Encoder,
-    Resample,
-    ResidualBlock,
-    VAEConfig,
-    WanVAE,
-    vae_layout,
+from snapref_ray.models.vae import WanVAE
+from snapref_ray.models.vae_config import VAEConfig
+from snapref_ray.models.vae_estimates import (
+    FIXED_BYTES,
+    decode_peak_bytes,
+    encode_peak_bytes,
+    tiled_decode_peak_bytes,
+    tiled_encode_peak_bytes,
 )
 from snapref_ray.models.vae_tiles import decode_reach, decode_tiled, encode_reach, encode_tiled, exact_overlap
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["whole", "per_image", "tiled"]
-
-# What the count of live activations leaves out: allocator rounding and fragmentation (x1.1), and
-# a fixed part for what a first call at a new size sets up (kernel code, primitive caches, scratch
-# space), which dominates small images: 240 MiB measured against 172 MiB counted for the real VAE
-# at 256x256. With both the estimate bounds the measured peak from above and stays within 2x of it
-# (1.1-1.7x measured, 256x256 to 1536x1536; tests/models/test_vae_memory.py).
-SLACK_FACTOR = 1.1
-FIXED_BYTES = 96 * 2**20
 
 
 @dataclass(frozen=True)
@@ -110,151 +97,6 @@ class VAEChoice:
         tiles = f" tile {self.tile} overlap {self.overlap} latent cells," if self.mode == "tiled" else ""
         budget = f"budget {self.budget_bytes / 2**20:.0f} MiB" if self.budget_bytes is not None else "forced"
         return f"{self.mode},{tiles} estimated peak {self.peak_bytes / 2**20:.0f} MiB ({budget})"
-
-
-# --- estimates --------------------------------------------------------------------------------
-
-
-def decode_peak_bytes(config: VAEConfig, latent_hw: tuple[int, int], dtype: torch.dtype, batch: int = 1) -> int:
-    """Estimated peak activation bytes of `WanVAE.decode` of `batch` latents of `latent_hw` cells in `dtype`."""
-    cells = batch * latent_hw[0] * latent_hw[1]
-    decoder = vae_layout(config).decoder
-    held = config.z_dim + 3 * config.spatial_factor**2  # the latent in, the pixels out
-    live = max(_global_decode_live(config, decoder), _local_decode_live(decoder, 1.0))
-    return FIXED_BYTES + _bytes((held + live) * cells, dtype)
-
-
-def encode_peak_bytes(config: VAEConfig, pixel_hw: tuple[int, int], dtype: torch.dtype, batch: int = 1) -> int:
-    """Estimated peak activation bytes of `WanVAE.encode` of `batch` images of `pixel_hw` pixels in `dtype`."""
-    f = config.spatial_factor
-    cells = batch * (pixel_hw[0] // f) * (pixel_hw[1] // f)
-    encoder = vae_layout(config).encoder
-    held = 3 * f**2 + config.z_dim  # the pixels in, μ out
-    live = max(_local_encode_live(encoder, float(f**2)), _global_encode_live(config, encoder))
-    return FIXED_BYTES + _bytes((held + live) * cells, dtype)
-
-
-def tiled_decode_peak_bytes(
-    config: VAEConfig, latent_hw: tuple[int, int], tile: int, dtype: torch.dtype, batch: int = 1
-) -> int:
-    """Estimated peak of `vae_tiles.decode_tiled` with square tiles of `tile` latent cells.
-
-    Two phases: the global stage on the whole latent, then tile after tile of the local stage
-    while the global stage's features and the fp32 output of the batch are held.
-    """
-    h, w = latent_hw
-    cells = h * w
-    decoder = vae_layout(config).decoder
-    f2 = config.spatial_factor**2
-    out_fp32 = _bytes(3 * f2 * cells * batch, torch.float32)
-    whole = _bytes((config.z_dim + _global_decode_live(config, decoder)) * cells, dtype)
-    tile_cells = min(tile, h) * min(tile, w)
-    held = _bytes((config.z_dim + _top_channels(config)) * cells, dtype)
-    per_tile = _bytes((_local_decode_live(decoder, 1.0) + 3 * f2) * tile_cells, dtype)  # + its weighted copy
-    return FIXED_BYTES + out_fp32 + max(whole, held + per_tile)
-
-
-def tiled_encode_peak_bytes(config: VAEConfig, pixel_hw: tuple[int, int], tile: int, dtype: torch.dtype) -> int:
-    """Estimated peak of `vae_tiles.encode_tiled` of one image with square tiles of `tile` latent cells."""
-    f = config.spatial_factor
-    h, w = pixel_hw[0] // f, pixel_hw[1] // f
-    cells = h * w
-    encoder = vae_layout(config).encoder
-    top = _top_channels(config)
-    held = _bytes(3 * f**2 * cells, dtype) + _bytes(top * cells, torch.float32)  # pixels + fp32 feature sum
-    tile_cells = min(tile, h) * min(tile, w)
-    per_tile = _bytes((_local_encode_live(encoder, float(f**2)) + top) * tile_cells, dtype)
-    whole = _bytes((top + _global_encode_live(config, encoder)) * cells, dtype)
-    return FIXED_BYTES + held + max(per_tile, whole)
-
-
-def _bytes(elements: float, dtype: torch.dtype) -> int:
-    return math.ceil(elements * dtype.itemsize * SLACK_FACTOR)
-
-
-def _top_channels(config: VAEConfig) -> int:
-    return config.base_dim * config.dim_mult[-1]
-
-
-def _conv_live(c_in: int, c_out: int, n_in: float, n_out: float) -> float:
-    """A convolution's input and output, plus the copies of both its kernels may make.
-
-    oneDNN runs in a blocked layout (channels padded to 16) and reorders into and out of it;
-    cuDNN transposes into its workspace. Counting one copy of each covers both.
-    """
-    return (c_in + _padded(c_in)) * n_in + (c_out + _padded(c_out)) * n_out
-
-
-def _padded(channels: int) -> int:
-    return -(-channels // 16) * 16
-
-
-def _block_live(block: nn.Module, channels: int, cells: float) -> tuple[float, int, float]:
-    """(elements alive at once while `block` runs on `channels` x `cells`, its out channels, out cells).
-
-    `cells` counts positions in latent cells' worth (an activation at twice the latent resolution
-    has 4 positions per latent cell), so every figure is per latent cell. Each case lists, per
-    step of the block's forward, what is alive while it runs.
-    """
-    c, n = channels, cells
-    if isinstance(block, ResidualBlock):
-        out = block.residual["6"].weight.shape[0]
-        steps = [
-            c * n + _conv_live(c, out, n, n),  # x held; conv(norm(x)) → h1
-            (c + out) * n + _conv_live(out, out, n, n),  # x, h1 held; conv(norm(h1)) → h2
-        ]
-        if block.shortcut is not None:
-            steps.append(out * n + _conv_live(c, out, n, n))  # h2 held; shortcut(x)
-        return max(steps), out, n
-    if isinstance(block, AttentionBlock):
-        steps = [
-            c * n + _conv_live(c, 3 * c, n, n),  # x held; to_qkv(norm(x))
-            7 * c * n,  # x, qkv and its contiguous q, k, v copies (fused kernels keep O(L) state after)
-            5 * c * n,  # x, q, k, v, the attention output
-            c * n + _conv_live(c, c, n, n),  # x held; proj of the output's contiguous copy
-        ]
-        return max(steps), c, n
-    if isinstance(block, Resample):
-        out = block.resample["1"].weight.shape[0]
-        if block.up:  # x held; the conv reads x upsampled 2x
-            return c * n + _conv_live(c, out, 4 * n, 4 * n), out, 4 * n
-        return c * n + _conv_live(c, out, n, n / 4), out, n / 4  # x held; the stride-2 conv reads x padded
-    if isinstance(block, CausalConv3d):
-        out = block.weight.shape[0]
-        return _conv_live(c, out, n, n), out, n
-    if isinstance(block, nn.ModuleDict) and "2" in block:  # the head: x held; conv(norm(x))
-        out = block["2"].weight.shape[0]
-        return c * n + _conv_live(c, out, n, n), out, n
-    raise TypeError(f"no memory model for VAE block {type(block).__name__}")
-
-
-def _walk(blocks: list[nn.Module], channels: int, cells: float) -> tuple[float, int, float]:
-    peak = 0.0
-    for block in blocks:
-        live, channels, cells = _block_live(block, channels, cells)
-        peak = max(peak, live)
-    return peak, channels, cells
-
-
-def _global_decode_live(config: VAEConfig, decoder: Decoder) -> float:
-    # conv2 (z_dim → z_dim), then the decoder's conv1 and middle, all at latent resolution.
-    peak, _, _ = _walk([decoder.conv1, *decoder.middle], config.z_dim, 1.0)
-    return config.z_dim + peak  # conv2's output is held by the stage while it runs
-
-
-def _local_decode_live(decoder: Decoder, cells: float) -> float:
-    peak, _, _ = _walk([*decoder.upsamples, decoder.head], decoder.conv1.weight.shape[0], cells)
-    return peak
-
-
-def _local_encode_live(encoder: Encoder, cells: float) -> float:
-    peak, _, _ = _walk([encoder.conv1, *encoder.downsamples], 3, cells)
-    return peak
-
-
-def _global_encode_live(config: VAEConfig, encoder: Encoder) -> float:
-    peak, channels, _ = _walk([*encoder.middle, encoder.head], _top_channels(config), 1.0)
-    return max(peak, 2 * channels)  # the top-level conv1 (2·z_dim → 2·z_dim)
 
 
 # --- plans ------------------------------------------------------------------------------------

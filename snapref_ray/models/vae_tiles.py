@@ -29,7 +29,8 @@ import math
 
 import torch
 
-from snapref_ray.models.vae import CausalConv3d, Resample, ResidualBlock, VAEConfig, WanVAE, vae_layout
+from snapref_ray.models.vae import CausalConv3d, Resample, ResidualBlock, WanVAE, vae_layout
+from snapref_ray.models.vae_config import VAEConfig
 
 # Latent cells over which neighbouring tiles cross-fade, beyond the context each one needs.
 FEATHER_CELLS = 2

@@ -14,6 +14,9 @@ ask before that, so it estimates from the files' headers (nothing is loaded):
 
 The figure is what `cluster.memory_per_worker` (jobs), `memory_per_replica` (the endpoint) or
 `SnapRefRenderer.memory_request` (Ray Data) defaults to; each can be set instead.
+
+The driver makes it and imports no torch: shapes come from the headers, dtypes by name, and the VAE decode's
+estimate from its config (models/vae_estimates.py).
 """
 
 from __future__ import annotations
@@ -22,14 +25,12 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from snapref_ray.geometry import token_count
 from snapref_ray.models.bundle import ModelFiles
 from snapref_ray.models.dit_config import DiTConfig
 from snapref_ray.models.safetensors_header import read_header, strip_prefix
-from snapref_ray.models.vae import VAE_PREFIXES, infer_vae_config, vae_compute_dtype
-from snapref_ray.models.vae_memory import decode_peak_bytes
+from snapref_ray.models.vae_config import VAE_PREFIXES, infer_vae_config, vae_compute_dtype_name
+from snapref_ray.models.vae_estimates import decode_peak_bytes
 
 RUNTIME_BYTES = 1 * 2**30  # torch + a Ray worker at rest (~0.5 GiB measured), with room for its threads' buffers
 GPU_RUNTIME_BYTES = 3 * 2**30  # plus the CUDA context and pinned staging buffers in host memory
@@ -37,7 +38,8 @@ GPU_RUNTIME_BYTES = 3 * 2**30  # plus the CUDA context and pinned staging buffer
 # the MLP's 4·D hidden and its output, with the allocator's slack.
 DIT_LIVE_TENSORS_PER_TOKEN = 16
 REFERENCE_TOKENS = 4096  # a 1 MP reference (its K/V: blocks x 2 x tokens x D)
-_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+# Bytes per element of the dtypes a model computes in (ModelSpec.dtype's names).
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)
@@ -61,41 +63,60 @@ class MemoryEstimate:
 
 
 def estimate_worker_memory(
-    files: ModelFiles, *, width: int, height: int, batch: int, on_gpu: bool, dtype: torch.dtype | None = None
+    files: ModelFiles, *, width: int, height: int, batch: int, on_gpu: bool, dtype: str = "auto"
 ) -> MemoryEstimate:
-    """Host memory one worker needs to render `batch` images of `width` x `height` with `files` (see the module)."""
-    compute = dtype or (torch.bfloat16 if on_gpu else torch.float32)
-    element = torch.tensor([], dtype=compute).element_size()
+    """Host memory one worker needs to render `batch` images of `width` x `height` with `files` (see the module).
+
+    `dtype` is the dtype the model computes in, by name (ModelSpec.dtype): "auto" is bfloat16 on a GPU, float32
+    on a CPU.
+    """
+    compute = compute_dtype_name(dtype, on_gpu=on_gpu)
+    element = DTYPE_BYTES[compute]
     dit_header = _header(files.dit)
-    config = DiTConfig.from_state_dict(strip_prefix(_meta(dit_header)), source=str(files.dit))
+    config = DiTConfig.from_state_dict(strip_prefix(_shapes(dit_header)), source=str(files.dit))
     weight_files = [files.dit, files.text_encoder, files.vae, *([files.adapter] if files.adapter else [])]
     if on_gpu:
         weights = max(Path(f).stat().st_size for f in weight_files)  # one file streamed through host memory
         runtime = GPU_RUNTIME_BYTES
         image = per_image = 0  # activations and the decode live on the device
     else:
-        # The VAE runs in float32 on a CPU whatever the model's dtype (models/vae.py, vae_compute_dtype).
-        vae_element = torch.tensor([], dtype=vae_compute_dtype("cpu", compute)).element_size()
+        # The VAE runs in float32 on a CPU whatever the model's dtype (vae_config.py's vae_compute_dtype_name).
+        vae_element = DTYPE_BYTES[vae_compute_dtype_name("cpu", compute)]
         weights = sum(_elements(_header(f)) for f in weight_files if f != files.vae) * element
         weights += _elements(_header(files.vae)) * vae_element
         runtime = RUNTIME_BYTES
         tokens = token_count(height=height, width=width)
         rows = 3  # cond, uncond and the reference-guidance row: the most an image runs
         per_image = rows * tokens * config.model_channels * element * DIT_LIVE_TENSORS_PER_TOKEN
-        vae = infer_vae_config(strip_prefix(_meta(_header(files.vae)), VAE_PREFIXES), str(files.vae))
-        decode = decode_peak_bytes(vae, (height // 8, width // 8), vae_compute_dtype("cpu", compute))
+        vae = infer_vae_config(strip_prefix(_shapes(_header(files.vae)), VAE_PREFIXES), str(files.vae))
+        decode = decode_peak_bytes(vae, (height // 8, width // 8), vae_element)
         refkv = config.num_blocks * 2 * REFERENCE_TOKENS * config.model_channels * element
         image = per_image + decode + refkv
     return MemoryEstimate(runtime, weights, image, per_image, batch, width, height)
+
+
+def compute_dtype_name(dtype: str, *, on_gpu: bool) -> str:
+    """The dtype a worker computes in, by name: `dtype`, or for "auto" bfloat16 on a GPU and float32 on a CPU."""
+    if dtype == "auto":
+        return "bfloat16" if on_gpu else "float32"
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    return dtype
 
 
 def _header(path) -> dict:
     return read_header(path)[0]
 
 
-def _meta(header: dict) -> dict[str, torch.Tensor]:
-    """Shape-only tensors of a header's entries, for the config inference that reads shapes."""
-    return {key: torch.empty(entry["shape"], device="meta") for key, entry in header.items()}
+@dataclass(frozen=True)
+class _Shaped:
+    """A header entry's shape where the config inference expects a tensor: it reads only `.shape`."""
+
+    shape: tuple[int, ...]
+
+
+def _shapes(header: dict) -> dict[str, _Shaped]:
+    return {key: _Shaped(tuple(entry["shape"])) for key, entry in header.items()}
 
 
 def _elements(header: dict) -> int:

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 from snapref_ray.models.latent_format import process_out
 from snapref_ray.models.safetensors_header import CheckpointError
 from snapref_ray.models.tiny_vae import make_tiny_vae, make_tiny_vae_state_dict, random_vae_state_dict
-from snapref_ray.models.vae import CausalConv3d, VAEConfig, WanVAE, infer_vae_config, load_vae
+from snapref_ray.models.vae import CausalConv3d, WanVAE, load_vae
+from snapref_ray.models.vae_config import VAEConfig, infer_vae_config
 
 REF_KEYS = Path(__file__).resolve().parents[1] / "data" / "ref-keys" / "keys-qwen-image-vae-comfyui.txt"
 REAL_PARAMS = 126_892_531

@@ -17,15 +17,14 @@ from benchmarks.vae_memory import measure
 from snapref_ray.engine import Renderer
 from snapref_ray.models.latent_format import process_out
 from snapref_ray.models.tiny_vae import make_tiny_vae
-from snapref_ray.models.vae import VAEConfig
+from snapref_ray.models.vae_config import VAEConfig
+from snapref_ray.models.vae_estimates import decode_peak_bytes, tiled_decode_peak_bytes
 from snapref_ray.models.vae_memory import (
     VAEMemoryPolicy,
     choose_decode,
     choose_encode,
     decode_in_budget,
-    decode_peak_bytes,
     encode_in_budget,
-    tiled_decode_peak_bytes,
 )
 from snapref_ray.models.vae_tiles import (
     decode_reach,

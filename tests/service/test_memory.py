@@ -182,6 +182,6 @@ def test_a_cpu_workers_estimate_holds_its_vae_in_float32_whatever_the_model_dtyp
             return sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
 
     others = sum(elements(p) for p in (files.dit, files.text_encoder, files.adapter))
-    for dtype, size in ((torch.bfloat16, 2), (torch.float32, 4)):
+    for dtype, size in (("bfloat16", 2), ("float32", 4)):
         estimate = estimate_worker_memory(files, width=256, height=256, batch=1, on_gpu=False, dtype=dtype)
         assert estimate.weight_bytes == others * size + elements(files.vae) * 4, dtype
