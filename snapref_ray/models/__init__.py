@@ -12,8 +12,8 @@ from snapref_ray.lazy_exports import lazy_exports
 _EXPORTS = {
     "AnimaDiT": "dit",
     "AnimaTokenizer": "tokenizer",
-    "CheckpointError": "checkpoint",
-    "DiTConfig": "dit",
+    "CheckpointError": "safetensors_header",
+    "DiTConfig": "dit_config",
     "LoRAError": "lora",
     "PromptEncoder": "conditioning",
     "Qwen3Encoder": "qwen3",
@@ -24,7 +24,7 @@ _EXPORTS = {
     "merge_loras": "lora",
     "parse_prompt_weights": "tokenizer",
     "read_lora": "lora",
-    "real_dit_config": "dit",
+    "real_dit_config": "dit_config",
 }
 
 __all__ = sorted(_EXPORTS)

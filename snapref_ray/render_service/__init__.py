@@ -25,7 +25,7 @@ _EXPORTS = {
     "RefKVKey": "references",
     "ReferenceRead": "service",
     "RenderedImage": "service",
-    "RenderOutOfMemory": "service",
+    "RenderOutOfMemory": "memory",
     "RenderService": "service",
 }
 

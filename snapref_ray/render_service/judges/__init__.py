@@ -1,8 +1,8 @@
 """Judges: the checks a render can be scored by, on the worker right after its decode (docs/judging.md).
 
-spec.py (`JudgeSpec`, torch-free), scores.py (`Judgement`, torch-free), one module per check (sanity,
-near_duplicate, identity_gap, embedding) and registry.py (`Judges`, `JudgeCall`: how a render service
-runs them over a batch).
+spec.py (`JudgeSpec`), call.py (`JudgeCall`, what a door asks a render to be judged by) and scores.py
+(`Judgement`), all three torch-free; one module per check (sanity, near_duplicate, identity_gap, embedding) and
+registry.py (`Judges`: how a render service runs them over a batch).
 """
 
 from snapref_ray.lazy_exports import lazy_exports
@@ -15,7 +15,7 @@ _EXPORTS = {
     "JudgeVerdicts": "scores",
     "JUDGEMENT_COLUMNS": "scores",
     "judgement_columns": "scores",
-    "JudgeCall": "registry",
+    "JudgeCall": "call",
     "Judges": "registry",
     "nearest_distance": "near_duplicate",
     "parse_phash": "near_duplicate",
