@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 import tempfile
-import threading
+import time
 from pathlib import Path
 
 from pydantic import SecretStr
@@ -85,15 +85,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config.check_security()
     check_model_files(config)  # else every replica fails to load it, in pages of nested tracebacks
     check_port_free(config.host, config.port)  # else Serve fails deep inside Ray, with four tracebacks
-    stop = threading.Event()
-    _stop_on_signals(stop)
+    stop = StopRequest()
+    stop.on_signals()
     # Ray's and Serve's lines (~50 of them at start, warnings meant for a multi-node cluster among them) go to the
     # log; the terminal keeps the line that says where the server answers, and errors.
     with serve_console(log_path(args), verbose=args.verbose) as log_file, ray_start_failures_in_one_line():
         return _serve_until_stopped(config, stop, log_file)
 
 
-def _serve_until_stopped(config: ServeConfig, stop: threading.Event, log_file: str) -> int:
+def _serve_until_stopped(config: ServeConfig, stop: StopRequest, log_file: str) -> int:
     from snapref_ray.serve.app import deploy_local, http_front, local_topology, start_local_serve, stop_local
     from snapref_ray.serve.direct_ingress import haproxy_binary
 
@@ -102,7 +102,7 @@ def _serve_until_stopped(config: ServeConfig, stop: threading.Event, log_file: s
         # `ray.init` puts its own SIGTERM handling in place (a SystemExit, and a stack dump and abort from its
         # core worker): a `kill` then ended the server with exit 134 while its replicas were still draining.
         # Ours again, before the replicas start: a stop asked for while they load drains once they are up.
-        _stop_on_signals(stop)
+        stop.on_signals()
         deploy_local(config)
         auth = "bearer token required" if config.resolved_token() else "no token (loopback only)"
         front = (
@@ -146,7 +146,27 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def _stop_on_signals(stop: threading.Event) -> None:
-    """Ctrl-C and SIGTERM (`kill`, a container's stop) ask the server to drain and stop."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+class StopRequest:
+    """Ctrl-C and SIGTERM (`kill`, a container's stop) ask the server to drain and stop.
+
+    The handler only sets a flag, and the main thread looks at it between short sleeps. A handler that takes a
+    lock (`threading.Event.set`) deadlocks when a second signal arrives while the first holds it: Python runs
+    the second handler inside the first, on the same thread. Two Ctrl-Cs, or a `timeout` that forwards its own
+    signal beside the terminal's, left the server hung before it drained.
+    """
+
+    POLL_S = 0.2
+
+    def __init__(self) -> None:
+        self.asked = False
+
+    def on_signals(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._ask)
+
+    def _ask(self, signum: int, frame: object) -> None:
+        self.asked = True
+
+    def wait(self) -> None:
+        while not self.asked:
+            time.sleep(self.POLL_S)
