@@ -62,7 +62,9 @@ def _assert_end_to_end(e2e: dict, markdown: str) -> None:
         covered = r["share_of_wall"]["startup"] + sum(
             r["share_of_wall"][k] for k in (*DEVICE_COMPONENTS, "other_render")
         )
-        assert 0.5 < covered <= 1.0 + 1e-6, covered
+        # summary.json rounds the wall, start-up and render seconds to the millisecond each: their sum may pass
+        # the rounded wall by up to 1.5 ms.
+        assert 0.5 < covered <= 1.0 + 0.0015 / r["wall_seconds"], (covered, r["wall_seconds"])
         # The forwards' sampling seconds and the reference streams', each from the metadata rows and from the
         # renderer's own results; one encode per reference (one worker).
         assert r["seconds"]["dit_sampling"] == pytest.approx(r["dit_sampling_seconds_from_call_log"], rel=1e-4)
