@@ -8,7 +8,15 @@ import logging
 import sys
 from pathlib import Path
 
-from snapref_ray.cli_flags import HelpFormatter, add_model_flags, add_settings_flags, model_spec_from, settings_from
+from snapref_ray.cli_flags import (
+    HelpFormatter,
+    add_model_flags,
+    add_settings_flags,
+    compile_cache_without_compile,
+    model_overrides,
+    model_spec_from,
+    settings_from,
+)
 from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.jobs.job_outcome import exit_status, memory_line, not_rendered_lines, plural, summary_line
 from snapref_ray.requests import RenderSettings
@@ -168,70 +176,67 @@ class OutputOfAnotherJob(ValueError):
 
 
 def render_spec(args: argparse.Namespace):
-    """The JobSpec of `render`'s arguments: a spec file with the flags over it, or the quick form."""
+    """The JobSpec of `render`'s arguments: a spec file with the flags over it, or the quick form. The flags go
+    through the spec's own validation (`JobSpec.with_overrides`), so a bad value is refused naming its field."""
     from snapref_ray.job_spec import load_job_spec, quick_spec
 
     target = args.spec_or_manifest
+    overrides = render_overrides(args)
     if target.endswith((".yaml", ".yml")):
         spec = load_job_spec(target)
-        update = {"model": model_spec_from(args, spec.model)}
+        overrides["model"] = model_overrides(args)
         if args.out:
-            update["output"] = spec.output.model_copy(update={"uri": args.out})
-        spec = spec.model_copy(update=update)
+            overrides["output"]["uri"] = args.out
     else:
         if not args.model_models_dir or not args.out:
             raise ValueError("the quick form needs --models DIR and --out DIR_OR_S3_URI (snapref-ray render --help)")
-        overrides = {
+        settings = {
             name: getattr(args, name)
             for name in (*RenderSettings.model_fields, "min_workers", "max_workers")
             if getattr(args, name, None) is not None
         }
-        spec = quick_spec(target, args.out, model=model_spec_from(args), workers=args.workers, **overrides)
-    if args.strict and args.allow_invalid:
-        raise ValueError("--strict refuses to start on an invalid row and --allow-invalid accepts them: give one")
-    if args.strict:
-        spec = spec.model_copy(update={"strict": True})
-    spec = _with_judge_flags(spec, args)
-    if args.append:
-        spec = spec.model_copy(update={"output": spec.output.model_copy(update={"append": True})})
-    if args.rerender_changed:  # validated: it does not go with every output format
-        output = type(spec.output).model_validate({**spec.output.model_dump(), "rerender_changed": True})
-        spec = spec.model_copy(update={"output": output})
-    if args.wait_for_lease is not None:
-        spec = spec.model_copy(
-            update={"output": spec.output.model_copy(update={"lease_wait_seconds": args.wait_for_lease})}
-        )
+        spec = quick_spec(target, args.out, model=model_spec_from(args), workers=args.workers, **settings)
+    spec = spec.with_overrides(overrides)
+    if "compile_cache" in overrides.get("model", {}) and not spec.model.compile:
+        raise ValueError(compile_cache_without_compile(overrides["model"]["compile_cache"]))
+    if spec.judge is not None and not spec.judge.checks:
+        raise ValueError("--max-renders-per-item and --kept-per-reference need --judge CHECKS (or a spec's judge:)")
     return spec
 
 
-def _with_judge_flags(spec, args: argparse.Namespace):
-    """--judge / --max-renders-per-item / --kept-per-reference over the spec's `judge:` section."""
-    from snapref_ray.job_spec import JudgeSection, JudgeSpec
+def render_overrides(args: argparse.Namespace) -> dict:
+    """What `render`'s flags set in every form, as the job spec's nested fields (`JobSpec.with_overrides`).
 
-    loop = {
-        k: v
-        for k, v in (
+    `--judge CHECKS` names the checks that run (a check the spec sets up keeps its settings; the others are off);
+    `--max-renders-per-item` / `--kept-per-reference` set the loop over the spec's `judge:` or the flag's."""
+    from snapref_ray.render_service.judges.spec import CHECKS, JudgeSpec
+
+    if args.strict and args.allow_invalid:
+        raise ValueError("--strict refuses to start on an invalid row and --allow-invalid accepts them: give one")
+    output = {
+        name: value
+        for name, value in (
+            ("append", args.append or None),
+            ("rerender_changed", args.rerender_changed or None),
+            ("lease_wait_seconds", args.wait_for_lease),
+        )
+        if value is not None
+    }
+    overrides: dict = {"output": output, **({"strict": True} if args.strict else {})}
+    judge = {
+        name: value
+        for name, value in (
             ("max_renders_per_item", args.max_renders_per_item),
             ("kept_per_reference", args.kept_per_reference),
         )
-        if v is not None
+        if value is not None
     }
-    if args.job_judge is None and not loop:
-        return spec
     if args.job_judge is not None:
-        section = JudgeSpec.of_names(args.job_judge).model_dump(exclude_none=True)
-    elif spec.judge is not None:
-        section = spec.judge.model_dump(exclude_none=True)
-    else:
-        raise ValueError("--max-renders-per-item and --kept-per-reference need --judge CHECKS (or a spec's judge:)")
-    if spec.judge is not None and args.job_judge is not None:  # the spec's loop settings stay unless a flag says
-        section = {
-            **spec.judge.model_dump(
-                exclude_none=True, include=set(JudgeSection.model_fields) - set(JudgeSpec.model_fields)
-            ),
-            **section,
-        }
-    return spec.model_copy(update={"judge": JudgeSection.model_validate({**section, **loop})})
+        named = JudgeSpec.of_names(args.job_judge).checks
+        judge.update({name: ({} if name in named else None) for name in CHECKS})
+    if judge:
+        overrides["judge"] = judge
+    return overrides
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -540,7 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="job_judge",
         metavar="CHECKS",
         help="judge every render (check names with their defaults: sanity,near_duplicate,identity_gap) and render"
-        " the rejected ones again; the spec's judge: section in full (docs/judging.md)",
+        " the rejected ones again; over a spec file, the checks that run, each with the settings of the spec's"
+        " judge: section (docs/judging.md)",
     )
     p.add_argument("--max-renders-per-item", type=int, help="with --judge: renders an item gets at most (default 3)")
     p.add_argument("--kept-per-reference", type=int, help="with --judge: images kept per reference at most")

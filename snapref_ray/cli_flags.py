@@ -128,8 +128,12 @@ def model_spec_from(args: argparse.Namespace, base: ModelSpec | None = None) -> 
     overrides = model_overrides(args)
     spec = ModelSpec.model_validate(overrides if base is None else {**base.model_dump(), **overrides})
     if "compile_cache" in overrides and not spec.compile:
-        raise ValueError(
-            f"--compile-cache {overrides['compile_cache']} is where compiled graphs are shared, and nothing compiles:"
-            " add --compile (model.compile: true in a spec), or leave --compile-cache out"
-        )
+        raise ValueError(compile_cache_without_compile(overrides["compile_cache"]))
     return spec
+
+
+def compile_cache_without_compile(cache: str) -> str:
+    return (
+        f"--compile-cache {cache} is where compiled graphs are shared, and nothing compiles:"
+        " add --compile (model.compile: true in a spec), or leave --compile-cache out"
+    )

@@ -15,6 +15,7 @@ current directory.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
@@ -389,6 +390,20 @@ class JobSpec(SpecFile):
     def s3_options(self) -> S3Options:
         """S3 client settings for every s3:// URI of this job."""
         return self.output.s3.options()
+
+    def with_overrides(self, overrides: Mapping[str, Any], source: str = "command line") -> JobSpec:
+        """This spec with `overrides` over it (nested fields: a mapping goes into its section, any other value
+        replaces the field's), validated as a whole, so that a flag's bad value is refused as the field's would be,
+        naming it. Paths are taken as given (the command line's are relative to the current directory)."""
+        return validate_spec(_overlay(self.model_dump(), overrides), JobSpec, source)
+
+
+def _overlay(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        inner = merged.get(key)
+        merged[key] = _overlay(inner, value) if isinstance(value, Mapping) and isinstance(inner, dict) else value
+    return merged
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import yaml
 from PIL import Image
 
 from snapref_ray import cli as snapref_cli
+from snapref_ray.job_spec import JobSpecError
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "snapref_ray" / "examples"
@@ -287,6 +288,31 @@ def test_render_judge_flags_build_the_jobs_judge_section(tmp_path):
     assert snapref_cli.render_spec(parser.parse_args(quick)).judge is None
     with pytest.raises(ValueError, match="need --judge"):
         snapref_cli.render_spec(parser.parse_args([*quick, "--kept-per-reference", "5"]))
+
+
+def test_render_flags_are_validated_as_the_spec_fields_they_set(tmp_path):
+    """A flag over a spec file goes through the spec's validation like the field it sets: `--wait-for-lease -5`
+    was once copied into the spec unchecked (the run then waited no time at all); now it is refused naming the
+    field, in both forms. `--judge` names the checks that run, and a check the spec sets up keeps its settings."""
+    manifest = tmp_path / "m.csv"
+    manifest.write_text("reference,prompt\nref.png,a\n")
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(
+        f"manifest: {manifest}\nmodel: {{models_dir: {tmp_path}}}\noutput: {{uri: {tmp_path / 'out'}}}\n"
+        "judge: {near_duplicate: {max_distance: 3}, sanity: {}, max_renders_per_item: 4}\n"
+    )
+    parser = snapref_cli.build_parser()
+    quick = ["render", str(manifest), "--models", str(tmp_path), "--out", str(tmp_path / "out")]
+    for form in (quick, ["render", str(spec_file)]):
+        with pytest.raises(JobSpecError, match=r"output\.lease_wait_seconds: Input should be greater than or equal"):
+            snapref_cli.render_spec(parser.parse_args([*form, "--wait-for-lease", "-5"]))
+        with pytest.raises(JobSpecError, match=r"judge\.max_renders_per_item: Input should be greater than or equal"):
+            snapref_cli.render_spec(parser.parse_args([*form, "--judge", "sanity", "--max-renders-per-item", "0"]))
+    judge = snapref_cli.render_spec(parser.parse_args(["render", str(spec_file), "--judge", "near_duplicate"])).judge
+    assert judge.checks == ("near_duplicate",) and judge.near_duplicate.max_distance == 3
+    assert judge.max_renders_per_item == 4  # the spec's loop setting stays where no flag sets it
+    spec = snapref_cli.render_spec(parser.parse_args(["render", str(spec_file), "--kept-per-reference", "2"]))
+    assert spec.judge.checks == ("sanity", "near_duplicate") and spec.judge.kept_per_reference == 2
 
 
 # -- the help: every flag explained, defaults shown, examples -----------------------------------------
