@@ -28,7 +28,6 @@ import hashlib
 import heapq
 import logging
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from snapref_ray.jobs.manifest_check import JobValidationError, ManifestSettings, ManifestValidator, RowError
+from snapref_ray.jobs.plan_folder import PlanFolder
 from snapref_ray.render_service.references import ReferenceInput
 from snapref_ray.render_service.work_items import WorkItem, rerender_of
 from snapref_ray.requests import RenderSettings
@@ -95,6 +95,7 @@ class SpilledItems:
 
     def __init__(self, folder: Path, validator: ManifestValidator, manifest: str) -> None:
         self.folder, self.validator, self.manifest = folder, validator, manifest
+        self._temporary: PlanFolder | None = None  # the folder, when `build` made it (locked while the job runs)
         self.runs: list[_Run] = []
         self.rows = 0  # manifest rows read
         self.items = 0  # valid items
@@ -136,10 +137,12 @@ class SpilledItems:
     ) -> SpilledItems:
         """Validate the manifest chunk by chunk and spill its items; raises `JobValidationError` in a strict job with
         any invalid row (after reading them all, so that every one is named). `folder`: where the runs go (default:
-        a new temporary folder, removed by `close`)."""
-        where = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="snapref-plan-"))
+        a new temporary folder (jobs/plan_folder.py), removed by `close`)."""
+        temporary = PlanFolder() if folder is None else None  # removes the folders of killed drivers first
+        where = temporary.path if temporary is not None else Path(folder)
         where.mkdir(parents=True, exist_ok=True)
         plan = cls(where, ManifestValidator(settings, adapter_kind=adapter_kind), settings.manifest)
+        plan._temporary = temporary
         bar = _validation_bar() if progress else None
         digest = hashlib.sha256()  # of the bytes as they are read: what this run's manifest held
         try:
@@ -401,6 +404,8 @@ class SpilledItems:
         if self._errors_writer is not None:
             self._errors_writer.close()
             self._errors_writer = None
+        if self._temporary is not None:
+            self._temporary.remove()
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def __enter__(self) -> SpilledItems:
