@@ -16,6 +16,7 @@ from snapref_ray.cli_flags import (
     model_overrides,
     model_spec_from,
     settings_from,
+    settings_overrides,
 )
 from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.jobs.job_outcome import exit_status, memory_line, not_rendered_lines, plural, summary_line
@@ -190,12 +191,7 @@ def render_spec(args: argparse.Namespace):
     else:
         if not args.model_models_dir or not args.out:
             raise ValueError("the quick form needs --models DIR and --out DIR_OR_S3_URI (snapref-ray render --help)")
-        settings = {
-            name: getattr(args, name)
-            for name in (*RenderSettings.model_fields, "min_workers", "max_workers")
-            if getattr(args, name, None) is not None
-        }
-        spec = quick_spec(target, args.out, model=model_spec_from(args), workers=args.workers, **settings)
+        spec = quick_spec(target, args.out, model=model_spec_from(args))
     spec = spec.with_overrides(overrides)
     if "compile_cache" in overrides.get("model", {}) and not spec.model.compile:
         raise ValueError(compile_cache_without_compile(overrides["model"]["compile_cache"]))
@@ -222,7 +218,12 @@ def render_overrides(args: argparse.Namespace) -> dict:
         )
         if value is not None
     }
-    overrides: dict = {"output": output, **({"strict": True} if args.strict else {})}
+    overrides: dict = {
+        "defaults": settings_overrides(args),  # --steps, --seed, ...: a row's defaults
+        "cluster": _worker_counts(args),
+        "output": output,
+        **({"strict": True} if args.strict else {}),
+    }
     judge = {
         name: value
         for name, value in (
@@ -237,6 +238,14 @@ def render_overrides(args: argparse.Namespace) -> dict:
     if judge:
         overrides["judge"] = judge
     return overrides
+
+
+def _worker_counts(args: argparse.Namespace) -> dict:
+    """`--workers N` in place of the spec's range, `--min-workers` / `--max-workers` in place of its count."""
+    given = {name: getattr(args, name) for name in ("min_workers", "max_workers") if getattr(args, name) is not None}
+    if args.workers is not None:
+        return {"num_workers": args.workers, "max_workers": None, **given}
+    return {"num_workers": None, **given} if given else {}
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -493,7 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
         "render",
         help="run a batch job: a job spec (SPEC.yaml), or a manifest with --models DIR --out DIR",
         description="Run (or resume) a batch job: every row of the manifest rendered once into the output, with"
-        " Parquet metadata, errors/, summary.json, gallery.html and job.log. Running it again resumes it.",
+        " Parquet metadata, errors/, summary.json, gallery.html and job.log. Running it again resumes it. Over a"
+        " spec file, every flag given sets its field (--steps the rows' default, --workers the cluster's),"
+        " validated as the field is.",
         epilog=RENDER_EXAMPLES,
     )
     p.add_argument(

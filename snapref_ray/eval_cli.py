@@ -14,13 +14,9 @@ from snapref_ray.model_spec import LoRASpec
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from snapref_ray.jobs.identity_eval import RESULT_JSON, load_eval_spec, run_identity_eval
+    from snapref_ray.jobs.identity_eval import RESULT_JSON, run_identity_eval
 
-    spec = load_eval_spec(args.spec)
-    if args.out:
-        spec = spec.model_copy(update={"output": spec.output.model_copy(update={"uri": args.out})})
-    if args.workers:
-        spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"num_workers": args.workers})})
+    spec = eval_spec(args)
     report = run_identity_eval(spec)
     lo, hi = report["gap_ci"]
     print(
@@ -31,6 +27,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     print(f"wrote {spec.output.uri.rstrip('/')}/{RESULT_JSON} and heldout_loss.parquet")
     return 1 if report["n_failed"] else 0
+
+
+def eval_spec(args: argparse.Namespace):
+    """The evaluation spec with `--out` and `--workers` over it, validated as the fields they set."""
+    from snapref_ray.jobs.identity_eval import load_eval_spec
+
+    overrides: dict = {"output": {"uri": args.out} if args.out else {}, "cluster": {}}
+    if args.workers is not None:  # a count in place of the spec's range
+        overrides["cluster"] = {"num_workers": args.workers, "max_workers": None}
+    return load_eval_spec(args.spec).with_overrides(overrides)
 
 
 def _absolute(path: str | None) -> str | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -66,6 +66,12 @@ class SpecFile(_Section):
             elif isinstance(value, OutputSpec) and "uri" in value.model_fields_set:
                 update[name] = value.model_copy(update={"uri": resolve_relative(value.uri, base)})
         return self.model_copy(update=update)
+
+    def with_overrides(self, overrides: Mapping[str, Any], source: str = "command line") -> Self:
+        """This spec with `overrides` over it (nested fields: a mapping goes into its section, any other value
+        replaces the field's), validated as a whole, so that a flag's bad value is refused as the field's would be,
+        naming it. Paths are taken as given (the command line's are relative to the current directory)."""
+        return validate_spec(_overlay(self.model_dump(), overrides), type(self), source)
 
 
 class S3Spec(_Section):
@@ -390,12 +396,6 @@ class JobSpec(SpecFile):
     def s3_options(self) -> S3Options:
         """S3 client settings for every s3:// URI of this job."""
         return self.output.s3.options()
-
-    def with_overrides(self, overrides: Mapping[str, Any], source: str = "command line") -> JobSpec:
-        """This spec with `overrides` over it (nested fields: a mapping goes into its section, any other value
-        replaces the field's), validated as a whole, so that a flag's bad value is refused as the field's would be,
-        naming it. Paths are taken as given (the command line's are relative to the current directory)."""
-        return validate_spec(_overlay(self.model_dump(), overrides), JobSpec, source)
 
 
 def _overlay(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -291,7 +291,7 @@ def test_render_judge_flags_build_the_jobs_judge_section(tmp_path):
 
 
 def test_render_flags_are_validated_as_the_spec_fields_they_set(tmp_path):
-    """A flag over a spec file goes through the spec's validation like the field it sets: `--wait-for-lease -5`
+    """A flag over a spec file sets its field and goes through the spec's validation like it: `--wait-for-lease -5`
     was once copied into the spec unchecked (the run then waited no time at all); now it is refused naming the
     field, in both forms. `--judge` names the checks that run, and a check the spec sets up keeps its settings."""
     manifest = tmp_path / "m.csv"
@@ -313,6 +313,24 @@ def test_render_flags_are_validated_as_the_spec_fields_they_set(tmp_path):
     assert judge.max_renders_per_item == 4  # the spec's loop setting stays where no flag sets it
     spec = snapref_cli.render_spec(parser.parse_args(["render", str(spec_file), "--kept-per-reference", "2"]))
     assert spec.judge.checks == ("sanity", "near_duplicate") and spec.judge.kept_per_reference == 2
+    # Every flag sets its field over a spec file too (they were once ignored there without a word).
+    spec = snapref_cli.render_spec(parser.parse_args(["render", str(spec_file), "--steps", "3", "--workers", "1"]))
+    assert (spec.defaults.steps, spec.cluster.num_workers, spec.cluster.max_workers) == (3, 1, None)
+    with pytest.raises(JobSpecError, match=r"cluster\.num_workers: Input should be greater than or equal to 1"):
+        snapref_cli.render_spec(parser.parse_args(["render", str(spec_file), "--workers", "0"]))
+
+
+def test_eval_flags_are_validated_as_the_spec_fields_they_set():
+    """`snapref-ray eval SPEC --workers N --out DIR` over the example evaluation spec: the count replaces the spec's
+    range, and a bad count is refused naming the field (both were once copied into the spec unchecked)."""
+    from snapref_ray.eval_cli import eval_spec
+
+    parser = snapref_cli.build_parser()
+    example = str(Path(snapref_cli.__file__).parent / "examples" / "example_eval_spec.yaml")
+    spec = eval_spec(parser.parse_args(["eval", example, "--workers", "3", "--out", "elsewhere"]))
+    assert (spec.cluster.num_workers, spec.cluster.max_workers, spec.output.uri) == (3, None, "elsewhere")
+    with pytest.raises(JobSpecError, match=r"cluster\.num_workers: Input should be greater than or equal to 1"):
+        eval_spec(parser.parse_args(["eval", example, "--workers", "-2"]))
 
 
 # -- the help: every flag explained, defaults shown, examples -----------------------------------------
