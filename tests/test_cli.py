@@ -272,6 +272,24 @@ def test_serve_flags_build_the_served_model_spec(models, tmp_path, monkeypatch):
     assert config.model.dtype == "float32"
 
 
+def test_serve_config_files_host_and_port_hold_unless_a_flag_is_given(models, tmp_path):
+    """`serve --config FILE`: the file's host and port were once replaced by the flags' defaults (127.0.0.1:8000)
+    whether or not a flag was given; now a flag left out keeps the file's value, a flag given wins."""
+    from snapref_ray.serve.cli import config_from_args, log_path
+
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text(f"model: {{models_dir: {models}}}\nhost: 127.0.0.2\nport: 9123\n")
+    parser = snapref_cli.build_parser()
+    args = parser.parse_args(["serve", "--config", str(config_file)])
+    config = config_from_args(args)
+    assert (config.host, config.port) == ("127.0.0.2", 9123)
+    assert log_path(args, config.port).endswith("snapref-ray-serve-9123.log")
+    config = config_from_args(parser.parse_args(["serve", "--config", str(config_file), "--port", "9200"]))
+    assert (config.host, config.port) == ("127.0.0.2", 9200)
+    config = config_from_args(parser.parse_args(["serve", "--models", str(models)]))
+    assert (config.host, config.port) == ("127.0.0.1", 8000)  # the ServeConfig defaults
+
+
 def test_render_judge_flags_build_the_jobs_judge_section(tmp_path):
     """`render MANIFEST --judge sanity,near_duplicate --max-renders-per-item 2 --kept-per-reference 5`: the quick
     form's judge: section (docs/judging.md); the loop's flags alone are refused, naming --judge."""

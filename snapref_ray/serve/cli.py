@@ -31,8 +31,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         description="Serve SnapRef renders over HTTP: POST /v1/references, POST /v1/render,"
         " GET /v1/health, GET /v1/models; OpenAPI docs at /docs.",
     )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; any other needs a token)")
-    p.add_argument("--port", type=int, default=8000, help="port to answer on (refused when something listens there)")
+    # No argparse defaults: a flag left out keeps --config's value, else the ServeConfig default.
+    p.add_argument("--host", help="bind address (default 127.0.0.1; any other needs a token)")
+    p.add_argument("--port", type=int, help="port to answer on (default 8000; refused when something listens there)")
     p.add_argument("--token", help=f"bearer token clients must send (default: ${TOKEN_ENV})")
     p.add_argument(
         "--config", help="JSON or YAML file of ServeConfig fields (model, limits, replicas, batching); flags win"
@@ -48,9 +49,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     return p
 
 
-def log_path(args: argparse.Namespace) -> str:
+def log_path(args: argparse.Namespace, port: int) -> str:
     """--log, else snapref-ray-serve-PORT.log in the temporary folder (one per port: two servers never mix lines)."""
-    return args.log or os.path.join(tempfile.gettempdir(), f"snapref-ray-serve-{args.port}.log")
+    return args.log or os.path.join(tempfile.gettempdir(), f"snapref-ray-serve-{port}.log")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -64,7 +65,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             values = yaml.safe_load(text) or {}
         else:
             values = json.loads(text)
-    values.update(host=args.host, port=args.port)
+    values.update({name: getattr(args, name) for name in ("host", "port") if getattr(args, name) is not None})
     if values.get("model") is None and args.model_models_dir is None:
         raise ValueError("give --models DIR (or `model:` in --config's file)")
     base = None
@@ -89,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop.on_signals()
     # Ray's and Serve's lines (~50 of them at start, warnings meant for a multi-node cluster among them) go to the
     # log; the terminal keeps the line that says where the server answers, and errors.
-    with serve_console(log_path(args), verbose=args.verbose) as log_file, ray_start_failures_in_one_line():
+    with serve_console(log_path(args, config.port), verbose=args.verbose) as log_file, ray_start_failures_in_one_line():
         return _serve_until_stopped(config, stop, log_file)
 
 
