@@ -55,15 +55,19 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
     from snapref_ray.render_service.records import encode_output
     from snapref_ray.requests import RenderRequest
 
-    service = RenderService.load(model_spec_from(args))
-    settings = service.resolve(settings_from(args))
-    reference = _reference(args, settings, service.adapter_kind)
+    # Every flag checked before the model loads (a minute with real weights), not after.
+    model = model_spec_from(args)
+    given = settings_from(args)
+    RenderRequest(prompt=args.prompt, seed=args.seed, settings=given)  # the seed and prompt, as the requests take them
+    judge = _judge_call(args.judge)
     init = None
     if args.init_image:
         from PIL import Image
 
         init = Image.open(args.init_image)
-    judge = _judge_call(args.judge)
+    service = RenderService.load(model)
+    settings = service.resolve(given)
+    reference = _reference(args, settings, service.adapter_kind)
     requests = [RenderRequest(prompt=args.prompt, seed=args.seed + i, settings=settings) for i in range(args.n)]
     bar, update = _progress("sampling")
     with bar:
@@ -82,6 +86,13 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
         if image.judgement is not None:
             print(f"  judged: {_describe_judgement(image.judgement)}")
     return 0
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def _judge_call(text: str | None):
@@ -467,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the scene prompt")
     p.add_argument("--out", required=True, help="output PNG path (numbered when --n > 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first image")
-    p.add_argument("--n", type=int, default=1, help="images, consecutive seeds, one batch")
+    p.add_argument("--n", type=_at_least_one, default=1, help="images, consecutive seeds, one batch")
     p.add_argument(
         "--reference", action="append", default=[], help="reference image; repeat for several of one character"
     )

@@ -272,6 +272,26 @@ def test_serve_flags_build_the_served_model_spec(models, tmp_path, monkeypatch):
     assert config.model.dtype == "float32"
 
 
+def test_txt2img_refuses_a_bad_flag_before_it_loads_the_model(tmp_path, capsys):
+    """A bad setting, seed or count is one `error:` line and exit status 2 before the model is loaded (a minute with
+    real weights): here the model folder does not even exist, and the error names the flag's field, not the folder.
+    `--n 0` once rendered nothing and exited 0 without a word."""
+    missing = str(tmp_path / "no-models")
+    command = ["txt2img", "--models", missing, "--prompt", "a", "--out", str(tmp_path / "a.png")]
+    for extra, says in (
+        (["--width", "100"], "error: width: width must be a multiple of 16"),
+        (["--seed", "-1"], "error: seed: Input should be greater than or equal to 0"),
+        (["--steps", "0"], "error: steps: Input should be greater than or equal to 1"),
+    ):
+        assert snapref_cli.main([*command, *extra]) == 2
+        err = capsys.readouterr().err
+        assert says in err and missing not in err, err
+    with pytest.raises(SystemExit) as exit_:
+        snapref_cli.main([*command, "--n", "0"])
+    assert exit_.value.code == 2 and "argument --n: must be 1 or more, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "a.png").exists()
+
+
 def test_serve_config_files_host_and_port_hold_unless_a_flag_is_given(models, tmp_path):
     """`serve --config FILE`: the file's host and port were once replaced by the flags' defaults (127.0.0.1:8000)
     whether or not a flag was given; now a flag left out keeps the file's value, a flag given wins."""
