@@ -262,11 +262,24 @@ def _worker_counts(args: argparse.Namespace) -> dict:
 def cmd_render(args: argparse.Namespace) -> int:
     spec = render_spec(args)
     probe_s3_places(spec)
+    check_local_output(spec.output.uri)
     if args.dry_run:
         return _dry_run(spec, allow_invalid=args.allow_invalid)
     return _run_job_from_the_command_line(
         spec, progress=_progress_bar(args), verbose=args.verbose, allow_invalid=args.allow_invalid
     )
+
+
+def check_local_output(uri: str) -> None:
+    """A local output must be a folder, or a place one can be made: a file there (or above it) is one line before
+    anything starts, where the run would stop at its log file with "[Errno 17] File exists"."""
+    if uri.startswith("s3://"):
+        return
+    path = Path(uri.removeprefix("file://")).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"is under {existing}, a file"
+        raise ValueError(f"output {uri} {where}: give a folder (or s3://bucket/prefix)")
 
 
 def probe_s3_places(spec) -> None:

@@ -1,7 +1,7 @@
 """The front door's mistakes, each one `error:` line and exit status 2 within seconds, before Ray or Serve start
 where they can be known then: a model folder that does not exist (`serve` as `render`), S3 without credentials or
-on an endpoint that does not answer (`render`, `render --dry-run`), a local Ray whose start times out, a mistyped
-flag (with the closest flag of its subcommand), `--compile-cache` where nothing compiles.
+on an endpoint that does not answer (`render`, `render --dry-run`), a local output that is a file, a local Ray whose
+start times out, a mistyped flag (with the closest flag of its subcommand), `--compile-cache` where nothing compiles.
 
 Each runs the real command line in a subprocess (tests/test_cli_exit_codes.py `snapref`, which also asserts that
 no traceback is printed). None starts a Ray: RAY_ADDRESS is unset, and the mistakes are found before Ray would
@@ -33,6 +33,21 @@ def test_serve_with_a_model_folder_that_does_not_exist_is_one_line_before_ray(tm
         f"error: model folder {missing} does not exist (make a tiny set with `snapref-ray make-tiny {missing}`)"
     ]
     assert RAY_STARTED not in out and "serving on" not in out
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "render"])
+def test_a_local_output_that_is_a_file_is_one_line_before_ray(tiny_models, tmp_path, dry_run):
+    """The run once stopped at its log file with "[Errno 17] File exists" (exit 2, no word of the output), and the
+    dry run said the output was new."""
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    for out, says in ((taken, "is a file"), (taken / "sub", f"is under {taken}, a file")):
+        status, printed = snapref(
+            "render", MANIFEST, "--models", str(tiny_models), "--out", str(out), *(["--dry-run"] if dry_run else [])
+        )
+        assert status == 2, printed
+        assert error_lines(printed) == [f"error: output {out} {says}: give a folder (or s3://bucket/prefix)"]
+        assert RAY_STARTED not in printed and taken.read_text() == "not a folder"
 
 
 def _aws_env(**aws: str) -> dict[str, str]:
