@@ -29,6 +29,7 @@ from snapref_ray.uris import base_of, resolve_relative
 from snapref_ray.validation import format_validation_error
 
 S = TypeVar("S", bound="SpecFile")
+M = TypeVar("M", bound=BaseModel)
 
 
 class JobSpecError(ValueError):
@@ -442,7 +443,7 @@ def load_spec_file(path_or_uri: str, model: type[S], s3: S3Options | None = None
     return validate_spec(raw, model, path_or_uri, what=what).resolve_paths(base_of(path_or_uri))
 
 
-def validate_spec(raw: dict[str, Any], model: type[S], source: str, *, what: str = "job spec") -> S:
+def validate_spec(raw: dict[str, Any], model: type[M], source: str, *, what: str = "job spec") -> M:
     """`model` from `raw`, or a `JobSpecError` naming `source` and every bad field by its path."""
     try:
         return model.model_validate(raw)

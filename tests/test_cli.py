@@ -272,6 +272,27 @@ def test_serve_flags_build_the_served_model_spec(models, tmp_path, monkeypatch):
     assert config.model.dtype == "float32"
 
 
+def test_a_serve_config_file_s_mistakes_are_one_line_naming_the_file(models, tmp_path):
+    """`serve --config FILE` reads YAML or JSON like a job spec: a missing file, a file that is no mapping and a bad
+    field each name the file (they were "[Errno 2] No such file...", "Expecting value: line 1 column 1" and a
+    pydantic dump)."""
+    from snapref_ray.serve.cli import config_from_args
+
+    parser = snapref_cli.build_parser()
+    typo = tmp_path / "serve.json"
+    typo.write_text(json.dumps({"model": {"models_dir": str(models)}, "max_bach": 3}))
+    text = tmp_path / "notes.txt"
+    text.write_text("just words")
+    for path, says in (
+        (tmp_path / "missing.yaml", f"serve config {tmp_path / 'missing.yaml'} not found"),
+        (text, f"{text}: expected a mapping of spec fields at the top, found str"),
+        (typo, f"invalid serve config {typo}:\n  max_bach: unknown field (did you mean 'max_batch'?)"),
+    ):
+        with pytest.raises(JobSpecError) as error:
+            config_from_args(parser.parse_args(["serve", "--config", str(path)]))
+        assert str(error.value) == says
+
+
 def test_txt2img_refuses_a_bad_flag_before_it_loads_the_model(tmp_path, capsys):
     """A bad setting, seed or count is one `error:` line and exit status 2 before the model is loaded (a minute with
     real weights): here the model folder does not even exist, and the error names the flag's field, not the folder.

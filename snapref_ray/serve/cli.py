@@ -7,13 +7,11 @@ serve.yaml with `serve deploy` instead.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
 import tempfile
 import time
-from pathlib import Path
 
 from pydantic import SecretStr
 
@@ -56,15 +54,10 @@ def log_path(args: argparse.Namespace, port: int) -> str:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig of the flags (over --config's file); the token from --token or the environment."""
-    values: dict = {}
-    if args.config:
-        text = Path(args.config).read_text()
-        if args.config.endswith((".yaml", ".yml")):
-            import yaml
+    from snapref_ray.job_spec import read_yaml_mapping, validate_spec
 
-            values = yaml.safe_load(text) or {}
-        else:
-            values = json.loads(text)
+    # YAML reads JSON too; a missing file, a parse error or a bad field is one line naming the file.
+    values: dict = read_yaml_mapping(args.config, what="serve config") if args.config else {}
     values.update({name: getattr(args, name) for name in ("host", "port") if getattr(args, name) is not None})
     if values.get("model") is None and args.model_models_dir is None:
         raise ValueError("give --models DIR (or `model:` in --config's file)")
@@ -72,7 +65,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if values.get("model") is not None:  # relative paths in the file are relative to the file
         base = ModelSpec.model_validate(values["model"]).resolve_paths(base_of(os.path.abspath(args.config)))
     values["model"] = model_spec_from(args, base).resolve_paths(os.getcwd())
-    config = ServeConfig(**values)
+    config = validate_spec(values, ServeConfig, args.config or "command line", what="serve config")
     # Resolved here, in the process that read the environment, so every replica gets the same token.
     token = args.token or config.resolved_token()
     return config.model_copy(update={"token": SecretStr(token)}) if token else config
