@@ -274,8 +274,8 @@ def test_serve_flags_build_the_served_model_spec(models, tmp_path, monkeypatch):
 
 def test_a_serve_config_file_s_mistakes_are_one_line_naming_the_file(models, tmp_path):
     """`serve --config FILE` reads YAML or JSON like a job spec: a missing file, a file that is no mapping and a bad
-    field each name the file (they were "[Errno 2] No such file...", "Expecting value: line 1 column 1" and a
-    pydantic dump)."""
+    field each name the file (they were "[Errno 2] No such file...", "Expecting value: line 1 column 1" and
+    "max_bach: unknown field")."""
     from snapref_ray.serve.cli import config_from_args
 
     parser = snapref_cli.build_parser()
