@@ -56,6 +56,7 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
     from snapref_ray.requests import RenderRequest
 
     # Every flag checked before the model loads (a minute with real weights), not after.
+    fmt = _format_of(Path(args.out))
     model = model_spec_from(args)
     given = settings_from(args)
     RenderRequest(prompt=args.prompt, seed=args.seed, settings=given)  # the seed and prompt, as the requests take them
@@ -74,7 +75,6 @@ def cmd_txt2img(args: argparse.Namespace) -> int:
         rendered = service.render(requests, reference=reference, init_image=init, progress=update, judge=judge)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fmt = _format_of(out)
     for i, image in enumerate(rendered):
         path = out if len(rendered) == 1 else out.with_name(f"{out.stem}_{i:03d}{out.suffix}")
         path.write_bytes(encode_output(image, model=service.model_id, adapter=service.adapter_id, fmt=fmt))
@@ -162,9 +162,15 @@ def _read_file(path: str, flag: str) -> bytes:
         raise FileNotFoundError(f"{flag} {path}: {e.strerror or e}") from None
 
 
+_FORMATS = {".png": "png", ".webp": "webp", ".jpg": "jpeg", ".jpeg": "jpeg"}
+
+
 def _format_of(path: Path) -> str:
-    """png, webp or jpeg from the output file's extension (png when it names none of them)."""
-    return {".webp": "webp", ".jpg": "jpeg", ".jpeg": "jpeg"}.get(path.suffix.lower(), "png")
+    """png, webp or jpeg from the output file's extension; any other is refused (a `.gif` once got PNG bytes)."""
+    fmt = _FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"--out {path}: the image formats are {', '.join(_FORMATS)} (name the file with one)")
+    return fmt
 
 
 def cmd_adapter_inspect(args: argparse.Namespace) -> int:
@@ -489,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("txt2img", help="render images from a prompt (optionally with a reference)")
     p.add_argument("--prompt", required=True, help="the scene prompt")
-    p.add_argument("--out", required=True, help="output PNG path (numbered when --n > 1)")
+    p.add_argument("--out", required=True, help="output image: .png, .webp or .jpg (numbered when --n > 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first image")
     p.add_argument("--n", type=_at_least_one, default=1, help="images, consecutive seeds, one batch")
     p.add_argument(

@@ -296,13 +296,14 @@ def test_a_serve_config_file_s_mistakes_are_one_line_naming_the_file(models, tmp
 def test_txt2img_refuses_a_bad_flag_before_it_loads_the_model(tmp_path, capsys):
     """A bad setting, seed or count is one `error:` line and exit status 2 before the model is loaded (a minute with
     real weights): here the model folder does not even exist, and the error names the flag's field, not the folder.
-    `--n 0` once rendered nothing and exited 0 without a word."""
+    `--n 0` once rendered nothing and exited 0 without a word; `--out a.gif` got PNG bytes."""
     missing = str(tmp_path / "no-models")
     command = ["txt2img", "--models", missing, "--prompt", "a", "--out", str(tmp_path / "a.png")]
     for extra, says in (
         (["--width", "100"], "error: width: width must be a multiple of 16"),
         (["--seed", "-1"], "error: seed: Input should be greater than or equal to 0"),
         (["--steps", "0"], "error: steps: Input should be greater than or equal to 1"),
+        (["--out", str(tmp_path / "a.gif")], "the image formats are .png, .webp, .jpg, .jpeg"),
     ):
         assert snapref_cli.main([*command, *extra]) == 2
         err = capsys.readouterr().err
