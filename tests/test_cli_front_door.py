@@ -1,7 +1,8 @@
 """The front door's mistakes, each one `error:` line and exit status 2 within seconds, before Ray or Serve start
 where they can be known then: a model folder that does not exist (`serve` as `render`), S3 without credentials or
-on an endpoint that does not answer (`render`, `render --dry-run`), a local output that is a file, a local Ray whose
-start times out, a mistyped flag (with the closest flag of its subcommand), `--compile-cache` where nothing compiles.
+on an endpoint that does not answer (`render`, `render --dry-run`), a local output that is a file, a LoRA file that
+does not exist, a local Ray whose start times out, a mistyped flag (with the closest flag of its subcommand),
+`--compile-cache` where nothing compiles.
 
 Each runs the real command line in a subprocess (tests/test_cli_exit_codes.py `snapref`, which also asserts that
 no traceback is printed). None starts a Ray: RAY_ADDRESS is unset, and the mistakes are found before Ray would
@@ -48,6 +49,24 @@ def test_a_local_output_that_is_a_file_is_one_line_before_ray(tiny_models, tmp_p
         assert status == 2, printed
         assert error_lines(printed) == [f"error: output {out} {says}: give a folder (or s3://bucket/prefix)"]
         assert RAY_STARTED not in printed and taken.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("command", ["render", "render --dry-run", "serve"])
+def test_a_lora_file_that_does_not_exist_is_one_line_before_ray(tiny_models, tmp_path, command):
+    """A missing LoRA once started Ray and four render workers, each failing to load it, and ended in a traceback
+    (exit 1); `--dry-run` called the job fine."""
+    missing = tmp_path / "styel.safetensors"
+    args = (
+        ["serve", "--models", str(tiny_models), "--port", str(free_port())]
+        if command == "serve"
+        else [*command.split(), MANIFEST, "--models", str(tiny_models), "--out", str(tmp_path / "out")]
+    )
+    status, printed = snapref(*args, "--lora", f"{missing}:0.5", cwd=tmp_path)
+    assert status == 2, printed
+    assert error_lines(printed) == [f"error: LoRA file {missing} does not exist"]
+    assert RAY_STARTED not in printed
+    if command == "render --dry-run":
+        assert not (tmp_path / "out").exists()  # a run makes the output's folder for its job.log first
 
 
 def _aws_env(**aws: str) -> dict[str, str]:

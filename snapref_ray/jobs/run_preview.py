@@ -17,7 +17,7 @@ from snapref_ray.jobs.job_settings import OutputPlace
 from snapref_ray.jobs.manifest_check import ManifestSettings, RowError
 from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
 from snapref_ray.model_spec import ModelSpec
-from snapref_ray.render_service.loading import adapter_kind
+from snapref_ray.render_service.loading import adapter_kind, check_named_files
 from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.item_contents import read_committed_state
 
@@ -72,6 +72,7 @@ def validate_manifest(manifest: ManifestSettings, model: ModelSpec, *, progress:
     """Every row of the manifest validated for the kind of the job's reference adapter, the valid items spilled to
     local disk (jobs/spilled_items.py): a run's first phase, and what a dry run counts. A job without a reference
     adapter is refused (every item reads a reference)."""
+    check_named_files(model, s3=manifest.s3)  # a missing LoRA: one line here, not four workers failing to start
     kind = adapter_kind(model, s3=manifest.s3)
     if kind is None:
         raise JobSpecError(

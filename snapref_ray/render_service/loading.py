@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from snapref_ray.adapter.kinds import detect_kind
 from snapref_ray.model_spec import MODEL_FILE_FIELDS, ModelSpec
 from snapref_ray.models.bundle import ADAPTER_PATTERNS
-from snapref_ray.storage.backends import S3Options, S3Storage, open_storage
+from snapref_ray.storage.backends import S3Options, S3Storage, StorageError, open_storage, split_s3_uri
 from snapref_ray.storage.model_cache import default_compile_cache_dir, ensure_local, ensure_local_folder
 from snapref_ray.uris import is_remote
 
@@ -100,6 +100,24 @@ def adapter_file(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: str
         if hits:
             return ensure_local(f"{root}/{hits[0]}", cache_dir, s3)
     return None
+
+
+def check_named_files(spec: ModelSpec, *, s3: S3Options | None = None) -> None:
+    """Every LoRA and explicit model file the spec names exists (local: on disk; s3://: by one HEAD, nothing is
+    downloaded), else a `StorageError` naming it: what a driver or the server can know before any worker starts,
+    where each worker would fail to load it (and the pool give up after four, in tracebacks)."""
+    named = [(f"LoRA file {lora.path}", lora.path) for lora in spec.loras]
+    named += [(f"model file {getattr(spec, f)}", getattr(spec, f)) for f in MODEL_FILE_FIELDS if getattr(spec, f)]
+    for what, path in named:
+        if not is_remote(path):
+            found = Path(path.removeprefix("file://")).expanduser().exists()
+        elif path.rstrip("/") != path or any(getattr(spec, f) == path for f in _FOLDER_FIELDS):
+            continue  # an s3:// folder: listed where it is fetched
+        else:
+            bucket, key = split_s3_uri(path)
+            found = S3Storage(f"s3://{bucket}", s3).head(key) is not None
+        if not found:
+            raise StorageError(f"{what} does not exist")
 
 
 def adapter_kind(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: str | None = None) -> str | None:

@@ -114,10 +114,11 @@ def _serve_until_stopped(config: ServeConfig, stop: StopRequest, log_file: str) 
 
 
 def check_model_files(config: ServeConfig) -> None:
-    """The check `render`'s driver makes before any worker starts (jobs/generate_dataset.py): the model folder and
-    its files are found, and the adapter's header is read (ModelFilesError, StorageError: one line, exit 2)."""
-    from snapref_ray.render_service.loading import adapter_kind
+    """The check `render`'s driver makes before any worker starts (jobs/run_preview.py): the model folder, its files
+    and the LoRAs are found, and the adapter's header is read (ModelFilesError, StorageError: one line, exit 2)."""
+    from snapref_ray.render_service.loading import adapter_kind, check_named_files
 
+    check_named_files(config.model, s3=config.s3_options())
     adapter_kind(config.model, s3=config.s3_options())
 
 

@@ -151,3 +151,24 @@ def test_cached_copy_is_used_when_the_store_is_unreachable(s3_server, tmp_path):
             ensure_local(never_fetched, tmp_path, down)
     finally:
         s3_server.start()
+
+
+def test_named_files_are_checked_without_a_download(s3_server, tmp_path, monkeypatch):
+    """render_service/loading.py `check_named_files`: an s3:// LoRA is found by one HEAD (nothing downloaded), a
+    missing one, local or s3://, is one StorageError naming it."""
+    from snapref_ray.model_spec import LoRASpec, ModelSpec
+    from snapref_ray.render_service.loading import check_named_files
+
+    log = tmp_path / "downloads.log"
+    _count_downloads(monkeypatch, log)
+    there = _upload(s3_server, b"lora", "style.safetensors")
+    gone = there.replace("style.safetensors", "styel.safetensors")
+    local = tmp_path / "local-lora.safetensors"
+    local.write_bytes(b"lora")
+    spec = ModelSpec(models_dir=str(tmp_path), loras=(LoRASpec(path=there), LoRASpec(path=str(local))))
+    check_named_files(spec, s3=s3_server.s3_options())
+    assert not log.exists()  # HEAD only
+    for missing in (gone, str(tmp_path / "nope.safetensors")):
+        bad = spec.model_copy(update={"loras": (LoRASpec(path=missing, strength=0.5),)})
+        with pytest.raises(StorageError, match=f"^LoRA file {missing} does not exist$"):
+            check_named_files(bad, s3=s3_server.s3_options())
