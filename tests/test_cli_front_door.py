@@ -69,6 +69,19 @@ def test_a_lora_file_that_does_not_exist_is_one_line_before_ray(tiny_models, tmp
         assert not (tmp_path / "out").exists()  # a run makes the output's folder for its job.log first
 
 
+def test_a_file_given_as_a_lora_that_is_none_is_one_line_before_ray(tiny_models, tmp_path):
+    """The DiT given as a LoRA: the engine's own refusal (models/lora_keys.py `group_lora_keys`) from the file's
+    header, before any worker tries to load it."""
+    dit = tiny_models / "dit.safetensors"
+    status, printed = snapref(
+        "render", MANIFEST, "--models", str(tiny_models), "--out", str(tmp_path / "out"), "--lora", f"{dit}:0.5"
+    )
+    assert status == 2, printed
+    [line] = error_lines(printed)
+    assert line.startswith(f"error: LoRA file {dit}: ") and "are not LoRA weights of an Anima DiT linear" in line
+    assert RAY_STARTED not in printed
+
+
 def _aws_env(**aws: str) -> dict[str, str]:
     """The command's environment with only the AWS settings given: no credentials from this machine's environment,
     files or instance metadata."""

@@ -30,13 +30,9 @@ from torch import nn
 from snapref_ray.models import ops
 from snapref_ray.models.block_map import KNOWN_MAPS, BlockLayoutError, adapter_block_map
 from snapref_ray.models.checkpoint import load_state_dict
-from snapref_ray.models.lora_keys import BLOCK_PATH, lora_module_path, split_lora_key
+from snapref_ray.models.lora_keys import BLOCK_PATH, LoRAError, group_lora_keys, key_examples
 
 log = logging.getLogger(__name__)
-
-
-class LoRAError(ValueError):
-    """A LoRA that cannot be read or applied; the message names the file or LoRA and the keys."""
 
 
 @dataclass
@@ -76,11 +72,6 @@ def _as_matrix(t: torch.Tensor, key: str, source: str) -> torch.Tensor:
     return t
 
 
-def _examples(keys: Sequence[str], n: int = 5) -> str:
-    shown = ", ".join(repr(k) for k in list(keys)[:n])
-    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
-
-
 def read_lora(path_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor]) -> LoRA:
     """Read a LoRA file (safetensors) or state dict into {DiT module path: LoRAModule}.
 
@@ -93,33 +84,9 @@ def read_lora(path_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor]
         source = str(path_or_state_dict)
         sd = load_state_dict(path_or_state_dict)
 
-    parts: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
-    unparseable = []
-    for key, tensor in sd.items():
-        split = split_lora_key(key)
-        path = lora_module_path(split[0]) if split else None
-        if path is None:
-            unparseable.append(key)
-            continue
-        slot = parts.setdefault(path, {})
-        part = split[1]
-        if part in slot:
-            raise LoRAError(f"{source}: keys {slot[part][0]!r} and {key!r} both give the {part} of {path!r}")
-        slot[part] = (key, tensor)
-    if unparseable:
-        raise LoRAError(
-            f"{source}: {len(unparseable)} key(s) are not LoRA weights of an Anima DiT linear"
-            f" (only the diffusion model is patched; text-encoder LoRAs are not supported): {_examples(unparseable)}"
-        )
-    if not parts:
-        raise LoRAError(f"{source}: no LoRA tensors found")
-
     lora: LoRA = {}
-    for path, slot in parts.items():
-        missing = [p for p in ("down", "up") if p not in slot]
-        if missing:
-            present = ", ".join(repr(k) for k, _ in slot.values())
-            raise LoRAError(f"{source}: module {path!r} has no {' or '.join(missing)} matrix (found only {present})")
+    for path, keys in group_lora_keys(sd.keys(), source).items():
+        slot = {part: (key, sd[key]) for part, key in keys.items()}
         down_key, down = slot["down"]
         up_key, up = slot["up"]
         down, up = _as_matrix(down, down_key, source), _as_matrix(up, up_key, source)
@@ -208,7 +175,7 @@ def merge_loras(
         if not matched:
             raise LoRAError(
                 f"{label}: none of its {len(remapped)} modules exist in the model"
-                f" (e.g. {_examples(sorted(remapped), 3)})"
+                f" (e.g. {key_examples(sorted(remapped), 3)})"
             )
         unmatched = sorted(set(remapped) - set(matched))
         if unmatched:
@@ -217,7 +184,7 @@ def merge_loras(
                 label,
                 len(matched),
                 len(remapped),
-                _examples(unmatched, 3),
+                key_examples(unmatched, 3),
             )
         else:
             log.info("%s: all %d modules matched", label, len(matched))

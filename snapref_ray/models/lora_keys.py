@@ -8,6 +8,7 @@ tables; the driver does the second, so nothing here imports torch.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 
 from snapref_ray.models.dit_config import BLOCK_LINEARS
 
@@ -146,3 +147,46 @@ def lora_module_path(name: str) -> str | None:
         name = name[len("transformer.") :]
     path = _from_diffusers(name) or name
     return path if is_dit_linear(path) else None
+
+
+class LoRAError(ValueError):
+    """A LoRA that cannot be read or applied; the message names the file or LoRA and the keys."""
+
+
+def group_lora_keys(keys: Iterable[str], source: str) -> dict[str, dict[str, str]]:
+    """{DiT module path: {"down" | "up" | "alpha": key}} of a LoRA file's keys, or a LoRAError naming the keys that
+    are not LoRA weights of an Anima DiT linear, a part two keys give, a module without its down or up matrix, or a
+    file without any. From the keys alone: the engine's reading (lora.py) and the driver's check of a file's header
+    before any worker loads it (render_service/loading.py) say the same."""
+    parts: dict[str, dict[str, str]] = {}
+    unparseable = []
+    for key in keys:
+        split = split_lora_key(key)
+        path = lora_module_path(split[0]) if split else None
+        if split is None or path is None:
+            unparseable.append(key)
+            continue
+        slot = parts.setdefault(path, {})
+        part = split[1]
+        if part in slot:
+            raise LoRAError(f"{source}: keys {slot[part]!r} and {key!r} both give the {part} of {path!r}")
+        slot[part] = key
+    if unparseable:
+        raise LoRAError(
+            f"{source}: {len(unparseable)} key(s) are not LoRA weights of an Anima DiT linear"
+            f" (only the diffusion model is patched; text-encoder LoRAs are not supported): {key_examples(unparseable)}"
+        )
+    if not parts:
+        raise LoRAError(f"{source}: no LoRA tensors found")
+    for path, slot in parts.items():
+        missing = [p for p in ("down", "up") if p not in slot]
+        if missing:
+            present = ", ".join(repr(k) for k in slot.values())
+            raise LoRAError(f"{source}: module {path!r} has no {' or '.join(missing)} matrix (found only {present})")
+    return parts
+
+
+def key_examples(keys: Sequence[str], n: int = 5) -> str:
+    """The first `n` keys, quoted, and how many more (for messages that name a file's keys)."""
+    shown = ", ".join(repr(k) for k in list(keys)[:n])
+    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 from snapref_ray.adapter.kinds import detect_kind
 from snapref_ray.model_spec import MODEL_FILE_FIELDS, ModelSpec
 from snapref_ray.models.bundle import ADAPTER_PATTERNS
+from snapref_ray.models.lora_keys import group_lora_keys
+from snapref_ray.models.safetensors_header import read_header
 from snapref_ray.storage.backends import S3Options, S3Storage, StorageError, open_storage, split_s3_uri
 from snapref_ray.storage.model_cache import default_compile_cache_dir, ensure_local, ensure_local_folder
 from snapref_ray.uris import is_remote
@@ -104,8 +106,9 @@ def adapter_file(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: str
 
 def check_named_files(spec: ModelSpec, *, s3: S3Options | None = None) -> None:
     """Every LoRA and explicit model file the spec names exists (local: on disk; s3://: by one HEAD, nothing is
-    downloaded), else a `StorageError` naming it: what a driver or the server can know before any worker starts,
-    where each worker would fail to load it (and the pool give up after four, in tracebacks)."""
+    downloaded), else a `StorageError` naming it, and a local LoRA's keys are a LoRA's (`LoRAError`, the engine's own
+    message): what a driver or the server can know before any worker starts, where each worker would fail to load
+    it (and the pool give up after four, in tracebacks)."""
     named = [(f"LoRA file {lora.path}", lora.path) for lora in spec.loras]
     named += [(f"model file {getattr(spec, f)}", getattr(spec, f)) for f in MODEL_FILE_FIELDS if getattr(spec, f)]
     for what, path in named:
@@ -118,6 +121,10 @@ def check_named_files(spec: ModelSpec, *, s3: S3Options | None = None) -> None:
             found = S3Storage(f"s3://{bucket}", s3).head(key) is not None
         if not found:
             raise StorageError(f"{what} does not exist")
+    for lora in spec.loras:  # a local LoRA's keys, from its header: what the engine would refuse in every worker
+        if not is_remote(lora.path):
+            header, _ = read_header(Path(lora.path.removeprefix("file://")).expanduser())
+            group_lora_keys(header, f"LoRA file {lora.path}")
 
 
 def adapter_kind(spec: ModelSpec, *, s3: S3Options | None = None, cache_dir: str | None = None) -> str | None:
