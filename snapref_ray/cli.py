@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -209,7 +210,9 @@ def render_spec(args: argparse.Namespace):
         if not args.model_models_dir or not args.out:
             raise ValueError("the quick form needs --models DIR and --out DIR_OR_S3_URI (snapref-ray render --help)")
         spec = quick_spec(target, args.out, model=model_spec_from(args))
-    spec = spec.with_overrides(overrides)
+    # The flags' relative paths are the current directory's (the file's own were resolved against its folder), made
+    # absolute as the quick form's are: the job's fingerprint names each file once, however it was spelled.
+    spec = spec.with_overrides(overrides).resolve_paths(os.getcwd())
     if "compile_cache" in overrides.get("model", {}) and not spec.model.compile:
         raise ValueError(compile_cache_without_compile(overrides["model"]["compile_cache"]))
     if spec.judge is not None and not spec.judge.checks:

@@ -350,7 +350,7 @@ def test_render_judge_flags_build_the_jobs_judge_section(tmp_path):
         snapref_cli.render_spec(parser.parse_args([*quick, "--kept-per-reference", "5"]))
 
 
-def test_render_flags_are_validated_as_the_spec_fields_they_set(tmp_path):
+def test_render_flags_are_validated_as_the_spec_fields_they_set(tmp_path, monkeypatch):
     """A flag over a spec file sets its field and goes through the spec's validation like it: `--wait-for-lease -5`
     was once copied into the spec unchecked (the run then waited no time at all); now it is refused naming the
     field, in both forms. `--judge` names the checks that run, and a check the spec sets up keeps its settings."""
@@ -378,6 +378,10 @@ def test_render_flags_are_validated_as_the_spec_fields_they_set(tmp_path):
     assert (spec.defaults.steps, spec.cluster.num_workers, spec.cluster.max_workers) == (3, 1, None)
     with pytest.raises(JobSpecError, match=r"cluster\.num_workers: Input should be greater than or equal to 1"):
         snapref_cli.render_spec(parser.parse_args(["render", str(spec_file), "--workers", "0"]))
+    # The flags' relative paths are the current directory's, made absolute (one fingerprint however spelled).
+    monkeypatch.chdir(tmp_path)
+    spec = snapref_cli.render_spec(parser.parse_args(["render", str(spec_file), "--out", "elsewhere", "--models", "."]))
+    assert (spec.output.uri, spec.model.models_dir) == (str(tmp_path / "elsewhere"), str(tmp_path))
 
 
 def test_eval_flags_are_validated_as_the_spec_fields_they_set():
