@@ -8,7 +8,9 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from snapref_ray.storage import model_cache
 from snapref_ray.storage.backends import S3Options, StorageError
@@ -163,8 +165,14 @@ def test_named_files_are_checked_without_a_download(s3_server, tmp_path, monkeyp
     _count_downloads(monkeypatch, log)
     there = _upload(s3_server, b"lora", "style.safetensors")
     gone = there.replace("style.safetensors", "styel.safetensors")
-    local = tmp_path / "local-lora.safetensors"
-    local.write_bytes(b"lora")
+    local = tmp_path / "local-lora.safetensors"  # a local LoRA's keys are read from its header too
+    save_file(
+        {
+            "diffusion_model.blocks.0.self_attn.q_proj.lora_down.weight": np.zeros((2, 8), np.float32),
+            "diffusion_model.blocks.0.self_attn.q_proj.lora_up.weight": np.zeros((8, 2), np.float32),
+        },
+        str(local),
+    )
     spec = ModelSpec(models_dir=str(tmp_path), loras=(LoRASpec(path=there), LoRASpec(path=str(local))))
     check_named_files(spec, s3=s3_server.s3_options())
     assert not log.exists()  # HEAD only
