@@ -271,7 +271,7 @@ def _worker_counts(args: argparse.Namespace) -> dict:
 def cmd_render(args: argparse.Namespace) -> int:
     spec = render_spec(args)
     probe_s3_places(spec)
-    check_local_output(spec.output.uri)
+    check_local_folder(spec.output.uri)
     if args.dry_run:
         return _dry_run(spec, allow_invalid=args.allow_invalid)
     return _run_job_from_the_command_line(
@@ -279,16 +279,18 @@ def cmd_render(args: argparse.Namespace) -> int:
     )
 
 
-def check_local_output(uri: str) -> None:
-    """A local output must be a folder, or a place one can be made: a file there (or above it) is one line before
-    anything starts, where the run would stop at its log file with "[Errno 17] File exists"."""
+def check_local_folder(uri: str, what: str = "output") -> None:
+    """A local folder the command writes must be one, or a place one can be made: a file there (or above it) is one
+    line before anything starts, where the run would stop at its log file with "[Errno 17] File exists"."""
     if uri.startswith("s3://"):
         return
     path = Path(uri.removeprefix("file://")).expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         where = "is a file" if existing == path else f"is under {existing}, a file"
-        raise ValueError(f"output {uri} {where}: give a folder (or s3://bucket/prefix)")
+        raise ValueError(
+            f"{what} {uri} {where}: give a folder" + (" (or s3://bucket/prefix)" if what == "output" else "")
+        )
 
 
 def probe_s3_places(spec) -> None:
@@ -376,21 +378,19 @@ def _progress_bar(args: argparse.Namespace) -> bool:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from snapref_ray.job_spec import load_job_spec
-    from snapref_ray.tiny import make_tiny
 
     out = Path(args.out).resolve()
     # Beside the output, not inside it: the output is the dataset, and `make-tiny tiny` (the README's next step)
     # writes the same files to the same default folder.
     models = Path(args.models).resolve()
+    check_local_folder(str(out))
+    check_local_folder(str(models), "models folder")
     if not (models / "dit.safetensors").exists():
+        from snapref_ray.tiny import make_tiny  # torch: only where the tiny models are made
+
         make_tiny(models)
     spec = load_job_spec(str(Path(__file__).parent / "examples" / "example_spec.yaml"))
-    spec = spec.model_copy(
-        update={
-            "model": spec.model.model_copy(update={"models_dir": str(models)}),
-            "output": spec.output.model_copy(update={"uri": str(out)}),
-        }
-    )
+    spec = spec.with_overrides({"model": {"models_dir": str(models)}, "output": {"uri": str(out)}})
     status = _run_job_from_the_command_line(
         spec, progress=_progress_bar(args), verbose=args.verbose, gallery_note=False
     )

@@ -49,6 +49,13 @@ def test_a_local_output_that_is_a_file_is_one_line_before_ray(tiny_models, tmp_p
         assert status == 2, printed
         assert error_lines(printed) == [f"error: output {out} {says}: give a folder (or s3://bucket/prefix)"]
         assert RAY_STARTED not in printed and taken.read_text() == "not a folder"
+    # The demo writes the same two kinds of folder.
+    status, printed = snapref("demo", "--out", str(taken), "--models", str(tmp_path / "tiny"))
+    assert status == 2 and error_lines(printed) == [
+        f"error: output {taken} is a file: give a folder (or s3://bucket/prefix)"
+    ], printed
+    status, printed = snapref("demo", "--out", str(tmp_path / "demo"), "--models", str(taken))
+    assert status == 2 and error_lines(printed) == [f"error: models folder {taken} is a file: give a folder"], printed
 
 
 @pytest.mark.parametrize("command", ["render", "render --dry-run", "serve"])
