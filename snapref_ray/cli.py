@@ -18,6 +18,7 @@ from snapref_ray.cli_flags import (
     model_spec_from,
     settings_from,
     settings_overrides,
+    worker_count_overrides,
 )
 from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.jobs.job_outcome import exit_status, memory_line, not_rendered_lines, plural, summary_line
@@ -240,7 +241,7 @@ def render_overrides(args: argparse.Namespace) -> dict:
     }
     overrides: dict = {
         "defaults": settings_overrides(args),  # --steps, --seed, ...: a row's defaults
-        "cluster": _worker_counts(args),
+        "cluster": worker_count_overrides(args.workers, args.min_workers, args.max_workers),
         "output": output,
         **({"strict": True} if args.strict else {}),
     }
@@ -258,14 +259,6 @@ def render_overrides(args: argparse.Namespace) -> dict:
     if judge:
         overrides["judge"] = judge
     return overrides
-
-
-def _worker_counts(args: argparse.Namespace) -> dict:
-    """`--workers N` in place of the spec's range, `--min-workers` / `--max-workers` in place of its count."""
-    given = {name: getattr(args, name) for name in ("min_workers", "max_workers") if getattr(args, name) is not None}
-    if args.workers is not None:
-        return {"num_workers": args.workers, "max_workers": None, **given}
-    return {"num_workers": None, **given} if given else {}
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -137,3 +137,12 @@ def compile_cache_without_compile(cache: str) -> str:
         f"--compile-cache {cache} is where compiled graphs are shared, and nothing compiles:"
         " add --compile (model.compile: true in a spec), or leave --compile-cache out"
     )
+
+
+def worker_count_overrides(workers: int | None, min_workers: int | None = None, max_workers: int | None = None) -> dict:
+    """A spec's `cluster:` fields for `--workers N` (a count in place of the spec's range) or `--min-workers` /
+    `--max-workers` (a range in place of its count); the spec's validation refuses both kinds at once."""
+    given = {k: v for k, v in (("min_workers", min_workers), ("max_workers", max_workers)) if v is not None}
+    if workers is not None:
+        return {"num_workers": workers, "max_workers": None, **given}
+    return {"num_workers": None, **given} if given else {}

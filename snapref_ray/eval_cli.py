@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from snapref_ray.cli_flags import add_model_flags, model_spec_from
+from snapref_ray.cli_flags import add_model_flags, model_spec_from, worker_count_overrides
 from snapref_ray.model_spec import LoRASpec
 
 
@@ -33,9 +33,7 @@ def eval_spec(args: argparse.Namespace):
     """The evaluation spec with `--out` and `--workers` over it, validated as the fields they set."""
     from snapref_ray.jobs.identity_eval import load_eval_spec
 
-    overrides: dict = {"output": {"uri": args.out} if args.out else {}, "cluster": {}}
-    if args.workers is not None:  # a count in place of the spec's range
-        overrides["cluster"] = {"num_workers": args.workers, "max_workers": None}
+    overrides = {"output": {"uri": args.out} if args.out else {}, "cluster": worker_count_overrides(args.workers)}
     return load_eval_spec(args.spec).with_overrides(overrides)
 
 

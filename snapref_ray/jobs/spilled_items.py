@@ -405,8 +405,9 @@ class SpilledItems:
             self._errors_writer.close()
             self._errors_writer = None
         if self._temporary is not None:
-            self._temporary.remove()
-        shutil.rmtree(self.folder, ignore_errors=True)
+            self._temporary.remove()  # the folder and its lock
+        else:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def __enter__(self) -> SpilledItems:
         return self

@@ -112,13 +112,13 @@ def check_named_files(spec: ModelSpec, *, s3: S3Options | None = None) -> None:
     named = [(f"LoRA file {lora.path}", lora.path) for lora in spec.loras]
     named += [(f"model file {getattr(spec, f)}", getattr(spec, f)) for f in MODEL_FILE_FIELDS if getattr(spec, f)]
     for what, path in named:
-        if not is_remote(path):
-            found = Path(path.removeprefix("file://")).expanduser().exists()
-        elif path.rstrip("/") != path or any(getattr(spec, f) == path for f in _FOLDER_FIELDS):
-            continue  # an s3:// folder: listed where it is fetched
-        else:
+        if is_remote(path) and any(getattr(spec, f) == path for f in _FOLDER_FIELDS):
+            continue  # an s3:// tokenizer folder: listed where it is fetched
+        if is_remote(path):
             bucket, key = split_s3_uri(path)
             found = S3Storage(f"s3://{bucket}", s3).head(key) is not None
+        else:
+            found = Path(path.removeprefix("file://")).expanduser().exists()
         if not found:
             raise StorageError(f"{what} does not exist")
     for lora in spec.loras:  # a local LoRA's keys, from its header: what the engine would refuse in every worker
