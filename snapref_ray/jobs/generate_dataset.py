@@ -2,16 +2,16 @@
 
 `run_job` reads as its phases: 1. validate every row -> 2. take the output (storage/job_output.py: the lease,
 the claim, what earlier drivers left settled) -> 3. plan what is left (committed items skipped) -> 4. render:
-workers with reference affinity publish, this driver commits -> 5. summarise (summary.json, a `JobSummary`), then
-the gallery. Interrupting (Ctrl-C, a killed driver) loses nothing committed; running the same spec again renders
-only what is missing. Every write to the output goes through the `JobOutput`, under its lease.
+workers with reference affinity publish, this driver commits (through the job's `Commits`, plain or judged:
+jobs/commits.py) -> 5. summarise (summary.json, a `JobSummary`), then the gallery. Interrupting (Ctrl-C, a
+killed driver) loses nothing committed; running the same spec again renders only what is missing. Every write to
+the output goes through the `JobOutput`, under its lease.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import logging
 import resource
@@ -36,6 +36,7 @@ from snapref_ray.cluster.static_heap import static_heap
 from snapref_ray.cluster.tasks import ItemOutcome, ReferenceTask, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.job_spec import JobSpec, JobSpecError, JudgeSection, load_job_spec
+from snapref_ray.jobs.commits import Commits, PlainCommits
 from snapref_ray.jobs.job_outcome import exit_status
 from snapref_ray.jobs.job_settings import JobSettings, OutputPlace
 from snapref_ray.jobs.job_summary import (
@@ -53,7 +54,7 @@ from snapref_ray.jobs.job_summary import (
     job_throughput,
 )
 from snapref_ray.jobs.judge_loop import JudgeLoop
-from snapref_ray.jobs.judged_commit import commit_judged_row, commit_judged_shard
+from snapref_ray.jobs.judged_commit import JudgedCommits
 from snapref_ray.jobs.quota_skips import QuotaSkips, find_quota_skips, plan_item_tables, write_skipped
 from snapref_ray.jobs.run_preview import check_something_to_render, validate_manifest
 from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
@@ -269,11 +270,12 @@ def _record_invalid_rows(plan: SpilledItems, output: JobOutput) -> None:
 
 def _render(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Run, hooks: _Hooks) -> None:
     """Phase 4: start the pool, run the schedule over the plan's references, commit each image's row (each staged
-    shard) as it lands; the workers are killed however it ends. A judged job adds a rejected render's next render
-    to the running schedule as its verdict is committed (jobs/judge_loop.py); what an earlier run left to render
-    again runs after, on the same pool, until none is left."""
-    judge = _judge_loop(job.judge, plan, output, run)
-    if not plan.to_render and not (judge is not None and judge.queue.count):
+    shard) as it lands, through the job's `Commits` (jobs/commits.py: as it is, or judged first); the workers are
+    killed however it ends. What the commits ask to render next joins the running schedule; a round they ask for
+    after it (a judged job's re-renders an earlier run left) runs on the same pool, until none is left."""
+    commits = _commits(job.judge, plan, output)
+    run.judge = commits.judge
+    if not plan.to_render and not commits.has_earlier_work():
         return
     pool = _start_pool(job, plan, run, hooks)
     bar = _progress_bar(plan.items, plan.committed) if hooks.progress else None
@@ -283,17 +285,9 @@ def _render(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Run, 
         run.image_done(outcome)
         if plan.rerendered and item.item_id in output.done_before:
             run.replaced += 1  # an edited row rendered again: the output held its id already (images_total)
-        if judge is not None and not outcome.row.get("shard_key"):
-            commit_judged_row(output, judge, outcome.row)
-        else:
-            _commit(output, outcome)
-        if judge is not None and (render := judge.next_render(item)) is not None:
-            scheduler.add([render])  # its reference's RefKV is still open if its other items are running
-
-    def commit_shard(shard_key: str) -> bool:
-        if judge is None:
-            return output.commit_shard(shard_key)
-        return commit_judged_shard(output, judge, shard_key)
+        commits.commit_row(outcome)
+        if (render := commits.next_render(item)) is not None:
+            scheduler.add([render])
 
     def joined(handle, info: WorkerInfo) -> None:
         if info.cold_start:
@@ -315,30 +309,21 @@ def _render(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Run, 
         on_worker=joined,
         on_event=hooks.on_event,
         fence=output.fence,
-        commit_shard=commit_shard,
-        skip_reference=judge.at_quota if judge is not None and job.judge.kept_per_reference else None,
-        adds_work=judge is not None,  # re-renders join the run as verdicts come in (`done`)
+        commit_shard=commits.commit_shard,
+        skip_reference=commits.skip_reference,
+        adds_work=commits.adds_work,
     )
     run.encodes_by_reference = scheduler.encodes_by_reference
     run.stats = scheduler.stats  # interrupted or failed: what was done still counts
     t_schedule = time.time()
     lost = False
     try:
-        work = PlannedWork(plan.reference_groups(), plan.to_render)
-        for round_index in itertools.count():
+        work: PlannedWork | None = PlannedWork(plan.reference_groups(), plan.to_render)
+        while work is not None:
             if work.items:
                 scheduler.run(work)
-            if judge is None:
-                break
-            judge.spill_wanted()
-            queued = judge.queue.take()  # what an earlier run left to re-render (and their own re-renders)
-            if not queued.num_rows:
-                break
-            groups, count = plan.rerender_work(queued)
-            log.info("judge pass %d: %d item(s) an earlier run left render again", round_index + 1, count)
-            work = PlannedWork(groups, count)
-        if judge is not None:
-            judge.figures.items_skipped_by_quota += scheduler.skipped_items
+            work = commits.next_round(plan)
+        commits.schedule_ended(scheduler.skipped_items)
     except LeaseLostError:
         lost = True  # another driver holds the output: the workers are not asked to publish what they hold
         raise
@@ -352,14 +337,11 @@ def _render(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Run, 
             bar.close()
 
 
-def _judge_loop(section: JudgeSection | None, plan: SpilledItems, output: JobOutput, run: _Run) -> JudgeLoop | None:
-    """A judged job's driver state, continued from what earlier runs committed (None: the job does not judge)."""
+def _commits(section: JudgeSection | None, plan: SpilledItems, output: JobOutput) -> Commits:
+    """The job's commits: judged ones continue from what earlier runs committed (jobs/judged_commit.py)."""
     if section is None:
-        return None
-    judge = JudgeLoop(section, plan.folder)
-    judge.resume(output.storage)
-    run.judge = judge
-    return judge
+        return PlainCommits(output)
+    return JudgedCommits.resume(output, section, plan)
 
 
 def _start_pool(job: JobSettings, plan: SpilledItems, run: _Run, hooks: _Hooks) -> WorkerPool:
@@ -535,12 +517,6 @@ def _write_gallery(place: OutputPlace) -> None:
         write_report(place.uri, place.s3)
     except Exception as e:  # a report must never fail a finished job
         log.warning("could not write the gallery: %s", e)
-
-
-def _commit(output: JobOutput, outcome: ItemOutcome) -> None:
-    if outcome.row.get("shard_key"):
-        return  # its rows went into metadata/ with its shard, when the shard was committed (JobOutput.commit_shard)
-    output.commit_row(outcome.row)
 
 
 def _record_failure(output: JobOutput, outcome: ItemOutcome, item: WorkItem, attempt: int) -> None:

@@ -1,14 +1,15 @@
-"""A judged job's commits: the driver's verdict put into each render's row, and, where the spec does not keep
-rejected images (`judge.keep_rejected_images: false`), the rejected images taken out of what readers see.
+"""A judged job's commits (the seam: jobs/commits.py): the driver's verdict put into each render's row, and, where
+the spec does not keep rejected images (`judge.keep_rejected_images: false`), the rejected images taken out of what
+readers see.
 
 - ``files``: the row is decided and committed on its own; a rejected image's file and thumbnail are deleted and
-  its row names none (`commit_judged_row`).
+  its row names none (`JudgedCommits.commit_row`).
 - ``webdataset``: a worker staged the shard (tar, index, rows) before the verdicts existed. The driver decides
   them on the staged rows (small), in the order of the rows; if a rejected render's image must go, the shard's
   tar and index are rewritten without it by a Ray task (storage/shards.py `filter_staged_shard`: the driver never
   reads a tar, which can be 1 GB), the rows are rewritten with the verdicts, and only then is the shard's one
-  conditional create made (`commit_shard`). A driver killed anywhere before that create leaves a shard nobody
-  decided: the next run voids it and its items render again, so no kept image is lost or doubled.
+  conditional create made (`JudgedCommits.commit_shard`). A driver killed anywhere before that create leaves a
+  shard nobody decided: the next run voids it and its items render again, so no kept image is lost or doubled.
 
 The verdicts count (kept sets, quotas, re-renders: jobs/judge_loop.py `JudgeLoop.apply`) once the commit is
 certain: a voided shard's renders never enter a kept set.
@@ -20,7 +21,12 @@ import logging
 
 import pyarrow as pa
 
+from snapref_ray.cluster.placement import PlannedWork
+from snapref_ray.cluster.tasks import ItemOutcome
+from snapref_ray.job_spec import JudgeSection
 from snapref_ray.jobs.judge_loop import Decision, JudgeLoop, decided_row
+from snapref_ray.jobs.spilled_items import SpilledItems
+from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.storage.backends import Storage, StorageError
 from snapref_ray.storage.job_output import JobOutput
 from snapref_ray.storage.shards import (
@@ -49,46 +55,88 @@ _DECIDED_FROM = [
 _IMAGE_COLUMNS = ("image_key", "image_uri", "thumb_key", "shard_key", "shard_member")
 
 
-def commit_judged_row(output: JobOutput, judge: JudgeLoop, row: dict) -> None:
-    """A judged render's row (``files``): the driver's verdict in it, then committed; a rejected render's image is
-    deleted unless the spec keeps rejected images."""
-    decision = judge.decide([row])[0]
-    row = decided_row(row, decision)
-    if not decision.accepted and not judge.section.keep_rejected_images:
-        for key in (row["image_key"], row["thumb_key"]):
-            if key:
-                output.storage.delete(key)
-        row.update(dict.fromkeys(("image_key", "image_uri", "thumb_key")))
-    output.commit_row(row)  # its image's bytes read back under embed_images (none for a rejected image deleted)
-    judge.apply([decision])
+class JudgedCommits:
+    """A judged job's commits (jobs/commits.py `Commits`): each render's verdict, decided by the driver's
+    `JudgeLoop` in the order of the commits, put into its row (or its staged shard's rows) before the commit."""
 
+    adds_work = True  # a rejected render's next render joins the running schedule
 
-def commit_judged_shard(output: JobOutput, judge: JudgeLoop, shard_key: str) -> bool:
-    """A judged webdataset shard: the driver's verdicts written into its staged rows (and, when rejected images are
-    not kept, its tar filtered off the driver) before its commit is decided; they count only once it is
-    committed. False: the shard was voided (or could not be filtered) and its items render again."""
-    try:
-        rows = read_staged_rows(output.storage, shard_key)
-    except StorageError:
-        return output.commit_shard(shard_key)  # nothing staged to judge: commit_shard decides what it is
-    decisions = judge.decide(rows.select(_DECIDED_FROM).to_pylist())
-    rows = _with_decisions(rows, decisions)
-    if not judge.section.keep_rejected_images and not all(d.accepted for d in decisions):
+    def __init__(self, output: JobOutput, judge: JudgeLoop) -> None:
+        self.output, self.judge = output, judge
+        self.rounds = 0
+        quota = judge.section.kept_per_reference is not None
+        self.skip_reference = judge.at_quota if quota else None
+
+    @classmethod
+    def resume(cls, output: JobOutput, section: JudgeSection, plan: SpilledItems) -> JudgedCommits:
+        """The commits of a judged job, with its state continued from what earlier runs committed."""
+        judge = JudgeLoop(section, plan.folder)
+        judge.resume(output.storage)
+        return cls(output, judge)
+
+    def has_earlier_work(self) -> bool:
+        return bool(self.judge.queue.count)
+
+    def commit_row(self, outcome: ItemOutcome) -> None:
+        """A judged render's row (``files``): the driver's verdict in it, then committed; a rejected render's image
+        is deleted unless the spec keeps rejected images. A webdataset row is judged with its shard."""
+        if outcome.row.get("shard_key"):
+            return  # decided and committed with its shard (commit_shard)
+        output, judge = self.output, self.judge
+        decision = judge.decide([outcome.row])[0]
+        row = decided_row(outcome.row, decision)
+        if not decision.accepted and not judge.section.keep_rejected_images:
+            for key in (row["image_key"], row["thumb_key"]):
+                if key:
+                    output.storage.delete(key)
+            row.update(dict.fromkeys(("image_key", "image_uri", "thumb_key")))
+        output.commit_row(row)  # its image's bytes read back under embed_images (none for a rejected image deleted)
+        judge.apply([decision])
+
+    def commit_shard(self, shard_key: str) -> bool:
+        """A judged webdataset shard: the driver's verdicts written into its staged rows (and, when rejected images
+        are not kept, its tar filtered off the driver) before its commit is decided; they count only once it is
+        committed. False: the shard was voided (or could not be filtered) and its items render again."""
+        output, judge = self.output, self.judge
         try:
-            _without_rejected_images(output.storage, shard_key, rows, decisions)
-        except Exception as e:  # the shard is not decided: void it, its items render again (the loop's retry)
-            log.warning(
-                "could not filter the rejected images out of shard %s (%s); its items render again", shard_key, e
-            )
-            if void_staged_shard(output.storage, shard_key, by=output.holder):
-                return False
-            return output.commit_shard(shard_key)  # decided committed before, unfiltered: finished as it is
-        rows = _images_dropped(rows, decisions)
-    replace_staged_rows(output.storage, shard_key, rows)
-    committed = output.commit_shard(shard_key)
-    if committed:
-        judge.apply(decisions)
-    return committed
+            rows = read_staged_rows(output.storage, shard_key)
+        except StorageError:
+            return output.commit_shard(shard_key)  # nothing staged to judge: commit_shard decides what it is
+        decisions = judge.decide(rows.select(_DECIDED_FROM).to_pylist())
+        rows = _with_decisions(rows, decisions)
+        if not judge.section.keep_rejected_images and not all(d.accepted for d in decisions):
+            try:
+                _without_rejected_images(output.storage, shard_key, rows, decisions)
+            except Exception as e:  # the shard is not decided: void it, its items render again (the loop's retry)
+                log.warning(
+                    "could not filter the rejected images out of shard %s (%s); its items render again", shard_key, e
+                )
+                if void_staged_shard(output.storage, shard_key, by=output.holder):
+                    return False
+                return output.commit_shard(shard_key)  # decided committed before, unfiltered: finished as it is
+            rows = _images_dropped(rows, decisions)
+        replace_staged_rows(output.storage, shard_key, rows)
+        committed = output.commit_shard(shard_key)
+        if committed:
+            judge.apply(decisions)
+        return committed
+
+    def next_render(self, item: WorkItem) -> WorkItem | None:
+        return self.judge.next_render(item)  # its reference's RefKV is still open if its other items are running
+
+    def next_round(self, plan: SpilledItems) -> PlannedWork | None:
+        """What an earlier run left to render again, and the re-renders that could not join the schedule."""
+        self.judge.spill_wanted()
+        queued = self.judge.queue.take()
+        if not queued.num_rows:
+            return None
+        groups, count = plan.rerender_work(queued)
+        self.rounds += 1
+        log.info("judge pass %d: %d item(s) an earlier run left render again", self.rounds, count)
+        return PlannedWork(groups, count)
+
+    def schedule_ended(self, skipped_items: int) -> None:
+        self.judge.figures.items_skipped_by_quota += skipped_items
 
 
 def _with_decisions(rows: pa.Table, decisions: list[Decision]) -> pa.Table:
@@ -142,4 +190,4 @@ def _images_dropped(rows: pa.Table, decisions: list[Decision]) -> pa.Table:
     return rows
 
 
-__all__ = ["commit_judged_row", "commit_judged_shard"]
+__all__ = ["JudgedCommits"]
