@@ -14,20 +14,29 @@ of them. The driver is handed one and does not ask which (jobs/generate_dataset.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from snapref_ray.cluster.placement import PlannedWork
 from snapref_ray.cluster.tasks import ItemOutcome
-from snapref_ray.jobs.judge_loop import JudgeLoop
 from snapref_ray.jobs.spilled_items import SpilledItems
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.storage.job_output import JobOutput
 
 
+@dataclass(frozen=True)
+class CommitFigures:
+    """What a job's commits add to its summary.json."""
+
+    items_rendered: int  # items whose image this run committed (a judged item counts once, at its first render)
+    skipped_by_quota: int | None = None  # the job's items a met quota left unrendered (None: no quota, or not read)
+    skipped_not_rendered: int = 0  # of them, items never rendered at all
+    judge: dict | None = None  # a judged job's `judge` block
+
+
 class Commits(Protocol):
     """What the driver asks of a job's commits (see the module docstring)."""
 
-    judge: JudgeLoop | None  # a judged job's state (its figures go into summary.json); None: the job does not judge
     adds_work: bool  # renders may join the running schedule (the scheduler must not end when its queue is empty)
     skip_reference: Callable[[str], bool] | None  # a reference whose queued items are skipped (a met quota)
 
@@ -55,11 +64,14 @@ class Commits(Protocol):
         """Every round ran; `skipped_items`: the queued items the schedule skipped (`skip_reference`)."""
         ...
 
+    def figures(self, plan: SpilledItems, images_this_run: int, *, interrupted: bool) -> CommitFigures:
+        """The summary's part of the commits, at the end of the run (under the lease)."""
+        ...
+
 
 class PlainCommits:
     """A job that does not judge: every returned row is committed as it is."""
 
-    judge = None
     adds_work = False
     skip_reference = None
 
@@ -86,5 +98,8 @@ class PlainCommits:
     def schedule_ended(self, skipped_items: int) -> None:
         pass
 
+    def figures(self, plan: SpilledItems, images_this_run: int, *, interrupted: bool) -> CommitFigures:
+        return CommitFigures(items_rendered=images_this_run)
 
-__all__ = ["Commits", "PlainCommits"]
+
+__all__ = ["CommitFigures", "Commits", "PlainCommits"]

@@ -36,7 +36,7 @@ from snapref_ray.cluster.static_heap import static_heap
 from snapref_ray.cluster.tasks import ItemOutcome, ReferenceTask, WorkerInfo
 from snapref_ray.cluster.worker import WorkerConfig
 from snapref_ray.job_spec import JobSpec, JobSpecError, JudgeSection, load_job_spec
-from snapref_ray.jobs.commits import Commits, PlainCommits
+from snapref_ray.jobs.commits import CommitFigures, Commits, PlainCommits
 from snapref_ray.jobs.job_outcome import exit_status
 from snapref_ray.jobs.job_settings import JobSettings, OutputPlace
 from snapref_ray.jobs.job_summary import (
@@ -53,16 +53,14 @@ from snapref_ray.jobs.job_summary import (
     job_parts,
     job_throughput,
 )
-from snapref_ray.jobs.judge_loop import JudgeLoop
 from snapref_ray.jobs.judged_commit import JudgedCommits
-from snapref_ray.jobs.quota_skips import QuotaSkips, find_quota_skips, plan_item_tables, write_skipped
 from snapref_ray.jobs.run_preview import check_something_to_render, validate_manifest
 from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
 from snapref_ray.render_service.memory import peak_resident_bytes
 from snapref_ray.render_service.references import RefKVKey
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.requests import RenderSettings
-from snapref_ray.storage.backends import StorageError, open_storage
+from snapref_ray.storage.backends import open_storage
 from snapref_ray.storage.item_contents import CommittedState
 from snapref_ray.storage.job_output import JobOutput
 from snapref_ray.storage.lease import LeaseLostError
@@ -201,7 +199,7 @@ class _Run:
     memory_request: dict = field(default_factory=dict)  # what each worker asked Ray for, and the estimate behind it
     step_cache: StepCacheFigures = field(default_factory=StepCacheFigures)  # images rendered with the step cache on
     cold_starts: dict[str, dict] = field(default_factory=dict)  # per worker, as it reported when ready
-    judge: JudgeLoop | None = None  # a judged job's state (its figures go into summary.json)
+    commits: Commits | None = None  # the job's commits, once the output is taken (their figures: summary.json)
     failures: list[NotRendered] = field(default_factory=list)  # the first items that failed for good (the summary's)
     replaced: int = 0  # images that replaced one the output held under the same id (rerender_changed)
 
@@ -274,7 +272,7 @@ def _render(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Run, 
     killed however it ends. What the commits ask to render next joins the running schedule; a round they ask for
     after it (a judged job's re-renders an earlier run left) runs on the same pool, until none is left."""
     commits = _commits(job.judge, plan, output)
-    run.judge = commits.judge
+    run.commits = commits
     if not plan.to_render and not commits.has_earlier_work():
         return
     pool = _start_pool(job, plan, run, hooks)
@@ -395,12 +393,12 @@ def _summarise(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Ru
     )
     earlier = EarlierSummary.of(output.earlier_summary, where=output.storage.uri_for("summary.json"))
     runs = [*earlier.runs, this_run]
-    quota = run.judge is not None and job.judge.kept_per_reference is not None
-    skips = _quota_skips(job.judge, plan, output) if quota and not run.interrupted else None
-    # A judged job's rows are renders (an item may have several): its items in the output are those whose first
-    # render is (a re-render is made only once the render before it is committed).
-    rendered = run.judge.figures.items_first_rendered if run.judge is not None else stats.done_items
-    job_images = plan.committed + rendered
+    by_commits = (  # a run that failed before it took the output has none
+        run.commits.figures(plan, stats.done_items, interrupted=run.interrupted)
+        if run.commits is not None
+        else CommitFigures(items_rendered=stats.done_items)
+    )
+    job_images = plan.committed + by_commits.items_rendered
     this_job = JobPart(
         job=output.settings.fingerprint,
         manifest=plan.manifest,
@@ -433,8 +431,8 @@ def _summarise(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Ru
         skipped_already_done=plan.committed,
         failed_items=stats.failed_items,
         committed_not_in_manifest=plan.committed_not_in_manifest,
-        skipped_by_quota=skips.table.num_rows if skips is not None else None,
-        skipped_not_rendered=skips.not_rendered if skips is not None else 0,
+        skipped_by_quota=by_commits.skipped_by_quota,
+        skipped_not_rendered=by_commits.skipped_not_rendered,
         not_rendered=[*invalid, *run.failures],
         attempts=AttemptFigures(
             max_attempts=job.max_attempts,
@@ -466,33 +464,11 @@ def _summarise(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Ru
             ),
         ),
         scheduler=asdict(run.stats) if run.stats else None,
-        judge=run.judge.finish_figures(skips.table.num_rows if skips is not None else None)
-        if run.judge is not None
-        else None,
+        judge=by_commits.judge,
         finished_at=now,
         jobs=jobs,
         runs=runs,
     )
-
-
-def _quota_skips(section: JudgeSection, plan: SpilledItems, output: JobOutput) -> QuotaSkips | None:
-    """A judged job's items skipped by the quota, from its plan and the committed rows (this run's flushed first),
-    written to skipped.parquet (jobs/quota_skips.py). None when they cannot be read (the run is failing, or lost the
-    output): the summary then counts what this run's schedule skipped."""
-    try:
-        output.fence()
-        output.metadata.flush()
-        skips = find_quota_skips(
-            output.storage,
-            lambda: plan_item_tables(run.path for run in plan.runs),
-            kept_per_reference=section.kept_per_reference,
-            max_renders_per_item=section.max_renders_per_item,
-        )
-        write_skipped(output.storage, skips)
-    except (StorageError, LeaseLostError, OSError) as e:
-        log.warning("could not list the items skipped by the quota (%s); summary.json counts this run's", e)
-        return None
-    return skips
 
 
 def _reason(error) -> str:

@@ -24,11 +24,14 @@ import pyarrow as pa
 from snapref_ray.cluster.placement import PlannedWork
 from snapref_ray.cluster.tasks import ItemOutcome
 from snapref_ray.job_spec import JudgeSection
+from snapref_ray.jobs.commits import CommitFigures
 from snapref_ray.jobs.judge_loop import Decision, JudgeLoop, decided_row
+from snapref_ray.jobs.quota_skips import QuotaSkips, find_quota_skips, plan_item_tables, write_skipped
 from snapref_ray.jobs.spilled_items import SpilledItems
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.storage.backends import Storage, StorageError
 from snapref_ray.storage.job_output import JobOutput
+from snapref_ray.storage.lease import LeaseLostError
 from snapref_ray.storage.shards import (
     filter_staged_shard,
     read_staged_rows,
@@ -137,6 +140,41 @@ class JudgedCommits:
 
     def schedule_ended(self, skipped_items: int) -> None:
         self.judge.figures.items_skipped_by_quota += skipped_items
+
+    def figures(self, plan: SpilledItems, images_this_run: int, *, interrupted: bool) -> CommitFigures:
+        """The `judge` block; the job's items skipped by the quota are read from the output unless the run was
+        interrupted (then what this run's schedule skipped is counted). A judged job's rows are renders (an item may
+        have several): its items rendered are those whose first render this run committed (a re-render is made
+        only once the render before it is committed)."""
+        quota = self.judge.section.kept_per_reference is not None
+        skips = self._quota_skips(plan) if quota and not interrupted else None
+        counted = skips.table.num_rows if skips is not None else None
+        return CommitFigures(
+            items_rendered=self.judge.figures.items_first_rendered,
+            skipped_by_quota=counted,
+            skipped_not_rendered=skips.not_rendered if skips is not None else 0,
+            judge=self.judge.finish_figures(counted),
+        )
+
+    def _quota_skips(self, plan: SpilledItems) -> QuotaSkips | None:
+        """The items skipped by the quota, from the plan and the committed rows (this run's flushed first), written
+        to skipped.parquet (jobs/quota_skips.py). None when they cannot be read (the run is failing, or lost the
+        output): the summary then counts what this run's schedule skipped."""
+        output, section = self.output, self.judge.section
+        try:
+            output.fence()
+            output.metadata.flush()
+            skips = find_quota_skips(
+                output.storage,
+                lambda: plan_item_tables(run.path for run in plan.runs),
+                kept_per_reference=section.kept_per_reference,
+                max_renders_per_item=section.max_renders_per_item,
+            )
+            write_skipped(output.storage, skips)
+        except (StorageError, LeaseLostError, OSError) as e:
+            log.warning("could not list the items skipped by the quota (%s); summary.json counts this run's", e)
+            return None
+        return skips
 
 
 def _with_decisions(rows: pa.Table, decisions: list[Decision]) -> pa.Table:

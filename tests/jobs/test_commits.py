@@ -53,7 +53,7 @@ def test_a_plain_job_commits_each_row_as_it_is_and_leaves_a_shards_rows_to_the_s
     commits.commit_row(_outcome(ITEM, output))
     commits.commit_row(_outcome(rerender_of(ITEM, 1), output, shard_key="shards/000001"))
     assert [row["item_id"] for row in _committed(output)] == ["A-0"]
-    assert commits.next_render(ITEM) is None and commits.judge is None and not commits.has_earlier_work()
+    assert commits.next_render(ITEM) is None and not commits.has_earlier_work()
 
 
 def test_a_judged_job_decides_each_render_before_it_is_committed(tmp_path):
