@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -13,12 +12,9 @@ from snapref_ray.cli_flags import (
     HelpFormatter,
     add_model_flags,
     add_settings_flags,
-    compile_cache_without_compile,
-    model_overrides,
     model_spec_from,
+    render_spec,
     settings_from,
-    settings_overrides,
-    worker_count_overrides,
 )
 from snapref_ray.eval_cli import add_eval_parsers
 from snapref_ray.jobs.job_outcome import exit_status, memory_line, not_rendered_lines, plural, summary_line
@@ -193,72 +189,6 @@ def cmd_adapter_convert(args: argparse.Namespace) -> int:
 
 class OutputOfAnotherJob(ValueError):
     """The output folder holds another job's images, and --append was not given (a usage error: exit status 2)."""
-
-
-def render_spec(args: argparse.Namespace):
-    """The JobSpec of `render`'s arguments: a spec file with the flags over it, or the quick form. The flags go
-    through the spec's own validation (`JobSpec.with_overrides`), so a bad value is refused naming its field."""
-    from snapref_ray.job_spec import load_job_spec, quick_spec
-
-    target = args.spec_or_manifest
-    overrides = render_overrides(args)
-    if target.endswith((".yaml", ".yml")):
-        spec = load_job_spec(target)
-        overrides["model"] = model_overrides(args)
-        if args.out:
-            overrides["output"]["uri"] = args.out
-    else:
-        if not args.model_models_dir or not args.out:
-            raise ValueError("the quick form needs --models DIR and --out DIR_OR_S3_URI (snapref-ray render --help)")
-        spec = quick_spec(target, args.out, model=model_spec_from(args))
-    # The flags' relative paths are the current directory's (the file's own were resolved against its folder), made
-    # absolute as the quick form's are: the job's fingerprint names each file once, however it was spelled.
-    spec = spec.with_overrides(overrides).resolve_paths(os.getcwd())
-    if "compile_cache" in overrides.get("model", {}) and not spec.model.compile:
-        raise ValueError(compile_cache_without_compile(overrides["model"]["compile_cache"]))
-    if spec.judge is not None and not spec.judge.checks:
-        raise ValueError("--max-renders-per-item and --kept-per-reference need --judge CHECKS (or a spec's judge:)")
-    return spec
-
-
-def render_overrides(args: argparse.Namespace) -> dict:
-    """What `render`'s flags set in every form, as the job spec's nested fields (`JobSpec.with_overrides`).
-
-    `--judge CHECKS` names the checks that run (a check the spec sets up keeps its settings; the others are off);
-    `--max-renders-per-item` / `--kept-per-reference` set the loop over the spec's `judge:` or the flag's."""
-    from snapref_ray.render_service.judges.spec import CHECKS, JudgeSpec
-
-    if args.strict and args.allow_invalid:
-        raise ValueError("--strict refuses to start on an invalid row and --allow-invalid accepts them: give one")
-    output = {
-        name: value
-        for name, value in (
-            ("append", args.append or None),
-            ("rerender_changed", args.rerender_changed or None),
-            ("lease_wait_seconds", args.wait_for_lease),
-        )
-        if value is not None
-    }
-    overrides: dict = {
-        "defaults": settings_overrides(args),  # --steps, --seed, ...: a row's defaults
-        "cluster": worker_count_overrides(args.workers, args.min_workers, args.max_workers),
-        "output": output,
-        **({"strict": True} if args.strict else {}),
-    }
-    judge = {
-        name: value
-        for name, value in (
-            ("max_renders_per_item", args.max_renders_per_item),
-            ("kept_per_reference", args.kept_per_reference),
-        )
-        if value is not None
-    }
-    if args.job_judge is not None:
-        named = JudgeSpec.of_names(args.job_judge).checks
-        judge.update({name: ({} if name in named else None) for name in CHECKS})
-    if judge:
-        overrides["judge"] = judge
-    return overrides
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -2,17 +2,22 @@
 
 `--steps`, `--ref-weight`, ... are `RenderSettings` fields; `--models`, `--adapter`, `--lora`,
 `--device`, `--dtype`, `--compile`, `--quantize`, `--dit`, ... are `ModelSpec` fields. Every subcommand
-that renders (`txt2img`, `render`, `serve`, `timing`, `eval`) takes them from here.
+that renders (`txt2img`, `render`, `serve`, `timing`, `eval`) takes them from here; `render`'s flags become its
+job spec here (`render_spec`), as nested fields over the spec file's, validated with them in one pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from snapref_ray.model_spec import LoRASpec, ModelSpec
 from snapref_ray.requests import RenderSettings
+
+if TYPE_CHECKING:
+    from snapref_ray.job_spec import JobSpec
 
 # ModelSpec field -> flag, where the flag is not simply the field's name.
 _MODEL_FLAG_NAMES = {"models_dir": "--models", "loras": "--lora"}
@@ -146,3 +151,69 @@ def worker_count_overrides(workers: int | None, min_workers: int | None = None, 
     if workers is not None:
         return {"num_workers": workers, "max_workers": None, **given}
     return {"num_workers": None, **given} if given else {}
+
+
+def render_spec(args: argparse.Namespace) -> JobSpec:
+    """The JobSpec of `render`'s arguments: a spec file with the flags over it, or the quick form (a manifest, and
+    the flags for the rest). The flags go through the spec's own validation (`SpecFile.with_overrides`), so a bad
+    value is refused naming its field; their relative paths are the current directory's, made absolute as the
+    file's own are against its folder: the job's fingerprint names each file once, however it was spelled."""
+    from snapref_ray.job_spec import JobSpec, load_job_spec
+
+    target = args.spec_or_manifest
+    overrides = render_overrides(args)
+    if target.endswith((".yaml", ".yml")):
+        spec = load_job_spec(target).with_overrides(overrides)
+    else:
+        spec = JobSpec.from_fields({"manifest": target, **overrides}, "command line")
+    spec = spec.resolve_paths(os.getcwd())
+    if "compile_cache" in overrides["model"] and not spec.model.compile:
+        raise ValueError(compile_cache_without_compile(overrides["model"]["compile_cache"]))
+    if spec.judge is not None and not spec.judge.checks:
+        raise ValueError("--max-renders-per-item and --kept-per-reference need --judge CHECKS (or a spec's judge:)")
+    return spec
+
+
+def render_overrides(args: argparse.Namespace) -> dict:
+    """What `render`'s flags set, as the job spec's nested fields (`SpecFile.with_overrides`).
+
+    `--judge CHECKS` names the checks that run (a check the spec sets up keeps its settings; the others are off);
+    `--max-renders-per-item` / `--kept-per-reference` set the loop over the spec's `judge:` or the flag's."""
+    from snapref_ray.render_service.judges.spec import CHECKS, JudgeSpec
+
+    if args.strict and args.allow_invalid:
+        raise ValueError("--strict refuses to start on an invalid row and --allow-invalid accepts them: give one")
+    quick = not args.spec_or_manifest.endswith((".yaml", ".yml"))
+    if quick and (not args.model_models_dir or not args.out):
+        raise ValueError("the quick form needs --models DIR and --out DIR_OR_S3_URI (snapref-ray render --help)")
+    output = {
+        name: value
+        for name, value in (
+            ("uri", args.out),
+            ("append", args.append or None),
+            ("rerender_changed", args.rerender_changed or None),
+            ("lease_wait_seconds", args.wait_for_lease),
+        )
+        if value is not None
+    }
+    overrides: dict = {
+        "defaults": settings_overrides(args),  # --steps, --seed, ...: a row's defaults
+        "model": model_overrides(args),
+        "cluster": worker_count_overrides(args.workers, args.min_workers, args.max_workers),
+        "output": output,
+        **({"strict": True} if args.strict else {}),
+    }
+    judge = {
+        name: value
+        for name, value in (
+            ("max_renders_per_item", args.max_renders_per_item),
+            ("kept_per_reference", args.kept_per_reference),
+        )
+        if value is not None
+    }
+    if args.job_judge is not None:
+        named = JudgeSpec.of_names(args.job_judge).checks
+        judge.update({name: ({} if name in named else None) for name in CHECKS})
+    if judge:
+        overrides["judge"] = judge
+    return overrides

@@ -1,7 +1,8 @@
 """The YAML job spec: the model, row defaults, output and cluster shape.
 
 One typed object (`JobSpec`) for a batch job, whichever way it is started: a YAML file
-(`load_job_spec`) or the quick command line form (`quick_spec`). Row settings are the request
+(`load_job_spec`), the command line's flags as nested fields over it or alone (cli_flags.py
+`render_spec`: `with_overrides`, `from_fields`), or Python keywords (`quick_spec`). Row settings are the request
 model's (`RenderSettings`) fields, so `defaults:` in a spec, a manifest column, a CLI flag and an
 HTTP field all mean the same thing; `model:` is the one `ModelSpec` that the serve config, Ray Data
 and the command line embed too.
@@ -67,6 +68,12 @@ class SpecFile(_Section):
             elif isinstance(value, OutputSpec) and "uri" in value.model_fields_set:
                 update[name] = value.model_copy(update={"uri": resolve_relative(value.uri, base)})
         return self.model_copy(update=update)
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any], source: str = "command line") -> Self:
+        """A spec of nested `fields` alone (no file under them), validated as a file's would be, naming `source`.
+        Paths are taken as given."""
+        return validate_spec(dict(fields), cls, source)
 
     def with_overrides(self, overrides: Mapping[str, Any], source: str = "command line") -> Self:
         """This spec with `overrides` over it (nested fields: a mapping goes into its section, any other value
