@@ -393,7 +393,7 @@ def _summarise(job: JobSettings, plan: SpilledItems, output: JobOutput, run: _Ru
     )
     earlier = EarlierSummary.of(output.earlier_summary, where=output.storage.uri_for("summary.json"))
     runs = [*earlier.runs, this_run]
-    by_commits = (  # a run that failed before it took the output has none
+    by_commits = (  # none: the run failed before its render phase
         run.commits.figures(plan, stats.done_items, interrupted=run.interrupted)
         if run.commits is not None
         else CommitFigures(items_rendered=stats.done_items)
