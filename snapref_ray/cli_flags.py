@@ -162,7 +162,7 @@ def render_spec(args: argparse.Namespace) -> JobSpec:
 
     target = args.spec_or_manifest
     overrides = render_overrides(args)
-    if target.endswith((".yaml", ".yml")):
+    if _is_spec_file(target):
         spec = load_job_spec(target).with_overrides(overrides)
     else:
         spec = JobSpec.from_fields({"manifest": target, **overrides}, "command line")
@@ -174,6 +174,11 @@ def render_spec(args: argparse.Namespace) -> JobSpec:
     return spec
 
 
+def _is_spec_file(target: str) -> bool:
+    """`render SPEC.yaml` (a job spec file) rather than `render MANIFEST` (the quick form)."""
+    return target.endswith((".yaml", ".yml"))
+
+
 def render_overrides(args: argparse.Namespace) -> dict:
     """What `render`'s flags set, as the job spec's nested fields (`SpecFile.with_overrides`).
 
@@ -183,8 +188,7 @@ def render_overrides(args: argparse.Namespace) -> dict:
 
     if args.strict and args.allow_invalid:
         raise ValueError("--strict refuses to start on an invalid row and --allow-invalid accepts them: give one")
-    quick = not args.spec_or_manifest.endswith((".yaml", ".yml"))
-    if quick and (not args.model_models_dir or not args.out):
+    if not _is_spec_file(args.spec_or_manifest) and (not args.model_models_dir or not args.out):
         raise ValueError("the quick form needs --models DIR and --out DIR_OR_S3_URI (snapref-ray render --help)")
     output = {
         name: value

@@ -146,7 +146,7 @@ class JudgedCommits:
         interrupted (then what this run's schedule skipped is counted). A judged job's rows are renders (an item may
         have several): its items rendered are those whose first render this run committed (a re-render is made
         only once the render before it is committed)."""
-        quota = self.judge.section.kept_per_reference is not None
+        quota = self.skip_reference is not None  # set exactly when the spec has a quota
         skips = self._quota_skips(plan) if quota and not interrupted else None
         counted = skips.table.num_rows if skips is not None else None
         return CommitFigures(
