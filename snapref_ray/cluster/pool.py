@@ -26,8 +26,6 @@ from snapref_ray.cluster.feasibility import InfeasibilityWatch
 from snapref_ray.cluster.tasks import ShardReport, WorkerInfo
 from snapref_ray.cluster.worker import RenderWorker, WorkerConfig
 from snapref_ray.local_ray import start_local_ray
-from snapref_ray.model_spec import ModelSpec
-from snapref_ray.render_service.memory_estimate import estimate_worker_memory
 
 log = logging.getLogger(__name__)
 
@@ -88,28 +86,6 @@ def plan_pool(shape: PoolShape, device: str, *, on_cluster: bool, gpus_now: int)
 
 class WorkerDoesNotFit(ValueError):
     """No node of the Ray the job runs on can hold one worker's memory request."""
-
-
-def worker_memory(
-    model: ModelSpec, *, override: int | None, width: int, height: int, batch: int, use_gpu: bool
-) -> tuple[int, dict | None]:
-    """(bytes of host memory each worker asks Ray for, the estimate's figures or None).
-
-    `override` (cluster.memory_per_worker) wins; else the estimate from the model files' headers
-    (render_service/memory_estimate.py) at the job's largest image and max_batch. Remote (s3://) model files are
-    not fetched by the driver for it: without an override such a job asks for no memory, and says so.
-    """
-    if override is not None:
-        return override, None
-    if model.is_remote():
-        log.info("model files are remote: workers ask Ray for no memory (set cluster.memory_per_worker)")
-        return 0, None
-    # fp8 block matmuls write bf16 (models/fp8.py, engine.py); the dtype goes by name: the driver has no torch.
-    dtype = "bfloat16" if model.quantize == "fp8" else model.dtype
-    estimate = estimate_worker_memory(
-        model.local_files(), width=width, height=height, batch=batch, on_gpu=use_gpu, dtype=dtype
-    )
-    return estimate.total, estimate.report()
 
 
 def check_memory_fits(plan: PoolPlan, *, on_cluster: bool) -> None:
@@ -268,16 +244,19 @@ def start_workers(
     ready_timeout_s: float = 900.0,
     *,
     on_cluster: bool = False,
+    memory_bytes: Callable[[bool], int] | None = None,
 ) -> tuple[list, list[WorkerInfo]]:
     """A fixed pool of `max_workers` actors, waited for until each is ready (for jobs without an
-    elastic schedule, e.g. the identity evaluation)."""
+    elastic schedule, e.g. the identity evaluation). `memory_bytes(use_gpu)`: the host memory each asks Ray for."""
     plan = plan_pool(shape, config.model.device, on_cluster=on_cluster, gpus_now=gpus_in_cluster())
+    memory = memory_bytes(plan.use_gpu) if memory_bytes else 0
     actor = ray.remote(RenderWorker).options(
         num_gpus=1 if plan.use_gpu else 0,
         num_cpus=plan.num_cpus_per_worker,
         max_restarts=-1,
         max_task_retries=plan.max_task_retries,
         max_concurrency=2,
+        **({"memory": memory} if memory else {}),
     )
     handles = [actor.remote(config, renderer_factory) for _ in range(plan.max_workers)]
     try:

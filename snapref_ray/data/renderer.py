@@ -165,12 +165,13 @@ class SnapRefRenderer:
 
     @staticmethod
     def memory_request(model: str | dict | ModelSpec, *, width: int, height: int, max_batch: int, gpu: bool) -> int:
-        """Bytes of host memory to pass as `map_batches(..., memory=...)`: the estimate a job's worker asks for
-        (render_service/memory_estimate.py), for the pipeline's largest image and `max_batch`."""
-        from snapref_ray.render_service.memory_estimate import estimate_worker_memory
+        """Bytes of host memory to pass as `map_batches(..., memory=...)`: what a job's worker asks for
+        (render_service/memory_estimate.py `memory_request`), for the pipeline's largest image and `max_batch`;
+        0 for model files on s3:// (give `memory=` yourself)."""
+        from snapref_ray.render_service.memory_estimate import memory_request
 
-        files = ModelSpec.model_validate(model).local_files()
-        return estimate_worker_memory(files, width=width, height=height, batch=max_batch, on_gpu=gpu).total
+        spec = ModelSpec.model_validate(model)
+        return memory_request(spec, width=width, height=height, batch=max_batch, on_gpu=gpu)[0]
 
     # -- the map_batches entry point ----------------------------------------------------------
     def __call__(self, batch: Any) -> pa.Table:

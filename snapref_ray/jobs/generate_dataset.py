@@ -29,7 +29,6 @@ from snapref_ray.cluster.pool import (
     gpus_in_cluster,
     on_a_cluster,
     plan_pool,
-    worker_memory,
 )
 from snapref_ray.cluster.scheduler import BatchScheduler, SchedulerEvent, SchedulerStats
 from snapref_ray.cluster.static_heap import static_heap
@@ -57,6 +56,7 @@ from snapref_ray.jobs.judged_commit import JudgedCommits
 from snapref_ray.jobs.run_preview import check_something_to_render, validate_manifest
 from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
 from snapref_ray.render_service.memory import peak_resident_bytes
+from snapref_ray.render_service.memory_estimate import memory_request
 from snapref_ray.render_service.references import RefKVKey
 from snapref_ray.render_service.work_items import WorkItem
 from snapref_ray.requests import RenderSettings
@@ -355,16 +355,18 @@ def _start_pool(job: JobSettings, plan: SpilledItems, run: _Run, hooks: _Hooks) 
         pool_plan.max_workers,
         "GPU" if pool_plan.use_gpu else "CPU",
     )
-    memory_bytes, memory_estimate = worker_memory(
+    memory_bytes, estimate = memory_request(
         job.model,
         override=pool.memory_per_worker,
         width=plan.largest.width,
         height=plan.largest.height,
         batch=pool.max_batch,
-        use_gpu=pool_plan.use_gpu,
+        on_gpu=pool_plan.use_gpu,
     )
+    if not memory_bytes and pool.memory_per_worker is None:
+        log.info("model files are remote: workers ask Ray for no memory (set cluster.memory_per_worker)")
     pool_plan = dataclasses.replace(pool_plan, memory_bytes=memory_bytes)
-    run.memory_request.update(bytes=memory_bytes, estimate=memory_estimate)
+    run.memory_request.update(bytes=memory_bytes, estimate=estimate.report() if estimate else None)
     check_memory_fits(pool_plan, on_cluster=on_cluster)
     config = worker_config(
         job, warmup=hooks.warmup, memory_budget_bytes=None if pool_plan.use_gpu else memory_bytes, plan=plan

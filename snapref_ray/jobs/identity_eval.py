@@ -243,6 +243,20 @@ def _dispatch(workers: list, cases: list[dict], per_worker: int, max_attempts: i
     return policy.results, policy.errors
 
 
+def _worker_memory(spec: EvalSpec, *, on_gpu: bool) -> int:
+    """The host memory an evaluation worker asks Ray for, by the rule a job's workers ask by
+    (render_service/memory_estimate.py): `cluster.memory_per_worker`, else the estimate for a square target of
+    `target_megapixels` (a target is never larger). One σ's noise seeds run as one forward of a row each, and the
+    estimate's image holds three rows, so a forward of N seeds counts as N/3 images."""
+    from snapref_ray.render_service.memory_estimate import memory_request
+
+    side = max(16, int((spec.target_megapixels * 1e6) ** 0.5) // 16 * 16)
+    batch = -(-len(spec.noise_seeds) // 3)
+    return memory_request(
+        spec.model, override=spec.cluster.memory_per_worker, width=side, height=side, batch=batch, on_gpu=on_gpu
+    )[0]
+
+
 def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
     """Run the evaluation on Ray workers; returns what is written to heldout_loss.json."""
     from snapref_ray.cluster.pool import PoolShape, connect, on_a_cluster, start_workers
@@ -275,6 +289,7 @@ def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
         PoolShape(c.num_workers, c.cpu_workers, c.num_cpus_per_worker),
         renderer_factory,
         on_cluster=on_a_cluster(c.address),
+        memory_bytes=lambda on_gpu: _worker_memory(spec, on_gpu=on_gpu),
     )
     try:
         results, errors = _dispatch(workers, cases, c.max_in_flight_per_worker, c.max_attempts)

@@ -35,6 +35,24 @@ RESULT_MD = "comparison_summary.md"
 FORMAT = "snapref-ray/comparison_summary/1"
 
 
+def _worker_memory(spec: TimingSpec, *, turbo: bool, on_gpu: bool) -> int:
+    """The host memory the timing actor asks Ray for, by the rule a job's workers ask by
+    (render_service/memory_estimate.py): `cluster.memory_per_worker`, else the estimate for one image of the
+    case's size; on a CPU, a turbo renderer loaded beside the base one holds a second copy of the weights."""
+    from snapref_ray.render_service.memory_estimate import memory_request
+
+    memory, estimate = memory_request(
+        spec.model,
+        override=spec.cluster.memory_per_worker,
+        width=spec.width,
+        height=spec.height,
+        batch=1,
+        on_gpu=on_gpu,
+    )
+    second_copy = turbo and estimate is not None and not on_gpu  # a GPU streams each file through host memory
+    return memory + (estimate.weight_bytes if second_copy else 0)
+
+
 def run_timing(spec: TimingSpec) -> dict:
     """Measure every setting on one Ray actor; writes comparison_summary.json/.md and returns the JSON."""
     import ray
@@ -61,9 +79,15 @@ def run_timing(spec: TimingSpec) -> dict:
         turbo_model = spec.model.model_copy(update={"loras": (*spec.model.loras, spec.turbo_lora)})
     connect(c.address)
     use_gpu = int(ray.cluster_resources().get("GPU", 0)) > 0 and spec.model.device != "cpu"
+    memory = _worker_memory(spec, turbo=turbo_model is not None, on_gpu=use_gpu)
     actor = (
         ray.remote(TimingWorker)
-        .options(num_gpus=1 if use_gpu else 0, num_cpus=c.num_cpus_per_worker, max_restarts=0)
+        .options(
+            num_gpus=1 if use_gpu else 0,
+            num_cpus=c.num_cpus_per_worker,
+            max_restarts=0,
+            **({"memory": memory} if memory else {}),
+        )
         .remote(spec.model, turbo_model, spec.arcanima_adapters(kind), s3)
     )
     runs: dict[str, list[dict]] = {s.name: [] for s in settings}

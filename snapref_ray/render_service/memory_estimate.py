@@ -12,8 +12,10 @@ ask before that, so it estimates from the files' headers (nothing is loaded):
   image by image), the DiT's activations for its rows, and one reference's K/V;
 - each further image of a batch: its rows' DiT activations and its latent.
 
-The figure is what `cluster.memory_per_worker` (jobs), `memory_per_replica` (the endpoint) or
-`SnapRefRenderer.memory_request` (Ray Data) defaults to; each can be set instead.
+`memory_request` is the one rule every rendering actor asks by (a job's workers, the endpoint's replicas, Ray Data's
+renderer, the identity evaluation's and the timing table's workers): the setting when one is given
+(`cluster.memory_per_worker`, `memory_per_replica`), else this estimate at the dtype the model computes in; none
+for model files only the workers can read (s3://).
 
 The driver makes it and imports no torch: shapes come from the headers, dtypes by name, and the VAE decode's
 estimate from its config (models/vae_estimates.py).
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from snapref_ray.geometry import token_count
+from snapref_ray.model_spec import ModelSpec
 from snapref_ray.models.bundle import ModelFiles
 from snapref_ray.models.dit_config import DiTConfig
 from snapref_ray.models.safetensors_header import read_header, strip_prefix
@@ -93,6 +96,26 @@ def estimate_worker_memory(
         refkv = config.num_blocks * 2 * REFERENCE_TOKENS * config.model_channels * element
         image = per_image + decode + refkv
     return MemoryEstimate(runtime, weights, image, per_image, batch, width, height)
+
+
+def memory_request(
+    model: ModelSpec, *, width: int, height: int, batch: int, on_gpu: bool, override: int | None = None
+) -> tuple[int, MemoryEstimate | None]:
+    """(bytes of host memory a rendering actor asks Ray for, the estimate behind them or None).
+
+    `override` (the door's own setting) wins. Remote (s3://) model files are not fetched to estimate: such an
+    actor asks for no memory, unless `override` says how much.
+    """
+    if override is not None:
+        return override, None
+    if model.is_remote():
+        return 0, None
+    # fp8 block matmuls write bf16 (models/fp8.py, engine.py); the dtype goes by name: the driver has no torch.
+    dtype = "bfloat16" if model.quantize == "fp8" else model.dtype
+    estimate = estimate_worker_memory(
+        model.local_files(), width=width, height=height, batch=batch, on_gpu=on_gpu, dtype=dtype
+    )
+    return estimate.total, estimate
 
 
 def compute_dtype_name(dtype: str, *, on_gpu: bool) -> str:

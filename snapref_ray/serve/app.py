@@ -118,22 +118,26 @@ def build_app(config: ServeConfig) -> Application:
 
 def replica_memory_bytes(config: ServeConfig, *, on_gpu: bool) -> int:
     """Host memory a rendering replica asks Ray for: `memory_per_replica`, else the estimate at the largest image
-    the limits allow and max_batch (render_service/memory_estimate.py); 0 where the files cannot be read here."""
-    if config.memory_per_replica is not None:
-        return config.memory_per_replica
-    if config.model.is_remote():
-        return 0
-    from snapref_ray.render_service.memory_estimate import estimate_worker_memory
+    the limits allow and max_batch, by the rule a job's workers ask by (render_service/memory_estimate.py
+    `memory_request`); 0 where the files cannot be read here."""
+    from snapref_ray.render_service.memory_estimate import memory_request
 
     side = min(
         config.limits.max_side, int((config.limits.max_megapixels * 1e6) ** 0.5) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
     )
     try:
-        files = config.model.local_files()
+        memory, _ = memory_request(
+            config.model,
+            override=config.memory_per_replica,
+            width=side,
+            height=side,
+            batch=config.max_batch,
+            on_gpu=on_gpu,
+        )
     except (FileNotFoundError, ValueError) as e:  # a path only the GPU nodes have: Serve places by GPUs alone
         log.info("no memory estimate for the replicas (%s): they ask Ray for none", e)
         return 0
-    return estimate_worker_memory(files, width=side, height=side, batch=config.max_batch, on_gpu=on_gpu).total
+    return memory
 
 
 def rendering_deployment(config: ServeConfig) -> str:

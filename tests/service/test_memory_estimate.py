@@ -75,18 +75,55 @@ def test_a_dtype_is_named_as_the_model_spec_names_it() -> None:
 
 @pytest.mark.parametrize(
     "dtype, quantize, computes_in",
-    [("auto", "none", "float32"), ("float16", "none", "float16"), ("float32", "fp8", "bfloat16")],
+    [("auto", "none", "float32"), ("bfloat16", "none", "bfloat16"), ("float32", "fp8", "bfloat16")],
 )
-def test_a_jobs_workers_ask_for_the_estimate_at_the_dtype_they_compute_in(
-    tiny_models: Path, dtype: str, quantize: str, computes_in: str
+def test_every_rendering_actor_asks_for_the_estimate_at_the_dtype_it_computes_in(
+    tiny_models: Path, tmp_path: Path, dtype: str, quantize: str, computes_in: str
 ) -> None:
-    """The job's request (cluster/pool.py) passes the model spec's dtype by name; fp8 blocks compute in bfloat16."""
-    from snapref_ray.cluster.pool import worker_memory
+    """A job's workers, the endpoint's replicas, Ray Data's renderer, the identity evaluation's and the timing
+    table's workers ask Ray for memory by one rule (render_service/memory_estimate.py `memory_request`): the model
+    spec's dtype by name, fp8 blocks in bfloat16. The expected dtype is this test's own table; the endpoint and Ray
+    Data asked at "auto" (float32 on a CPU) whatever the spec said."""
+    from snapref_ray.data.renderer import SnapRefRenderer
+    from snapref_ray.jobs.identity_eval import EvalSpec
+    from snapref_ray.jobs.identity_eval import _worker_memory as eval_memory
+    from snapref_ray.jobs.timing_spec import TimingSpec
+    from snapref_ray.jobs.timing_table import _worker_memory as timing_memory
     from snapref_ray.model_spec import ModelSpec
+    from snapref_ray.render_service.memory_estimate import memory_request
+    from snapref_ray.serve.app import replica_memory_bytes
+    from snapref_ray.serve.config import ServeConfig
 
     model = ModelSpec(models_dir=str(tiny_models), dtype=dtype, quantize=quantize)
-    request, report = worker_memory(model, override=None, width=256, height=256, batch=2, use_gpu=False)
-    expected = estimate_worker_memory(
-        resolve_model_files(tiny_models), width=256, height=256, batch=2, on_gpu=False, dtype=computes_in
+    files = resolve_model_files(tiny_models)
+
+    def expected(side: int, batch: int) -> int:
+        return estimate_worker_memory(
+            files, width=side, height=side, batch=batch, on_gpu=False, dtype=computes_in
+        ).total
+
+    request, estimate = memory_request(model, width=256, height=256, batch=2, on_gpu=False)
+    assert request == expected(256, 2) and estimate is not None and estimate.total == request  # a job's worker
+    serve = ServeConfig(model=model, gpus_per_replica=0, max_batch=2, limits={"max_side": 256, "max_n": 2})
+    assert replica_memory_bytes(serve, on_gpu=False) == expected(256, 2)
+    assert SnapRefRenderer.memory_request(model, width=256, height=256, max_batch=2, gpu=False) == expected(256, 2)
+    # Six seeds of one row each: two three-row images, in a square of the target's area.
+    evaluation = EvalSpec(
+        model=model, manifest=str(tmp_path / "m.csv"), noise_seeds=list(range(6)), target_megapixels=0.0656
     )
-    assert (request, report) == (expected.total, expected.report())
+    assert eval_memory(evaluation, on_gpu=False) == expected(256, 2)
+    timing = TimingSpec(model=model, width=256, height=256)
+    assert timing_memory(timing, turbo=False, on_gpu=False) == expected(256, 1)
+    weights = estimate_worker_memory(files, width=256, height=256, batch=1, on_gpu=False, dtype=computes_in)
+    assert timing_memory(timing, turbo=True, on_gpu=False) == expected(256, 1) + weights.weight_bytes
+
+
+def test_a_set_memory_wins_and_remote_model_files_ask_for_none(tiny_models: Path) -> None:
+    """The door's own figure wins over the estimate; model files on s3:// are not fetched to estimate."""
+    from snapref_ray.model_spec import ModelSpec
+    from snapref_ray.render_service.memory_estimate import memory_request
+
+    local = ModelSpec(models_dir=str(tiny_models))
+    assert memory_request(local, width=256, height=256, batch=2, on_gpu=False, override=123) == (123, None)
+    remote = ModelSpec(models_dir="s3://bucket/models")
+    assert memory_request(remote, width=256, height=256, batch=2, on_gpu=False) == (0, None)
