@@ -192,43 +192,15 @@ class OutputOfAnotherJob(ValueError):
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from snapref_ray.jobs.places import check_places
+
     spec = render_spec(args)
-    probe_s3_places(spec)
-    check_local_folder(spec.output.uri)
+    check_places(spec, spec.manifest)  # before the dry run's reads, and before the job's log opens in the output
     if args.dry_run:
         return _dry_run(spec, allow_invalid=args.allow_invalid)
     return _run_job_from_the_command_line(
         spec, progress=_progress_bar(args), verbose=args.verbose, allow_invalid=args.allow_invalid
     )
-
-
-def check_local_folder(uri: str, what: str = "output") -> None:
-    """A local folder the command writes must be one, or a place one can be made: a file there (or above it) is one
-    line before anything starts, where the run would stop at its log file with "[Errno 17] File exists"."""
-    if uri.startswith("s3://"):
-        return
-    path = Path(uri.removeprefix("file://")).expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        where = "is a file" if existing == path else f"is under {existing}, a file"
-        raise ValueError(
-            f"{what} {uri} {where}: give a folder" + (" (or s3://bucket/prefix)" if what == "output" else "")
-        )
-
-
-def probe_s3_places(spec) -> None:
-    """One quick request to each s3:// place the job reads or writes (manifest, models, output), before anything
-    starts: no credentials or an endpoint that does not answer is one line (storage/backends.py `probe_s3`), not a
-    traceback or minutes of retries. Once the job runs, its calls ride out outages (S3Options.outage_tolerance_s)."""
-    from snapref_ray.storage.backends import probe_s3
-
-    s3 = spec.s3_options()
-    if spec.manifest.startswith("s3://"):
-        probe_s3(spec.manifest, s3, is_object=True)
-    if (spec.model.models_dir or "").startswith("s3://"):
-        probe_s3(spec.model.models_dir, s3)
-    if spec.output.uri.startswith("s3://"):
-        probe_s3(spec.output.uri, s3)
 
 
 def _dry_run(spec, *, allow_invalid: bool = False) -> int:
@@ -305,6 +277,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     # Beside the output, not inside it: the output is the dataset, and `make-tiny tiny` (the README's next step)
     # writes the same files to the same default folder.
+    from snapref_ray.storage.backends import check_local_folder
+
     models = Path(args.models).resolve()
     check_local_folder(str(out))
     check_local_folder(str(models), "models folder")

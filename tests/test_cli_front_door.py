@@ -11,14 +11,17 @@ start, or (the start that times out) Ray's own start-up timeout is raised where 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from snapref_ray.serve.direct_ingress import free_port
-from tests.test_cli_exit_codes import EXAMPLES, _env, error_lines, snapref
+from tests.test_cli_exit_codes import EXAMPLES, REPO, _env, error_lines, snapref
 
 MANIFEST = str(EXAMPLES / "example_manifest.csv")
 # What Ray 2.60 prints when it starts, had it started.
@@ -151,6 +154,37 @@ def test_an_s3_endpoint_that_does_not_answer_is_one_line_without_retries(tiny_mo
         ), line
         assert line.endswith("): check AWS_ENDPOINT_URL and that the store is up"), line
         assert "retrying" not in out and RAY_STARTED not in out, out
+
+
+@pytest.mark.parametrize(
+    "module, reads",
+    [
+        ("jobs.generate_dataset", {"manifest": MANIFEST}),
+        ("jobs.identity_eval", {"manifest": str(EXAMPLES / "example_eval_manifest.csv")}),
+        ("jobs.timing_table", {}),
+    ],
+    ids=["generate_dataset", "identity_eval", "timing_table"],
+)
+def test_the_ray_job_submit_doors_check_the_places_as_render_does(tiny_models, tmp_path, module, reads):
+    """`python -m jobs.X SPEC` (what `ray job submit` and a RayJob run) with an s3:// output on an endpoint that
+    does not answer: the same line as `render`'s, where each once retried for minutes (measured: still retrying
+    after 5 minutes for the job, after 2 for the evaluation and the timing table)."""
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        json.dumps({**reads, "model": {"models_dir": str(tiny_models)}, "output": {"uri": "s3://my-bucket/job"}})
+    )
+    env = _aws_env(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="key", AWS_SECRET_ACCESS_KEY="secret")
+    done = subprocess.run(
+        [sys.executable, "-m", module, str(spec)], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in out, out[-4000:]
+    (line,) = error_lines(out)
+    assert line.startswith(
+        f"error: the S3 endpoint {endpoint} did not answer a first request for s3://my-bucket/job within 5 s"
+    ), line
+    assert "retrying" not in out and RAY_STARTED not in out, out
 
 
 # Ray 2.60's own exception when its raylet has not registered within 30 s (ray/_private/node.py), raised where Ray

@@ -53,6 +53,7 @@ from snapref_ray.jobs.job_summary import (
     job_throughput,
 )
 from snapref_ray.jobs.judged_commit import JudgedCommits
+from snapref_ray.jobs.places import check_places
 from snapref_ray.jobs.run_preview import check_something_to_render, validate_manifest
 from snapref_ray.jobs.spilled_items import SpilledItems, plan_against_output
 from snapref_ray.render_service.memory import peak_resident_bytes
@@ -544,7 +545,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def job() -> int:
-        summary = run_job(load_job_spec(args.spec), progress=not args.no_progress)
+        spec = load_job_spec(args.spec)
+        check_places(spec, spec.manifest)  # one line for a place that cannot work, not minutes of retries
+        summary = run_job(spec, progress=not args.no_progress)
         return exit_status(summary, allow_invalid=args.allow_invalid)
 
     return run_reporting_usage_errors(job)

@@ -22,6 +22,7 @@ from pydantic import Field, field_validator
 from snapref_ray.adapter.images import content_hash
 from snapref_ray.evaluation import LOSS_DEFINITION, derangement, summarise
 from snapref_ray.job_spec import ClusterSpec, OutputSpec, SpecFile, load_spec_file
+from snapref_ray.jobs.places import check_places
 from snapref_ray.model_spec import ModelSpec
 from snapref_ray.requests import Mode
 from snapref_ray.storage.backends import S3Options, open_storage, read_uri
@@ -263,6 +264,7 @@ def run_identity_eval(spec: EvalSpec, *, renderer_factory=None) -> dict:
     from snapref_ray.cluster.worker import WorkerConfig
 
     t_start = time.time()
+    check_places(spec, spec.manifest)  # one line for a place that cannot work, not minutes of retries
     s3 = spec.s3_options()
     storage = open_storage(spec.output.uri, s3)
     cases = build_cases(spec, s3)

@@ -21,6 +21,7 @@ import time
 
 from PIL import Image
 
+from snapref_ray.jobs.places import check_places
 from snapref_ray.jobs.timing_report import add_flop_ratios, default_title, format_markdown, table_rows
 from snapref_ray.jobs.timing_settings import TimingSetting, settings_to_time
 from snapref_ray.jobs.timing_spec import TimingSpec, load_timing_spec
@@ -61,6 +62,7 @@ def run_timing(spec: TimingSpec) -> dict:
     from snapref_ray.render_service.loading import adapter_file, adapter_kind
 
     t_start = time.time()
+    check_places(spec, spec.reference_uri())  # one line for a place that cannot work, not minutes of retries
     s3 = spec.s3_options()
     storage = open_storage(spec.output.uri, s3)
     kind = adapter_kind(spec.model, s3=s3)

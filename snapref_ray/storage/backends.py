@@ -419,6 +419,20 @@ _CREDENTIALS_HINT = (
 )
 
 
+def check_local_folder(uri: str, what: str = "output") -> None:
+    """A local folder a command writes must be one, or a place one can be made: a file there (or above it) is one
+    line before anything starts, where a run would stop at its log file with "[Errno 17] File exists"."""
+    if uri.startswith("s3://"):
+        return
+    path = Path(uri.removeprefix("file://")).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"is under {existing}, a file"
+        raise ValueError(
+            f"{what} {uri} {where}: give a folder" + (" (or s3://bucket/prefix)" if what == "output" else "")
+        )
+
+
 def probe_s3(uri: str, s3: S3Options | None = None, *, is_object: bool = False) -> None:
     """One request to `uri` (a HEAD of the object when `is_object`, else a LIST of one key under the prefix), with
     the short timeouts above and no retry: StorageError, in one line, when there are no credentials, the endpoint
