@@ -34,7 +34,7 @@ from snapref_ray.local_ray import start_local_ray
 from snapref_ray.serve.config import ServeConfig, is_loopback
 from snapref_ray.serve.direct_ingress import direct_ingress_env, environment, haproxy_binary
 from snapref_ray.serve.ingress import Ingress
-from snapref_ray.serve.reference_store import ReferenceStore
+from snapref_ray.serve.reference_store import ReferenceStore, store_memory_bytes
 from snapref_ray.serve.renderer import RendererDeployment
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,10 @@ def build_app(config: ServeConfig) -> Application:
     retry = BackpressureConfig(status_code=503, retry_after_s=config.retry_after_s)
     # A replica being stopped (downscale, redeploy) finishes what it holds first.
     drain_s = config.request_timeout_s + 10.0
-    store = ReferenceStore.options(num_replicas=config.reference_store_replicas).bind(
-        config.reference_store_bytes, config.references_uri, config.s3_options()
-    )
+    store_memory = store_memory_bytes(config.reference_store_bytes, config.limits.max_upload_bytes)
+    store = ReferenceStore.options(
+        num_replicas=config.reference_store_replicas, ray_actor_options={"num_cpus": 0, "memory": store_memory}
+    ).bind(config.reference_store_bytes, config.references_uri, config.s3_options())
     memory = replica_memory_bytes(config, on_gpu=gpus > 0)
     # The replicas' render services fit batches into the memory they ask Ray for, as a job's workers do.
     config = config.model_copy(update={"memory_per_replica": memory})
