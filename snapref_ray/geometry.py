@@ -25,3 +25,9 @@ def token_count(*, height: int, width: int) -> int:
     """Tokens of one image: token rows x token columns."""
     rows, cols = token_grid(height=height, width=width)
     return rows * cols
+
+
+def square_side(megapixels: float) -> int:
+    """The side of the largest square of at most `megapixels` whose side is a multiple of PIXELS_PER_TOKEN (at least
+    one token): the image size a memory estimate takes for an area budget."""
+    return max(PIXELS_PER_TOKEN, int((megapixels * 1e6) ** 0.5) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN)

@@ -249,9 +249,10 @@ def _worker_memory(spec: EvalSpec, *, on_gpu: bool) -> int:
     (render_service/memory_estimate.py): `cluster.memory_per_worker`, else the estimate for a square target of
     `target_megapixels` (a target is never larger). One σ's noise seeds run as one forward of a row each, and the
     estimate's image holds three rows, so a forward of N seeds counts as N/3 images."""
+    from snapref_ray.geometry import square_side
     from snapref_ray.render_service.memory_estimate import memory_request
 
-    side = max(16, int((spec.target_megapixels * 1e6) ** 0.5) // 16 * 16)
+    side = square_side(spec.target_megapixels)
     batch = -(-len(spec.noise_seeds) // 3)
     return memory_request(
         spec.model, override=spec.cluster.memory_per_worker, width=side, height=side, batch=batch, on_gpu=on_gpu

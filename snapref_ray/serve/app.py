@@ -29,7 +29,7 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
 from snapref_ray import ray_console
-from snapref_ray.geometry import PIXELS_PER_TOKEN
+from snapref_ray.geometry import square_side
 from snapref_ray.local_ray import start_local_ray
 from snapref_ray.serve.config import ServeConfig, is_loopback
 from snapref_ray.serve.direct_ingress import direct_ingress_env, environment, haproxy_binary
@@ -123,9 +123,7 @@ def replica_memory_bytes(config: ServeConfig, *, on_gpu: bool) -> int:
     `memory_request`); 0 where the files cannot be read here."""
     from snapref_ray.render_service.memory_estimate import memory_request
 
-    side = min(
-        config.limits.max_side, int((config.limits.max_megapixels * 1e6) ** 0.5) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
-    )
+    side = min(config.limits.max_side, square_side(config.limits.max_megapixels))
     try:
         memory, _ = memory_request(
             config.model,
